@@ -1,0 +1,52 @@
+"""One handler per error family: every error body is {"error": <type>, "detail": <what to fix>}."""
+
+from __future__ import annotations
+
+import logging
+
+import redis
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from kombu.exceptions import OperationalError
+
+from shared.errors import ActqError
+
+log = logging.getLogger("actq.api")
+
+
+def _body(error: str, detail: str, **extra: object) -> dict:
+    return {"error": error, "detail": detail, **extra}
+
+
+def _where(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) or "body"
+
+
+async def actq_error(_: Request, exc: ActqError) -> JSONResponse:
+    return JSONResponse(_body(exc.error_type, exc.message), status_code=exc.status_code)
+
+
+async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return JSONResponse(_body("invalid_json", "the request body is not valid JSON"), status_code=400)
+    messages = [f"{_where(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors]
+    details = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg"), "type": e.get("type")} for e in errors]
+    return JSONResponse(_body("invalid_request", "; ".join(messages), errors=details), status_code=422)
+
+
+async def unavailable(_: Request, exc: Exception) -> JSONResponse:
+    log.warning("backend unavailable: %s", exc)
+    return JSONResponse(
+        _body("service_unavailable", "Redis (the job store and broker) cannot be reached; try again shortly"),
+        status_code=503,
+    )
+
+
+def install(app: FastAPI) -> None:
+    app.add_exception_handler(ActqError, actq_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(redis.RedisError, unavailable)
+    app.add_exception_handler(OperationalError, unavailable)

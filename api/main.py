@@ -1,0 +1,27 @@
+"""`uvicorn api.main:app`: the app factory and the app it builds from the environment's settings."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from api import errors
+from api.deps import build_services
+from api.routes import health, jobs, models
+from shared.settings import Settings, get_settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    app = FastAPI(
+        title="actq",
+        summary="Chat completions with per-token activation capture, queued for one-model workers.",
+        version="0.1.0",
+    )
+    app.state.services = build_services(settings or get_settings())
+    errors.install(app)
+    app.include_router(jobs.router)
+    app.include_router(models.router)
+    app.include_router(health.router)
+    return app
+
+
+app = create_app()

@@ -1,0 +1,69 @@
+"""Jobs: submit, read, download."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+from fastapi import APIRouter, Header, Request, Response
+from fastapi.responses import FileResponse
+
+from api.deps import ServicesDep
+from api.submit import submit
+from shared.errors import JobNotFound, NotReady
+from shared.schemas import JobRecord, JobRequest, JobStatus, JobView
+
+router = APIRouter(prefix="/jobs", tags=["jobs"])
+_UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
+ERRORS = {404: {"description": "No such job"}}
+
+
+def load(services, job_id: str) -> JobRecord:
+    """Job ids are uuid4s; anything else is unknown without touching Redis or the disk."""
+    record = services.jobs.get(job_id) if _UUID.fullmatch(job_id) else None
+    if record is None:
+        raise JobNotFound(f"no job with id {job_id!r}")
+    return record
+
+
+def view(record: JobRecord, request: Request) -> JobView:
+    data = record.model_dump(include=set(JobView.model_fields))
+    if record.activations is not None:
+        data["activations"]["download_url"] = str(request.url_for("download_activations", job_id=record.id))
+    return JobView.model_validate(data)
+
+
+@router.post("", status_code=202, response_model=JobView, responses={404: {"description": "Unknown model"}, 422: {}, 503: {}})
+def create_job(
+    body: JobRequest,
+    services: ServicesDep,
+    request: Request,
+    response: Response,
+    idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+) -> JobView:
+    """Queue a chat completion with activation capture."""
+    record, created = submit(services, body, idempotency_key)
+    response.headers["Location"] = str(request.url_for("get_job", job_id=record.id))
+    if not created:
+        response.status_code = 200
+    return view(record, request)
+
+
+@router.get("/{job_id}", response_model=JobView, responses=ERRORS)
+def get_job(job_id: str, services: ServicesDep, request: Request) -> JobView:
+    """A job's status, and its result and activations manifest once it has succeeded."""
+    return view(load(services, job_id), request)
+
+
+@router.get("/{job_id}/activations", response_class=FileResponse, responses={**ERRORS, 409: {"description": "Not ready"}})
+def download_activations(job_id: str, services: ServicesDep) -> FileResponse:
+    """The job's safetensors file, streamed."""
+    record = load(services, job_id)
+    if record.status is not JobStatus.succeeded:
+        raise NotReady(f"job {job_id} is {record.status.value}; activations exist once it has succeeded")
+    if record.activations is None:
+        raise JobNotFound(f"job {job_id} captured no activations (its request had no capture spec)")
+    path = services.store.local_path(record.activations.key)
+    if path is None or not path.is_file():
+        raise JobNotFound(f"the activations of job {job_id} are no longer in the store")
+    return FileResponse(path, media_type="application/octet-stream", filename=f"{job_id}.safetensors")

@@ -1,0 +1,34 @@
+"""Models that workers serve."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from api.deps import ServicesDep
+from shared.schemas import ModelView
+
+router = APIRouter(tags=["models"])
+
+
+@router.get("/models", response_model=list[ModelView])
+def list_models(services: ServicesDep, include_offline: bool = False) -> list[ModelView]:
+    """Models with live workers (all known models with include_offline=true), modules in forward order."""
+    views = []
+    for name in services.registry.names():
+        info = services.registry.get(name)
+        live = len(services.registry.live_workers(name))
+        if info is None or (live == 0 and not include_offline):
+            continue
+        views.append(
+            ModelView(
+                name=info.name,
+                live_workers=live,
+                architecture=info.architecture,
+                num_layers=info.num_layers,
+                hidden_size=info.hidden_size,
+                max_context=info.max_context,
+                dtype=info.dtype,
+                modules=[m.path for m in info.modules],
+            )
+        )
+    return views

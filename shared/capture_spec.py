@@ -1,0 +1,138 @@
+"""The capture-path grammar, its resolution against a model's module list, and the size estimate.
+
+A pattern is dotted segments::
+
+    pattern  := segment ("." segment)*
+    segment  := name | index | "*" | "{" index ("," index)* "}"
+    name     := [A-Za-z][A-Za-z0-9_]*        (no leading underscore: no dunders, no privates)
+    index    := [0-9]+
+
+`*` matches any one numeric segment ("every layer"); `{8,12,16}` is a list of indices.
+Patterns are only ever compared with the published module paths: nothing is evaluated and
+no attribute is looked up by a request's string.
+"""
+
+from __future__ import annotations
+
+import difflib
+import itertools
+import re
+
+from shared.errors import CaptureSpecError, CaptureTooLarge
+from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo, ModuleInfo
+
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+_INDEX = re.compile(r"[0-9]{1,6}")
+_SET = re.compile(r"\{([0-9]{1,6}(?:,[0-9]{1,6})*)\}")
+WILDCARD = "*"
+MAX_EXPANSION = 4096
+
+DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+# Chat-template framing per message, in tokens; generous so the estimate stays an upper bound.
+TEMPLATE_TOKENS_PER_MESSAGE = 16
+
+
+def parse(pattern: str) -> list[list[str]]:
+    """Expand `{a,b}` sets: one list of segments per concrete pattern (`*` kept as is)."""
+    choices: list[list[str]] = []
+    for segment in pattern.split("."):
+        if _NAME.fullmatch(segment) or _INDEX.fullmatch(segment) or segment == WILDCARD:
+            choices.append([segment])
+        elif match := _SET.fullmatch(segment):
+            choices.append(list(dict.fromkeys(str(int(i)) for i in match.group(1).split(","))))
+        else:
+            raise CaptureSpecError(
+                f"capture path {pattern!r}: segment {segment!r} is not a name, an index, '*' or "
+                "an index list like {8,12,16}"
+            )
+    count = 1
+    for options in choices:
+        count *= len(options)
+    if count > MAX_EXPANSION:
+        raise CaptureSpecError(f"capture path {pattern!r} expands to {count} paths (at most {MAX_EXPANSION})")
+    return [list(combo) for combo in itertools.product(*choices)]
+
+
+def _matches(segments: list[str], path: list[str]) -> bool:
+    if len(segments) != len(path):
+        return False
+    return all(s == p or (s == WILDCARD and p.isdigit()) for s, p in zip(segments, path))
+
+
+def _closest(concrete: str, paths: list[str]) -> str:
+    probe = concrete.replace(WILDCARD, "0")
+    near = difflib.get_close_matches(probe, paths, n=3, cutoff=0.5)
+    return f"; closest valid names: {', '.join(near)}" if near else ""
+
+
+def resolve(spec: CaptureSpec, model: ModelInfo) -> list[CapturePoint]:
+    """The capture points a spec names, in forward-execution order, each checked for the hook."""
+    modules: list[ModuleInfo] = model.modules
+    paths = [m.path for m in modules]
+    split_paths = [p.split(".") for p in paths]
+    selected: set[str] = set()
+    for pattern in spec.modules:
+        for segments in parse(pattern):
+            hits = [p for p, parts in zip(paths, split_paths) if _matches(segments, parts)]
+            if not hits:
+                concrete = ".".join(segments)
+                raise CaptureSpecError(
+                    f"capture path {concrete!r} names no module of model {model.name!r}{_closest(concrete, paths)}"
+                )
+            selected.update(hits)
+
+    points: list[CapturePoint] = []
+    for info in modules:
+        if info.path not in selected:
+            continue
+        dim = info.output_dim if spec.hook == "output" else info.input_dim
+        if dim is None:
+            raise CaptureSpecError(
+                f"module {info.path!r} has no capturable {spec.hook} (it is not one [batch, position, hidden] tensor)"
+            )
+        if not info.all_positions and spec.positions in ("all", "prompt"):
+            raise CaptureSpecError(
+                f"module {info.path!r} only computes the last position of each step; "
+                "capture it with positions 'generated' or 'last'"
+            )
+        name = info.path if spec.hook == "output" else f"{info.path}:input"
+        points.append(CapturePoint(name=name, module=info.path, hook=spec.hook))
+    return points
+
+
+def prompt_tokens_upper_bound(request: JobRequest) -> int:
+    """An upper bound on prompt tokens without a tokenizer: a byte-level BPE token covers >= 1 byte."""
+    return sum(len(m.content.encode()) + TEMPLATE_TOKENS_PER_MESSAGE for m in request.messages) + 8
+
+
+def rows_for(positions: str, prompt_tokens: int, new_tokens: int) -> int:
+    """Rows in each `[T, H]` tensor for a positions choice (see README "Positions")."""
+    if positions == "all":
+        return prompt_tokens + new_tokens - 1
+    if positions == "prompt":
+        return prompt_tokens
+    if positions == "generated":
+        return new_tokens
+    return 1  # last
+
+
+def estimate_bytes(request: JobRequest, points: list[CapturePoint], model: ModelInfo, max_tokens: int) -> int:
+    """Worst-case bytes of a job's capture: positions x hidden x capture points x dtype bytes."""
+    if request.capture is None:
+        return 0
+    by_path = {m.path: m for m in model.modules}
+    rows = rows_for(request.capture.positions, prompt_tokens_upper_bound(request), max_tokens)
+    width = 0
+    for point in points:
+        info = by_path[point.module]
+        width += (info.output_dim if point.hook == "output" else info.input_dim) or 0
+    return rows * width * DTYPE_BYTES[request.capture.dtype]
+
+
+def check_budget(estimate: int, budget: int) -> None:
+    if estimate > budget:
+        raise CaptureTooLarge(
+            f"estimated capture size {estimate:,} bytes exceeds the budget of {budget:,} bytes "
+            "(ACTQ_CAPTURE_BUDGET_BYTES); capture fewer modules, fewer positions, a 2-byte dtype "
+            "or fewer max_tokens"
+        )

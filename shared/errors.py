@@ -1,0 +1,79 @@
+"""One error hierarchy for the whole project.
+
+    ActqError                  (500)  base: message + status code
+    ├── BadRequest             (422)  the request cannot be run as given
+    │   ├── CaptureSpecError   (422)  a capture path, hook or position is invalid
+    │   └── CaptureTooLarge    (422)  the estimated capture exceeds the budget
+    ├── UnknownModel           (404)  no worker has ever served this model
+    ├── JobNotFound            (404)
+    ├── NotReady               (409)  e.g. activations of a job that has not succeeded
+    ├── ServiceUnavailable     (503)  Redis (or the broker) cannot be reached
+    └── JobFailure                    raised inside the worker; stored on the job as {type, message}
+        ├── ContextLengthExceeded
+        ├── StorageError
+        └── JobTimeout
+
+The API renders every ActqError as `{"error": <ClassName>, "detail": <message>}`.
+"""
+
+from __future__ import annotations
+
+
+class ActqError(Exception):
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class BadRequest(ActqError):
+    status_code = 422
+    error_type = "invalid_request"
+
+
+class CaptureSpecError(BadRequest):
+    error_type = "invalid_capture"
+
+
+class CaptureTooLarge(BadRequest):
+    error_type = "capture_too_large"
+
+
+class UnknownModel(ActqError):
+    status_code = 404
+    error_type = "unknown_model"
+
+
+class JobNotFound(ActqError):
+    status_code = 404
+    error_type = "job_not_found"
+
+
+class NotReady(ActqError):
+    status_code = 409
+    error_type = "not_ready"
+
+
+class ServiceUnavailable(ActqError):
+    status_code = 503
+    error_type = "service_unavailable"
+
+
+class JobFailure(ActqError):
+    """A job ended in failure; `error_type` becomes the job's `error.type`."""
+
+    error_type = "job_failed"
+
+
+class ContextLengthExceeded(JobFailure):
+    error_type = "context_length_exceeded"
+
+
+class StorageError(JobFailure):
+    error_type = "storage_error"
+
+
+class JobTimeout(JobFailure):
+    error_type = "timeout"

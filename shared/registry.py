@@ -1,0 +1,44 @@
+"""The model registry: what each served model looks like, and which workers are live for it."""
+
+from __future__ import annotations
+
+import time
+
+import redis
+
+from shared import keys
+from shared.schemas import ModelInfo
+
+
+class ModelRegistry:
+    """Descriptions are kept (a model stays known while no worker runs: its jobs wait queued);
+    liveness comes from heartbeats scored in a sorted set per model."""
+
+    def __init__(self, client: redis.Redis, heartbeat_ttl: float) -> None:
+        self.redis = client
+        self.ttl = heartbeat_ttl
+
+    def publish(self, info: ModelInfo) -> None:
+        with self.redis.pipeline() as pipe:
+            pipe.set(keys.model(info.name), info.model_dump_json())
+            pipe.sadd(keys.MODELS, info.name)
+            pipe.execute()
+
+    def heartbeat(self, name: str, worker_id: str) -> None:
+        self.redis.zadd(keys.workers(name), {worker_id: time.time()})
+
+    def remove_worker(self, name: str, worker_id: str) -> None:
+        self.redis.zrem(keys.workers(name), worker_id)
+
+    def get(self, name: str) -> ModelInfo | None:
+        raw = self.redis.get(keys.model(name))
+        return None if raw is None else ModelInfo.model_validate_json(raw)
+
+    def names(self) -> list[str]:
+        return sorted(n.decode() if isinstance(n, bytes) else n for n in self.redis.smembers(keys.MODELS))
+
+    def live_workers(self, name: str) -> list[str]:
+        cutoff = time.time() - self.ttl
+        self.redis.zremrangebyscore(keys.workers(name), "-inf", cutoff)
+        members = self.redis.zrangebyscore(keys.workers(name), cutoff, "+inf")
+        return [m.decode() if isinstance(m, bytes) else m for m in members]

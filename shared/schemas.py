@@ -1,0 +1,192 @@
+"""Request and response shapes shared by the API and the worker (pydantic, JSON only)."""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime
+from enum import Enum
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+CaptureDtype = Literal["float32", "float16", "bfloat16"]
+Positions = Literal["all", "prompt", "generated", "last"]
+Hook = Literal["output", "input"]
+
+MAX_CAPTURE_PATTERNS = 256
+MAX_MESSAGES = 512
+MAX_MESSAGE_CHARS = 1_000_000
+MAX_STOP_STRINGS = 8
+
+
+class Strict(BaseModel):
+    """Unknown fields are an error: a typo must not be silently ignored."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class ChatMessage(Strict):
+    role: Literal["system", "user", "assistant"]
+    content: Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)]
+
+
+class CaptureSpec(Strict):
+    """Which activations to keep. See README "Capture" for the path grammar and positions."""
+
+    modules: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(min_length=1, max_length=MAX_CAPTURE_PATTERNS)]
+    hook: Hook = "output"
+    positions: Positions = "all"
+    dtype: CaptureDtype = "float32"
+
+
+class JobRequest(Strict):
+    """`POST /jobs`: an OpenAI-style chat request plus an optional capture spec."""
+
+    model: Annotated[str, Field(min_length=1, max_length=200)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=MAX_STOP_STRINGS)] = []
+    capture: CaptureSpec | None = None
+
+    @field_validator("temperature", "top_p")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError("must be a finite number")
+        return value
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, value: object) -> object:
+        return [value] if isinstance(value, str) else value  # OpenAI allows a single string
+
+
+class CapturePoint(Strict):
+    """One resolved capture point: a module path in the model's list, and which side of it."""
+
+    name: str  # tensor name in the file: the module path, or "<path>:input"
+    module: str
+    hook: Hook
+
+
+class JobStatus(str, Enum):
+    queued = "queued"  # recorded and sent to the model's queue
+    running = "running"  # a worker took it (attempts counts deliveries)
+    succeeded = "succeeded"  # result and activations are stored; final
+    failed = "failed"  # error holds {type, message}; final
+    cancelled = "cancelled"  # final
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+
+class Usage(Strict):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class JobResult(Strict):
+    text: str
+    finish_reason: Literal["stop", "length"]
+    usage: Usage
+
+
+class TensorInfo(Strict):
+    name: str
+    module: str
+    hook: Hook
+    shape: list[int]
+    dtype: str
+    positions: Positions
+    start: int  # index into token_ids of the first row
+    stop: int  # one past the last row's index into token_ids
+    bytes: int
+
+
+class ActivationsManifest(Strict):
+    uri: str
+    key: str
+    sha256: str
+    bytes: int
+    tensors: list[TensorInfo]
+    download_url: str | None = None  # filled in by the API when it renders a job
+
+
+class JobError(Strict):
+    type: str
+    message: str
+
+
+class JobRecord(Strict):
+    """What Redis keeps for a job. The task message carries only `id`."""
+
+    id: str
+    status: JobStatus
+    model: str
+    request: JobRequest
+    capture_points: list[CapturePoint] = []
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+    attempts: int = 0
+    worker: str | None = None
+    result: JobResult | None = None
+    activations: ActivationsManifest | None = None
+    error: JobError | None = None
+
+
+class JobView(Strict):
+    """`GET /jobs/{id}`."""
+
+    id: str
+    status: JobStatus
+    model: str
+    created_at: datetime
+    started_at: datetime | None
+    finished_at: datetime | None
+    attempts: int
+    result: JobResult | None
+    activations: ActivationsManifest | None
+    error: JobError | None
+
+
+class ModuleInfo(Strict):
+    """A capturable module, as the worker found it in a dry run."""
+
+    path: str
+    output_dim: int | None  # last dim of the output tensor, None when not capturable
+    input_dim: int | None  # last dim of the first input tensor, None when not capturable
+    all_positions: bool  # False when the module only sees the last position (lm_head in generate)
+
+
+class ModelInfo(Strict):
+    """What a worker publishes about its model; the API validates capture specs against it."""
+
+    name: str
+    source: str
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    vocab_size: int
+    max_context: int
+    dtype: str
+    device: str
+    modules: list[ModuleInfo]  # forward-execution order
+
+
+class ModelView(Strict):
+    """`GET /models` entry."""
+
+    name: str
+    live_workers: int
+    architecture: str
+    num_layers: int
+    hidden_size: int
+    max_context: int
+    dtype: str
+    modules: list[str]  # forward-execution order

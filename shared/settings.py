@@ -1,0 +1,83 @@
+"""The one settings object. Every `ACTQ_*` environment variable is read here and nowhere else."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+DEFAULT_DATA_DIR = Path.home() / ".local" / "share" / "actq"
+DEFAULT_CACHE_DIR = Path.home() / ".cache" / "actq"
+
+
+class Settings(BaseSettings):
+    """actq settings, read from `ACTQ_*` environment variables (and a `.env` file)."""
+
+    model_config = SettingsConfigDict(env_prefix="ACTQ_", env_file=".env", extra="ignore")
+
+    redis_url: str = Field(
+        "redis://127.0.0.1:6379/0",
+        description="Broker, job store and model registry. `actq run` starts an embedded Redis when unset.",
+    )
+    model: str = Field(
+        "smollm2-135m",
+        description="What the worker serves: `smollm2-135m` (built in), a Hugging Face id or a local path.",
+    )
+    model_name: str | None = Field(
+        None, description="Name clients use for the worker's model; defaults to ACTQ_MODEL (a path's folder name)."
+    )
+    model_cache_dir: Path = Field(
+        DEFAULT_CACHE_DIR / "models", description="Where converted models (the built-in one) are kept."
+    )
+    storage_url: str = Field(
+        DEFAULT_DATA_DIR.as_uri(), description="Where activations go: `file:///abs/dir`."
+    )
+    device: str = Field("auto", description="`auto` (cuda when available, else cpu), `cpu`, `cuda`, `cuda:1`...")
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Model weights dtype: `auto` is bfloat16 on cuda, float32 on cpu."
+    )
+    torch_threads: int | None = Field(None, ge=1, description="torch CPU threads in the worker (default: torch's).")
+    max_tokens_limit: int = Field(1024, ge=1, description="Largest `max_tokens` a request may ask for.")
+    default_max_tokens: int = Field(256, ge=1, description="`max_tokens` when a request gives none.")
+    capture_budget_bytes: int = Field(
+        1 << 30, ge=1, description="Largest estimated capture (bytes) a job may request."
+    )
+    job_soft_time_limit: float = Field(1800, gt=0, description="Seconds before a running job is failed as a timeout.")
+    job_time_limit: float = Field(1860, gt=0, description="Seconds before Celery kills the worker child (hard limit).")
+    visibility_timeout: int = Field(
+        7200, gt=0, description="Redis broker redelivery timeout for unacknowledged jobs; must exceed the hard limit."
+    )
+    max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it is failed as `worker_lost`.")
+    job_retention_seconds: int = Field(7 * 24 * 3600, gt=0, description="How long job records are kept.")
+    heartbeat_interval: float = Field(5.0, gt=0, description="Seconds between worker heartbeats.")
+    heartbeat_ttl: float = Field(20.0, gt=0, description="A worker with no heartbeat for this long is not live.")
+    worker_start_timeout: float = Field(
+        300.0, gt=0, description="Seconds the worker's child may take to load the model (Celery's proc alive timeout)."
+    )
+
+    @model_validator(mode="after")
+    def _limits_are_consistent(self) -> Settings:
+        if self.job_soft_time_limit >= self.job_time_limit:
+            raise ValueError("ACTQ_JOB_SOFT_TIME_LIMIT must be below ACTQ_JOB_TIME_LIMIT")
+        if self.heartbeat_ttl <= self.heartbeat_interval:
+            raise ValueError("ACTQ_HEARTBEAT_TTL must exceed ACTQ_HEARTBEAT_INTERVAL")
+        if self.default_max_tokens > self.max_tokens_limit:
+            raise ValueError("ACTQ_DEFAULT_MAX_TOKENS must not exceed ACTQ_MAX_TOKENS_LIMIT")
+        return self
+
+    @property
+    def served_model_name(self) -> str:
+        """The name requests use for this worker's model."""
+        if self.model_name:
+            return self.model_name
+        path = Path(self.model).expanduser()
+        return path.name if path.is_dir() else self.model
+
+
+@lru_cache
+def get_settings() -> Settings:
+    """The process's settings, read once."""
+    return Settings()

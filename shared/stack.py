@@ -1,0 +1,74 @@
+"""Starting actq's processes on one machine (the worker and the API as child processes), waiting
+until they serve, and stopping them so that nothing is left behind. Used by `actq run`, the tests
+and the benchmarks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import httpx
+
+from shared.redis_server import free_port
+
+
+def _spawn(cmd: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen:
+    handle = open(log, "ab")
+    try:
+        # A new session: stopping the group also stops the worker's pool child.
+        return subprocess.Popen(cmd, env={**os.environ, **env}, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True)
+    finally:
+        handle.close()
+
+
+def start_worker(env: Mapping[str, str], log: Path, name: str = "actq") -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "celery", "-A", "worker.celery_app", "worker", "--loglevel=INFO", "-E",
+           "-n", f"{name}-{os.getpid()}-{free_port()}@%h", "--without-mingle", "--without-gossip"]  # fmt: skip
+    return _spawn(cmd, env, log)
+
+
+def start_api(env: Mapping[str, str], log: Path, port: int) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    return _spawn(cmd, env, log)
+
+
+def stop(process: subprocess.Popen | None, timeout: float = 20.0) -> None:
+    """SIGTERM the process group (Celery's warm shutdown), then SIGKILL whatever remains."""
+    if process is None:
+        return
+    try:
+        os.killpg(process.pid, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def wait_ready(base_url: str, model: str, processes: list[subprocess.Popen], timeout: float, logs: list[Path]) -> None:
+    """Until GET /health lists a live worker for `model`; fail fast when a process dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for process, log in zip(processes, logs):
+            if process.poll() is not None:
+                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                raise RuntimeError(f"{' '.join(process.args[:4])} exited with {process.returncode}:\n{tail}")
+        try:
+            health = httpx.get(f"{base_url}/health", timeout=2).json()
+            if health.get("workers", {}).get(model, 0) > 0:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"no live worker for {model!r} after {timeout:.0f}s; see {', '.join(map(str, logs))}")

@@ -1,0 +1,123 @@
+"""Artifact stores. One URL setting picks the implementation; keys are built by actq, never by a request.
+
+Layout: `jobs/<job_id>/activations.safetensors` and `jobs/<job_id>/manifest.json`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from abc import ABC, abstractmethod
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from shared.errors import StorageError
+
+_KEY = re.compile(r"[A-Za-z0-9_-]+(/[A-Za-z0-9_.-]+)*")
+
+
+def activations_key(job_id: str) -> str:
+    return f"jobs/{job_id}/activations.safetensors"
+
+
+def manifest_key(job_id: str) -> str:
+    return f"jobs/{job_id}/manifest.json"
+
+
+def check_key(key: str) -> str:
+    """Keys are relative, slash-separated, with no empty, '.' or '..' parts."""
+    if not _KEY.fullmatch(key) or any(part in (".", "..") or part.startswith(".") for part in key.split("/")):
+        raise ValueError(f"invalid storage key {key!r}")
+    return key
+
+
+class ArtifactStore(ABC):
+    @abstractmethod
+    def put_file(self, key: str, src: Path) -> str:
+        """Store a finished local file under `key` (consuming it); returns the object's URI.
+        The object appears whole or not at all."""
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> str: ...
+
+    @abstractmethod
+    def local_path(self, key: str) -> Path | None:
+        """A path the API can stream from, or None when the store is remote."""
+
+    @abstractmethod
+    def scratch_dir(self) -> Path:
+        """Where the worker writes a file before `put_file` (same filesystem when local)."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None: ...
+
+
+class LocalStore(ArtifactStore):
+    """A directory. Writes are atomic: temp file in the same filesystem, fsync, rename, fsync dir."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root.resolve()
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / check_key(key)).resolve()
+        if not path.is_relative_to(self.root):
+            raise ValueError(f"invalid storage key {key!r}")
+        return path
+
+    def scratch_dir(self) -> Path:
+        scratch = self.root / ".tmp"
+        try:
+            scratch.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageError(f"cannot create {scratch}: {exc.strerror}") from exc
+        return scratch
+
+    def put_file(self, key: str, src: Path) -> str:
+        dest = self._path(key)
+        try:
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            with open(src, "rb") as handle:
+                os.fsync(handle.fileno())
+            os.replace(src, dest)
+            _fsync_dir(dest.parent)
+        except OSError as exc:
+            raise StorageError(f"cannot store {key} in {self.root}: {exc.strerror or exc}") from exc
+        return dest.as_uri()
+
+    def put_bytes(self, key: str, data: bytes) -> str:
+        fd, tmp = tempfile.mkstemp(dir=self.scratch_dir())
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+        except OSError as exc:
+            Path(tmp).unlink(missing_ok=True)
+            raise StorageError(f"cannot write {key}: {exc.strerror or exc}") from exc
+        return self.put_file(key, Path(tmp))
+
+    def local_path(self, key: str) -> Path | None:
+        return self._path(key)
+
+    def delete_prefix(self, prefix: str) -> None:
+        base = self._path(prefix)
+        if base.is_dir():
+            for child in sorted(base.rglob("*"), reverse=True):
+                child.rmdir() if child.is_dir() else child.unlink()
+            base.rmdir()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def open_store(url: str) -> ArtifactStore:
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"ACTQ_STORAGE_URL {url!r}: file URLs must be local (file:///abs/dir)")
+        return LocalStore(Path(unquote(parsed.path)))
+    raise ValueError(f"ACTQ_STORAGE_URL {url!r}: unsupported scheme {parsed.scheme!r} (use file:///abs/dir)")

@@ -1,0 +1,73 @@
+"""Writing a job's activations: one safetensors file and a manifest.json beside it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tempfile
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from shared.schemas import ActivationsManifest, TensorInfo
+from shared.storage import ArtifactStore, StorageError, activations_key, manifest_key
+from worker.engine import Generation
+
+FORMAT = "actq/1"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def write_activations(
+    store: ArtifactStore, job_id: str, model: str, positions: str, generation: Generation
+) -> ActivationsManifest:
+    """Write the file, then the manifest; both are whole before this returns (the job is marked
+    succeeded only afterwards). A re-run of the same job overwrites the same keys."""
+    tensors = {c.point.name: c.tensor for c in generation.captured}
+    tensors["token_ids"] = generation.token_ids.contiguous()
+    metadata = {
+        "format": FORMAT,
+        "job_id": job_id,
+        "model": model,
+        "prompt_tokens": str(generation.prompt_tokens),
+        "completion_tokens": str(generation.completion_tokens),
+        "positions": positions,
+    }
+    try:
+        handle = tempfile.NamedTemporaryFile(dir=store.scratch_dir(), suffix=".safetensors", delete=False)
+        handle.close()
+        tmp = Path(handle.name)
+        save_file(tensors, str(tmp), metadata=metadata)
+    except OSError as exc:
+        raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
+    try:
+        size = tmp.stat().st_size
+        sha = _sha256(tmp)
+        key = activations_key(job_id)
+        uri = store.put_file(key, tmp)
+    finally:
+        tmp.unlink(missing_ok=True)
+    infos = [
+        TensorInfo(
+            name=c.point.name,
+            module=c.point.module,
+            hook=c.point.hook,
+            shape=list(c.tensor.shape),
+            dtype=str(c.tensor.dtype).removeprefix("torch."),
+            positions=positions,
+            start=c.start,
+            stop=c.stop,
+            bytes=c.tensor.numel() * c.tensor.element_size(),
+        )
+        for c in generation.captured
+    ]
+    manifest = ActivationsManifest(uri=uri, key=key, sha256=sha, bytes=size, tensors=infos)
+    document = {"job_id": job_id, "model": model, "metadata": metadata, **manifest.model_dump(exclude_none=True)}
+    store.put_bytes(manifest_key(job_id), json.dumps(document, indent=2).encode())
+    return manifest

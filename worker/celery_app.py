@@ -1,0 +1,59 @@
+"""The worker's Celery app: `celery -A worker.celery_app worker`.
+
+Pool: prefork with concurrency 1. The child loads the model once (worker_process_init) and runs
+one job at a time; the parent stays free to answer control commands (`inspect ping`), send
+heartbeats and events while a job runs, which the solo pool cannot do. Nothing here computes
+with torch in the parent: a torch op before the fork can hang the child's first generate.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+
+from celery.signals import worker_process_init, worker_process_shutdown
+
+from shared import keys
+from shared.queueing import check_timeouts, make_celery
+from shared.settings import get_settings
+
+settings = get_settings()
+check_timeouts(settings)
+app = make_celery(settings)
+app.conf.update(
+    worker_pool="prefork",
+    worker_concurrency=1,
+    worker_proc_alive_timeout=settings.worker_start_timeout,
+    worker_max_tasks_per_child=None,
+)
+
+
+@app.task(name=keys.TASK_NAME, ignore_result=True)
+def run_job(job_id: str) -> None:
+    from worker.tasks import run_job as run
+
+    run(job_id)
+
+
+@worker_process_init.connect
+def _load_model(**_: object) -> None:
+    from worker import runtime
+
+    log = logging.getLogger("actq.worker")
+    log.info("loading model %s", settings.model)
+    try:
+        runtime.start(settings)
+    except Exception:  # noqa: BLE001 - a worker without its model must not take jobs
+        # Celery only logs a signal handler's exception and would go on consuming with no model;
+        # stop the whole worker instead (warm shutdown of the parent), with the reason in the log.
+        log.critical("cannot serve model %s; stopping the worker", settings.model, exc_info=True)
+        os.kill(os.getppid(), signal.SIGTERM)
+        os._exit(1)
+
+
+@worker_process_shutdown.connect
+def _unpublish(**_: object) -> None:
+    from worker import runtime
+
+    runtime.stop()

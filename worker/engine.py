@@ -1,0 +1,234 @@
+"""The capture engine: chat template -> nnsight generate -> per-step tensors on the CPU -> [T, H].
+
+It knows nothing of Celery or Redis and can be driven directly (tests, benchmarks).
+
+Positions. A generation of N new tokens from a P-token prompt runs N forward steps over the
+P + N - 1 tokens fed to the model (the last new token is never fed back). Row i of an `all`
+tensor is the activation at fed position i, i.e. while reading token_ids[i] and predicting
+token_ids[i + 1]. Each tensor records `start`/`stop`, the token_ids indices of its first row
+and one past its last:
+  all       [0, P + N - 1)    every fed token
+  prompt    [0, P)            the prompt tokens
+  generated [P - 1, P + N - 1) one row per new token: row j is where completion token j was predicted
+  last      [P + N - 2, P + N - 1)  the last fed position
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+from shared.errors import ContextLengthExceeded, JobFailure
+from shared.schemas import CapturePoint, JobRequest, ModelInfo, ModuleInfo
+from worker.models import LoadedModel
+
+TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class CapturedTensor:
+    point: CapturePoint
+    tensor: torch.Tensor  # [T, H] on the CPU, contiguous
+    start: int
+    stop: int
+
+
+@dataclass
+class Generation:
+    text: str
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    token_ids: torch.Tensor  # int64 [P + N]
+    captured: list[CapturedTensor] = field(default_factory=list)
+
+
+def _first_tensor(value: object) -> torch.Tensor | None:
+    """A module's value if it is one tensor, or a tuple whose only tensor comes first."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        if not any(isinstance(v, torch.Tensor) for v in value[1:]):
+            return value[0]
+    return None
+
+
+def _per_step(view, attr: str) -> list:
+    """One value per forward step. nnsight unwraps a single visit to the bare value; undo that."""
+    values = getattr(view, attr)
+    return [values] if len(view) == 1 else list(values)
+
+
+def _row_dim(value: object, seq: int) -> tuple[int | None, bool]:
+    """(last dim, covers every position) for a [1, S, H] value, (None, False) otherwise."""
+    tensor = _first_tensor(value)
+    if tensor is None or tensor.dim() != 3 or tensor.shape[0] != 1 or not tensor.is_floating_point():
+        return None, False
+    if tensor.shape[1] == seq:
+        return int(tensor.shape[2]), True
+    if tensor.shape[1] == 1:
+        return int(tensor.shape[2]), False
+    return None, False
+
+
+class CaptureEngine:
+    """Wraps the loaded model once with nnsight (same weights, no second copy) and runs one
+    generate at a time: nnsight is not thread-safe, so every run holds `lock`."""
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        from nnsight import TransformersModel
+
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.hf = loaded.model
+        self.nn = TransformersModel(self.hf, task="text-generation", tokenizer=self.tokenizer)
+        self.lock = threading.Lock()
+        self.info = self._describe()
+        self._module_paths = {m.path for m in self.info.modules}
+
+    # -- describing the model ------------------------------------------------------------
+
+    def _describe(self) -> ModelInfo:
+        """A one-token generate over a 3-token input with every module cached: gives the modules
+        in forward-execution order, their widths, and which see every position."""
+        ids = torch.tensor([[1, 2, 3]], device=self.loaded.device) % self.hf.config.vocab_size
+        prompt = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        with self.lock, self.nn.generate(prompt, max_new_tokens=1, do_sample=False, **self._pad()) as tracer:
+            cache = tracer.cache(include_inputs=True)
+        root = self.nn.path + "."
+        modules: list[ModuleInfo] = []
+        for key in cache.keys():
+            if not key.startswith(root) or ".generator" in key:
+                continue
+            entry = cache[key]
+            out_dim, out_all = _row_dim(_per_step(entry, "output")[0], ids.shape[1])
+            in_dim, in_all = _row_dim(_per_step(entry, "input")[0], ids.shape[1])
+            if out_dim is None and in_dim is None:
+                continue
+            all_positions = out_all if out_dim is not None else in_all
+            if out_dim is not None and in_dim is not None and out_all != in_all:
+                in_dim = None  # keep one row layout per module
+            modules.append(
+                ModuleInfo(path=key[len(root):], output_dim=out_dim, input_dim=in_dim, all_positions=all_positions)
+            )
+        config = self.hf.config
+        return ModelInfo(
+            name=self.loaded.name,
+            source=self.loaded.source,
+            architecture=type(self.hf).__name__,
+            num_layers=int(getattr(config, "num_hidden_layers", 0)),
+            hidden_size=int(getattr(config, "hidden_size", 0)),
+            vocab_size=int(config.vocab_size),
+            max_context=int(getattr(config, "max_position_embeddings", 0) or 0),
+            dtype=self.loaded.dtype,
+            device=self.loaded.device,
+            modules=modules,
+        )
+
+    def _pad(self) -> dict:
+        pad = self.tokenizer.pad_token_id
+        if pad is None:
+            pad = self.tokenizer.eos_token_id
+        return {"pad_token_id": pad}
+
+    # -- running a job -------------------------------------------------------------------
+
+    def encode(self, request: JobRequest) -> dict[str, torch.Tensor]:
+        messages = [m.model_dump() for m in request.messages]
+        encoded = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
+        return {k: encoded[k].to(self.loaded.device) for k in ("input_ids", "attention_mask")}
+
+    def generation_kwargs(self, request: JobRequest, max_tokens: int) -> dict:
+        kwargs: dict = {"max_new_tokens": max_tokens, **self._pad()}
+        if request.temperature > 0:
+            kwargs.update(do_sample=True, temperature=request.temperature, top_p=request.top_p)
+        else:
+            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
+        if request.stop:
+            kwargs.update(stop_strings=list(request.stop), tokenizer=self.tokenizer)
+        return kwargs
+
+    def run(self, request: JobRequest, points: list[CapturePoint], max_tokens: int) -> Generation:
+        unknown = [p.module for p in points if p.module not in self._module_paths]
+        if unknown:
+            raise JobFailure(f"modules not in this model's capturable list: {', '.join(unknown)}")
+        prompt = self.encode(request)
+        prompt_tokens = int(prompt["input_ids"].shape[1])
+        limit = self.info.max_context
+        if limit and prompt_tokens + max_tokens > limit:
+            raise ContextLengthExceeded(
+                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit}"
+            )
+        kwargs = self.generation_kwargs(request, max_tokens)
+        with self.lock:
+            if request.seed is not None:
+                torch.manual_seed(request.seed)
+            if points:
+                ids, steps = self._generate_with_capture(prompt, points, request, kwargs)
+            else:
+                with torch.inference_mode():
+                    ids, steps = self.hf.generate(**prompt, **kwargs), {}
+        token_ids = ids[0].to("cpu", torch.int64)
+        generated = token_ids[prompt_tokens:]
+        text, finish_reason = self._finish(generated, request, max_tokens)
+        captured = [self._select(p, steps[p.name], request, prompt_tokens, len(generated)) for p in points]
+        return Generation(
+            text=text,
+            finish_reason=finish_reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=len(generated),
+            token_ids=token_ids,
+            captured=captured,
+        )
+
+    def _generate_with_capture(self, prompt, points, request, kwargs):
+        dtype = TORCH_DTYPES[request.capture.dtype]
+        outputs = [self.nn.get(p.module) for p in points if p.hook == "output"]
+        inputs = [self.nn.get(p.module) for p in points if p.hook == "input"]
+        with self.nn.generate(prompt, **kwargs) as tracer:
+            out_cache = tracer.cache(modules=outputs, device="cpu", dtype=dtype) if outputs else None
+            in_cache = (
+                tracer.cache(modules=inputs, device="cpu", dtype=dtype, include_output=False, include_inputs=True)
+                if inputs
+                else None
+            )
+            ids = tracer.result.save()
+        steps: dict[str, list] = {}
+        root = self.nn.path + "."
+        for p in points:
+            view = (out_cache if p.hook == "output" else in_cache)[root + p.module]
+            steps[p.name] = _per_step(view, p.hook)
+        return ids, steps
+
+    def _finish(self, generated: torch.Tensor, request: JobRequest, max_tokens: int) -> tuple[str, str]:
+        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        eos = self.hf.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        cuts = [text.find(s) for s in request.stop if s in text]
+        if cuts:
+            return text[: min(cuts)], "stop"
+        if len(generated) and int(generated[-1]) in eos_ids:
+            return text, "stop"
+        return text, "length" if len(generated) >= max_tokens else "stop"
+
+    def _select(self, point, steps, request, prompt_tokens: int, new_tokens: int) -> CapturedTensor:
+        if len(steps) != new_tokens:
+            raise JobFailure(f"{point.name}: captured {len(steps)} steps for {new_tokens} new tokens")
+        rows = torch.cat([_first_tensor(s)[0] for s in steps], dim=0)  # [rows, H]
+        all_positions = rows.shape[0] == prompt_tokens + new_tokens - 1
+        first = 0 if all_positions else prompt_tokens - 1  # token_ids index of rows[0]
+        end = prompt_tokens + new_tokens - 1
+        start, stop = {
+            "all": (0, end),
+            "prompt": (0, prompt_tokens),
+            "generated": (prompt_tokens - 1, end),
+            "last": (end - 1, end),
+        }[request.capture.positions]
+        if start < first:
+            raise JobFailure(f"{point.name} only has positions from {first}; use 'generated' or 'last'")
+        tensor = rows[start - first : stop - first].clone().contiguous()
+        return CapturedTensor(point=point, tensor=tensor, start=start, stop=stop)

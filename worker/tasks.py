@@ -1,0 +1,67 @@
+"""The thin task: claim the job -> run the capture engine -> store activations -> record the outcome."""
+
+from __future__ import annotations
+
+from celery.exceptions import SoftTimeLimitExceeded
+from celery.utils.log import get_task_logger
+
+from shared.errors import JobFailure, JobTimeout
+from shared.schemas import JobResult, JobStatus, Usage
+from worker import runtime
+
+log = get_task_logger(__name__)
+
+
+def run_job(job_id: str) -> None:
+    rt = runtime.get()
+    record, why = rt.jobs.claim(job_id, rt.worker_id, rt.settings.max_attempts)
+    if record is None:
+        log.info("job %s not run: %s", job_id, why)
+        return
+    request = record.request
+    max_tokens = request.max_tokens or rt.settings.default_max_tokens
+    log.info("job %s running (attempt %d)", job_id, record.attempts)
+    try:
+        generation = rt.engine.run(request, record.capture_points, max_tokens)
+        manifest = None
+        if record.capture_points:
+            from worker.artifacts import write_activations
+
+            manifest = write_activations(rt.store, job_id, record.model, request.capture.positions, generation)
+        result = JobResult(
+            text=generation.text,
+            finish_reason=generation.finish_reason,
+            usage=Usage(
+                prompt_tokens=generation.prompt_tokens,
+                completion_tokens=generation.completion_tokens,
+                total_tokens=generation.prompt_tokens + generation.completion_tokens,
+            ),
+        )
+        rt.jobs.finish(job_id, status=JobStatus.succeeded, result=result.model_dump(), activations=manifest and manifest.model_dump())
+        log.info("job %s succeeded: %d tokens", job_id, generation.completion_tokens)
+    except SoftTimeLimitExceeded:
+        _fail(rt, job_id, JobTimeout(f"the job ran past the time limit of {rt.settings.job_soft_time_limit:g}s"))
+    except JobFailure as exc:
+        _fail(rt, job_id, exc)
+    except Exception as exc:  # noqa: BLE001 - any failure ends the job, never the worker
+        _fail(rt, job_id, _classify(exc))
+
+
+def _classify(exc: Exception) -> JobFailure:
+    import torch
+
+    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        failure = JobFailure("the model ran out of memory on this job; ask for fewer tokens or capture less")
+        failure.error_type = "out_of_memory"
+        return failure
+    log.exception("job failed unexpectedly")
+    failure = JobFailure(f"{type(exc).__name__}: {str(exc)[:500]}")
+    failure.error_type = "internal_error"
+    return failure
+
+
+def _fail(rt: runtime.Runtime, job_id: str, exc: JobFailure) -> None:
+    log.warning("job %s failed: %s: %s", job_id, exc.error_type, exc.message)
+    rt.jobs.finish(job_id, status=JobStatus.failed, error={"type": exc.error_type, "message": exc.message})
