@@ -9,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from kombu.exceptions import OperationalError
+from starlette.exceptions import HTTPException
 
 from shared.errors import ActqError
 
@@ -37,6 +38,11 @@ async def validation_error(_: Request, exc: RequestValidationError) -> JSONRespo
     return JSONResponse(_body("invalid_request", "; ".join(messages), errors=details), status_code=422)
 
 
+async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    kind = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return JSONResponse(_body(kind, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
+
+
 async def unavailable(_: Request, exc: Exception) -> JSONResponse:
     log.warning("backend unavailable: %s", exc)
     return JSONResponse(
@@ -48,5 +54,6 @@ async def unavailable(_: Request, exc: Exception) -> JSONResponse:
 def install(app: FastAPI) -> None:
     app.add_exception_handler(ActqError, actq_error)
     app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(redis.RedisError, unavailable)
     app.add_exception_handler(OperationalError, unavailable)

@@ -71,15 +71,17 @@ def resolve(spec: CaptureSpec, model: ModelInfo) -> list[CapturePoint]:
     paths = [m.path for m in modules]
     split_paths = [p.split(".") for p in paths]
     selected: set[str] = set()
-    for pattern in spec.modules:
-        for segments in parse(pattern):
-            hits = [p for p, parts in zip(paths, split_paths) if _matches(segments, parts)]
-            if not hits:
-                concrete = ".".join(segments)
-                raise CaptureSpecError(
-                    f"capture path {concrete!r} names no module of model {model.name!r}{_closest(concrete, paths)}"
-                )
-            selected.update(hits)
+    concrete_patterns = [segments for pattern in spec.modules for segments in parse(pattern)]
+    if len(concrete_patterns) > MAX_EXPANSION:
+        raise CaptureSpecError(f"the capture spec expands to more than {MAX_EXPANSION} concrete paths")
+    for segments in dict.fromkeys(tuple(s) for s in concrete_patterns):
+        hits = [p for p, parts in zip(paths, split_paths) if _matches(list(segments), parts)]
+        if not hits:
+            concrete = ".".join(segments)
+            raise CaptureSpecError(
+                f"capture path {concrete!r} names no module of model {model.name!r}{_closest(concrete, paths)}"
+            )
+        selected.update(hits)
 
     points: list[CapturePoint] = []
     for info in modules:

@@ -129,6 +129,7 @@ class JobRecord(Strict):
     status: JobStatus
     model: str
     request: JobRequest
+    max_tokens: int  # resolved by the API (request or default), checked against the limits
     capture_points: list[CapturePoint] = []
     created_at: datetime
     started_at: datetime | None = None

@@ -41,7 +41,9 @@ class Settings(BaseSettings):
     )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads in the worker (default: torch's).")
     max_tokens_limit: int = Field(1024, ge=1, description="Largest `max_tokens` a request may ask for.")
-    default_max_tokens: int = Field(256, ge=1, description="`max_tokens` when a request gives none.")
+    default_max_tokens: int = Field(
+        256, ge=1, description="`max_tokens` when a request gives none (capped at ACTQ_MAX_TOKENS_LIMIT)."
+    )
     capture_budget_bytes: int = Field(
         1 << 30, ge=1, description="Largest estimated capture (bytes) a job may request."
     )
@@ -64,9 +66,11 @@ class Settings(BaseSettings):
             raise ValueError("ACTQ_JOB_SOFT_TIME_LIMIT must be below ACTQ_JOB_TIME_LIMIT")
         if self.heartbeat_ttl <= self.heartbeat_interval:
             raise ValueError("ACTQ_HEARTBEAT_TTL must exceed ACTQ_HEARTBEAT_INTERVAL")
-        if self.default_max_tokens > self.max_tokens_limit:
-            raise ValueError("ACTQ_DEFAULT_MAX_TOKENS must not exceed ACTQ_MAX_TOKENS_LIMIT")
         return self
+
+    @property
+    def max_tokens_default(self) -> int:
+        return min(self.default_max_tokens, self.max_tokens_limit)
 
     @property
     def served_model_name(self) -> str:

@@ -19,7 +19,7 @@ def run_job(job_id: str) -> None:
         log.info("job %s not run: %s", job_id, why)
         return
     request = record.request
-    max_tokens = request.max_tokens or rt.settings.default_max_tokens
+    max_tokens = record.max_tokens
     log.info("job %s running (attempt %d)", job_id, record.attempts)
     try:
         generation = rt.engine.run(request, record.capture_points, max_tokens)

@@ -1,0 +1,141 @@
+"""Real components: a redis-server on a free loopback port, real Celery worker processes holding
+real models (a tiny random Llama, and the built-in SmolLM2), the real API over HTTP."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+# Keep the developer's own ACTQ_* settings out of the tests; no hub lookups.
+for _name in [n for n in os.environ if n.startswith("ACTQ_")]:
+    del os.environ[_name]
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+from shared import keys, stack  # noqa: E402
+from shared.redis_server import RedisServer, free_port  # noqa: E402
+from shared.settings import Settings  # noqa: E402
+
+TINY = "tiny"
+SMOL = "smollm2-135m"
+TERMINAL = {"succeeded", "failed", "cancelled"}
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    from worker.models import ensure_smollm2
+
+    return ensure_smollm2(Settings().model_cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory, smol_dir) -> Path:
+    from tests.tiny_model import build
+
+    return build(tmp_path_factory.mktemp("models") / TINY, smol_dir)
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory):
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server
+
+
+@pytest.fixture
+def redis_client(redis_server):
+    client = redis.Redis.from_url(redis_server.url)
+    yield client
+    client.close()
+
+
+@dataclass
+class Stack:
+    base_url: str
+    redis_url: str
+    storage_dir: Path
+    env: dict[str, str]
+    logs: dict[str, Path]
+    processes: dict[str, object] = field(default_factory=dict)
+
+    def client(self) -> httpx.Client:
+        return httpx.Client(base_url=self.base_url, timeout=30)
+
+    def submit(self, client: httpx.Client, body: dict, **kwargs) -> str:
+        response = client.post("/jobs", json=body, **kwargs)
+        assert response.status_code in (200, 202), response.text
+        return response.json()["id"]
+
+    def wait(self, client: httpx.Client, job_id: str, timeout: float = 120) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            job = client.get(f"/jobs/{job_id}").json()
+            if job["status"] in TERMINAL:
+                return job
+            time.sleep(0.05)
+        raise AssertionError(f"job {job_id} not finished after {timeout}s: {job}; worker log:\n{self.log_tail()}")
+
+    def log_tail(self, name: str = "worker-tiny") -> str:
+        path = self.logs.get(name)
+        return path.read_text(errors="replace")[-4000:] if path and path.exists() else ""
+
+    def start_worker(self, name: str, extra_env: dict[str, str], timeout: float = 300):
+        log = self.logs.setdefault(f"worker-{name}", self.storage_dir.parent / f"worker-{name}.log")
+        process = stack.start_worker({**self.env, **extra_env}, log, name=name)
+        self.processes[f"worker-{name}"] = process
+        model = extra_env.get("ACTQ_MODEL_NAME") or extra_env.get("ACTQ_MODEL")
+        stack.wait_ready(self.base_url, model, [process], timeout, [log])
+        return process
+
+
+@pytest.fixture(scope="session")
+def live(tmp_path_factory, redis_server, tiny_dir, smol_dir):
+    """API + a worker serving the tiny model. Settings are chosen so tests can reach every limit."""
+    root = tmp_path_factory.mktemp("stack")
+    storage = root / "data"
+    env = {
+        "ACTQ_REDIS_URL": redis_server.url,
+        "ACTQ_STORAGE_URL": storage.as_uri(),
+        "ACTQ_MODEL_CACHE_DIR": str(smol_dir.parent),
+        "ACTQ_MAX_TOKENS_LIMIT": "200",
+        "ACTQ_DEFAULT_MAX_TOKENS": "16",
+        "ACTQ_CAPTURE_BUDGET_BYTES": str(20_000_000),
+        "ACTQ_HEARTBEAT_INTERVAL": "1",
+        "ACTQ_HEARTBEAT_TTL": "4",
+        "HF_HUB_OFFLINE": "1",
+    }
+    port = free_port()
+    s = Stack(base_url=f"http://127.0.0.1:{port}", redis_url=redis_server.url, storage_dir=storage, env=env, logs={})
+    s.logs["api"] = root / "api.log"
+    s.processes["api"] = stack.start_api(env, s.logs["api"], port)
+    try:
+        s.start_worker(TINY, {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": TINY})
+        yield s
+    finally:
+        for process in s.processes.values():
+            stack.stop(process)
+
+
+@pytest.fixture(scope="session")
+def live_smol(live):
+    """The same stack plus a worker serving the built-in SmolLM2-135M-Instruct."""
+    live.start_worker("smol", {"ACTQ_MODEL": SMOL})
+    return live
+
+
+@pytest.fixture
+def http(live):
+    with live.client() as client:
+        yield client
+
+
+def queued_messages(client: redis.Redis, model: str) -> int:
+    return client.llen(keys.queue(model))
+
+
+def job_count(client: redis.Redis) -> int:
+    return sum(1 for _ in client.scan_iter(match=keys.job("*"), count=1000))

@@ -1,0 +1,226 @@
+"""The whole pipeline on the tiny model: HTTP -> Redis -> Celery worker process -> safetensors -> HTTP."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load as load_safetensors
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shared import keys
+from shared.queueing import make_celery
+from shared.settings import Settings
+from tests.conftest import TINY
+from tests.reference import hooked_generate, select
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+POINTS = ["model.layers.{1,3}", "model.layers.{1,3}.input_layernorm", "model.layers.2.post_attention_layernorm"]
+
+
+@pytest.fixture(scope="module")
+def reference_model(tiny_dir):
+    return AutoModelForCausalLM.from_pretrained(tiny_dir).eval(), AutoTokenizer.from_pretrained(tiny_dir)
+
+
+def job_body(**changes):
+    body = {"model": TINY, "messages": MESSAGES, "max_tokens": 10, "temperature": 0,
+            "capture": {"modules": POINTS, "hook": "output", "positions": "all", "dtype": "float32"}}  # fmt: skip
+    body.update(changes)
+    return body
+
+
+def test_lifecycle_and_activations_equal_forward_hooks(live, http, reference_model):
+    response = http.post("/jobs", json=job_body())
+    assert response.status_code == 202
+    queued = response.json()
+    assert queued["status"] == "queued" and queued["result"] is None
+    assert response.headers["location"].endswith(f"/jobs/{queued['id']}")
+    job = live.wait(http, queued["id"])
+    assert job["status"] == "succeeded", job
+    assert job["attempts"] == 1 and job["created_at"] <= job["started_at"] <= job["finished_at"]
+    usage = job["result"]["usage"]
+    assert usage["completion_tokens"] == 10 and usage["total_tokens"] == usage["prompt_tokens"] + 10
+    assert job["result"]["finish_reason"] == "length"
+
+    manifest = job["activations"]
+    download = http.get(manifest["download_url"])
+    assert download.status_code == 200 and download.headers["content-type"] == "application/octet-stream"
+    data = download.content
+    assert int(download.headers["content-length"]) == len(data) == manifest["bytes"]
+    assert hashlib.sha256(data).hexdigest() == manifest["sha256"]
+    tensors = load_safetensors(data)
+
+    model, tokenizer = reference_model
+    modules = [t["module"] for t in manifest["tensors"]]
+    assert modules == ["model.layers.1", "model.layers.1.input_layernorm", "model.layers.2.post_attention_layernorm",
+                       "model.layers.3", "model.layers.3.input_layernorm"]  # forward-execution order  # fmt: skip
+    ids, rows, prompt_tokens = hooked_generate(model, tokenizer, MESSAGES, 10, modules)
+    assert torch.equal(tensors["token_ids"], ids)
+    assert tokenizer.decode(ids[prompt_tokens:], skip_special_tokens=True) == job["result"]["text"]
+    assert usage["prompt_tokens"] == prompt_tokens
+    for info in manifest["tensors"]:
+        assert info["shape"] == [prompt_tokens + 9, 64] and info["dtype"] == "float32" and info["bytes"] == (prompt_tokens + 9) * 64 * 4
+        assert (info["start"], info["stop"]) == (0, prompt_tokens + 9)
+        assert torch.equal(tensors[info["name"]], select(rows[info["module"]], "all", prompt_tokens, 10)), info["name"]
+
+    # The file on disk carries its own description, and a manifest.json sits beside it.
+    path = live.storage_dir / "jobs" / job["id"] / "activations.safetensors"
+    assert manifest["uri"] == path.as_uri()
+    with safe_open(str(path), "pt") as handle:
+        meta = handle.metadata()
+    assert meta["job_id"] == job["id"] and meta["model"] == TINY and meta["prompt_tokens"] == str(prompt_tokens)
+    on_disk = json.loads((path.parent / "manifest.json").read_text())
+    assert on_disk["sha256"] == manifest["sha256"] and [t["name"] for t in on_disk["tensors"]] == [t["name"] for t in manifest["tensors"]]
+
+
+def test_plain_completion_has_no_activations(live, http):
+    job = live.wait(http, live.submit(http, job_body(capture=None, max_tokens=None)))
+    assert job["status"] == "succeeded" and job["activations"] is None
+    assert job["result"]["usage"]["completion_tokens"] == 16  # ACTQ_DEFAULT_MAX_TOKENS in the test stack
+    response = http.get(f"/jobs/{job['id']}/activations")
+    assert response.status_code == 404 and "captured no activations" in response.json()["detail"]
+
+
+def test_same_seed_same_tokens_through_the_queue(live, http):
+    sampled = dict(capture=None, temperature=1.0, top_p=0.95, max_tokens=12)
+    ids = [live.submit(http, job_body(seed=s, **sampled)) for s in (11, 11, 12)]
+    texts = [live.wait(http, i)["result"]["text"] for i in ids]
+    assert texts[0] == texts[1] and texts[0] != texts[2]
+
+
+def test_stop_strings(live, http):
+    full = live.wait(http, live.submit(http, job_body(capture=None, max_tokens=30)))["result"]["text"]
+    stop = full.split()[len(full.split()) // 2]
+    job = live.wait(http, live.submit(http, job_body(stop=[stop], max_tokens=30)))
+    assert job["result"]["finish_reason"] == "stop"
+    assert job["result"]["text"] == full[: full.find(stop)]
+    assert job["result"]["usage"]["completion_tokens"] < 30
+    # Activations still cover every token fed to the model, stop-string tokens included.
+    rows = job["result"]["usage"]["total_tokens"] - 1
+    assert all(t["shape"][0] == rows for t in job["activations"]["tensors"])
+
+
+def test_a_failing_job_is_recorded_and_the_next_succeeds(live, http):
+    long_prompt = [{"role": "user", "content": "word " * 400}]  # past the tiny model's 256-token context
+    failed = live.wait(http, live.submit(http, job_body(messages=long_prompt, max_tokens=4)))
+    assert failed["status"] == "failed" and failed["result"] is None and failed["activations"] is None
+    assert failed["error"]["type"] == "context_length_exceeded"
+    assert "exceeds the model's context of 256" in failed["error"]["message"]
+    assert "Traceback" not in json.dumps(failed)
+    assert http.get(f"/jobs/{failed['id']}/activations").status_code == 409
+    assert live.wait(http, live.submit(http, job_body()))["status"] == "succeeded"
+
+
+def test_a_storage_failure_fails_the_job_and_not_the_worker(live, http):
+    # A regular file where the worker's jobs directory should be: a real write failure.
+    jobs_dir = live.storage_dir / "jobs"
+    aside = live.storage_dir / "jobs-aside"
+    jobs_dir.rename(aside)
+    jobs_dir.write_text("not a directory")
+    try:
+        failed = live.wait(http, live.submit(http, job_body()))
+    finally:
+        jobs_dir.unlink()
+        aside.rename(jobs_dir)
+    assert failed["status"] == "failed" and failed["error"]["type"] == "storage_error"
+    assert "cannot store jobs/" in failed["error"]["message"]
+    assert not list((live.storage_dir / ".tmp").iterdir())  # no partial file left
+    assert live.wait(http, live.submit(http, job_body()))["status"] == "succeeded"
+
+
+def test_a_redelivered_message_for_a_finished_job_does_nothing(live, http):
+    job = live.wait(http, live.submit(http, job_body(capture=None)))
+    celery = make_celery(Settings(redis_url=live.redis_url, model=TINY))
+    celery.send_task(keys.TASK_NAME, args=[job["id"]], task_id=job["id"], queue=keys.queue(TINY))
+    # A job sent after the duplicate runs after it on the one-at-a-time worker.
+    after = live.wait(http, live.submit(http, job_body(capture=None)))
+    assert after["status"] == "succeeded"
+    again = http.get(f"/jobs/{job['id']}").json()
+    assert again == job  # not re-run: same attempts, same timestamps, same result
+    assert f"job {job['id']} not run: already succeeded" in live.log_tail()
+
+
+def test_idempotency_key_returns_the_same_job(live, http):
+    first = http.post("/jobs", json=job_body(capture=None), headers={"Idempotency-Key": "problem-17"})
+    second = http.post("/jobs", json=job_body(capture=None), headers={"Idempotency-Key": "problem-17"})
+    assert first.status_code == 202 and second.status_code == 200
+    assert first.json()["id"] == second.json()["id"]
+    live.wait(http, first.json()["id"])
+
+
+def test_control_commands_answer_while_a_job_runs(live, http):
+    """Why prefork: the worker's parent answers `inspect ping` while its child generates."""
+    job_id = live.submit(http, job_body(max_tokens=200, capture={"modules": ["model.layers.*"], "positions": "last"}))
+    deadline = time.monotonic() + 30
+    while http.get(f"/jobs/{job_id}").json()["status"] == "queued" and time.monotonic() < deadline:
+        time.sleep(0.01)
+    celery = make_celery(Settings(redis_url=live.redis_url, model=TINY))
+    started = time.monotonic()
+    replies = celery.control.inspect(timeout=1.0).ping()
+    running = http.get(f"/jobs/{job_id}").json()["status"]
+    assert replies and all(r == {"ok": "pong"} for r in replies.values())
+    assert time.monotonic() - started < 2.0
+    assert running == "running", "the job ended before the ping; make it longer"
+    assert live.wait(http, job_id)["status"] == "succeeded"
+
+
+def test_overlapping_requests_all_complete(live, http):
+    """Many clients at once: every job runs exactly once, one at a time, none lost."""
+    ids: list[str] = []
+    lock = threading.Lock()
+
+    def client():
+        with live.client() as own:
+            for _ in range(4):
+                job_id = live.submit(own, job_body(max_tokens=3, capture={"modules": ["model.layers.0"], "positions": "last"}))
+                with lock:
+                    ids.append(job_id)
+
+    threads = [threading.Thread(target=client) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    jobs = [live.wait(http, i) for i in ids]
+    assert len(set(ids)) == 24 and all(j["status"] == "succeeded" and j["attempts"] == 1 for j in jobs)
+    spans = sorted((j["started_at"], j["finished_at"]) for j in jobs)
+    assert all(prev[1] <= nxt[0] for prev, nxt in zip(spans, spans[1:]))  # one generate at a time
+
+
+def test_models_and_health(live, http):
+    models = http.get("/models").json()
+    tiny = next(m for m in models if m["name"] == TINY)
+    assert tiny["live_workers"] == 1 and tiny["num_layers"] == 4 and tiny["hidden_size"] == 64
+    assert tiny["modules"][0] == "model.embed_tokens" and tiny["modules"][-1] == "lm_head"
+    health = http.get("/health")
+    assert health.status_code == 200 and health.json()["redis"] == "ok" and health.json()["workers"][TINY] == 1
+
+
+def test_health_is_503_when_redis_is_unreachable(live):
+    from shared import stack
+    from shared.redis_server import free_port
+
+    port = free_port()
+    env = {**live.env, "ACTQ_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
+    api = stack.start_api(env, live.storage_dir.parent / "api-no-redis.log", port)
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline
+                time.sleep(0.1)
+        assert health.status_code == 503 and "unreachable" in health.json()["redis"]
+        post = httpx.post(f"http://127.0.0.1:{port}/jobs", json=job_body(), timeout=20)
+        assert post.status_code == 503 and "cannot be reached" in post.json()["detail"]
+    finally:
+        stack.stop(api)
