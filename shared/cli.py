@@ -97,3 +97,7 @@ def prepare_model() -> None:
 
 def main() -> None:
     cli()
+
+
+if __name__ == "__main__":
+    main()

