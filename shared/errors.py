@@ -11,7 +11,9 @@
     └── JobFailure                    raised inside the worker; stored on the job as {type, message}
         ├── ContextLengthExceeded
         ├── StorageError
-        └── JobTimeout
+        ├── JobTimeout
+        ├── OutOfMemory
+        └── InternalError      anything unexpected: "<ExceptionType>: <message>"
 
 The API renders every ActqError as `{"error": <ClassName>, "detail": <message>}`.
 """
@@ -77,3 +79,11 @@ class StorageError(JobFailure):
 
 class JobTimeout(JobFailure):
     error_type = "timeout"
+
+
+class OutOfMemory(JobFailure):
+    error_type = "out_of_memory"
+
+
+class InternalError(JobFailure):
+    error_type = "internal_error"

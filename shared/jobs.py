@@ -8,7 +8,7 @@ from datetime import UTC, datetime
 import redis
 
 from shared import keys
-from shared.schemas import JobRecord, JobStatus
+from shared.schemas import JobError, JobRecord, JobStatus
 
 
 def now() -> datetime:
@@ -76,10 +76,10 @@ class JobStore:
                     update={
                         "status": JobStatus.failed,
                         "finished_at": now(),
-                        "error": {
-                            "type": "worker_lost",
-                            "message": f"the worker running this job was lost {record.attempts} times; giving up",
-                        },
+                        "error": JobError(
+                            type="worker_lost",
+                            message=f"the worker running this job was lost {record.attempts} times; giving up",
+                        ),
                     }
                 )
             outcome["why"] = "claimed"

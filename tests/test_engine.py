@@ -33,6 +33,13 @@ def run(engine, req: JobRequest, max_tokens: int):
     return engine.run(req, points, max_tokens)
 
 
+def test_one_copy_of_the_weights(engine):
+    """nnsight wraps the loaded model itself: plain completions and captures share its parameters."""
+    assert engine.nn._module is engine.hf
+    wrapped = {p.data_ptr() for p in engine.nn._module.parameters()}
+    assert wrapped == {p.data_ptr() for p in engine.hf.parameters()}
+
+
 def test_describe_lists_modules_in_forward_order(engine):
     paths = [m.path for m in engine.info.modules]
     assert paths[0] == "model.embed_tokens"

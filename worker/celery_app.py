@@ -12,6 +12,7 @@ import logging
 import os
 import signal
 
+from celery.exceptions import TimeLimitExceeded
 from celery.signals import worker_process_init, worker_process_shutdown
 
 from shared import keys
@@ -29,7 +30,26 @@ app.conf.update(
 )
 
 
-@app.task(name=keys.TASK_NAME, ignore_result=True)
+class JobTask(app.Task):
+    def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
+        """Runs in the parent when the hard time limit killed the child: record the job as failed."""
+        if isinstance(exc, TimeLimitExceeded):
+            import redis
+
+            from shared.jobs import JobStore
+            from shared.schemas import JobStatus
+
+            message = f"the job was killed at the hard time limit of {settings.job_time_limit:g}s"
+            client = redis.Redis.from_url(settings.redis_url)
+            try:
+                JobStore(client, settings.job_retention_seconds).finish(
+                    task_id, status=JobStatus.failed, error={"type": "timeout", "message": message}
+                )
+            finally:
+                client.close()
+
+
+@app.task(name=keys.TASK_NAME, ignore_result=True, base=JobTask)
 def run_job(job_id: str) -> None:
     from worker.tasks import run_job as run
 

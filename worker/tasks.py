@@ -5,7 +5,7 @@ from __future__ import annotations
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.utils.log import get_task_logger
 
-from shared.errors import JobFailure, JobTimeout
+from shared.errors import InternalError, JobFailure, JobTimeout, OutOfMemory
 from shared.schemas import JobResult, JobStatus, Usage
 from worker import runtime
 
@@ -50,16 +50,13 @@ def run_job(job_id: str) -> None:
 def _classify(exc: Exception) -> JobFailure:
     import torch
 
-    if isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower():
+    text = str(exc).lower()
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in text or "can't allocate memory" in text:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-        failure = JobFailure("the model ran out of memory on this job; ask for fewer tokens or capture less")
-        failure.error_type = "out_of_memory"
-        return failure
+        return OutOfMemory("the model ran out of memory on this job; ask for fewer tokens or capture less")
     log.exception("job failed unexpectedly")
-    failure = JobFailure(f"{type(exc).__name__}: {str(exc)[:500]}")
-    failure.error_type = "internal_error"
-    return failure
+    return InternalError(f"{type(exc).__name__}: {str(exc)[:500]}")
 
 
 def _fail(rt: runtime.Runtime, job_id: str, exc: JobFailure) -> None:
