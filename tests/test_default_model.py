@@ -5,12 +5,15 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from shared.queueing import make_celery
+from shared.settings import Settings
 from tests.conftest import SMOL
 from tests.reference import hooked_generate, select
 
@@ -50,6 +53,27 @@ def test_full_lifecycle_every_token_matches_forward_hooks(live_smol, smol_dir):
         expected = select(rows[info["module"]], "all", prompt_tokens, new_tokens)
         assert info["shape"] == [prompt_tokens + new_tokens - 1, 576]
         assert torch.equal(tensors[info["name"]], expected), info["name"]
+
+
+def test_control_commands_answer_while_a_job_runs(live_smol):
+    """Why prefork: the worker's parent answers `inspect ping` while its child generates."""
+    with live_smol.client() as http:
+        body = {"model": SMOL, "messages": [{"role": "user", "content": "Write a long story about a cat."}],
+                "max_tokens": 120, "capture": {"modules": ["model.layers.*"], "positions": "last"}}  # fmt: skip
+        job_id = live_smol.submit(http, body)
+        deadline = time.monotonic() + 60
+        while http.get(f"/jobs/{job_id}").json()["status"] == "queued" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        celery = make_celery(Settings(redis_url=live_smol.redis_url, model=SMOL))
+        started = time.monotonic()
+        replies = celery.control.inspect(timeout=1.0).ping()
+        elapsed = time.monotonic() - started
+        running = http.get(f"/jobs/{job_id}").json()["status"]
+        assert running == "running", "the job ended before the ping; make it longer"
+        assert replies and all(reply == {"ok": "pong"} for reply in replies.values())
+        assert len(replies) == 2  # the tiny and the SmolLM2 workers both answered
+        assert elapsed < 2.0
+        assert live_smol.wait(http, job_id, timeout=300)["status"] == "succeeded"
 
 
 def _our_processes() -> set[str]:

@@ -155,22 +155,6 @@ def test_idempotency_key_returns_the_same_job(live, http):
     live.wait(http, first.json()["id"])
 
 
-def test_control_commands_answer_while_a_job_runs(live, http):
-    """Why prefork: the worker's parent answers `inspect ping` while its child generates."""
-    job_id = live.submit(http, job_body(max_tokens=200, capture={"modules": ["model.layers.*"], "positions": "last"}))
-    deadline = time.monotonic() + 30
-    while http.get(f"/jobs/{job_id}").json()["status"] == "queued" and time.monotonic() < deadline:
-        time.sleep(0.01)
-    celery = make_celery(Settings(redis_url=live.redis_url, model=TINY))
-    started = time.monotonic()
-    replies = celery.control.inspect(timeout=1.0).ping()
-    running = http.get(f"/jobs/{job_id}").json()["status"]
-    assert replies and all(r == {"ok": "pong"} for r in replies.values())
-    assert time.monotonic() - started < 2.0
-    assert running == "running", "the job ended before the ping; make it longer"
-    assert live.wait(http, job_id)["status"] == "succeeded"
-
-
 def test_overlapping_requests_all_complete(live, http):
     """Many clients at once: every job runs exactly once, one at a time, none lost."""
     ids: list[str] = []
