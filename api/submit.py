@@ -3,13 +3,14 @@ budget, the record in Redis, then the Celery message (carrying only the job id).
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from kombu.exceptions import OperationalError
 
 from api.deps import Services
 from shared import capture_spec, keys
-from shared.errors import BadRequest, ServiceUnavailable, UnknownModel
+from shared.errors import BadRequest, NotReady, ServiceUnavailable, UnknownModel
 from shared.jobs import now
 from shared.schemas import CapturePoint, JobRecord, JobRequest, JobStatus
 
@@ -34,19 +35,35 @@ def plan(services: Services, request: JobRequest) -> tuple[int, list[CapturePoin
     return max_tokens, points
 
 
+def _claim_idempotency_key(services: Services, key: str, job_id: str) -> JobRecord | None:
+    """None when `job_id` now owns the key; else the job an earlier request with the key created."""
+    idem = keys.idempotency(key)
+    if services.redis.set(idem, job_id, nx=True, ex=services.settings.job_retention_seconds):
+        return None
+    owner = services.redis.get(idem)
+    deadline = time.monotonic() + 2.0
+    while owner is not None and time.monotonic() < deadline:  # the first request may still be recording it
+        record = services.jobs.get(owner.decode())
+        if record is not None:
+            return record
+        time.sleep(0.02)
+        owner = services.redis.get(idem)
+    if owner is None:  # the first request failed and released the key
+        return _claim_idempotency_key(services, key, job_id)
+    raise NotReady("a request with this Idempotency-Key is still being recorded; retry shortly")
+
+
 def submit(services: Services, request: JobRequest, idempotency_key: str | None) -> tuple[JobRecord, bool]:
     """Record and enqueue a job. Returns (record, created): an Idempotency-Key seen before gives
     back the job it created, and nothing new is enqueued."""
     max_tokens, points = plan(services, request)
     job_id = str(uuid.uuid4())
     if idempotency_key is not None:
-        idem = keys.idempotency(idempotency_key)
-        if not services.redis.set(idem, job_id, nx=True, ex=services.settings.job_retention_seconds):
-            existing = services.redis.get(idem)
-            record = services.jobs.get(existing.decode()) if existing else None
-            if record is not None:
-                return record, False
-            services.redis.set(idem, job_id, ex=services.settings.job_retention_seconds)
+        existing = _claim_idempotency_key(services, idempotency_key, job_id)
+        if existing is not None:
+            if existing.request != request:
+                raise BadRequest("this Idempotency-Key was used for a different request; use a new key")
+            return existing, False
     record = JobRecord(
         id=job_id, status=JobStatus.queued, model=request.model, request=request, max_tokens=max_tokens,
         capture_points=points, created_at=now(),

@@ -153,6 +153,26 @@ def test_idempotency_key_returns_the_same_job(live, http):
     assert first.status_code == 202 and second.status_code == 200
     assert first.json()["id"] == second.json()["id"]
     live.wait(http, first.json()["id"])
+    other = http.post("/jobs", json=job_body(capture=None, max_tokens=3), headers={"Idempotency-Key": "problem-17"})
+    assert other.status_code == 422 and "used for a different request" in other.json()["detail"]
+
+
+def test_concurrent_retries_with_one_idempotency_key_make_one_job(live, redis_client):
+    ids, barrier = [], threading.Barrier(8)
+
+    def post():
+        with live.client() as own:
+            barrier.wait()
+            response = own.post("/jobs", json=job_body(capture=None, max_tokens=2), headers={"Idempotency-Key": "race-1"})
+            ids.append((response.status_code, response.json()["id"]))
+
+    threads = [threading.Thread(target=post) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({job_id for _, job_id in ids}) == 1
+    assert sorted(code for code, _ in ids) == [200] * 7 + [202]
 
 
 def test_overlapping_requests_all_complete(live, http):
