@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 import redis
+import redis.asyncio as aioredis
 from celery import Celery
 from fastapi import Depends, Request
 
@@ -20,6 +21,7 @@ from shared.storage import ArtifactStore, open_store
 class Services:
     settings: Settings
     redis: redis.Redis
+    aredis: aioredis.Redis  # for long polls only
     jobs: JobStore
     registry: ModelRegistry
     celery: Celery
@@ -35,6 +37,7 @@ def build_services(settings: Settings) -> Services:
     return Services(
         settings=settings,
         redis=client,
+        aredis=aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2),
         jobs=JobStore(client, settings.job_retention_seconds),
         registry=ModelRegistry(client, settings.heartbeat_ttl),
         celery=celery,

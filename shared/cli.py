@@ -17,6 +17,7 @@ from shared.settings import Settings
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
 
+TERMINAL = ("succeeded", "failed", "cancelled")
 DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
 
@@ -50,7 +51,7 @@ def run(
         cleanup.callback(stack.stop, api)
         typer.echo(f"worker loading {settings.model} (the first run converts it once, ~30 s); API on {base}")
         stack.wait_ready(base, model, [worker, api], start_timeout, logs)
-        with httpx.Client(base_url=base, timeout=30) as client:
+        with httpx.Client(base_url=base, timeout=60) as client:
             info = next(m for m in client.get("/models").json() if m["name"] == model)
             layers = spread_layers(info["num_layers"])
             spec = f"model.layers.{{{','.join(map(str, layers))}}}"
@@ -67,8 +68,9 @@ def run(
             job_id = response.json()["id"]
             typer.echo(f"job {job_id} queued, capturing {spec} output at every position")
             started = time.monotonic()
-            while (job := client.get(f"/jobs/{job_id}").json())["status"] not in ("succeeded", "failed", "cancelled"):
-                time.sleep(0.2)
+            # Long poll: the API answers as soon as the worker records the job.
+            while (job := client.get(f"/jobs/{job_id}", params={"wait": 20}).json())["status"] not in TERMINAL:
+                pass
             if job["status"] != "succeeded":
                 raise typer.Exit(_fail(f"job {job['status']}: {job.get('error')}"))
         result, activations = job["result"], job["activations"]

@@ -53,6 +53,7 @@ class JobStore:
                         return None
                     pipe.multi()
                     pipe.set(key, new.model_dump_json(), keepttl=True)
+                    pipe.publish(keys.job_events(job_id), new.status.value)
                     pipe.execute()
                     return new
                 except redis.WatchError:

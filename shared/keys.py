@@ -14,6 +14,11 @@ def job(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"
 
 
+def job_events(job_id: str) -> str:
+    """Pub/sub channel announcing a job's state changes (for GET /jobs/{id}?wait=)."""
+    return f"{PREFIX}:job-events:{job_id}"
+
+
 def idempotency(key: str) -> str:
     """Maps a client's Idempotency-Key (hashed: it is user text) to a job id."""
     return f"{PREFIX}:idem:{hashlib.sha256(key.encode()).hexdigest()}"

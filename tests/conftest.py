@@ -63,7 +63,7 @@ class Stack:
     processes: dict[str, object] = field(default_factory=dict)
 
     def client(self) -> httpx.Client:
-        return httpx.Client(base_url=self.base_url, timeout=30)
+        return httpx.Client(base_url=self.base_url, timeout=60)
 
     def submit(self, client: httpx.Client, body: dict, **kwargs) -> str:
         response = client.post("/jobs", json=body, **kwargs)
@@ -71,12 +71,11 @@ class Stack:
         return response.json()["id"]
 
     def wait(self, client: httpx.Client, job_id: str, timeout: float = 120) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            job = client.get(f"/jobs/{job_id}").json()
+        deadline, job = time.monotonic() + timeout, None
+        while (remaining := deadline - time.monotonic()) > 0:
+            job = client.get(f"/jobs/{job_id}", params={"wait": min(remaining, 20)}).json()
             if job["status"] in TERMINAL:
                 return job
-            time.sleep(0.05)
         raise AssertionError(f"job {job_id} not finished after {timeout}s: {job}; worker log:\n{self.log_tail()}")
 
     def log_tail(self, name: str = "worker-tiny") -> str:

@@ -228,3 +228,34 @@ def test_health_is_503_when_redis_is_unreachable(live):
         assert post.status_code == 503 and "cannot be reached" in post.json()["detail"]
     finally:
         stack.stop(api)
+
+
+def test_long_poll_answers_when_the_job_finishes(live, http):
+    job_id = live.submit(http, job_body(max_tokens=40))
+    started = time.monotonic()
+    job = http.get(f"/jobs/{job_id}", params={"wait": 30}).json()
+    assert job["status"] == "succeeded" and time.monotonic() - started < 30
+    # A finished job answers at once; an unknown one is still a 404; the wait is bounded.
+    started = time.monotonic()
+    assert http.get(f"/jobs/{job_id}", params={"wait": 30}).json()["status"] == "succeeded"
+    assert time.monotonic() - started < 1
+    assert http.get("/jobs/00000000-0000-4000-8000-000000000000", params={"wait": 5}).status_code == 404
+    too_long = http.get(f"/jobs/{job_id}", params={"wait": 61})
+    assert too_long.status_code == 422 and "wait: Input should be less than or equal to 60" in too_long.json()["detail"]
+
+
+def test_long_poll_times_out_with_the_job_as_it_is(live, http, redis_client):
+    """A job no worker serves stays queued; the long poll returns it after `wait` seconds."""
+    from shared.registry import ModelRegistry
+    from shared.schemas import ModelInfo
+
+    registry = ModelRegistry(redis_client, heartbeat_ttl=4)
+    offline = ModelInfo.model_validate({**registry.get(TINY).model_dump(), "name": "tiny-offline"})
+    registry.publish(offline)
+    job_id = live.submit(http, job_body(model="tiny-offline", capture=None))
+    started = time.monotonic()
+    job = http.get(f"/jobs/{job_id}", params={"wait": 1.5}).json()
+    assert job["status"] == "queued" and 1.4 < time.monotonic() - started < 5
+    assert redis_client.llen(keys.queue("tiny-offline")) == 1  # waiting for a worker, not lost
+    assert "tiny-offline" not in [m["name"] for m in http.get("/models").json()]
+    assert "tiny-offline" in [m["name"] for m in http.get("/models", params={"include_offline": True}).json()]

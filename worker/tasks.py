@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.utils.log import get_task_logger
 
@@ -22,7 +24,9 @@ def run_job(job_id: str) -> None:
     max_tokens = record.max_tokens
     log.info("job %s running (attempt %d)", job_id, record.attempts)
     try:
+        started = time.perf_counter()
         generation = rt.engine.run(request, record.capture_points, max_tokens)
+        generated = time.perf_counter()
         manifest = None
         if record.capture_points:
             from worker.artifacts import write_activations
@@ -38,7 +42,10 @@ def run_job(job_id: str) -> None:
             ),
         )
         rt.jobs.finish(job_id, status=JobStatus.succeeded, result=result.model_dump(), activations=manifest and manifest.model_dump())
-        log.info("job %s succeeded: %d tokens", job_id, generation.completion_tokens)
+        log.info(
+            "job %s succeeded: %d tokens, generate %.1f ms, store %.1f ms",
+            job_id, generation.completion_tokens, (generated - started) * 1e3, (time.perf_counter() - generated) * 1e3,
+        )  # fmt: skip
     except SoftTimeLimitExceeded:
         _fail(rt, job_id, JobTimeout(f"the job ran past the time limit of {rt.settings.job_soft_time_limit:g}s"))
     except JobFailure as exc:

@@ -5,11 +5,13 @@ from __future__ import annotations
 import re
 from typing import Annotated
 
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Header, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse
 
 from api.deps import ServicesDep
 from api.submit import submit
+from api.waiting import wait_for_job
 from shared.errors import JobNotFound, NotReady
 from shared.schemas import JobRecord, JobRequest, JobStatus, JobView
 
@@ -50,9 +52,18 @@ def create_job(
 
 
 @router.get("/{job_id}", response_model=JobView, responses=ERRORS)
-def get_job(job_id: str, services: ServicesDep, request: Request) -> JobView:
-    """A job's status, and its result and activations manifest once it has succeeded."""
-    return view(load(services, job_id), request)
+async def get_job(
+    job_id: str,
+    services: ServicesDep,
+    request: Request,
+    wait: Annotated[float, Query(ge=0, le=60, description="Seconds to wait for the job to finish (long poll).")] = 0,
+) -> JobView:
+    """A job's status, and its result and activations manifest once it has succeeded. With `wait`,
+    the answer comes as soon as the job finishes (or after `wait` seconds), instead of polling."""
+    record = await run_in_threadpool(load, services, job_id)
+    if wait > 0 and not record.status.terminal:
+        record = await wait_for_job(services.aredis, job_id, wait) or record
+    return view(record, request)
 
 
 @router.get("/{job_id}/activations", response_class=FileResponse, responses={**ERRORS, 409: {"description": "Not ready"}})
