@@ -259,3 +259,19 @@ def test_long_poll_times_out_with_the_job_as_it_is(live, http, redis_client):
     assert redis_client.llen(keys.queue("tiny-offline")) == 1  # waiting for a worker, not lost
     assert "tiny-offline" not in [m["name"] for m in http.get("/models").json()]
     assert "tiny-offline" in [m["name"] for m in http.get("/models", params={"include_offline": True}).json()]
+
+
+def test_a_worker_that_cannot_load_its_model_stops_with_the_reason(live, tmp_path):
+    from shared import stack
+
+    log = tmp_path / "worker-broken.log"
+    env = {**live.env, "ACTQ_MODEL": str(tmp_path / "no-such-model"), "ACTQ_MODEL_NAME": "broken"}
+    process = stack.start_worker(env, log, name="broken")
+    try:
+        process.wait(timeout=120)  # the worker exits by itself (TimeoutExpired fails the test)
+    finally:
+        stack.stop(process)
+    text = log.read_text(errors="replace")
+    assert "cannot serve model" in text and "stopping the worker" in text
+    with live.client() as http:
+        assert "broken" not in http.get("/health").json()["workers"]

@@ -230,5 +230,8 @@ class CaptureEngine:
         }[request.capture.positions]
         if start < first:
             raise JobFailure(f"{point.name} only has positions from {first}; use 'generated' or 'last'")
-        tensor = rows[start - first : stop - first].clone().contiguous()
+        if (start - first, stop - first) == (0, rows.shape[0]):
+            tensor = rows  # already a fresh contiguous tensor: no second copy
+        else:
+            tensor = rows[start - first : stop - first].clone()
         return CapturedTensor(point=point, tensor=tensor, start=start, stop=stop)

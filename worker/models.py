@@ -79,7 +79,11 @@ def resolve_source(settings: Settings) -> str:
     if settings.model == SMOLLM2:
         return str(ensure_smollm2(settings.model_cache_dir))
     path = Path(settings.model).expanduser()
-    return str(path.resolve()) if path.is_dir() else settings.model
+    if path.is_dir():
+        return str(path.resolve())
+    if settings.model.startswith(("/", "./", "../", "~")):
+        raise FileNotFoundError(f"ACTQ_MODEL={settings.model!r}: no such model folder")
+    return settings.model  # a Hugging Face id
 
 
 def pick_device(setting: str) -> str:
