@@ -41,7 +41,7 @@ def build_services(settings: Settings) -> Services:
         jobs=JobStore(client, settings.job_retention_seconds),
         registry=ModelRegistry(client, settings.heartbeat_ttl),
         celery=celery,
-        store=open_store(settings.storage_url),
+        store=open_store(settings),
     )
 
 

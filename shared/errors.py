@@ -74,6 +74,7 @@ class ContextLengthExceeded(JobFailure):
 
 
 class StorageError(JobFailure):
+    status_code = 503  # when the API meets it: the store is unusable right now
     error_type = "storage_error"
 
 

@@ -33,7 +33,17 @@ class Settings(BaseSettings):
         DEFAULT_CACHE_DIR / "models", description="Where converted models (the built-in one) are kept."
     )
     storage_url: str = Field(
-        DEFAULT_DATA_DIR.as_uri(), description="Where activations go: `file:///abs/dir`."
+        DEFAULT_DATA_DIR.as_uri(), description="Where activations go: `file:///abs/dir` or `s3://bucket/prefix`."
+    )
+    s3_endpoint_url: str | None = Field(
+        None, description="S3-compatible endpoint (MinIO, SeaweedFS); unset for AWS. Credentials: the AWS chain."
+    )
+    s3_region: str | None = Field(None, description="S3 region; unset: the AWS config chain (or us-east-1).")
+    s3_multipart_chunk_bytes: int = Field(
+        8 << 20, ge=5 << 20, description="Uploads larger than this go up in parts of this size."
+    )
+    presign_expiry_seconds: int = Field(
+        3600, ge=1, le=7 * 24 * 3600, description="Lifetime of presigned S3 download URLs."
     )
     device: str = Field("auto", description="`auto` (cuda when available, else cpu), `cpu`, `cuda`, `cuda:1`...")
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(

@@ -9,10 +9,12 @@ import os
 import re
 import tempfile
 from abc import ABC, abstractmethod
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from shared.errors import StorageError
+from shared.settings import Settings
 
 _KEY = re.compile(r"[A-Za-z0-9_-]+(/[A-Za-z0-9_.-]+)*")
 
@@ -52,12 +54,31 @@ class ArtifactStore(ABC):
     @abstractmethod
     def delete_prefix(self, prefix: str) -> None: ...
 
+    @abstractmethod
+    def size(self, key: str) -> int: ...
+
+    @abstractmethod
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes from `start`: a seek on disk, an HTTP Range request on S3."""
+
+    @abstractmethod
+    def stream(self, key: str, chunk: int = 1 << 20) -> Iterator[bytes]: ...
+
+    @abstractmethod
+    def presigned_url(self, key: str, expires: int) -> str | None:
+        """A URL a client can download from directly, or None (local store: the API streams)."""
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise StorageError when the store cannot be used (for /health)."""
+
 
 class LocalStore(ArtifactStore):
     """A directory. Writes are atomic: temp file in the same filesystem, fsync, rename, fsync dir."""
 
     def __init__(self, root: Path) -> None:
         self.root = root.resolve()
+        self.bytes_read = 0  # bytes returned by read_range (tests check partial reads)
 
     def _path(self, key: str) -> Path:
         path = (self.root / check_key(key)).resolve()
@@ -105,6 +126,34 @@ class LocalStore(ArtifactStore):
                 child.rmdir() if child.is_dir() else child.unlink()
             base.rmdir()
 
+    def size(self, key: str) -> int:
+        try:
+            return self._path(key).stat().st_size
+        except OSError as exc:
+            raise StorageError(f"cannot read {key}: {exc.strerror}") from exc
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        try:
+            with open(self._path(key), "rb") as handle:
+                handle.seek(start)
+                data = handle.read(length)
+        except OSError as exc:
+            raise StorageError(f"cannot read {key}: {exc.strerror}") from exc
+        self.bytes_read += len(data)
+        return data
+
+    def stream(self, key: str, chunk: int = 1 << 20) -> Iterator[bytes]:
+        with open(self._path(key), "rb") as handle:
+            while data := handle.read(chunk):
+                yield data
+
+    def presigned_url(self, key: str, expires: int) -> str | None:
+        return None
+
+    def check(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise StorageError(f"{self.root} is not a directory")
+
 
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
@@ -114,10 +163,24 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def open_store(url: str) -> ArtifactStore:
+def open_store(settings: Settings) -> ArtifactStore:
+    """The store ACTQ_STORAGE_URL names: `file:///abs/dir` or `s3://bucket/prefix`."""
+    url = settings.storage_url
     parsed = urlparse(url)
     if parsed.scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ValueError(f"ACTQ_STORAGE_URL {url!r}: file URLs must be local (file:///abs/dir)")
         return LocalStore(Path(unquote(parsed.path)))
-    raise ValueError(f"ACTQ_STORAGE_URL {url!r}: unsupported scheme {parsed.scheme!r} (use file:///abs/dir)")
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ValueError(f"ACTQ_STORAGE_URL {url!r}: name a bucket (s3://bucket/prefix)")
+        from shared.s3_store import S3Store
+
+        return S3Store(
+            parsed.netloc,
+            parsed.path,
+            endpoint_url=settings.s3_endpoint_url,
+            region=settings.s3_region,
+            chunk_bytes=settings.s3_multipart_chunk_bytes,
+        )
+    raise ValueError(f"ACTQ_STORAGE_URL {url!r}: unsupported scheme {parsed.scheme!r} (use file:///abs/dir or s3://bucket/prefix)")

@@ -83,6 +83,7 @@ class Stack:
         return path.read_text(errors="replace")[-4000:] if path and path.exists() else ""
 
     def start_worker(self, name: str, extra_env: dict[str, str], timeout: float = 300):
+        self.storage_dir.parent.mkdir(parents=True, exist_ok=True)
         log = self.logs.setdefault(f"worker-{name}", self.storage_dir.parent / f"worker-{name}.log")
         process = stack.start_worker({**self.env, **extra_env}, log, name=name)
         self.processes[f"worker-{name}"] = process
@@ -138,3 +139,31 @@ def queued_messages(client: redis.Redis, model: str) -> int:
 
 def job_count(client: redis.Redis) -> int:
     return sum(1 for _ in client.scan_iter(match=keys.job("*"), count=1000))
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    from tests.s3_server import SeaweedS3
+
+    server = SeaweedS3(tmp_path_factory.mktemp("seaweedfs")).start()
+    assert server.endpoint.startswith("http://127.0.0.1:")  # tests never touch a non-local endpoint
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def live_s3(live, s3_server, tiny_dir):
+    """A second API and a tiny-model worker ("tiny-s3") storing activations in SeaweedFS."""
+    root = live.storage_dir.parent / "s3-stack"
+    root.mkdir()
+    env = {**live.env, **s3_server.env()}
+    port = free_port()
+    s = Stack(base_url=f"http://127.0.0.1:{port}", redis_url=live.redis_url, storage_dir=root / "unused", env=env, logs={})
+    s.logs["api"] = root / "api.log"
+    s.processes["api"] = stack.start_api(env, s.logs["api"], port)
+    try:
+        s.start_worker("tiny-s3", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-s3"})
+        yield s
+    finally:
+        for process in s.processes.values():
+            stack.stop(process)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from shared.errors import StorageError
+from shared.settings import Settings
 from shared.storage import LocalStore, activations_key, check_key, open_store
 
 
@@ -37,8 +38,12 @@ def test_a_failed_write_is_a_storage_error(tmp_path):
 
 
 def test_storage_urls(tmp_path):
-    assert open_store(tmp_path.as_uri()).root == tmp_path.resolve()
+    assert open_store(Settings(storage_url=tmp_path.as_uri())).root == tmp_path.resolve()
+    s3 = open_store(Settings(storage_url="s3://bucket/some/prefix/", s3_endpoint_url="http://127.0.0.1:1"))
+    assert (s3.bucket, s3.prefix, s3.uri("jobs/a/x")) == ("bucket", "some/prefix", "s3://bucket/some/prefix/jobs/a/x")
     with pytest.raises(ValueError, match="unsupported scheme 'ftp'"):
-        open_store("ftp://host/x")
+        open_store(Settings(storage_url="ftp://host/x"))
     with pytest.raises(ValueError, match="must be local"):
-        open_store("file://otherhost/x")
+        open_store(Settings(storage_url="file://otherhost/x"))
+    with pytest.raises(ValueError, match="name a bucket"):
+        open_store(Settings(storage_url="s3:///x"))

@@ -49,7 +49,7 @@ def start(settings: Settings) -> Runtime:
     _runtime = Runtime(
         settings=settings,
         engine=engine,
-        store=open_store(settings.storage_url),
+        store=open_store(settings),
         jobs=JobStore(client, settings.job_retention_seconds),
         registry=registry,
         worker_id=worker_id,

@@ -7,16 +7,24 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from api.deps import ServicesDep
+from shared.errors import StorageError
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/health")
 def health(services: ServicesDep) -> JSONResponse:
-    """API up, Redis reachable, live workers per model; 503 when Redis is unreachable."""
+    """API up, Redis and the artifact store reachable, live workers per model; 503 when Redis or
+    the store cannot be used."""
     try:
         services.redis.ping()
         workers = {name: len(services.registry.live_workers(name)) for name in services.registry.names()}
     except redis.RedisError as exc:
         return JSONResponse({"status": "unavailable", "redis": f"unreachable: {type(exc).__name__}"}, status_code=503)
-    return JSONResponse({"status": "ok", "redis": "ok", "workers": workers})
+    try:
+        services.store.check()
+        storage = "ok"
+    except StorageError as exc:
+        storage = exc.message
+    body = {"status": "ok" if storage == "ok" else "unavailable", "redis": "ok", "storage": storage, "workers": workers}
+    return JSONResponse(body, status_code=200 if storage == "ok" else 503)

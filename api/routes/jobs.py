@@ -7,12 +7,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
-from fastapi.responses import FileResponse
+from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 
 from api.deps import ServicesDep
 from api.submit import submit
 from api.waiting import wait_for_job
 from shared.errors import JobNotFound, NotReady
+from shared.jobs import now
+from shared.tensor_slice import parse_rows, read_tensor
 from shared.schemas import JobRecord, JobRequest, JobStatus, JobView
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
@@ -66,15 +68,64 @@ async def get_job(
     return view(record, request)
 
 
-@router.get("/{job_id}/activations", response_class=FileResponse, responses={**ERRORS, 409: {"description": "Not ready"}})
-def download_activations(job_id: str, services: ServicesDep) -> FileResponse:
-    """The job's safetensors file, streamed."""
+def _artifacts(services, job_id: str) -> JobRecord:
     record = load(services, job_id)
     if record.status is not JobStatus.succeeded:
         raise NotReady(f"job {job_id} is {record.status.value}; activations exist once it has succeeded")
     if record.activations is None:
         raise JobNotFound(f"job {job_id} captured no activations (its request had no capture spec)")
-    path = services.store.local_path(record.activations.key)
-    if path is None or not path.is_file():
-        raise JobNotFound(f"the activations of job {job_id} are no longer in the store")
-    return FileResponse(path, media_type="application/octet-stream", filename=f"{job_id}.safetensors")
+    return record
+
+
+@router.get("/{job_id}/activations", responses={**ERRORS, 307: {"description": "S3: presigned URL"}, 409: {"description": "Not ready"}})
+def download_activations(job_id: str, services: ServicesDep, proxy: bool = False) -> Response:
+    """The job's safetensors file: streamed (local store, or S3 with proxy=true; HTTP Range
+    supported on the local store), or a 307 redirect to a presigned S3 URL."""
+    record = _artifacts(services, job_id)
+    manifest = record.activations
+    headers = {"etag": f'"{manifest.sha256}"', "content-disposition": f'attachment; filename="{job_id}.safetensors"'}
+    path = services.store.local_path(manifest.key)
+    if path is not None:
+        if not path.is_file():
+            raise JobNotFound(f"the activations of job {job_id} are no longer in the store")
+        return FileResponse(path, media_type="application/octet-stream", headers=headers)
+    if not proxy:
+        url = services.store.presigned_url(manifest.key, services.settings.presign_expiry_seconds)
+        return RedirectResponse(url, status_code=307)
+    headers["content-length"] = str(manifest.bytes)
+    return StreamingResponse(services.store.stream(manifest.key), media_type="application/octet-stream", headers=headers)
+
+
+@router.get("/{job_id}/activations/{name}", responses={**ERRORS, 409: {"description": "Not ready"}})
+def download_tensor(
+    job_id: str,
+    name: str,
+    services: ServicesDep,
+    rows: Annotated[str | None, Query(description="start:stop, a slice of the first dimension", max_length=40)] = None,
+) -> Response:
+    """One tensor as a small safetensors file, read through the header's byte offsets."""
+    record = _artifacts(services, job_id)
+    known = {t.name for t in record.activations.tensors} | {"token_ids"}
+    if name not in known:
+        raise JobNotFound(f"no tensor named {name!r} in job {job_id}; tensors: {', '.join(sorted(known))}")
+    data = read_tensor(services.store, record.activations.key, name, parse_rows(rows))
+    return Response(data, media_type="application/octet-stream")
+
+
+@router.delete("/{job_id}", status_code=200, response_model=JobView, responses={**ERRORS, 204: {"description": "Deleted"}, 409: {"description": "Running"}})
+def delete_job(job_id: str, services: ServicesDep, request: Request) -> Response | JobView:
+    """A queued job is cancelled (the worker skips it); a finished job's record and activations
+    are deleted (204). A running job cannot be stopped yet (409)."""
+    record = load(services, job_id)
+    if record.status is JobStatus.queued:
+        cancelled = services.jobs.update(
+            job_id, lambda r: r.model_copy(update={"status": JobStatus.cancelled, "finished_at": now()}) if r.status is JobStatus.queued else None
+        )
+        if cancelled is not None:
+            return view(cancelled, request)
+        record = load(services, job_id)
+    if record.status is JobStatus.running:
+        raise NotReady(f"job {job_id} is running; it can be deleted once it has finished")
+    services.store.delete_prefix(f"jobs/{job_id}")
+    services.jobs.delete(job_id)
+    return Response(status_code=204)

@@ -1,0 +1,137 @@
+"""The S3 artifact store (AWS, MinIO, SeaweedFS), through boto3.
+
+Uploads use boto3's transfer manager (multipart above `s3_multipart_chunk_bytes`; an object
+appears only when the upload completes, and a failed multipart upload is aborted). Transient
+errors are retried by botocore's standard retry mode; connect and read timeouts keep a dead
+endpoint from hanging a job. Credentials come from the standard AWS chain (environment, config
+files, instance roles), never from a request.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import boto3
+from boto3.s3.transfer import TransferConfig
+from botocore.config import Config
+from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
+
+from shared.errors import StorageError
+from shared.storage import ArtifactStore, check_key
+
+_CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken"}
+
+
+class S3Store(ArtifactStore):
+    def __init__(self, bucket: str, prefix: str, *, endpoint_url: str | None, region: str | None, chunk_bytes: int) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.endpoint_url = endpoint_url
+        config = Config(
+            retries={"mode": "standard", "max_attempts": 4},
+            connect_timeout=5,
+            read_timeout=30,
+            signature_version="s3v4",
+            s3={"addressing_style": "path" if endpoint_url else "auto"},
+        )
+        self.client = boto3.session.Session().client(
+            "s3", endpoint_url=endpoint_url, region_name=region or None, config=config
+        )
+        self.transfer = TransferConfig(multipart_threshold=chunk_bytes, multipart_chunksize=chunk_bytes, use_threads=True)
+        self.bytes_read = 0  # bytes fetched by read_range: lets tests and benchmarks check partial reads
+
+    def _key(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def uri(self, key: str) -> str:
+        return f"s3://{self.bucket}/{self._key(key)}"
+
+    def _error(self, action: str, key: str, exc: Exception) -> StorageError:
+        where = f"s3://{self.bucket}" + (f" at {self.endpoint_url}" if self.endpoint_url else "")
+        if isinstance(exc, ClientError):
+            code = exc.response.get("Error", {}).get("Code", "")
+            if code == "NoSuchBucket":
+                return StorageError(f"cannot {action} {key}: bucket {self.bucket!r} does not exist ({where})")
+            if code in _CREDENTIAL_CODES:
+                return StorageError(f"cannot {action} {key}: S3 rejected the credentials ({code}) for {where}")
+            if code in ("NoSuchKey", "404"):
+                return StorageError(f"cannot {action} {key}: no such object in {where}")
+            return StorageError(f"cannot {action} {key} in {where}: {code or exc}")
+        if isinstance(exc, EndpointConnectionError):
+            return StorageError(f"cannot {action} {key}: S3 endpoint {self.endpoint_url or 'AWS'} is unreachable")
+        return StorageError(f"cannot {action} {key} in {where}: {type(exc).__name__}: {exc}")
+
+    def put_file(self, key: str, src: Path) -> str:
+        try:
+            self.client.upload_file(str(src), self.bucket, self._key(key), Config=self.transfer)
+        except (BotoCoreError, ClientError, Exception) as exc:  # boto3 wraps errors in S3UploadFailedError
+            cause = exc.__cause__ or exc.__context__ or exc
+            raise self._error("store", key, cause if isinstance(cause, (ClientError, BotoCoreError)) else exc) from exc
+        return self.uri(key)
+
+    def put_bytes(self, key: str, data: bytes) -> str:
+        try:
+            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error("store", key, exc) from exc
+        return self.uri(key)
+
+    def local_path(self, key: str) -> Path | None:
+        return None
+
+    def scratch_dir(self) -> Path:
+        scratch = Path(tempfile.gettempdir()) / "actq-upload"
+        scratch.mkdir(parents=True, exist_ok=True)
+        return scratch
+
+    def delete_prefix(self, prefix: str) -> None:
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix) + "/")
+            for page in pages:
+                objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
+                if objects:
+                    self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": objects, "Quiet": True})
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error("delete", prefix, exc) from exc
+
+    def size(self, key: str) -> int:
+        try:
+            return int(self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"])
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error("read", key, exc) from exc
+
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        if length <= 0:
+            return b""
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}")["Body"]
+            data = body.read()
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error("read", key, exc) from exc
+        self.bytes_read += len(data)
+        return data
+
+    def stream(self, key: str, chunk: int = 1 << 20) -> Iterator[bytes]:
+        try:
+            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error("read", key, exc) from exc
+        yield from body.iter_chunks(chunk)
+
+    def presigned_url(self, key: str, expires: int) -> str | None:
+        return self.client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires
+        )
+
+    def check(self) -> None:
+        try:
+            self.client.head_bucket(Bucket=self.bucket)
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket"):
+                raise StorageError(f"bucket {self.bucket!r} does not exist") from exc
+            raise self._error("reach", "the bucket", exc) from exc
+        except BotoCoreError as exc:
+            raise self._error("reach", "the bucket", exc) from exc

@@ -1,0 +1,73 @@
+"""Reading one tensor (or some of its rows) out of a stored safetensors file without fetching the
+rest: the 8-byte header length, the JSON header, then exactly the tensor's byte range."""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+
+from shared.errors import BadRequest, JobNotFound, StorageError
+from shared.storage import ArtifactStore
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
+
+
+def parse_rows(text: str | None) -> tuple[int | None, int | None] | None:
+    """`start:stop` (either may be empty) -> (start, stop); None for no slicing."""
+    if text is None:
+        return None
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p == "" or p.isdigit() for p in parts):
+        raise BadRequest(f"rows={text!r}: use start:stop with non-negative integers, e.g. rows=0:16")
+    return tuple(int(p) if p else None for p in parts)  # type: ignore[return-value]
+
+
+def read_header(store: ArtifactStore, key: str) -> tuple[int, dict]:
+    raw = store.read_range(key, 0, 8)
+    if len(raw) != 8:
+        raise StorageError(f"{key} is not a safetensors file")
+    (length,) = struct.unpack("<Q", raw)
+    if length > MAX_HEADER_BYTES:
+        raise StorageError(f"{key} has an implausible safetensors header ({length} bytes)")
+    return 8 + length, json.loads(store.read_range(key, 8, length))
+
+
+def encode(tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict[str, str]) -> bytes:
+    """A safetensors file from (dtype, shape, raw bytes) per name."""
+    header: dict = {"__metadata__": metadata}
+    chunks, offset = [], 0
+    for name, (dtype, shape, data) in tensors.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + len(data)]}
+        chunks.append(data)
+        offset += len(data)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # keep the data 8-byte aligned
+    return struct.pack("<Q", len(text)) + text + b"".join(chunks)
+
+
+def read_tensor(store: ArtifactStore, key: str, name: str, rows: tuple[int | None, int | None] | None) -> bytes:
+    """One tensor as a small safetensors file, reading only the header and that tensor's bytes."""
+    data_start, header = read_header(store, key)
+    info = header.get(name) if name != "__metadata__" else None
+    if info is None:
+        names = ", ".join(k for k in header if k != "__metadata__")
+        raise JobNotFound(f"no tensor named {name!r} in this job's activations; tensors: {names}")
+    dtype, shape = info["dtype"], list(info["shape"])
+    begin, end = info["data_offsets"]
+    if rows is not None:
+        if not shape:
+            raise BadRequest(f"{name} is a scalar; it has no rows to slice")
+        first = 0 if rows[0] is None else rows[0]
+        last = shape[0] if rows[1] is None else min(rows[1], shape[0])
+        if first >= last:
+            raise BadRequest(f"rows={first}:{rows[1]} selects nothing: {name} has {shape[0]} rows")
+        row_bytes = math.prod(shape[1:]) * DTYPE_BYTES[dtype]
+        begin, end = begin + first * row_bytes, begin + last * row_bytes
+        shape[0] = last - first
+    metadata = {k: str(v) for k, v in header.get("__metadata__", {}).items()}
+    if rows is not None:
+        metadata["rows"] = f"{first}:{last}"
+    data = store.read_range(key, data_start + begin, end - begin)
+    return encode({name: (dtype, shape, data)}, metadata)
