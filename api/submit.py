@@ -10,7 +10,7 @@ from kombu.exceptions import OperationalError
 
 from api.deps import Services
 from shared import capture_spec, keys
-from shared.errors import BadRequest, NotReady, ServiceUnavailable, UnknownModel
+from shared.errors import BadRequest, Conflict, NotReady, ServiceUnavailable, UnknownModel
 from shared.jobs import now
 from shared.schemas import CapturePoint, JobRecord, JobRequest, JobStatus
 
@@ -62,7 +62,7 @@ def submit(services: Services, request: JobRequest, idempotency_key: str | None)
         existing = _claim_idempotency_key(services, idempotency_key, job_id)
         if existing is not None:
             if existing.request != request:
-                raise BadRequest("this Idempotency-Key was used for a different request; use a new key")
+                raise Conflict("this Idempotency-Key was used for a different request; use a new key")
             return existing, False
     record = JobRecord(
         id=job_id, status=JobStatus.queued, model=request.model, request=request, max_tokens=max_tokens,

@@ -6,6 +6,8 @@
     │   └── CaptureTooLarge    (422)  the estimated capture exceeds the budget
     ├── UnknownModel           (404)  no worker has ever served this model
     ├── JobNotFound            (404)
+    ├── TensorNotFound         (404)  the job exists; the tensor name does not
+    ├── Conflict               (409)  e.g. an Idempotency-Key reused for another request
     ├── NotReady               (409)  e.g. activations of a job that has not succeeded
     ├── ServiceUnavailable     (503)  Redis (or the broker) cannot be reached
     └── JobFailure                    raised inside the worker; stored on the job as {type, message}
@@ -51,6 +53,16 @@ class UnknownModel(ActqError):
 class JobNotFound(ActqError):
     status_code = 404
     error_type = "job_not_found"
+
+
+class TensorNotFound(ActqError):
+    status_code = 404
+    error_type = "tensor_not_found"
+
+
+class Conflict(ActqError):
+    status_code = 409
+    error_type = "conflict"
 
 
 class NotReady(ActqError):

@@ -25,6 +25,8 @@ _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenie
 
 
 class S3Store(ArtifactStore):
+    durable_scratch = False  # the scratch file is uploaded, then deleted
+
     def __init__(self, bucket: str, prefix: str, *, endpoint_url: str | None, region: str | None, chunk_bytes: int) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")

@@ -35,6 +35,10 @@ def check_key(key: str) -> str:
 
 
 class ArtifactStore(ABC):
+    # Whether files written to scratch_dir() must be fsynced: yes when they become the stored
+    # object (local rename); no when they are only uploaded and deleted (S3 keeps them durable).
+    durable_scratch = True
+
     @abstractmethod
     def put_file(self, key: str, src: Path) -> str:
         """Store a finished local file under `key` (consuming it); returns the object's URI.

@@ -71,7 +71,7 @@ def test_control_commands_answer_while_a_job_runs(live_smol):
         running = http.get(f"/jobs/{job_id}").json()["status"]
         assert running == "running", "the job ended before the ping; make it longer"
         assert replies and all(reply == {"ok": "pong"} for reply in replies.values())
-        assert len(replies) == 2  # the tiny and the SmolLM2 workers both answered
+        assert any(name.startswith("smol-") for name in replies)  # the busy SmolLM2 worker answered
         assert elapsed < 2.0
         assert live_smol.wait(http, job_id, timeout=300)["status"] == "succeeded"
 

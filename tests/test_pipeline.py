@@ -154,7 +154,7 @@ def test_idempotency_key_returns_the_same_job(live, http):
     assert first.json()["id"] == second.json()["id"]
     live.wait(http, first.json()["id"])
     other = http.post("/jobs", json=job_body(capture=None, max_tokens=3), headers={"Idempotency-Key": "problem-17"})
-    assert other.status_code == 422 and "used for a different request" in other.json()["detail"]
+    assert other.status_code == 409 and "used for a different request" in other.json()["detail"]
 
 
 def test_concurrent_retries_with_one_idempotency_key_make_one_job(live, redis_client):

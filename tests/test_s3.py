@@ -15,7 +15,7 @@ from shared import stack
 from shared.redis_server import free_port
 from shared.settings import Settings
 from shared.storage import open_store
-from shared.tensor_slice import read_tensor
+from shared.safetensors_io import read_tensor
 from tests.s3_server import BUCKET, SeaweedS3
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -81,6 +81,7 @@ def test_single_tensor_download_reads_only_header_and_tensor(live_s3, s3_job, s3
     assert torch.equal(load_safetensors(rows.content)["model.layers.2"], full["model.layers.2"][3:7])
     assert torch.equal(load_safetensors(ids.content)["token_ids"], full["token_ids"][5:])
     assert missing.status_code == 404 and "tensors: model.layers.0" in missing.json()["detail"]
+    assert missing.json()["error"] == "tensor_not_found"
     assert bad_rows.status_code == 422 and "selects nothing" in bad_rows.json()["detail"]
 
     store = open_store(Settings(storage_url=f"s3://{BUCKET}/runs", s3_endpoint_url=s3_server.endpoint))
@@ -108,6 +109,7 @@ def test_delete_cancels_a_queued_job_and_removes_a_finished_one(live, http, s3_j
     queued = live.submit(http, body(model="tiny", capture=None))
     cancelled = http.delete(f"/jobs/{queued}")
     assert cancelled.status_code == 200 and cancelled.json()["status"] == "cancelled"
+    assert cancelled.json()["error"]["type"] == "cancelled"
     running = http.delete(f"/jobs/{long}")
     assert running.status_code in (409, 204)  # 409 while it runs (it may already have finished)
     live.wait(http, long)

@@ -2,26 +2,17 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
+import os
 import tempfile
 from pathlib import Path
 
-from safetensors.torch import save_file
-
+from shared.safetensors_io import write_file
 from shared.schemas import ActivationsManifest, TensorInfo
 from shared.storage import ArtifactStore, StorageError, activations_key, manifest_key
 from worker.engine import Generation
 
 FORMAT = "actq/1"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def write_activations(
@@ -40,15 +31,16 @@ def write_activations(
         "positions": positions,
     }
     try:
-        handle = tempfile.NamedTemporaryFile(dir=store.scratch_dir(), suffix=".safetensors", delete=False)
-        handle.close()
-        tmp = Path(handle.name)
-        save_file(tensors, str(tmp), metadata=metadata)
+        fd, name = tempfile.mkstemp(dir=store.scratch_dir(), suffix=".safetensors")
+        os.close(fd)
+        tmp = Path(name)
     except OSError as exc:
         raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
     try:
-        size = tmp.stat().st_size
-        sha = _sha256(tmp)
+        try:
+            size, sha = write_file(tmp, tensors, metadata, fsync=store.durable_scratch)
+        except OSError as exc:
+            raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
         key = activations_key(job_id)
         uri = store.put_file(key, tmp)
     finally:

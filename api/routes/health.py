@@ -20,11 +20,14 @@ def health(services: ServicesDep) -> JSONResponse:
         services.redis.ping()
         workers = {name: len(services.registry.live_workers(name)) for name in services.registry.names()}
     except redis.RedisError as exc:
-        return JSONResponse({"status": "unavailable", "redis": f"unreachable: {type(exc).__name__}"}, status_code=503)
+        body = {"status": "unavailable", "redis": f"unreachable: {type(exc).__name__}"}
+        return JSONResponse({"error": "service_unavailable", "detail": "Redis cannot be reached", **body}, status_code=503)
     try:
         services.store.check()
         storage = "ok"
     except StorageError as exc:
         storage = exc.message
     body = {"status": "ok" if storage == "ok" else "unavailable", "redis": "ok", "storage": storage, "workers": workers}
+    if storage != "ok":
+        body = {"error": "service_unavailable", "detail": f"the artifact store cannot be used: {storage}", **body}
     return JSONResponse(body, status_code=200 if storage == "ok" else 503)

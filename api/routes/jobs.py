@@ -12,14 +12,15 @@ from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 from api.deps import ServicesDep
 from api.submit import submit
 from api.waiting import wait_for_job
-from shared.errors import JobNotFound, NotReady
+from shared.errors import JobNotFound, NotReady, TensorNotFound
 from shared.jobs import now
-from shared.tensor_slice import parse_rows, read_tensor
-from shared.schemas import JobRecord, JobRequest, JobStatus, JobView
+from shared.safetensors_io import parse_rows, read_tensor
+from shared.schemas import JobError, JobRecord, JobRequest, JobStatus, JobView
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
 ERRORS = {404: {"description": "No such job"}}
+CANCELLED = JobError(type="cancelled", message="cancelled by DELETE /jobs/{id} before it ran")
 
 
 def load(services, job_id: str) -> JobRecord:
@@ -107,7 +108,7 @@ def download_tensor(
     record = _artifacts(services, job_id)
     known = {t.name for t in record.activations.tensors} | {"token_ids"}
     if name not in known:
-        raise JobNotFound(f"no tensor named {name!r} in job {job_id}; tensors: {', '.join(sorted(known))}")
+        raise TensorNotFound(f"no tensor named {name!r} in job {job_id}; tensors: {', '.join(sorted(known))}")
     data = read_tensor(services.store, record.activations.key, name, parse_rows(rows))
     return Response(data, media_type="application/octet-stream")
 
@@ -119,7 +120,7 @@ def delete_job(job_id: str, services: ServicesDep, request: Request) -> Response
     record = load(services, job_id)
     if record.status is JobStatus.queued:
         cancelled = services.jobs.update(
-            job_id, lambda r: r.model_copy(update={"status": JobStatus.cancelled, "finished_at": now()}) if r.status is JobStatus.queued else None
+            job_id, lambda r: r.model_copy(update={"status": JobStatus.cancelled, "finished_at": now(), "error": CANCELLED}) if r.status is JobStatus.queued else None
         )
         if cancelled is not None:
             return view(cancelled, request)

@@ -1,0 +1,113 @@
+"""The safetensors format, both ways, where the library has no API for what we need:
+
+- writing a file in one pass while hashing it (the worker knows the file's sha256 without reading
+  it back; the hash runs on another core while the bytes are written);
+- reading one tensor (or some of its rows) out of a stored file without fetching the rest: the
+  8-byte header length, the JSON header, then exactly the tensor's byte range.
+
+Layout (https://github.com/huggingface/safetensors): u64 little-endian header length N, N bytes
+of JSON `{name: {dtype, shape, data_offsets: [begin, end]}, "__metadata__": {str: str}}`, then the
+tensors' bytes, offsets relative to the end of the header. Files are read back with the
+safetensors library in the tests."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+from shared.errors import BadRequest, StorageError, TensorNotFound
+from shared.storage import ArtifactStore
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
+
+
+def parse_rows(text: str | None) -> tuple[int | None, int | None] | None:
+    """`start:stop` (either may be empty) -> (start, stop); None for no slicing."""
+    if text is None:
+        return None
+    parts = text.split(":")
+    if len(parts) != 2 or not all(p == "" or p.isdigit() for p in parts):
+        raise BadRequest(f"rows={text!r}: use start:stop with non-negative integers, e.g. rows=0:16")
+    return tuple(int(p) if p else None for p in parts)  # type: ignore[return-value]
+
+
+def read_header(store: ArtifactStore, key: str) -> tuple[int, dict]:
+    raw = store.read_range(key, 0, 8)
+    if len(raw) != 8:
+        raise StorageError(f"{key} is not a safetensors file")
+    (length,) = struct.unpack("<Q", raw)
+    if length > MAX_HEADER_BYTES:
+        raise StorageError(f"{key} has an implausible safetensors header ({length} bytes)")
+    return 8 + length, json.loads(store.read_range(key, 8, length))
+
+
+def _header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> bytes:
+    header: dict = {"__metadata__": metadata}
+    offset = 0
+    for name, dtype, shape, size in entries:
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # keep the data 8-byte aligned
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_file(path, tensors: dict, metadata: dict[str, str], fsync: bool = True) -> tuple[int, str]:
+    """Write torch tensors as a safetensors file (fsynced unless told otherwise) and return
+    (bytes, sha256). Each piece is hashed on a second thread while it is written: one pass."""
+    import torch
+
+    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
+    views, entries = [], []
+    for name, tensor in tensors.items():
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        views.append(memoryview(flat.view(torch.uint8).numpy()))
+        entries.append((name, names[tensor.dtype], list(tensor.shape), flat.numel() * flat.element_size()))
+    digest, size = hashlib.sha256(), 0
+    with open(path, "wb") as handle, ThreadPoolExecutor(max_workers=1) as pool:
+        for piece in [memoryview(_header(entries, metadata)), *views]:
+            hashing = pool.submit(digest.update, piece)  # hashlib and file writes release the GIL
+            handle.write(piece)
+            hashing.result()
+            size += piece.nbytes
+        handle.flush()
+        if fsync:
+            os.fsync(handle.fileno())
+    return size, digest.hexdigest()
+
+
+def encode(tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict[str, str]) -> bytes:
+    """A safetensors file from (dtype, shape, raw bytes) per name."""
+    entries = [(name, dtype, shape, len(data)) for name, (dtype, shape, data) in tensors.items()]
+    return _header(entries, metadata) + b"".join(data for _, _, data in tensors.values())
+
+
+def read_tensor(store: ArtifactStore, key: str, name: str, rows: tuple[int | None, int | None] | None) -> bytes:
+    """One tensor as a small safetensors file, reading only the header and that tensor's bytes."""
+    data_start, header = read_header(store, key)
+    info = header.get(name) if name != "__metadata__" else None
+    if info is None:
+        names = ", ".join(k for k in header if k != "__metadata__")
+        raise TensorNotFound(f"no tensor named {name!r} in this job's activations; tensors: {names}")
+    dtype, shape = info["dtype"], list(info["shape"])
+    begin, end = info["data_offsets"]
+    if rows is not None:
+        if not shape:
+            raise BadRequest(f"{name} is a scalar; it has no rows to slice")
+        first = 0 if rows[0] is None else rows[0]
+        last = shape[0] if rows[1] is None else min(rows[1], shape[0])
+        if first >= last:
+            raise BadRequest(f"rows={first}:{rows[1]} selects nothing: {name} has {shape[0]} rows")
+        row_bytes = math.prod(shape[1:]) * DTYPE_BYTES[dtype]
+        begin, end = begin + first * row_bytes, begin + last * row_bytes
+        shape[0] = last - first
+    metadata = {k: str(v) for k, v in header.get("__metadata__", {}).items()}
+    if rows is not None:
+        metadata["rows"] = f"{first}:{last}"
+    data = store.read_range(key, data_start + begin, end - begin)
+    return encode({name: (dtype, shape, data)}, metadata)
