@@ -1,0 +1,396 @@
+"""The Python client for the actq API.
+
+    from shared.client import Client
+
+    with Client("http://localhost:8000") as actq:
+        job = actq.submit("smollm2-135m", [{"role": "user", "content": "What is 2+3?"}],
+                          max_tokens=32, capture={"modules": ["model.layers.{8,16}"]})
+        job.wait(timeout=300)              # long polls GET /jobs/{id}?wait=...
+        print(job.result.text)
+        tensors = job.activations()        # {name: torch.Tensor}, sha256-checked
+        layer8 = job.tensor("model.layers.8", rows=(0, 10))
+
+Only httpx is needed to import this module; torch and safetensors are imported by the methods
+that return tensors. Every API error becomes an `ActqClientError` subclass carrying the API's
+`error` type and `detail` message.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import quote
+
+import httpx
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+__all__ = [
+    "ActqClientError", "BadRequest", "NotFound", "Conflict", "Unavailable", "JobFailed", "ChecksumMismatch",
+    "Client", "Job", "Result", "Usage", "TERMINAL",
+]  # fmt: skip
+
+TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+MAX_LONG_POLL = 60.0  # the API's upper bound for ?wait=
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+class ActqClientError(Exception):
+    """An error answered by the API (or found by the client): HTTP status, the API's `error`
+    type and its `detail` message."""
+
+    def __init__(self, status_code: int | None, error_type: str, detail: str) -> None:
+        super().__init__(status_code, error_type, detail)
+        self.status_code = status_code
+        self.error_type = error_type
+        self.detail = detail
+
+    def __str__(self) -> str:
+        status = f"{self.status_code} " if self.status_code is not None else ""
+        return f"{status}{self.error_type}: {self.detail}"
+
+
+class BadRequest(ActqClientError):
+    """400/422: the request cannot be run as given (nothing was enqueued)."""
+
+
+class NotFound(ActqClientError):
+    """404: unknown job or model, or no activations for that job."""
+
+
+class Conflict(ActqClientError):
+    """409: e.g. the activations of a job that has not succeeded."""
+
+
+class Unavailable(ActqClientError):
+    """503: the API cannot reach Redis or the broker; retrying later is reasonable."""
+
+
+class JobFailed(ActqClientError):
+    """The job ended `failed` or `cancelled`. `error_type` is the job's `error.type`
+    (e.g. `context_length_exceeded`, or `cancelled`), `detail` its message, `job` the job."""
+
+    def __init__(self, job: Job, error_type: str, detail: str) -> None:
+        super().__init__(None, error_type, detail)
+        self.job = job
+
+
+class ChecksumMismatch(ActqClientError):
+    """The downloaded activations do not match the sha256 or size in the job's manifest."""
+
+
+_BY_STATUS = {400: BadRequest, 422: BadRequest, 404: NotFound, 409: Conflict, 503: Unavailable}
+
+
+def _raise_for_error(response: httpx.Response) -> None:
+    if response.status_code < 400:
+        return
+    response.read()
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and "error" in body:
+        error_type, detail = str(body["error"]), str(body.get("detail", ""))
+    else:  # not the API's error shape (a proxy, or /health's 503 body)
+        error_type, detail = f"http_{response.status_code}", response.text[:1000] or response.reason_phrase
+    raise _BY_STATUS.get(response.status_code, ActqClientError)(response.status_code, error_type, detail)
+
+
+# --- results ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+@dataclass(frozen=True)
+class Result:
+    """A finished job's completion: `text`, `finish_reason` (`stop` or `length`), `usage`."""
+
+    text: str
+    finish_reason: str
+    usage: Usage
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Result:
+        return cls(text=data["text"], finish_reason=data["finish_reason"], usage=Usage(**data["usage"]))
+
+
+class Job:
+    """One job as the API last described it. `data` is the raw job JSON; `refresh()` and
+    `wait()` update it in place."""
+
+    def __init__(self, client: Client, data: dict) -> None:
+        self._client = client
+        self.data = data
+
+    def __repr__(self) -> str:
+        return f"Job(id={self.id!r}, status={self.status!r})"
+
+    @property
+    def id(self) -> str:
+        return self.data["id"]
+
+    @property
+    def status(self) -> str:
+        """`queued`, `running`, `succeeded`, `failed` or `cancelled` (as of the last answer)."""
+        return self.data["status"]
+
+    @property
+    def done(self) -> bool:
+        """True once the job is in a final state."""
+        return self.status in TERMINAL
+
+    @property
+    def result(self) -> Result | None:
+        """The completion once the job has succeeded, else None."""
+        raw = self.data.get("result")
+        return None if raw is None else Result.from_dict(raw)
+
+    @property
+    def manifest(self) -> dict | None:
+        """The activations manifest (uri, key, sha256, bytes, tensors[...]) once the job has
+        succeeded with a capture spec, else None."""
+        return self.data.get("activations")
+
+    @property
+    def error(self) -> dict | None:
+        """`{type, message}` for a failed job, else None."""
+        return self.data.get("error")
+
+    def refresh(self) -> Job:
+        """Re-read the job (`GET /jobs/{id}`). Returns self."""
+        self.data = self._client._get_job(self.id)
+        return self
+
+    def wait(self, timeout: float | None = None, poll: float = 30.0) -> Job:
+        """Block until the job is final, long polling `GET /jobs/{id}?wait=` (each request held
+        up to `poll` seconds, at most 60). Returns self once it has succeeded.
+
+        Raises `JobFailed` when it failed or was cancelled, `TimeoutError` when it is not final
+        after `timeout` seconds (None: wait forever). Should the server answer a long poll early
+        without the job being final, the next requests are spaced with a growing pause."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poll = max(0.0, min(poll, MAX_LONG_POLL))
+        pause = 0.0
+        while not self.done:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"job {self.id} is still {self.status} after {timeout}s")
+            hold = poll if remaining is None else min(poll, remaining)
+            started = time.monotonic()
+            self.data = self._client._get_job(self.id, wait=hold)
+            if self.done:
+                break
+            if hold > 0 and time.monotonic() - started >= 0.9 * hold:
+                pause = 0.0  # the long poll held as asked: no extra pause needed
+            else:  # answered early without finishing: back off, never sleeping past the deadline
+                pause = min(max(2 * pause, 0.05), 2.0)
+                if deadline is not None:
+                    pause = min(pause, max(0.0, deadline - time.monotonic()))
+                time.sleep(pause)
+        if self.status != "succeeded":
+            error = self.error or {"type": self.status, "message": f"job {self.id} was {self.status}"}
+            raise JobFailed(self, error["type"], error["message"])
+        return self
+
+    # --- activations -------------------------------------------------------------------------
+
+    @contextmanager
+    def _stream_file(self, *, proxy: bool = False) -> Iterator[httpx.Response]:
+        params = {"proxy": "true"} if proxy else None
+        with self._client._stream("GET", f"/jobs/{self.id}/activations", params=params) as response:
+            yield response
+
+    def _expected(self) -> dict | None:
+        if self.manifest is None:
+            self.refresh()
+        return self.manifest
+
+    def _check(self, digest: str, size: int) -> None:
+        manifest = self._expected()
+        if manifest is None:
+            return
+        if size != manifest["bytes"] or digest != manifest["sha256"]:
+            raise ChecksumMismatch(
+                None, "checksum_mismatch",
+                f"activations of job {self.id}: got {size} bytes with sha256 {digest}, the manifest says "
+                f"{manifest['bytes']} bytes with sha256 {manifest['sha256']}",
+            )  # fmt: skip
+
+    def activations_bytes(self, *, proxy: bool = False) -> bytes:
+        """The job's safetensors file as bytes, checked against the manifest's sha256 and size.
+        `proxy=True` asks the API to stream it instead of redirecting to the object store."""
+        with self._stream_file(proxy=proxy) as response:
+            data = response.read()
+        self._check(hashlib.sha256(data).hexdigest(), len(data))
+        return data
+
+    def activations(self, *, proxy: bool = False) -> dict[str, torch.Tensor]:
+        """Every tensor of the job's file, `{name: tensor}` (including `token_ids`), after
+        checking the download's sha256 against the manifest. Needs torch and safetensors."""
+        from safetensors.torch import load
+
+        return load(self.activations_bytes(proxy=proxy))
+
+    def download(self, path: str | os.PathLike, *, proxy: bool = False) -> Path:
+        """Stream the safetensors file to `path` (written to a temporary file beside it, checked
+        against the manifest's sha256, then renamed). Returns the path."""
+        path = Path(path)
+        digest, size = hashlib.sha256(), 0
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
+        try:
+            with os.fdopen(fd, "wb") as out, self._stream_file(proxy=proxy) as response:
+                for chunk in response.iter_bytes(1 << 20):
+                    out.write(chunk)
+                    digest.update(chunk)
+                    size += len(chunk)
+            self._check(digest.hexdigest(), size)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        return path
+
+    def tensor(self, name: str, rows: slice | tuple[int, int] | None = None) -> torch.Tensor:
+        """One tensor of the job's file, fetched alone (`GET /jobs/{id}/activations/{name}`).
+        `rows` selects rows of the first dimension: a `slice` (step 1) or a `(start, stop)` pair;
+        with a slice, negative or missing bounds are resolved from the manifest's shape."""
+        from safetensors.torch import load
+
+        params = None
+        if rows is not None:
+            params = {"rows": self._rows(name, rows)}
+        with self._client._stream("GET", f"/jobs/{self.id}/activations/{quote(name, safe='')}", params=params) as response:
+            data = response.read()
+        return load(data)[name]
+
+    def _rows(self, name: str, rows: slice | tuple[int, int]) -> str:
+        if isinstance(rows, tuple):
+            start, stop = rows
+            return f"{int(start)}:{int(stop)}"
+        if rows.step not in (None, 1):
+            raise ValueError("rows: only contiguous slices (step 1) can be fetched")
+        info = next((t for t in (self.manifest or {}).get("tensors", []) if t["name"] == name), None)
+        if info is not None:
+            start, stop, _ = rows.indices(info["shape"][0])
+            return f"{start}:{max(start, stop)}"
+        if (rows.start or 0) < 0 or (rows.stop or 0) < 0:
+            raise ValueError(f"rows: negative bounds need the tensor's length, and {name!r} is not in the manifest")
+        return f"{rows.start or 0}:{'' if rows.stop is None else rows.stop}"
+
+    # --- cancel / delete ---------------------------------------------------------------------
+
+    def delete(self) -> Job:
+        """`DELETE /jobs/{id}`: a queued job becomes `cancelled` (this Job is updated); a finished
+        job's record and artifacts are deleted (this Job keeps its last known state). Returns self."""
+        response = self._client._request("DELETE", f"/jobs/{self.id}")
+        if response.status_code == 200 and response.content:
+            self.data = response.json()
+        return self
+
+    cancel = delete
+
+
+# --- the client -------------------------------------------------------------------------------
+
+
+class Client:
+    """A connection to an actq API. `api_key`, when given, is sent as `Authorization: Bearer`.
+    Use as a context manager, or call `close()`."""
+
+    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 30.0) -> None:
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.timeout = timeout
+        # Redirects are followed only for downloads (the S3 store answers 307 to a presigned
+        # URL); httpx drops the Authorization header when a redirect leaves the API's origin.
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the connection pool."""
+        self._http.close()
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        response = self._http.request(method, path, **kwargs)
+        _raise_for_error(response)
+        return response
+
+    @contextmanager
+    def _stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
+        with self._http.stream(method, path, follow_redirects=True, **kwargs) as response:
+            _raise_for_error(response)
+            yield response
+
+    def _get_job(self, job_id: str, wait: float = 0.0) -> dict:
+        if wait <= 0:
+            return self._request("GET", f"/jobs/{quote(job_id, safe='')}").json()
+        # The request is held up to `wait` seconds: the read timeout must outlast it.
+        timeout = httpx.Timeout(self.timeout, read=wait + self.timeout)
+        return self._request("GET", f"/jobs/{quote(job_id, safe='')}", params={"wait": round(wait, 3)}, timeout=timeout).json()
+
+    def submit(
+        self,
+        model: str,
+        messages: list[dict],
+        *,
+        max_tokens: int | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        stop: str | list[str] | None = None,
+        capture: dict | None = None,
+        idempotency_key: str | None = None,
+    ) -> Job:
+        """Queue a chat completion (`POST /jobs`); returns the queued `Job`. `capture` is the
+        capture spec, e.g. `{"modules": ["model.layers.*"], "positions": "all", "dtype": "float32"}`.
+        With `idempotency_key`, a retry returns the job the first request created."""
+        body: dict[str, Any] = {"model": model, "messages": messages, "temperature": temperature, "top_p": top_p}
+        for key, value in (("max_tokens", max_tokens), ("seed", seed), ("stop", stop), ("capture", capture)):
+            if value is not None:
+                body[key] = value
+        headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else None
+        return Job(self, self._request("POST", "/jobs", json=body, headers=headers).json())
+
+    def submit_many(self, requests: Iterable[dict], idempotency_keys: Iterable[str] | None = None) -> list[Job]:
+        """Submit each request (a dict of `submit`'s arguments: model, messages, ...) in order,
+        over one connection. With `idempotency_keys` (one per request), re-running the same
+        call after a failure part-way returns the jobs already created instead of duplicates."""
+        requests = list(requests)
+        keys: list[str | None] = [None] * len(requests) if idempotency_keys is None else list(idempotency_keys)
+        if len(keys) != len(requests):
+            raise ValueError(f"{len(requests)} requests but {len(keys)} idempotency keys")
+        return [self.submit(**request, idempotency_key=key) for request, key in zip(requests, keys)]
+
+    def job(self, job_id: str) -> Job:
+        """The job with this id (`GET /jobs/{id}`); `NotFound` when there is none."""
+        return Job(self, self._get_job(job_id))
+
+    def models(self, include_offline: bool = False) -> list[dict]:
+        """`GET /models`: served models, each with its module paths in forward order."""
+        params = {"include_offline": "true"} if include_offline else None
+        return self._request("GET", "/models", params=params).json()
+
+    def health(self) -> dict:
+        """`GET /health`: `{"status": "ok", "redis": "ok", "workers": {model: count}}`;
+        `Unavailable` when the API cannot reach Redis."""
+        return self._request("GET", "/health").json()
