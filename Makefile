@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.actq-installed
 
-.PHONY: install run test bench clean
+.PHONY: install run test bench bench-storage clean
 
 install: $(STAMP)
 
@@ -31,6 +31,9 @@ test: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_pipeline.py
+
+bench-storage: $(STAMP)
+	$(BIN)/python bench/bench_storage.py --runs 9
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
