@@ -185,3 +185,21 @@ def test_health_reports_an_unusable_store(live_s3, tmp_path):
             assert http.get("/health").json()["storage"] == "ok"
     finally:
         stack.stop(api)
+
+
+def test_large_files_go_up_in_parts_and_appear_whole(s3_server, tmp_path, monkeypatch):
+    from shared.s3_store import S3Store
+
+    for name, value in s3_server.env().items():
+        monkeypatch.setenv(name, value)  # the standard AWS chain, as a worker has it
+    store = S3Store(BUCKET, "parts", endpoint_url=s3_server.endpoint, region=None, chunk_bytes=5 << 20)
+    calls: list[str] = []
+    store.client.meta.events.register("before-call.s3.*", lambda model, **_: calls.append(model.name))
+    src = tmp_path / "big.bin"
+    payload = bytes(range(256)) * (12 << 20 >> 8)  # 12 MiB: three parts of 5 MiB or less
+    src.write_bytes(payload)
+    assert store.put_file("jobs/big/activations.safetensors", src) == f"s3://{BUCKET}/parts/jobs/big/activations.safetensors"
+    assert calls.count("UploadPart") == 3 and "CompleteMultipartUpload" in calls and "PutObject" not in calls
+    stored = s3_server.client().get_object(Bucket=BUCKET, Key="parts/jobs/big/activations.safetensors")["Body"].read()
+    assert stored == payload
+    assert store.read_range("jobs/big/activations.safetensors", 5, 10) == payload[5:15]
