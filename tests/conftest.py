@@ -133,6 +133,17 @@ def http(live):
         yield client
 
 
+def health_when_up(base_url: str, timeout: float = 20) -> httpx.Response:
+    """GET /health of an API process that may still be starting."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return httpx.get(f"{base_url}/health", timeout=10)
+        except httpx.TransportError:
+            assert time.monotonic() < deadline, f"{base_url} did not come up"
+            time.sleep(0.1)
+
+
 def queued_messages(client: redis.Redis, model: str) -> int:
     return client.llen(keys.queue(model))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shared.capture_spec import check_budget, estimate_bytes, parse, prompt_tokens_upper_bound, resolve
+from shared.capture_spec import check_budget, estimate_bytes, prompt_tokens_upper_bound, resolve
 from shared.errors import CaptureSpecError, CaptureTooLarge
 from shared.schemas import CaptureSpec, JobRequest, ModelInfo, ModuleInfo
 

@@ -7,7 +7,7 @@ import torch
 
 from shared.capture_spec import resolve
 from shared.errors import ContextLengthExceeded
-from shared.schemas import CaptureSpec, JobRequest
+from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.reference import hooked_generate, select
 from tests.tiny_model import TINY_CONTEXT

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from shared import keys
 from shared.queueing import make_celery
 from shared.settings import Settings
-from tests.conftest import TINY
+from tests.conftest import TINY, health_when_up
 from tests.reference import hooked_generate, select
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -215,14 +215,7 @@ def test_health_is_503_when_redis_is_unreachable(live):
     env = {**live.env, "ACTQ_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     api = stack.start_api(env, live.storage_dir.parent / "api-no-redis.log", port)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=5)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        health = health_when_up(f"http://127.0.0.1:{port}")
         assert health.status_code == 503 and "unreachable" in health.json()["redis"]
         post = httpx.post(f"http://127.0.0.1:{port}/jobs", json=job_body(), timeout=20)
         assert post.status_code == 503 and "cannot be reached" in post.json()["detail"]

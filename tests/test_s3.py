@@ -16,6 +16,7 @@ from shared.redis_server import free_port
 from shared.settings import Settings
 from shared.storage import open_store
 from shared.safetensors_io import read_tensor
+from tests.conftest import health_when_up
 from tests.s3_server import BUCKET, SeaweedS3
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -172,14 +173,7 @@ def test_health_reports_an_unusable_store(live_s3, tmp_path):
     env = {**live_s3.env, "ACTQ_STORAGE_URL": "s3://no-such-bucket/x"}
     api = stack.start_api(env, tmp_path / "api.log", port)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                health = httpx.get(f"http://127.0.0.1:{port}/health", timeout=10)
-                break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline
-                time.sleep(0.1)
+        health = health_when_up(f"http://127.0.0.1:{port}")
         assert health.status_code == 503 and health.json()["storage"] == "bucket 'no-such-bucket' does not exist"
         with live_s3.client() as http:
             assert http.get("/health").json()["storage"] == "ok"
