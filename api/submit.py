@@ -10,15 +10,19 @@ from kombu.exceptions import OperationalError
 
 from api.deps import Services
 from shared import capture_spec, keys
-from shared.errors import BadRequest, Conflict, NotReady, ServiceUnavailable, UnknownModel
+from shared.errors import ActqError, BadRequest, Conflict, NotReady, ServiceUnavailable, UnknownModel
 from shared.jobs import now
-from shared.schemas import CapturePoint, JobRecord, JobRequest, JobStatus
+from shared.schemas import BatchEntry, CapturePoint, JobRecord, JobRequest, JobStatus
 
 
-def plan(services: Services, request: JobRequest) -> tuple[int, list[CapturePoint]]:
-    """Everything that can be refused before a job exists. Returns max_tokens and the capture points."""
+def plan(services: Services, request: JobRequest, cache: dict | None = None) -> tuple[int, list[CapturePoint]]:
+    """Everything that can be refused before a job exists. Returns max_tokens and the capture points.
+    `cache` (one per batch) keeps model descriptions and resolved specs across entries."""
     settings = services.settings
-    info = services.registry.get(request.model)
+    cache = {} if cache is None else cache
+    if ("model", request.model) not in cache:
+        cache[("model", request.model)] = services.registry.get(request.model)
+    info = cache[("model", request.model)]
     if info is None:
         served = ", ".join(services.registry.names()) or "none yet (is a worker running?)"
         raise UnknownModel(f"model {request.model!r} is not served here; served models: {served}")
@@ -29,7 +33,10 @@ def plan(services: Services, request: JobRequest) -> tuple[int, list[CapturePoin
         raise BadRequest(f"max_tokens {max_tokens} leaves no room for a prompt in {info.name}'s context of {info.max_context}")
     if request.capture is None:
         return max_tokens, []
-    points = capture_spec.resolve(request.capture, info)
+    spec_key = ("spec", request.model, request.capture.model_dump_json())
+    if spec_key not in cache:
+        cache[spec_key] = capture_spec.resolve(request.capture, info)
+    points = cache[spec_key]
     estimate = capture_spec.estimate_bytes(request, points, info, max_tokens)
     capture_spec.check_budget(estimate, settings.capture_budget_bytes)
     return max_tokens, points
@@ -77,3 +84,77 @@ def submit(services: Services, request: JobRequest, idempotency_key: str | None)
             services.redis.delete(keys.idempotency(idempotency_key))
         raise ServiceUnavailable("the broker cannot be reached; nothing was enqueued, try again shortly") from exc
     return record, True
+
+
+def submit_batch(services: Services, entries: list[BatchEntry]) -> list[tuple[JobRecord, bool]]:
+    """Validate every entry first (the first bad one rejects the batch, naming its index), then
+    record all new jobs in one Redis pipeline and publish them over one broker connection."""
+    cache: dict = {}
+    plans = []
+    for index, entry in enumerate(entries):
+        try:
+            plans.append(plan(services, entry.request, cache))
+        except ActqError as exc:
+            raise type(exc)(f"jobs[{index}]: {exc.message}") from exc
+    keys_wanted = [e.idempotency_key for e in entries]
+    if len(set(k for k in keys_wanted if k)) != len([k for k in keys_wanted if k]):
+        raise BadRequest("two entries of the batch share an idempotency_key")
+    ids = [str(uuid.uuid4()) for _ in entries]
+    existing = _claim_batch_keys(services, entries, ids)
+    retention = services.settings.job_retention_seconds
+    out: list[tuple[JobRecord, bool]] = []
+    fresh: list[JobRecord] = []
+    created_at = now()
+    for entry, job_id, (max_tokens, points), old in zip(entries, ids, plans, existing):
+        if old is not None:
+            out.append((old, False))
+            continue
+        record = JobRecord(
+            id=job_id, status=JobStatus.queued, model=entry.request.model, request=entry.request,
+            max_tokens=max_tokens, capture_points=points, created_at=created_at,
+        )  # fmt: skip
+        fresh.append(record)
+        out.append((record, True))
+    with services.redis.pipeline(transaction=False) as pipe:
+        for record in fresh:
+            pipe.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=retention)
+        pipe.execute()
+    try:
+        with services.celery.producer_or_acquire() as producer:
+            for record in fresh:
+                services.celery.send_task(
+                    keys.TASK_NAME, args=[record.id], task_id=record.id, queue=keys.queue(record.model), producer=producer
+                )
+    except OperationalError as exc:
+        # Unsent jobs stay recorded as queued but are never run; remove them and their keys.
+        services.redis.delete(*[keys.job(r.id) for r in fresh])
+        claimed = [keys.idempotency(e.idempotency_key) for e, old in zip(entries, existing) if e.idempotency_key and old is None]
+        if claimed:
+            services.redis.delete(*claimed)
+        raise ServiceUnavailable("the broker cannot be reached; retry the batch (its idempotency keys make that safe)") from exc
+    return out
+
+
+def _claim_batch_keys(services: Services, entries: list[BatchEntry], ids: list[str]) -> list[JobRecord | None]:
+    """Claim every entry's idempotency key at once; the records of keys used before (None for new)."""
+    keyed = [(i, e) for i, e in enumerate(entries) if e.idempotency_key]
+    found: list[JobRecord | None] = [None] * len(entries)
+    if not keyed:
+        return found
+    retention = services.settings.job_retention_seconds
+    with services.redis.pipeline(transaction=False) as pipe:
+        for i, entry in keyed:
+            pipe.set(keys.idempotency(entry.idempotency_key), ids[i], nx=True, ex=retention)
+        claimed = pipe.execute()
+    mine = [keys.idempotency(e.idempotency_key) for (i, e), ok in zip(keyed, claimed) if ok]
+    try:
+        for (i, entry), ok in zip(keyed, claimed):
+            if not ok:
+                found[i] = _claim_idempotency_key(services, entry.idempotency_key, ids[i])
+                if found[i] is not None and found[i].request != entry.request:
+                    raise Conflict(f"jobs[{i}]: idempotency_key {entry.idempotency_key!r} was used for a different request")
+    except ActqError:
+        if mine:
+            services.redis.delete(*mine)
+        raise
+    return found

@@ -64,6 +64,30 @@ class JobRequest(Strict):
         return [value] if isinstance(value, str) else value  # OpenAI allows a single string
 
 
+MAX_BATCH = 5000
+
+
+class BatchEntry(Strict):
+    request: JobRequest
+    idempotency_key: Annotated[str, Field(min_length=1, max_length=256)] | None = None
+
+
+class BatchRequest(Strict):
+    """`POST /jobs/batch`: many jobs, validated together; one bad entry rejects the batch."""
+
+    jobs: Annotated[list[BatchEntry], Field(min_length=1, max_length=MAX_BATCH)]
+
+
+class BatchItem(Strict):
+    id: str
+    status: str
+    created: bool  # False: an earlier request with the same Idempotency-Key created it
+
+
+class BatchResponse(Strict):
+    jobs: list[BatchItem]
+
+
 class CapturePoint(Strict):
     """One resolved capture point: a module path in the model's list, and which side of it."""
 

@@ -10,12 +10,12 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 
 from api.deps import ServicesDep
-from api.submit import submit
+from api.submit import submit, submit_batch
 from api.waiting import wait_for_job
 from shared.errors import JobNotFound, NotReady, TensorNotFound
 from shared.jobs import now
 from shared.safetensors_io import parse_rows, read_tensor
-from shared.schemas import JobError, JobRecord, JobRequest, JobStatus, JobView
+from shared.schemas import BatchItem, BatchRequest, BatchResponse, JobError, JobRecord, JobRequest, JobStatus, JobView
 
 router = APIRouter(prefix="/jobs", tags=["jobs"])
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
@@ -52,6 +52,14 @@ def create_job(
     if not created:
         response.status_code = 200
     return view(record, request)
+
+
+@router.post("/batch", status_code=202, response_model=BatchResponse, responses={404: {"description": "Unknown model"}, 409: {}, 422: {}, 503: {}})
+def create_jobs(body: BatchRequest, services: ServicesDep) -> BatchResponse:
+    """Queue many jobs at once: all are validated first; one bad entry rejects the batch (its index
+    is in the message) and nothing is queued. Entries may carry an idempotency_key."""
+    results = submit_batch(services, body.jobs)
+    return BatchResponse(jobs=[BatchItem(id=r.id, status=r.status.value, created=created) for r, created in results])
 
 
 @router.get("/{job_id}", response_model=JobView, responses=ERRORS)
