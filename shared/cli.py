@@ -3,6 +3,7 @@ ACTQ_REDIS_URL is unset), a worker with the default model, the API, one captured
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from contextlib import ExitStack
@@ -12,18 +13,14 @@ import httpx
 import typer
 
 from shared import stack
+from shared.gsm8k import spread_layers
 from shared.redis_server import RedisServer, free_port
 from shared.settings import Settings
 
-cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__)
+cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_show_locals=False)
 
 TERMINAL = ("succeeded", "failed", "cancelled")
 DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
-
-
-def spread_layers(num_layers: int, count: int = 3) -> list[int]:
-    """`count` layer indices spread over the depth (quarter, half, three quarters for 3)."""
-    return sorted({max(0, min(num_layers - 1, round(num_layers * (i + 1) / (count + 1)))) for i in range(count)})
 
 
 @cli.command()
@@ -87,6 +84,99 @@ def run(
 def _fail(message: str) -> int:
     typer.echo(message, err=True)
     return 1
+
+
+@cli.command("gsm8k")
+def gsm8k_command(
+    out: Path = typer.Option(..., "--out", "-o", help="Results directory; run again with the same one to resume."),
+    dataset: str = typer.Option("hub", help="`hub` (openai/gsm8k, needs `datasets`), `samples` (a dozen built-in problems) or a JSONL path."),
+    split: str = typer.Option("test", help="Hub split."),
+    train: str | None = typer.Option(None, help="Train split JSONL for cot-8shot exemplars (default: train.jsonl beside --dataset, or the hub's)."),
+    limit: int | None = typer.Option(None, min=1, help="Run this many problems (after --offset)."),
+    offset: int = typer.Option(0, min=0),
+    sample: int | None = typer.Option(None, min=1, help="A random sample of this many problems instead of a slice."),
+    seed: int = typer.Option(0, help="Seed for --sample."),
+    style: str = typer.Option("zero-shot", help="zero-shot or cot-8shot."),
+    model: str | None = typer.Option(None, help="Model name (default: the one model live workers serve)."),
+    max_tokens: int = typer.Option(256, min=1),
+    temperature: float = typer.Option(0.0, min=0.0, max=2.0),
+    module: list[str] | None = typer.Option(None, "--module", help="Capture this module path (repeatable); default: the residual preset."),
+    no_capture: bool = typer.Option(False, help="Plain completions, no activations."),
+    positions: str = typer.Option("generated", help="all, prompt, generated or last."),
+    dtype: str = typer.Option("float16", help="float32, float16 or bfloat16."),
+    download: bool = typer.Option(False, help="Also download each problem's activations into OUT/activations/."),
+    api: str | None = typer.Option(None, help="API base URL (default ACTQ_API_URL)."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+) -> None:
+    """Run a model over GSM8K through the queue, capturing the residual stream, and score it."""
+    summary = run_gsm8k(**{k: v for k, v in locals().items()})
+    typer.echo(json.dumps({k: summary[k] for k in ("problems", "finished", "succeeded", "failed", "accuracy")}))
+
+
+def run_gsm8k(*, out, dataset, split="test", train=None, limit=None, offset=0, sample=None, seed=0, style="zero-shot",
+              model=None, max_tokens=256, temperature=0.0, module=None, no_capture=False, positions="generated",
+              dtype="float16", download=False, api=None, quiet=False) -> dict:  # fmt: skip
+    from shared import gsm8k
+    from shared.client import Client
+    from shared.gsm8k_run import Run, RunSettings, execute
+
+    problems = gsm8k.select(gsm8k.load(dataset, split), offset=offset, limit=limit, sample=sample, seed=seed)
+    exemplars = None
+    if style == "cot-8shot":
+        if train is None and dataset not in ("hub", "samples"):
+            train = str(Path(dataset).expanduser().with_name("train.jsonl"))
+        exemplars = gsm8k.fewshot_exemplars(gsm8k.load(train or dataset, "train"))
+    with Client(api or Settings().api_url, timeout=60) as client:
+        served = client.models()
+        if model is None:
+            if len(served) != 1:
+                raise typer.BadParameter(f"name a --model; live models: {', '.join(m['name'] for m in served) or 'none'}")
+            model = served[0]["name"]
+        info = next((m for m in served if m["name"] == model), None)
+        capture = None
+        if not no_capture:
+            if module:
+                modules = list(module)
+            elif info is not None:
+                modules = gsm8k.residual_preset(info["num_layers"])
+            else:
+                raise typer.BadParameter(f"no live worker serves {model!r}, so its layer count is unknown; give --module")
+            capture = {"modules": modules, "hook": "output", "positions": positions, "dtype": dtype}
+        settings = RunSettings(model=model, dataset=dataset, split=split, style=style, max_tokens=max_tokens,
+                               temperature=temperature, capture=capture, indices=[p.index for p in problems])  # fmt: skip
+        run = Run(Path(out), settings)
+        try:
+            return execute(client, run, problems, exemplars, download=download, quiet=quiet)
+        except KeyboardInterrupt:
+            typer.echo(f"\ninterrupted: finished problems are saved in {out}; run the same command to resume", err=True)
+            raise typer.Exit(130) from None
+
+
+@cli.command("probe")
+def probe_command(
+    results: Path = typer.Argument(..., help="A results directory from `actq gsm8k`."),
+    label: str = typer.Option("correct.flexible", help="What to predict: a dotted path into each sample's JSON."),
+    folds: int = typer.Option(5, min=2),
+    api: str | None = typer.Option(None, help="API base URL for activations not downloaded (default ACTQ_API_URL)."),
+) -> None:
+    """Train a logistic-regression probe per capture point and pooling; write probes.json and probes.png."""
+    report = run_probes(results, label=label, folds=folds, api=api)
+    for probe in report["probes"]:
+        score = probe.get("skipped") or f"balanced accuracy {probe['balanced_accuracy_mean']:.3f} ± {probe['balanced_accuracy_std']:.3f}"
+        typer.echo(f"{probe['point']:<44} {probe['pooling']:<15} {score}")
+    typer.echo(f"wrote {results / 'probes.json'} and {results / 'probes.png'}")
+
+
+def run_probes(results: Path, label: str = "correct.flexible", folds: int = 5, api: str | None = None) -> dict:
+    from shared import probes
+    from shared.client import Client
+
+    with Client(api or Settings().api_url, timeout=60) as client:
+
+        def fetch(sample: dict, name: str):
+            return client.job(sample["job_id"]).tensor(name).float().numpy()
+
+        return probes.run(results, label=label, fetch=fetch, folds=folds)
 
 
 @cli.command("prepare-model")

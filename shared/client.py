@@ -172,9 +172,10 @@ class Job:
         """`{type, message}` for a failed job, else None."""
         return self.data.get("error")
 
-    def refresh(self) -> Job:
-        """Re-read the job (`GET /jobs/{id}`). Returns self."""
-        self.data = self._client._get_job(self.id)
+    def refresh(self, wait: float = 0.0) -> Job:
+        """Re-read the job (`GET /jobs/{id}`); with `wait`, long-poll up to that many seconds
+        (at most 60) for it to finish. Returns self; never raises for a failed job."""
+        self.data = self._client._get_job(self.id, wait=min(wait, 60.0))
         return self
 
     def wait(self, timeout: float | None = None, poll: float = 30.0) -> Job:
@@ -251,6 +252,7 @@ class Job:
         """Stream the safetensors file to `path` (written to a temporary file beside it, checked
         against the manifest's sha256, then renamed). Returns the path."""
         path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         digest, size = hashlib.sha256(), 0
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
         try:
@@ -371,15 +373,28 @@ class Client:
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else None
         return Job(self, self._request("POST", "/jobs", json=body, headers=headers).json())
 
-    def submit_many(self, requests: Iterable[dict], idempotency_keys: Iterable[str] | None = None) -> list[Job]:
-        """Submit each request (a dict of `submit`'s arguments: model, messages, ...) in order,
-        over one connection. With `idempotency_keys` (one per request), re-running the same
-        call after a failure part-way returns the jobs already created instead of duplicates."""
+    def submit_many(
+        self, requests: Iterable[dict], idempotency_keys: Iterable[str] | None = None, batch_size: int = 1000
+    ) -> list[Job]:
+        """Submit requests (dicts of `submit`'s arguments: model, messages, ...) through
+        `POST /jobs/batch`, `batch_size` at a time; one bad request rejects its batch with the
+        API's message naming its index. With `idempotency_keys` (one per request), re-running the
+        same call after a failure part-way returns the jobs already created instead of duplicates."""
         requests = list(requests)
         keys: list[str | None] = [None] * len(requests) if idempotency_keys is None else list(idempotency_keys)
         if len(keys) != len(requests):
             raise ValueError(f"{len(requests)} requests but {len(keys)} idempotency keys")
-        return [self.submit(**request, idempotency_key=key) for request, key in zip(requests, keys)]
+        jobs: list[Job] = []
+        for start in range(0, len(requests), batch_size):
+            entries = []
+            for request, key in zip(requests[start : start + batch_size], keys[start : start + batch_size]):
+                body = {k: v for k, v in request.items() if v is not None}
+                if isinstance(body.get("stop"), str):
+                    body["stop"] = [body["stop"]]
+                entries.append({"request": body, "idempotency_key": key})
+            answer = self._request("POST", "/jobs/batch", json={"jobs": entries}).json()
+            jobs += [Job(self, {**item, "status": item["status"]}) for item in answer["jobs"]]
+        return jobs
 
     def job(self, job_id: str) -> Job:
         """The job with this id (`GET /jobs/{id}`); `NotFound` when there is none."""

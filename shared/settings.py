@@ -18,6 +18,7 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="ACTQ_", env_file=".env", extra="ignore")
 
+    api_url: str = Field("http://127.0.0.1:8000", description="Where `actq gsm8k` and `actq probe` reach the API.")
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
         description="Broker, job store and model registry. `actq run` starts an embedded Redis when unset.",

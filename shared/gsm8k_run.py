@@ -1,0 +1,178 @@
+"""`actq gsm8k`: submit a GSM8K run in bulk, follow it with a live progress bar, score it, and keep
+a results directory that a second invocation resumes.
+
+Results directory:
+  run.json           the run's id and settings (a resumed run must use the same settings)
+  jobs.json          problem index -> job id, written as soon as jobs are queued
+  samples/<n>.json   one per finished problem: question, gold, completion, extracted answers,
+                     correctness, job id, usage, activations manifest (and the local file with --download)
+  activations/<n>.safetensors   with --download
+  results.jsonl      every sample, in index order; summary.json: counts, accuracies, time, tokens/s
+
+Resuming: problems with a sample are skipped; the others are submitted again with idempotency keys
+derived from the run id and the problem index, so a job queued before an interruption is returned,
+not duplicated, and followed to its end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from shared import gsm8k
+from shared.client import Client, Job
+from shared.gsm8k_scoring import accuracy, score
+
+TERMINAL = ("succeeded", "failed", "cancelled")
+
+
+@dataclass
+class RunSettings:
+    model: str
+    dataset: str
+    split: str = "test"
+    style: str = "zero-shot"
+    max_tokens: int = 256
+    temperature: float = 0.0
+    capture: dict | None = None
+    indices: list[int] = field(default_factory=list)
+
+
+def write_json(path: Path, data: object) -> None:
+    """Whole or not at all: a temp file in the same directory, then a rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "w") as handle:
+        json.dump(data, handle, indent=2)
+    os.replace(tmp, path)
+
+
+class Run:
+    def __init__(self, out: Path, settings: RunSettings) -> None:
+        self.out = out
+        self.settings = settings
+        self.samples = out / "samples"
+        state_file = out / "run.json"
+        if state_file.exists():
+            state = json.loads(state_file.read_text())
+            if state["settings"] != asdict(settings):
+                changed = sorted(k for k in state["settings"] if state["settings"][k] != asdict(settings).get(k))
+                raise SystemExit(f"{out} holds a run with other settings ({', '.join(changed)}); use another --out to start a new run")
+            self.run_id = state["run_id"]
+        else:
+            self.run_id = uuid.uuid4().hex
+            write_json(state_file, {"run_id": self.run_id, "settings": asdict(settings)})
+        jobs_file = out / "jobs.json"
+        self.jobs: dict[int, str] = {int(k): v for k, v in json.loads(jobs_file.read_text()).items()} if jobs_file.exists() else {}
+
+    def key(self, index: int) -> str:
+        return f"actq-gsm8k:{self.run_id}:{index}"
+
+    def done(self) -> set[int]:
+        return {int(p.stem) for p in self.samples.glob("*.json")} if self.samples.exists() else set()
+
+    def record(self, problem: gsm8k.Problem, job: Job, download: bool) -> dict:
+        data = job.data
+        result = data.get("result") or {}
+        completion = result.get("text", "")
+        sample = {
+            "index": problem.index,
+            "question": problem.question,
+            "gold": problem.gold,
+            "completion": completion,
+            **score(completion, problem.gold),
+            "job_id": job.id,
+            "status": data["status"],
+            "error": data.get("error"),
+            "finish_reason": result.get("finish_reason"),
+            "prompt_tokens": (result.get("usage") or {}).get("prompt_tokens"),
+            "completion_tokens": (result.get("usage") or {}).get("completion_tokens"),
+            "activations": data.get("activations"),
+            "activations_file": None,
+        }
+        if download and data.get("activations"):
+            target = self.out / "activations" / f"{problem.index}.safetensors"
+            job.download(target)
+            sample["activations_file"] = str(target.relative_to(self.out))
+        write_json(self.samples / f"{problem.index}.json", sample)
+        return sample
+
+    def finish(self, wall: float, complete: bool) -> dict:
+        samples = [json.loads(p.read_text()) for p in sorted(self.samples.glob("*.json"), key=lambda p: int(p.stem))] if self.samples.exists() else []
+        with open(self.out / "results.jsonl", "w") as handle:
+            for sample in samples:
+                handle.write(json.dumps(sample) + "\n")
+        scored = accuracy(s for s in samples if s["status"] == "succeeded")
+        tokens = sum(s["completion_tokens"] or 0 for s in samples)
+        summary = {
+            "run_id": self.run_id,
+            "settings": asdict(self.settings),
+            "complete": complete,
+            "problems": len(self.settings.indices),
+            "finished": len(samples),
+            "succeeded": sum(s["status"] == "succeeded" for s in samples),
+            "failed": sum(s["status"] != "succeeded" for s in samples),
+            "accuracy": {"strict": scored["strict"], "flexible": scored["flexible"]},
+            "wall_seconds_this_invocation": round(wall, 3),
+            "generated_tokens": tokens,
+            "tokens_per_second_this_invocation": round(tokens / wall, 3) if wall > 0 else None,
+        }
+        write_json(self.out / "summary.json", summary)
+        return summary
+
+
+def execute(client: Client, run: Run, problems: list[gsm8k.Problem], exemplars, download: bool, quiet: bool = False) -> dict:
+    """Submit what is not finished, follow it to the end, and write the results. Ctrl-C leaves a
+    consistent directory (every finished problem has its sample) and is re-raised."""
+    started = time.monotonic()
+    s = run.settings
+    todo = [p for p in problems if p.index not in run.done()]
+    bar = tqdm(total=len(problems), initial=len(problems) - len(todo), unit="problem", disable=quiet, dynamic_ncols=True)
+    counts = {"submitted": 0, "queued": 0, "running": 0, "succeeded": 0, "failed": 0}
+    try:
+        requests = [
+            {"model": s.model, "messages": gsm8k.messages(p, s.style, exemplars), "max_tokens": s.max_tokens,
+             "temperature": s.temperature, "capture": s.capture}  # fmt: skip
+            for p in todo
+        ]
+        jobs: list[Job] = []
+        for start in range(0, len(todo), 500):
+            chunk = todo[start : start + 500]
+            jobs += client.submit_many(requests[start : start + 500], idempotency_keys=[run.key(p.index) for p in chunk])
+            run.jobs.update({p.index: j.id for p, j in zip(chunk, jobs[start:])})
+            write_json(run.out / "jobs.json", {str(k): v for k, v in sorted(run.jobs.items())})
+            counts["submitted"] = len(jobs)
+        pending = list(zip(todo, jobs))
+        while pending:
+            # Jobs finish roughly in queue order: long-poll the oldest, then look at the ones
+            # behind it until two unfinished ones are seen (those are running or next).
+            head = pending[0][1].refresh(wait=10)
+            finished, unfinished = [], []
+            for problem, job in pending:
+                if len(unfinished) >= 2:
+                    break
+                if job is not head:
+                    job.refresh()
+                (finished if job.status in TERMINAL else unfinished).append((problem, job))
+            for problem, job in finished:
+                sample = run.record(problem, job, download)
+                counts["succeeded" if sample["status"] == "succeeded" else "failed"] += 1
+                bar.update(1)
+            done_ids = {job.id for _, job in finished}
+            pending = [(p, j) for p, j in pending if j.id not in done_ids]
+            counts["running"] = sum(1 for _, job in unfinished if job.status == "running")
+            counts["queued"] = len(pending) - counts["running"]
+            bar.set_postfix(counts, refresh=True)
+    except KeyboardInterrupt:
+        bar.close()
+        run.finish(time.monotonic() - started, complete=False)
+        raise
+    bar.close()
+    return run.finish(time.monotonic() - started, complete=True)
