@@ -49,7 +49,6 @@ import torch  # noqa: E402
 
 from shared import stack  # noqa: E402
 from shared.capture_spec import resolve  # noqa: E402
-from shared.cli import DEFAULT_PROMPT  # noqa: E402
 from shared.redis_server import RedisServer, free_port  # noqa: E402
 from shared.schemas import CaptureSpec, ChatMessage, JobRequest  # noqa: E402
 from shared.settings import Settings  # noqa: E402
@@ -57,6 +56,11 @@ from worker.engine import CaptureEngine  # noqa: E402
 from worker.models import load  # noqa: E402
 
 LAYERS = (7, 15, 23)
+# A word problem whose greedy completion runs past 32 tokens (every run checks it did).
+DEFAULT_PROMPT = (
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. "
+    "How many clips did Natalia sell altogether in April and May?"
+)
 TARGET_B_OVER_A = 1.10
 TARGET_C_OVER_B = 1.05
 POLL_WAIT = 60  # seconds one long poll (GET /jobs/{id}?wait=) may wait in arm (c)

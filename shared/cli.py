@@ -1,89 +1,62 @@
-"""`actq`: the command line. `actq run` is the one-machine demo: embedded Redis (when
-ACTQ_REDIS_URL is unset), a worker with the default model, the API, one captured job, shutdown."""
+"""`actq`: the command line. `actq run` is the main job on one machine: embedded Redis (when
+ACTQ_REDIS_URL is unset), a worker with the default model, the API, a handful of GSM8K problems
+with the residual stream captured, scores and probes, shutdown. `actq gsm8k` and `actq probe`
+do the same against a running deployment."""
 
 from __future__ import annotations
 
 import json
-import tempfile
 import time
-from contextlib import ExitStack
 from pathlib import Path
 
-import httpx
 import typer
 
 from shared import stack
-from shared.gsm8k import spread_layers
-from shared.redis_server import RedisServer, free_port
 from shared.settings import Settings
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_show_locals=False)
 
-TERMINAL = ("succeeded", "failed", "cancelled")
-DEFAULT_PROMPT = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"
 
 
 @cli.command()
 def run(
-    prompt: str = typer.Option(DEFAULT_PROMPT, help="The user message."),
-    max_tokens: int = typer.Option(48, help="Tokens to generate."),
+    problems: int = typer.Option(8, min=1, help="How many GSM8K problems."),
+    max_tokens: int = typer.Option(160, min=1, help="Tokens to generate per problem."),
+    out: Path | None = typer.Option(None, help="Results directory (default actq-results/demo-<time>)."),
     start_timeout: float = typer.Option(900.0, help="Seconds to wait for the worker (the first run converts the model)."),
 ) -> None:
-    """Start Redis (embedded unless ACTQ_REDIS_URL is set), a worker and the API; run one chat job
-    capturing three layers' residual stream at every token; print the result; stop everything."""
+    """The main job on one machine: start Redis (embedded unless ACTQ_REDIS_URL is set), a worker
+    with the default model and the API; run a handful of GSM8K problems capturing the residual
+    stream; score them; train probes; print where everything is; stop everything."""
+    from shared import gsm8k
+
     settings = Settings()
-    model = settings.served_model_name
-    with ExitStack() as cleanup, tempfile.TemporaryDirectory(prefix="actq-run-") as tmp:
-        env: dict[str, str] = {}
-        if "redis_url" not in settings.model_fields_set:
-            server = cleanup.enter_context(RedisServer(Path(tmp) / "redis"))
-            env["ACTQ_REDIS_URL"] = server.url
-            typer.echo(f"embedded Redis on {server.url}")
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        logs = [Path(tmp) / "worker.log", Path(tmp) / "api.log"]
-        worker = stack.start_worker(env, logs[0])
-        cleanup.callback(stack.stop, worker)
-        api = stack.start_api(env, logs[1], port)
-        cleanup.callback(stack.stop, api)
-        typer.echo(f"worker loading {settings.model} (the first run converts it once, ~30 s); API on {base}")
-        stack.wait_ready(base, model, [worker, api], start_timeout, logs)
-        with httpx.Client(base_url=base, timeout=60) as client:
-            info = next(m for m in client.get("/models").json() if m["name"] == model)
-            layers = spread_layers(info["num_layers"])
-            spec = f"model.layers.{{{','.join(map(str, layers))}}}"
-            body = {
-                "model": model,
-                "messages": [{"role": "user", "content": prompt}],
-                "max_tokens": max_tokens,
-                "temperature": 0,
-                "capture": {"modules": [spec], "hook": "output", "positions": "all", "dtype": "float32"},
-            }
-            response = client.post("/jobs", json=body)
-            if response.status_code != 202:
-                raise typer.Exit(_fail(f"POST /jobs answered {response.status_code}: {response.text}"))
-            job_id = response.json()["id"]
-            typer.echo(f"job {job_id} queued, capturing {spec} output at every position")
-            started = time.monotonic()
-            # Long poll: the API answers as soon as the worker records the job.
-            while (job := client.get(f"/jobs/{job_id}", params={"wait": 20}).json())["status"] not in TERMINAL:
-                pass
-            if job["status"] != "succeeded":
-                raise typer.Exit(_fail(f"job {job['status']}: {job.get('error')}"))
-        result, activations = job["result"], job["activations"]
-        typer.echo(f"\ncompletion ({job['status']} in {time.monotonic() - started:.1f}s, finish_reason={result['finish_reason']}, usage={result['usage']}):")
-        typer.echo(f"  {result['text'].strip()}\n")
-        typer.echo("activations:")
-        for tensor in activations["tensors"]:
-            typer.echo(f"  {tensor['name']:<24} shape={tensor['shape']} {tensor['dtype']} rows=token_ids[{tensor['start']}:{tensor['stop']}]")
-        typer.echo(f"file: {activations['uri'].removeprefix('file://')}")
-        typer.echo(f"sha256: {activations['sha256']}")
+    out = out or Path("actq-results") / time.strftime("demo-%Y%m%d-%H%M%S")
+    try:
+        gsm8k.load("hub")
+        dataset = "hub"
+    except gsm8k.DatasetUnavailable as exc:
+        dataset = "samples"
+        typer.echo(f"GSM8K from the hub is not available here ({exc}); using actq's own sample problems")
+    with stack.local_stack(settings, start_timeout, say=typer.echo) as base:
+        summary = run_gsm8k(out=out, dataset=dataset, limit=problems, model=settings.served_model_name,
+                            max_tokens=max_tokens, download=True, api=base)  # fmt: skip
+        report = run_probes(out, api=base)
         typer.echo("stopping worker, API and Redis")
-
-
-def _fail(message: str) -> int:
-    typer.echo(message, err=True)
-    return 1
+    accuracy = summary["accuracy"]
+    typer.echo(f"\n{summary['succeeded']}/{summary['problems']} problems answered by {settings.served_model_name} "
+               f"({summary['tokens_per_second_this_invocation']} generated tokens/s)")  # fmt: skip
+    typer.echo(f"accuracy: strict {accuracy['strict']:.3f}, flexible {accuracy['flexible']:.3f}")
+    typer.echo(f"results: {out / 'results.jsonl'} (one sample per problem: {out / 'samples'})")
+    typer.echo(f"activations: {out / 'activations'} (one safetensors file per problem)")
+    trained = [p for p in report["probes"] if "skipped" not in p]
+    if trained:
+        best = max(trained, key=lambda p: p["balanced_accuracy_mean"])
+        typer.echo(f"best probe for correctness: {best['point']} ({best['pooling']}), balanced accuracy {best['balanced_accuracy_mean']:.3f}")
+    else:
+        reason = report["probes"][0]["skipped"] if report["probes"] else "no capture points"
+        typer.echo(f"probes: not trained ({reason})")
+    typer.echo(f"probe plot: {out / 'probes.png'}")
 
 
 @cli.command("gsm8k")

@@ -8,13 +8,16 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import httpx
 
-from shared.redis_server import free_port
+from shared.redis_server import RedisServer, free_port
+from shared.settings import Settings
 
 
 def _spawn(cmd: list[str], env: Mapping[str, str], log: Path) -> subprocess.Popen:
@@ -72,3 +75,25 @@ def wait_ready(base_url: str, model: str, processes: list[subprocess.Popen], tim
             pass
         time.sleep(0.25)
     raise TimeoutError(f"no live worker for {model!r} after {timeout:.0f}s; see {', '.join(map(str, logs))}")
+
+
+@contextmanager
+def local_stack(settings: Settings, start_timeout: float, say: Callable[[str], None] = print) -> Iterator[str]:
+    """Redis (embedded unless ACTQ_REDIS_URL is set), a worker and the API on this machine;
+    yields the API's base URL and stops all of them on the way out, whatever happens."""
+    with ExitStack() as cleanup, tempfile.TemporaryDirectory(prefix="actq-run-") as tmp:
+        env: dict[str, str] = {}
+        if "redis_url" not in settings.model_fields_set:
+            server = cleanup.enter_context(RedisServer(Path(tmp) / "redis"))
+            env["ACTQ_REDIS_URL"] = server.url
+            say(f"embedded Redis on {server.url}")
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        logs = [Path(tmp) / "worker.log", Path(tmp) / "api.log"]
+        worker = start_worker(env, logs[0])
+        cleanup.callback(stop, worker)
+        api = start_api(env, logs[1], port)
+        cleanup.callback(stop, api)
+        say(f"worker loading {settings.model} (the first run converts it once, ~30 s); API on {base}")
+        wait_ready(base, settings.served_model_name, [worker, api], start_timeout, logs)
+        yield base

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -81,18 +82,25 @@ def _our_processes() -> set[str]:
     return set(found.stdout.split())
 
 
-def test_actq_run_does_the_whole_demo_and_leaves_nothing_behind(smol_dir, tmp_path):
+def test_actq_run_does_the_main_job_and_leaves_nothing_behind(smol_dir, tmp_path):
     before = _our_processes()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACTQ_")}
     env.update(ACTQ_MODEL_CACHE_DIR=str(smol_dir.parent), ACTQ_STORAGE_URL=(tmp_path / "data").as_uri())
-    done = subprocess.run([sys.executable, "-m", "shared.cli", "run", "--max-tokens", "12"],
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, "-m", "shared.cli", "run", "--problems", "3", "--max-tokens", "24", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 0, done.stdout + done.stderr
-    out = done.stdout
-    assert "embedded Redis on redis://127.0.0.1:" in out
-    assert "finish_reason=" in out and "completion_tokens': 12" in out
-    for layer in (8, 15, 22):  # three layers spread over SmolLM2's 30
-        assert f"model.layers.{layer} " in out
-    path = out.split("file: ")[1].split()[0]
-    assert path.startswith(str(tmp_path / "data")) and os.path.getsize(path) > 0
+    text = done.stdout
+    assert "embedded Redis on redis://127.0.0.1:" in text and "using actq's own sample problems" in text
+    assert "3/3 problems answered by smollm2-135m" in text and "accuracy: strict " in text
+    assert f"activations: {out / 'activations'}" in text and f"probe plot: {out / 'probes.png'}" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and summary["succeeded"] == 3 and summary["generated_tokens"] <= 3 * 24
+    assert len(list((out / "activations").glob("*.safetensors"))) == 3
+    sample = json.loads((out / "samples" / "0.json").read_text())
+    # The residual preset on SmolLM2's 30 layers: layers 8, 15, 22.
+    assert [t["name"] for t in sample["activations"]["tensors"]] == [
+        f"model.layers.{i}.{kind}" for i in (8, 15, 22) for kind in ("input_layernorm", "post_attention_layernorm")
+    ]
+    assert (out / "probes.png").read_bytes()[:4] == b"\x89PNG"
     assert _our_processes() - before == set()  # no worker, API or Redis left running
