@@ -38,7 +38,8 @@ def run(
     except gsm8k.DatasetUnavailable as exc:
         dataset = "samples"
         typer.echo(f"GSM8K from the hub is not available here ({exc}); using actq's own sample problems")
-    with stack.local_stack(settings, start_timeout, say=typer.echo) as base:
+    with stack.local_stack(settings, start_timeout, say=typer.echo) as local:
+        base = local.base_url
         summary = run_gsm8k(out=out, dataset=dataset, limit=problems, model=settings.served_model_name,
                             max_tokens=max_tokens, download=True, api=base)  # fmt: skip
         report = run_probes(out, api=base)

@@ -12,6 +12,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -77,10 +78,16 @@ def wait_ready(base_url: str, model: str, processes: list[subprocess.Popen], tim
     raise TimeoutError(f"no live worker for {model!r} after {timeout:.0f}s; see {', '.join(map(str, logs))}")
 
 
+@dataclass
+class LocalStack:
+    base_url: str
+    redis_url: str
+
+
 @contextmanager
-def local_stack(settings: Settings, start_timeout: float, say: Callable[[str], None] = print) -> Iterator[str]:
+def local_stack(settings: Settings, start_timeout: float, say: Callable[[str], None] = print) -> Iterator[LocalStack]:
     """Redis (embedded unless ACTQ_REDIS_URL is set), a worker and the API on this machine;
-    yields the API's base URL and stops all of them on the way out, whatever happens."""
+    yields their addresses and stops all of them on the way out, whatever happens."""
     with ExitStack() as cleanup, tempfile.TemporaryDirectory(prefix="actq-run-") as tmp:
         env: dict[str, str] = {}
         if "redis_url" not in settings.model_fields_set:
@@ -96,4 +103,4 @@ def local_stack(settings: Settings, start_timeout: float, say: Callable[[str], N
         cleanup.callback(stop, api)
         say(f"worker loading {settings.model} (the first run converts it once, ~30 s); API on {base}")
         wait_ready(base, settings.served_model_name, [worker, api], start_timeout, logs)
-        yield base
+        yield LocalStack(base_url=base, redis_url=env.get("ACTQ_REDIS_URL", settings.redis_url))
