@@ -1,0 +1,228 @@
+"""Linear probes on captured activations (`actq probe`).
+
+Reads a results directory written by `actq gsm8k` (`samples/<n>.json`, `activations/<n>.safetensors`),
+pools each capture point per problem into two vectors ("mean_generated": the mean over the rows of
+generated tokens, "last": the last row), and fits a standardized, class-balanced logistic regression
+per (capture point, pooling) predicting a label from the sample JSON (default: `correct.flexible`),
+scored by stratified cross-validated balanced accuracy against a majority-class baseline.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from shared.errors import BadRequest
+
+POOLINGS = ("mean_generated", "last")
+LAYER_RE = re.compile(r"\.(\d+)(?=\.|$)")
+
+Fetch = Callable[[dict, str], np.ndarray]
+
+
+def _lookup(sample: dict, path: str):
+    """The value at a dotted path (`correct.flexible`, `meta.difficulty`), or None when absent."""
+    value = sample
+    for part in path.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+def _class_label(value) -> str:
+    return ("true" if value else "false") if isinstance(value, bool) else str(value)
+
+
+def _read_file(path: Path, names: list[str]) -> dict[str, np.ndarray]:
+    """The named tensors of a safetensors file as numpy arrays (BF16 via torch, as float32)."""
+    from safetensors import safe_open
+
+    out = {}
+    with safe_open(str(path), framework="np") as f:
+        for name in names:
+            if f.get_slice(name).get_dtype() == "BF16":
+                from safetensors.torch import load_file  # numpy has no bfloat16
+
+                tensors = load_file(str(path))
+                return {n: tensors[n].float().numpy() for n in names}
+            out[name] = f.get_tensor(name)
+    return out
+
+
+def _pool(rows: np.ndarray, start: int, prompt_tokens: int, positions: str = "all") -> dict[str, np.ndarray]:
+    """Pooled vectors of one [T, H] capture whose row i is token position start + i.
+
+    "mean_generated" averages the rows at positions >= prompt_tokens - 1 (the first of them
+    predicted completion token 1); it is left out for positions "prompt" (whose only such row is the
+    prompt's last token) and whenever there are no such rows."""
+    rows = np.asarray(rows, dtype=np.float32)
+    pooled = {"last": rows[-1]}
+    first_generated = max(0, prompt_tokens - 1 - start)
+    if positions != "prompt" and first_generated < len(rows):
+        pooled["mean_generated"] = rows[first_generated:].mean(axis=0)
+    return pooled
+
+
+def load_dataset(results_dir, label: str = "correct.flexible", fetch: Fetch | None = None):
+    """Pooled features and labels for every succeeded sample with activations.
+
+    Returns `(features, labels, meta)`: `features` maps `(capture point, pooling)` to an
+    `[n_samples, H]` float32 array, `labels` is an array of class-label strings, and `meta` holds
+    `n_samples`, `indices`, `skipped` (counts by reason) and `notes`. Activations are read from
+    `activations_file` when it exists, else through `fetch(sample, tensor_name)`; with neither,
+    raises BadRequest."""
+    results_dir = Path(results_dir)
+    paths = sorted((results_dir / "samples").glob("*.json"), key=lambda p: int(p.stem) if p.stem.isdigit() else p.stem)
+    if not paths:
+        raise BadRequest(f"{results_dir}/samples holds no sample files: is this an `actq gsm8k` results directory?")
+    skipped: Counter = Counter()
+    per_sample: list[dict] = []
+    labels: list[str] = []
+    indices: list = []
+    for path in paths:
+        sample = json.loads(path.read_text())
+        value = _lookup(sample, label)
+        if sample.get("status") != "succeeded":
+            skipped["failed"] += 1
+            continue
+        if value is None:
+            skipped["missing_label"] += 1
+            continue
+        manifest = sample.get("activations")
+        if not manifest or not manifest.get("tensors"):
+            skipped["no_activations"] += 1
+            continue
+        entries = [t for t in manifest["tensors"] if t["name"] != "token_ids"]
+        file = sample.get("activations_file")
+        if file and (results_dir / file).exists():
+            tensors = _read_file(results_dir / file, [t["name"] for t in entries])
+        elif fetch is not None:
+            tensors = {t["name"]: fetch(sample, t["name"]) for t in entries}
+        else:
+            raise BadRequest(
+                f"sample {sample.get('index')}: its activations are not in {results_dir}; "
+                "run `actq gsm8k` with --download, or give --api so they can be fetched"
+            )
+        pooled = {}
+        for t in entries:
+            for pooling, vector in _pool(tensors[t["name"]], t.get("start", 0), sample["prompt_tokens"], t.get("positions", "all")).items():
+                pooled[(t["name"], pooling)] = vector
+        per_sample.append(pooled)
+        labels.append(_class_label(value))
+        indices.append(sample.get("index", path.stem))
+    notes = []
+    keys = set.intersection(*(set(p) for p in per_sample)) if per_sample else set()
+    for name in sorted({k[0] for p in per_sample for k in p}):
+        if (name, "last") not in keys:
+            notes.append(f"{name}: not captured in every sample; skipped")
+        elif (name, "mean_generated") not in keys:
+            notes.append(f"{name}: mean_generated skipped (no generated-token rows, e.g. positions 'prompt')")
+    features = {k: np.stack([p[k] for p in per_sample]) for k in sorted(keys)}
+    meta = {"n_samples": len(per_sample), "indices": indices, "skipped": dict(skipped), "notes": notes}
+    return features, np.array(labels, dtype=object), meta
+
+
+def point_layer(name: str) -> tuple[int | None, str]:
+    """`model.layers.12.mlp` -> (12, "model.layers.*.mlp"); (None, name) when there is no index."""
+    match = LAYER_RE.search(name)
+    if match is None:
+        return None, name
+    return int(match.group(1)), name[: match.start(1)] + "*" + name[match.end(1) :]
+
+
+def train_probes(features: dict, labels, folds: int = 5, seed: int = 0) -> list[dict]:
+    """Cross-validated logistic-regression probes, one entry per (capture point, pooling).
+
+    Each entry has point, kind, layer, pooling, n, class_counts, the majority baseline
+    (majority_accuracy, majority_balanced_accuracy = 1/n_classes) and either folds and
+    balanced_accuracy_mean/_std, or `skipped` giving the reason."""
+    from threadpoolctl import threadpool_limits
+
+    labels = np.asarray(labels)
+    counts = Counter(labels.tolist())
+    order = sorted(features, key=lambda k: (point_layer(k[0])[1], point_layer(k[0])[0] or -1, k[1]))
+    with threadpool_limits(limits=1):  # many small fits: BLAS threads cost more than they give
+        return [_probe(name, pooling, features[(name, pooling)], labels, counts, folds, seed) for name, pooling in order]
+
+
+def _probe(name: str, pooling: str, X, labels, counts: Counter, folds: int, seed: int) -> dict:
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.model_selection import StratifiedKFold, cross_val_score
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    n, smallest = len(labels), min(counts.values(), default=0)
+    layer, kind = point_layer(name)
+    entry = {
+        "point": name, "kind": kind, "layer": layer, "pooling": pooling, "n": n,
+        "class_counts": dict(sorted(counts.items())),
+        "majority_accuracy": max(counts.values()) / n if n else None,
+        "majority_balanced_accuracy": 1 / len(counts) if counts else None,
+    }
+    if len(counts) < 2:
+        entry["skipped"] = f"only one class ({', '.join(counts) or 'no samples'}): nothing to predict"
+    elif smallest < 2:
+        entry["skipped"] = f"the smallest class has {smallest} sample; cross-validation needs at least 2 per class"
+    else:
+        splits = max(2, min(folds, smallest))
+        model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000, class_weight="balanced"))
+        cv = StratifiedKFold(n_splits=splits, shuffle=True, random_state=seed)
+        scores = cross_val_score(model, X, labels, cv=cv, scoring="balanced_accuracy")
+        entry.update(folds=splits, balanced_accuracy_mean=float(scores.mean()), balanced_accuracy_std=float(scores.std()))
+    return entry
+
+
+def plot(results: list[dict], path, title: str = "Linear probes") -> None:
+    """Balanced accuracy vs layer, one line per (point kind, pooling), std error bars, chance dashed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    trained = [r for r in results if "skipped" not in r]
+    layers = [r["layer"] for r in trained if r["layer"] is not None]
+    no_layer_x = max(layers, default=-1) + 1  # points without a layer index go to the right
+    groups: dict[tuple, list] = {}
+    for r in trained:
+        groups.setdefault((r["kind"], r["pooling"]), []).append(r)
+    for (kind, pooling), rows in sorted(groups.items()):
+        rows.sort(key=lambda r: no_layer_x if r["layer"] is None else r["layer"])
+        xs = [no_layer_x if r["layer"] is None else r["layer"] for r in rows]
+        ax.errorbar(xs, [r["balanced_accuracy_mean"] for r in rows], yerr=[r["balanced_accuracy_std"] for r in rows],
+                    marker="o", capsize=3, label=f"{kind} ({pooling})")
+    chance = next((r["majority_balanced_accuracy"] for r in results if r["majority_balanced_accuracy"]), 0.5)
+    ax.axhline(chance, linestyle="--", color="gray", label=f"chance / majority baseline ({chance:.2f})")
+    if not trained:
+        reason = results[0]["skipped"] if results else "no capture points"
+        ax.text(0.5, 0.6, f"no probes trained:\n{reason}", ha="center", transform=ax.transAxes)
+    ax.set_xlabel("layer")
+    ax.set_ylabel("balanced accuracy (cross-validated)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title(title)
+    ax.legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
+
+
+def run(results_dir, label: str = "correct.flexible", fetch: Fetch | None = None, folds: int = 5, seed: int = 0) -> dict:
+    """Load, train, plot: writes `<dir>/probes.json` and `<dir>/probes.png`; returns the JSON content."""
+    results_dir = Path(results_dir)
+    features, labels, meta = load_dataset(results_dir, label=label, fetch=fetch)
+    if meta["n_samples"] == 0:
+        raise BadRequest(f"no usable samples in {results_dir} (skipped: {meta['skipped']})")
+    probes = train_probes(features, labels, folds=folds, seed=seed)
+    summary_path = results_dir / "summary.json"
+    model = json.loads(summary_path.read_text()).get("model") if summary_path.exists() else None
+    plot(probes, results_dir / "probes.png", title=f"Probes for {label}" + (f" ({model})" if model else ""))
+    report = {"label": label, "model": model, "n_samples": meta["n_samples"], "skipped_samples": meta["skipped"],
+              "notes": meta["notes"], "probes": probes}
+    (results_dir / "probes.json").write_text(json.dumps(report, indent=2) + "\n")
+    return report
