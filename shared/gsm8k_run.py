@@ -113,6 +113,7 @@ class Run:
         tokens = sum(s["completion_tokens"] or 0 for s in samples)
         summary = {
             "run_id": self.run_id,
+            "model": self.settings.model,
             "settings": asdict(self.settings),
             "complete": complete,
             "problems": len(self.settings.indices),
