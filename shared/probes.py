@@ -111,8 +111,8 @@ def load_dataset(results_dir, label: str = "correct.flexible", fetch: Fetch | No
             )
         pooled = {}
         for t in entries:
-            for pooling, vector in _pool(tensors[t["name"]], t.get("start", 0), sample["prompt_tokens"], t.get("positions", "all")).items():
-                pooled[(t["name"], pooling)] = vector
+            vectors = _pool(tensors[t["name"]], t.get("start", 0), sample["prompt_tokens"], t.get("positions", "all"))
+            pooled.update({(t["name"], pooling): v for pooling, v in vectors.items()})
         per_sample.append(pooled)
         labels.append(_class_label(value))
         indices.append(sample.get("index", path.stem))
@@ -146,9 +146,14 @@ def train_probes(features: dict, labels, folds: int = 5, seed: int = 0) -> list[
 
     labels = np.asarray(labels)
     counts = Counter(labels.tolist())
-    order = sorted(features, key=lambda k: (point_layer(k[0])[1], point_layer(k[0])[0] or -1, k[1]))
+
+    def order(key):  # by point kind, then layer, then pooling
+        layer, kind = point_layer(key[0])
+        return kind, -1 if layer is None else layer, key[1]
+
     with threadpool_limits(limits=1):  # many small fits: BLAS threads cost more than they give
-        return [_probe(name, pooling, features[(name, pooling)], labels, counts, folds, seed) for name, pooling in order]
+        return [_probe(name, pooling, features[(name, pooling)], labels, counts, folds, seed)
+                for name, pooling in sorted(features, key=order)]
 
 
 def _probe(name: str, pooling: str, X, labels, counts: Counter, folds: int, seed: int) -> dict:
@@ -197,16 +202,17 @@ def plot(results: list[dict], path, title: str = "Linear probes") -> None:
         xs = [no_layer_x if r["layer"] is None else r["layer"] for r in rows]
         ax.errorbar(xs, [r["balanced_accuracy_mean"] for r in rows], yerr=[r["balanced_accuracy_std"] for r in rows],
                     marker="o", capsize=3, label=f"{kind} ({pooling})")
-    chance = next((r["majority_balanced_accuracy"] for r in results if r["majority_balanced_accuracy"]), 0.5)
-    ax.axhline(chance, linestyle="--", color="gray", label=f"chance / majority baseline ({chance:.2f})")
-    if not trained:
+    if trained:
+        chance = trained[0]["majority_balanced_accuracy"]
+        ax.axhline(chance, linestyle="--", color="gray", label=f"chance / majority baseline ({chance:.2f})")
+        ax.legend(fontsize="small")
+    else:
         reason = results[0]["skipped"] if results else "no capture points"
         ax.text(0.5, 0.6, f"no probes trained:\n{reason}", ha="center", transform=ax.transAxes)
     ax.set_xlabel("layer")
     ax.set_ylabel("balanced accuracy (cross-validated)")
     ax.set_ylim(0, 1.05)
     ax.set_title(title)
-    ax.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, format="png")
     plt.close(fig)
