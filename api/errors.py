@@ -26,7 +26,8 @@ def _where(loc: tuple) -> str:
 
 
 async def actq_error(_: Request, exc: ActqError) -> JSONResponse:
-    return JSONResponse(_body(exc.error_type, exc.message), status_code=exc.status_code)
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
+    return JSONResponse(_body(exc.error_type, exc.message), status_code=exc.status_code, headers=headers)
 
 
 async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

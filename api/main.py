@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from api import errors
+from api import errors, metrics
 from api.deps import build_services
 from api.routes import health, jobs, models, openai
 from shared.settings import Settings, get_settings
@@ -21,6 +21,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(jobs.router)
     app.include_router(models.router)
     app.include_router(health.router)
+    app.include_router(metrics.router)
     app.include_router(openai.router)
     return app
 

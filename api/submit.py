@@ -9,7 +9,7 @@ import uuid
 from kombu.exceptions import OperationalError
 
 from api.deps import Services
-from shared import capture_spec, keys
+from shared import capture_spec, keys, stats
 from shared.errors import ActqError, BadRequest, Conflict, NotReady, ServiceUnavailable, UnknownModel
 from shared.jobs import now
 from shared.schemas import BatchEntry, CapturePoint, JobRecord, JobRequest, JobStatus
@@ -29,6 +29,11 @@ def plan(services: Services, request: JobRequest, cache: dict | None = None) -> 
     max_tokens = request.max_tokens or settings.max_tokens_default
     if max_tokens > settings.max_tokens_limit:
         raise BadRequest(f"max_tokens {max_tokens} exceeds the limit of {settings.max_tokens_limit} (ACTQ_MAX_TOKENS_LIMIT)")
+    if request.time_limit is not None and request.time_limit > settings.job_soft_time_limit:
+        raise BadRequest(
+            f"time_limit {request.time_limit:g}s exceeds this deployment's limit of {settings.job_soft_time_limit:g}s "
+            "(ACTQ_JOB_SOFT_TIME_LIMIT); ask for less or leave it out"
+        )
     if info.max_context and max_tokens >= info.max_context:
         raise BadRequest(f"max_tokens {max_tokens} leaves no room for a prompt in {info.name}'s context of {info.max_context}")
     if request.capture is None:
@@ -60,12 +65,13 @@ def _claim_idempotency_key(services: Services, key: str, job_id: str) -> JobReco
     raise NotReady("a request with this Idempotency-Key is still being recorded; retry shortly")
 
 
-def submit(services: Services, request: JobRequest, idempotency_key: str | None) -> tuple[JobRecord, bool]:
+def submit(services: Services, request: JobRequest, idempotency_key: str | None, owner: str | None = None) -> tuple[JobRecord, bool]:
     """Record and enqueue a job. Returns (record, created): an Idempotency-Key seen before gives
     back the job it created, and nothing new is enqueued."""
     max_tokens, points = plan(services, request)
     job_id = str(uuid.uuid4())
     if idempotency_key is not None:
+        idempotency_key = _scoped(idempotency_key, owner)
         existing = _claim_idempotency_key(services, idempotency_key, job_id)
         if existing is not None:
             if existing.request != request:
@@ -73,20 +79,30 @@ def submit(services: Services, request: JobRequest, idempotency_key: str | None)
             return existing, False
     record = JobRecord(
         id=job_id, status=JobStatus.queued, model=request.model, request=request, max_tokens=max_tokens,
-        capture_points=points, created_at=now(),
+        capture_points=points, created_at=now(), owner=owner,
     )
     services.jobs.create(record)
+    with services.redis.pipeline(transaction=False) as pipe:
+        pipe.zadd(keys.queued(request.model), {job_id: record.created_at.timestamp()})
+        stats.count_submitted(pipe, request.model)
+        pipe.execute()
     try:
         services.celery.send_task(keys.TASK_NAME, args=[job_id], task_id=job_id, queue=keys.queue(request.model))
     except OperationalError as exc:
         services.jobs.delete(job_id)
+        services.redis.zrem(keys.queued(request.model), job_id)
         if idempotency_key is not None:
             services.redis.delete(keys.idempotency(idempotency_key))
         raise ServiceUnavailable("the broker cannot be reached; nothing was enqueued, try again shortly") from exc
     return record, True
 
 
-def submit_batch(services: Services, entries: list[BatchEntry]) -> list[tuple[JobRecord, bool]]:
+def _scoped(key: str, owner: str | None) -> str:
+    """Idempotency keys are per API key: two callers never share a job through a key."""
+    return key if owner is None else f"{owner}:{key}"
+
+
+def submit_batch(services: Services, entries: list[BatchEntry], owner: str | None = None) -> list[tuple[JobRecord, bool]]:
     """Validate every entry first (the first bad one rejects the batch, naming its index), then
     record all new jobs in one Redis pipeline and publish them over one broker connection."""
     cache: dict = {}
@@ -100,6 +116,8 @@ def submit_batch(services: Services, entries: list[BatchEntry]) -> list[tuple[Jo
     if len(set(k for k in keys_wanted if k)) != len([k for k in keys_wanted if k]):
         raise BadRequest("two entries of the batch share an idempotency_key")
     ids = [str(uuid.uuid4()) for _ in entries]
+    if owner is not None:
+        entries = [e.model_copy(update={"idempotency_key": e.idempotency_key and _scoped(e.idempotency_key, owner)}) for e in entries]
     existing = _claim_batch_keys(services, entries, ids)
     retention = services.settings.job_retention_seconds
     out: list[tuple[JobRecord, bool]] = []
@@ -111,13 +129,15 @@ def submit_batch(services: Services, entries: list[BatchEntry]) -> list[tuple[Jo
             continue
         record = JobRecord(
             id=job_id, status=JobStatus.queued, model=entry.request.model, request=entry.request,
-            max_tokens=max_tokens, capture_points=points, created_at=created_at,
+            max_tokens=max_tokens, capture_points=points, created_at=created_at, owner=owner,
         )  # fmt: skip
         fresh.append(record)
         out.append((record, True))
     with services.redis.pipeline(transaction=False) as pipe:
         for record in fresh:
             pipe.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=retention)
+            pipe.zadd(keys.queued(record.model), {record.id: record.created_at.timestamp()})
+            stats.count_submitted(pipe, record.model)
         pipe.execute()
     try:
         with services.celery.producer_or_acquire() as producer:

@@ -153,6 +153,27 @@ def run_probes(results: Path, label: str = "correct.flexible", folds: int = 5, a
         return probes.run(results, label=label, fetch=fetch, folds=folds)
 
 
+@cli.command("flower")
+def flower(
+    port: int = typer.Option(5555, help="Port for the dashboard."),
+    address: str = typer.Option("0.0.0.0", help="Address to listen on."),
+    unauthenticated: bool = typer.Option(False, help="Run without basic auth (only on a trusted network)."),
+) -> None:
+    """Flower, the Celery dashboard, on the configured broker, with basic auth from ACTQ_FLOWER_BASIC_AUTH."""
+    import os
+    import sys
+
+    settings = Settings()
+    args = [sys.executable, "-m", "celery", f"--broker={settings.redis_url}", "flower", f"--port={port}", f"--address={address}"]
+    if settings.flower_basic_auth:
+        if ":" not in settings.flower_basic_auth:
+            raise typer.BadParameter("ACTQ_FLOWER_BASIC_AUTH must be user:password")
+        args.append(f"--basic-auth={settings.flower_basic_auth}")
+    elif not unauthenticated:
+        raise typer.BadParameter("set ACTQ_FLOWER_BASIC_AUTH=user:password (or pass --unauthenticated on a trusted network)")
+    os.execv(sys.executable, args)
+
+
 @cli.command("prepare-model")
 def prepare_model() -> None:
     """Convert the built-in model into ACTQ_MODEL_CACHE_DIR now (the worker otherwise does it on first start)."""

@@ -4,6 +4,7 @@
     ├── BadRequest             (422)  the request cannot be run as given
     │   ├── CaptureSpecError   (422)  a capture path, hook or position is invalid
     │   └── CaptureTooLarge    (422)  the estimated capture exceeds the budget
+    ├── Unauthorized           (401)  a missing or wrong API key
     ├── UnknownModel           (404)  no worker has ever served this model
     ├── JobNotFound            (404)
     ├── TensorNotFound         (404)  the job exists; the tensor name does not
@@ -43,6 +44,11 @@ class CaptureSpecError(BadRequest):
 
 class CaptureTooLarge(BadRequest):
     error_type = "capture_too_large"
+
+
+class Unauthorized(ActqError):
+    status_code = 401
+    error_type = "unauthorized"
 
 
 class UnknownModel(ActqError):

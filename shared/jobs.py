@@ -7,12 +7,26 @@ from datetime import UTC, datetime
 
 import redis
 
-from shared import keys
+from shared import keys, stats
 from shared.schemas import JobError, JobRecord, JobStatus
 
 
 def now() -> datetime:
     return datetime.now(UTC)
+
+
+def _record_stats(pipe, record: JobRecord) -> None:
+    """A job just ended: its figures go into the model's counters and histograms (same MULTI)."""
+    counters = keys.counters(record.model)
+    pipe.hincrby(counters, record.status.value, 1)
+    if record.result is not None:
+        pipe.hincrby(counters, "generated_tokens", record.result.usage.completion_tokens)
+    if record.activations is not None:
+        pipe.hincrby(counters, "captured_bytes", record.activations.bytes)
+    if record.started_at is not None:
+        stats.observe(pipe, record.model, "queue_wait", (record.started_at - record.created_at).total_seconds())
+        if record.finished_at is not None:
+            stats.observe(pipe, record.model, "duration", (record.finished_at - record.started_at).total_seconds())
 
 
 class JobStore:
@@ -47,13 +61,16 @@ class JobStore:
                     if raw is None:
                         pipe.unwatch()
                         return None
-                    new = change(JobRecord.model_validate_json(raw))
+                    old = JobRecord.model_validate_json(raw)
+                    new = change(old)
                     if new is None:
                         pipe.unwatch()
                         return None
                     pipe.multi()
                     pipe.set(key, new.model_dump_json(), keepttl=True)
                     pipe.publish(keys.job_events(job_id), new.status.value)
+                    if new.status.terminal and not old.status.terminal:
+                        _record_stats(pipe, new)
                     pipe.execute()
                     return new
                 except redis.WatchError:
@@ -95,6 +112,8 @@ class JobStore:
             )
 
         record = self.update(job_id, change)
+        if record is not None:
+            self.redis.zrem(keys.queued(record.model), job_id)
         if record is None or record.status is not JobStatus.running:
             return None, outcome["why"]
         return record, outcome["why"]

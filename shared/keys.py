@@ -19,6 +19,31 @@ def job_events(job_id: str) -> str:
     return f"{PREFIX}:job-events:{job_id}"
 
 
+def cancel(job_id: str) -> str:
+    """Set by DELETE on a running job; the worker's stopping criterion reads it every step."""
+    return f"{PREFIX}:cancel:{job_id}"
+
+
+def progress(job_id: str) -> str:
+    """Tokens a running job has generated so far (written by the worker while it generates)."""
+    return f"{PREFIX}:progress:{job_id}"
+
+
+def queued(name: str) -> str:
+    """Sorted set of a model's queued job ids by enqueue time: a queued job's position."""
+    return f"{PREFIX}:queued:{name}"
+
+
+def counters(name: str) -> str:
+    """Hash of a model's job counters (submitted, succeeded, ..., generated_tokens)."""
+    return f"{PREFIX}:stats:{name}:counters"
+
+
+def histogram(name: str, which: str) -> str:
+    """Hash of one of a model's histograms (cumulative bucket counts, sum, count)."""
+    return f"{PREFIX}:stats:{name}:{which}"
+
+
 def idempotency(key: str) -> str:
     """Maps a client's Idempotency-Key (hashed: it is user text) to a job id."""
     return f"{PREFIX}:idem:{hashlib.sha256(key.encode()).hexdigest()}"

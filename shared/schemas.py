@@ -50,6 +50,7 @@ class JobRequest(Strict):
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=MAX_STOP_STRINGS)] = []
     capture: CaptureSpec | None = None
+    time_limit: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None  # seconds; at most ACTQ_JOB_SOFT_TIME_LIMIT
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -116,7 +117,7 @@ class Usage(Strict):
 
 class JobResult(Strict):
     text: str
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "cancelled", "timeout"]
     usage: Usage
 
 
@@ -153,6 +154,7 @@ class JobRecord(Strict):
     status: JobStatus
     model: str
     request: JobRequest
+    owner: str | None = None  # id of the API key that made it (ACTQ_API_KEYS); others get 404
     max_tokens: int  # resolved by the API (request or default), checked against the limits
     capture_points: list[CapturePoint] = []
     created_at: datetime
@@ -166,7 +168,7 @@ class JobRecord(Strict):
 
 
 class JobView(Strict):
-    """`GET /jobs/{id}`."""
+    """`GET /jobs/{id}`. `queue_position` (1 = next) while queued, `generated_tokens` while running."""
 
     id: str
     status: JobStatus
@@ -178,6 +180,8 @@ class JobView(Strict):
     result: JobResult | None
     activations: ActivationsManifest | None
     error: JobError | None
+    queue_position: int | None = None
+    generated_tokens: int | None = None
 
 
 class ModuleInfo(Strict):

@@ -19,6 +19,12 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="ACTQ_", env_file=".env", extra="ignore")
 
     api_url: str = Field("http://127.0.0.1:8000", description="Where `actq gsm8k` and `actq probe` reach the API.")
+    api_keys: str | None = Field(
+        None, description="Comma-separated API keys; when set, every endpoint but /health needs `Authorization: Bearer <key>`."
+    )
+    flower_basic_auth: str | None = Field(
+        None, description="`user:password` for `actq flower` (Flower's dashboard and API); required unless --unauthenticated."
+    )
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
         description="Broker, job store and model registry. `actq run` starts an embedded Redis when unset.",
@@ -78,6 +84,10 @@ class Settings(BaseSettings):
         if self.heartbeat_ttl <= self.heartbeat_interval:
             raise ValueError("ACTQ_HEARTBEAT_TTL must exceed ACTQ_HEARTBEAT_INTERVAL")
         return self
+
+    @property
+    def api_key_list(self) -> list[str]:
+        return [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
 
     @property
     def max_tokens_default(self) -> int:

@@ -268,3 +268,35 @@ def test_a_worker_that_cannot_load_its_model_stops_with_the_reason(live, tmp_pat
     assert "cannot serve model" in text and "stopping the worker" in text
     with live.client() as http:
         assert "broken" not in http.get("/health").json()["workers"]
+
+
+def test_metrics_report_jobs_queue_depth_and_durations(live, http):
+    def scrape() -> dict[str, float]:
+        response = http.get("/metrics")
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+        values = {}
+        for line in response.text.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                values[name] = float(value)
+        return values
+
+    before = scrape()
+    ok = live.wait(http, live.submit(http, job_body(max_tokens=5)))
+    bad = live.wait(http, live.submit(http, job_body(messages=[{"role": "user", "content": "word " * 400}], max_tokens=4)))
+    assert ok["status"] == "succeeded" and bad["status"] == "failed"
+    after = scrape()
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    assert delta('actq_jobs_total{model="tiny",outcome="submitted"}') == 2
+    assert delta('actq_jobs_total{model="tiny",outcome="succeeded"}') == 1
+    assert delta('actq_jobs_total{model="tiny",outcome="failed"}') == 1
+    assert delta('actq_generated_tokens_total{model="tiny"}') == 5
+    assert delta('actq_captured_bytes_total{model="tiny"}') == ok["activations"]["bytes"]
+    assert delta('actq_job_duration_seconds_count{model="tiny"}') == 2
+    assert delta('actq_job_queue_wait_seconds_count{model="tiny"}') == 2
+    assert after['actq_job_duration_seconds_bucket{le="+Inf",model="tiny"}'] == after['actq_job_duration_seconds_count{model="tiny"}']
+    assert after['actq_live_workers{model="tiny"}'] == 1 and 'actq_queue_depth{model="tiny"}' in after
+    assert http.get("/health").json()["queued"]["tiny"] >= 0

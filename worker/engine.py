@@ -16,9 +16,11 @@ and one past its last:
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from shared.errors import ContextLengthExceeded, JobFailure
 from shared.schemas import CapturePoint, JobRequest, ModelInfo, ModuleInfo
@@ -43,6 +45,24 @@ class Generation:
     completion_tokens: int
     token_ids: torch.Tensor  # int64 [P + N]
     captured: list[CapturedTensor] = field(default_factory=list)
+    stopped_by: str | None = None  # what the watch answered when it ended generation early
+
+
+# Asked after each decoding step with the number of new tokens so far; a reason string stops.
+Watch = Callable[[int], str | None]
+
+
+class _StopWhen(StoppingCriteria):
+    """A transformers stopping criterion around a Watch: generate calls it after every step."""
+
+    def __init__(self, watch: Watch, prompt_tokens: int) -> None:
+        super().__init__()
+        self.watch, self.prompt_tokens, self.reason = watch, prompt_tokens, None
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: object) -> torch.Tensor:
+        if self.reason is None:
+            self.reason = self.watch(input_ids.shape[1] - self.prompt_tokens)
+        return torch.full((input_ids.shape[0],), self.reason is not None, dtype=torch.bool, device=input_ids.device)
 
 
 def _first_tensor(value: object) -> torch.Tensor | None:
@@ -152,7 +172,12 @@ class CaptureEngine:
             kwargs.update(stop_strings=list(request.stop), tokenizer=self.tokenizer)
         return kwargs
 
-    def run(self, request: JobRequest, points: list[CapturePoint], max_tokens: int) -> Generation:
+    def run(
+        self, request: JobRequest, points: list[CapturePoint], max_tokens: int, watch: Watch | None = None
+    ) -> Generation:
+        """Generate (and capture). `watch`, when given, is asked after every decoding step whether
+        to stop early (a cancel flag, a deadline); the generation then ends within one step and
+        `Generation.stopped_by` says why. What was generated and captured until then is kept."""
         unknown = [p.module for p in points if p.module not in self._module_paths]
         if unknown:
             raise JobFailure(f"modules not in this model's capturable list: {', '.join(unknown)}")
@@ -164,6 +189,10 @@ class CaptureEngine:
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit}"
             )
         kwargs = self.generation_kwargs(request, max_tokens)
+        criterion = None
+        if watch is not None:
+            criterion = _StopWhen(watch, prompt_tokens)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([criterion])
         with self.lock:
             if request.seed is not None:
                 torch.manual_seed(request.seed)
@@ -183,6 +212,7 @@ class CaptureEngine:
             completion_tokens=len(generated),
             token_ids=token_ids,
             captured=captured,
+            stopped_by=criterion.reason if criterion else None,
         )
 
     def _generate_with_capture(self, prompt, points, request, kwargs):

@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import time
 
+import redis
 from celery.exceptions import SoftTimeLimitExceeded
 from celery.utils.log import get_task_logger
 
+from shared import keys
 from shared.errors import InternalError, JobFailure, JobTimeout, OutOfMemory
 from shared.schemas import JobResult, JobStatus, Usage
 from worker import runtime
 
 log = get_task_logger(__name__)
+WATCH_INTERVAL = 0.05  # seconds between cancel-flag reads (and progress writes) while generating
 
 
 def run_job(job_id: str) -> None:
@@ -25,22 +28,17 @@ def run_job(job_id: str) -> None:
     log.info("job %s running (attempt %d)", job_id, record.attempts)
     try:
         started = time.perf_counter()
-        generation = rt.engine.run(request, record.capture_points, max_tokens)
+        generation = rt.engine.run(request, record.capture_points, max_tokens, watch=_watch(rt, record))
         generated = time.perf_counter()
+        if generation.stopped_by is not None:
+            _stopped(rt, record, generation)
+            return
         manifest = None
         if record.capture_points:
             from worker.artifacts import write_activations
 
             manifest = write_activations(rt.store, job_id, record.model, request.capture.positions, generation)
-        result = JobResult(
-            text=generation.text,
-            finish_reason=generation.finish_reason,
-            usage=Usage(
-                prompt_tokens=generation.prompt_tokens,
-                completion_tokens=generation.completion_tokens,
-                total_tokens=generation.prompt_tokens + generation.completion_tokens,
-            ),
-        )
+        result = _result(generation)
         rt.jobs.finish(job_id, status=JobStatus.succeeded, result=result.model_dump(), activations=manifest and manifest.model_dump())
         log.info(
             "job %s succeeded: %d tokens, generate %.1f ms, store %.1f ms",
@@ -52,6 +50,57 @@ def run_job(job_id: str) -> None:
         _fail(rt, job_id, exc)
     except Exception as exc:  # noqa: BLE001 - any failure ends the job, never the worker
         _fail(rt, job_id, _classify(exc))
+
+
+def _result(generation, finish_reason: str | None = None) -> JobResult:
+    usage = Usage(
+        prompt_tokens=generation.prompt_tokens,
+        completion_tokens=generation.completion_tokens,
+        total_tokens=generation.prompt_tokens + generation.completion_tokens,
+    )
+    return JobResult(text=generation.text, finish_reason=finish_reason or generation.finish_reason, usage=usage)
+
+
+def _watch(rt: runtime.Runtime, record):
+    """Asked after every decoding step: stop for a cancel flag or the job's deadline. Redis is read
+    at most every WATCH_INTERVAL seconds (and the progress written then), not at every token."""
+    limit = min(rt.settings.job_soft_time_limit, record.request.time_limit or float("inf"))
+    deadline = time.monotonic() + limit
+    last = [0.0]
+
+    def watch(generated_tokens: int) -> str | None:
+        now = time.monotonic()
+        if now >= deadline:
+            return "timeout"
+        if now - last[0] < WATCH_INTERVAL:
+            return None
+        last[0] = now
+        try:
+            with rt.jobs.redis.pipeline(transaction=False) as pipe:
+                pipe.exists(keys.cancel(record.id))
+                pipe.set(keys.progress(record.id), generated_tokens, ex=rt.settings.job_retention_seconds)
+                cancelled, _ = pipe.execute()
+        except redis.RedisError:  # progress is best effort; the job goes on
+            return None
+        return "cancelled" if cancelled else None
+
+    return watch
+
+
+def _stopped(rt: runtime.Runtime, record, generation) -> None:
+    """A generation the watch ended: cancelled (with what it had written) or out of time."""
+    tokens = generation.completion_tokens
+    if generation.stopped_by == "cancelled":
+        message = f"cancelled by DELETE /jobs/{{id}} while running, after {tokens} tokens"
+        rt.jobs.finish(record.id, status=JobStatus.cancelled, result=_result(generation, "cancelled").model_dump(),
+                       error={"type": "cancelled", "message": message})  # fmt: skip
+        log.info("job %s cancelled after %d tokens", record.id, tokens)
+        return
+    limit = min(rt.settings.job_soft_time_limit, record.request.time_limit or float("inf"))
+    message = f"the job ran past its time limit of {limit:g}s (after {tokens} tokens)"
+    rt.jobs.finish(record.id, status=JobStatus.failed, result=_result(generation, "timeout").model_dump(),
+                   error={"type": "timeout", "message": message})  # fmt: skip
+    log.warning("job %s failed: timeout after %d tokens", record.id, tokens)
 
 
 def _classify(exc: Exception) -> JobFailure:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Depends
 
-from api.deps import ServicesDep
+from api.deps import ServicesDep, get_caller
 from shared.schemas import ModelView
 
-router = APIRouter(tags=["models"])
+router = APIRouter(tags=["models"], dependencies=[Depends(get_caller)])
 
 
 @router.get("/models", response_model=list[ModelView])

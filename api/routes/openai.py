@@ -29,7 +29,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Callable, Literal
 
 import redis
-from fastapi import APIRouter, Header, Request, Response
+from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -38,7 +38,7 @@ from kombu.exceptions import OperationalError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from api.deps import ServicesDep
+from api.deps import CallerDep, ServicesDep, get_caller
 from api.routes.jobs import view
 from api.submit import submit
 from api.waiting import wait_for_job
@@ -70,8 +70,10 @@ class OpenAIError(Exception):
         error: dict[str, Any] = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
         if self.job_id is not None:
             error["job_id"] = self.job_id
-        headers = None if self.retry is None else {"x-should-retry": "true" if self.retry else "false"}
-        return JSONResponse({"error": error, "detail": self.message}, status_code=self.status, headers=headers)
+        headers = {} if self.retry is None else {"x-should-retry": "true" if self.retry else "false"}
+        if self.status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse({"error": error, "detail": self.message}, status_code=self.status, headers=headers or None)
 
 
 def _unsupported(field: str, message: str) -> OpenAIError:
@@ -135,7 +137,7 @@ class OpenAIRoute(APIRoute):
         return route
 
 
-router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute, dependencies=[Depends(get_caller)])
 
 
 # --- request -----------------------------------------------------------------------------------
@@ -382,13 +384,14 @@ ERRORS = {400: {"description": "Invalid or unsupported request"}, 404: {"descrip
 async def chat_completions(
     body: ChatCompletionRequest,
     services: ServicesDep,
+    caller: CallerDep,
     request: Request,
     idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
 ) -> ChatCompletion:
     """OpenAI's chat completion, run as an actq job (with an optional `capture`): answers once the
     job has finished, with the job id and its activations manifest in the extra field `actq`."""
     job_request = to_job_request(body)
-    record, _ = await run_in_threadpool(submit, services, job_request, idempotency_key)
+    record, _ = await run_in_threadpool(submit, services, job_request, idempotency_key, caller)
     if not record.status.terminal:
         record = await wait_for_job(services.aredis, record.id, body.actq_wait_seconds) or record
     if record.status is not JobStatus.succeeded:
