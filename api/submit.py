@@ -84,6 +84,7 @@ def submit(services: Services, request: JobRequest, idempotency_key: str | None,
     services.jobs.create(record)
     with services.redis.pipeline(transaction=False) as pipe:
         pipe.zadd(keys.queued(request.model), {job_id: record.created_at.timestamp()})
+        pipe.zadd(keys.jobs_index(owner), {job_id: record.created_at.timestamp()})
         stats.count_submitted(pipe, request.model)
         pipe.execute()
     try:
@@ -137,6 +138,7 @@ def submit_batch(services: Services, entries: list[BatchEntry], owner: str | Non
         for record in fresh:
             pipe.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=retention)
             pipe.zadd(keys.queued(record.model), {record.id: record.created_at.timestamp()})
+            pipe.zadd(keys.jobs_index(owner), {record.id: record.created_at.timestamp()})
             stats.count_submitted(pipe, record.model)
         pipe.execute()
     try:

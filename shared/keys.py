@@ -34,6 +34,11 @@ def queued(name: str) -> str:
     return f"{PREFIX}:queued:{name}"
 
 
+def jobs_index(owner: str | None) -> str:
+    """Sorted set of one API key's jobs (all jobs when keys are off), by creation time: GET /jobs."""
+    return f"{PREFIX}:jobs-index:{owner or '_'}"
+
+
 def counters(name: str) -> str:
     """Hash of a model's job counters (submitted, succeeded, ..., generated_tokens)."""
     return f"{PREFIX}:stats:{name}:counters"

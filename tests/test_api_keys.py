@@ -64,4 +64,8 @@ def test_another_keys_job_is_404_on_every_route(keyed_api, live):
         assert a != b
         batch = beta.post("/jobs/batch", json={"jobs": [{"request": body(capture=None)}]}).json()["jobs"][0]["id"]
         assert alpha.get(f"/jobs/{batch}").status_code == 404 and beta.get(f"/jobs/{batch}").status_code == 200
+        listed_alpha = {j["id"] for j in alpha.get("/jobs", params={"limit": 1000}).json()}
+        listed_beta = {j["id"] for j in beta.get("/jobs", params={"limit": 1000}).json()}
+        assert {job_id, a} <= listed_alpha and not listed_alpha & listed_beta and {b, batch} <= listed_beta
         assert alpha.delete(f"/jobs/{job_id}").status_code == 204
+        assert job_id not in {j["id"] for j in alpha.get("/jobs").json()}

@@ -300,3 +300,15 @@ def test_metrics_report_jobs_queue_depth_and_durations(live, http):
     assert after['actq_job_duration_seconds_bucket{le="+Inf",model="tiny"}'] == after['actq_job_duration_seconds_count{model="tiny"}']
     assert after['actq_live_workers{model="tiny"}'] == 1 and 'actq_queue_depth{model="tiny"}' in after
     assert http.get("/health").json()["queued"]["tiny"] >= 0
+
+
+def test_list_jobs_newest_first_with_a_status_filter(live, http):
+    bad = live.wait(http, live.submit(http, job_body(messages=[{"role": "user", "content": "word " * 400}], max_tokens=2)))
+    ids = [live.submit(http, job_body(capture=None, max_tokens=2)) for _ in range(3)]
+    for job_id in ids:
+        live.wait(http, job_id)
+    listed = http.get("/jobs", params={"limit": 3}).json()
+    assert [j["id"] for j in listed] == ids[::-1]
+    failed = http.get("/jobs", params={"status": "failed", "limit": 1000}).json()
+    assert bad["id"] in {j["id"] for j in failed} and all(j["status"] == "failed" for j in failed)
+    assert http.get("/jobs", params={"status": "bogus"}).status_code == 422

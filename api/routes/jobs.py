@@ -67,6 +67,37 @@ def create_jobs(body: BatchRequest, services: ServicesDep, caller: CallerDep) ->
     return BatchResponse(jobs=[BatchItem(id=r.id, status=r.status.value, created=created) for r, created in results])
 
 
+@router.get("", response_model=list[JobView])
+def list_jobs(
+    services: ServicesDep,
+    caller: CallerDep,
+    request: Request,
+    status: JobStatus | None = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+) -> list[JobView]:
+    """The caller's jobs, newest first (with API keys, only the jobs made with the caller's key)."""
+    index = keys.jobs_index(caller)
+    views: list[JobView] = []
+    start = 0
+    while len(views) < limit:
+        ids = [i.decode() for i in services.redis.zrevrange(index, start, start + 4 * limit - 1)]
+        if not ids:
+            break
+        start += len(ids)
+        raws = services.redis.mget([keys.job(i) for i in ids])
+        expired = [i for i, raw in zip(ids, raws) if raw is None]
+        if expired:  # records past their retention leave the index too
+            services.redis.zrem(index, *expired)
+            start -= len(expired)
+        for raw in raws:
+            if raw is None:
+                continue
+            record = JobRecord.model_validate_json(raw)
+            if status is None or record.status is status:
+                views.append(view(record, request))
+    return views[:limit]
+
+
 @router.get("/{job_id}", response_model=JobView, responses=ERRORS)
 async def get_job(
     job_id: str,
@@ -161,4 +192,5 @@ def delete_job(job_id: str, services: ServicesDep, caller: CallerDep, request: R
     services.store.delete_prefix(f"jobs/{job_id}")
     services.jobs.delete(job_id)
     services.redis.delete(keys.cancel(job_id), keys.progress(job_id))
+    services.redis.zrem(keys.jobs_index(caller), job_id)
     return Response(status_code=204)
