@@ -6,6 +6,7 @@ from fastapi import FastAPI
 
 from api import errors, metrics
 from api.deps import build_services
+from api.limits import BodyLimit
 from api.routes import health, jobs, models, openai
 from shared.settings import Settings, get_settings
 
@@ -16,7 +17,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         summary="Chat completions with per-token activation capture, queued for one-model workers.",
         version="0.1.0",
     )
-    app.state.services = build_services(settings or get_settings())
+    settings = settings or get_settings()
+    app.state.services = build_services(settings)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     errors.install(app)
     app.include_router(jobs.router)
     app.include_router(models.router)
