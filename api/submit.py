@@ -117,9 +117,10 @@ def submit_batch(services: Services, entries: list[BatchEntry], owner: str | Non
     if len(set(k for k in keys_wanted if k)) != len([k for k in keys_wanted if k]):
         raise BadRequest("two entries of the batch share an idempotency_key")
     ids = [str(uuid.uuid4()) for _ in entries]
+    given = [e.idempotency_key for e in entries]  # as the caller wrote them, for messages
     if owner is not None:
         entries = [e.model_copy(update={"idempotency_key": e.idempotency_key and _scoped(e.idempotency_key, owner)}) for e in entries]
-    existing = _claim_batch_keys(services, entries, ids)
+    existing = _claim_batch_keys(services, entries, ids, given)
     retention = services.settings.job_retention_seconds
     out: list[tuple[JobRecord, bool]] = []
     fresh: list[JobRecord] = []
@@ -157,7 +158,9 @@ def submit_batch(services: Services, entries: list[BatchEntry], owner: str | Non
     return out
 
 
-def _claim_batch_keys(services: Services, entries: list[BatchEntry], ids: list[str]) -> list[JobRecord | None]:
+def _claim_batch_keys(
+    services: Services, entries: list[BatchEntry], ids: list[str], given: list[str | None]
+) -> list[JobRecord | None]:
     """Claim every entry's idempotency key at once; the records of keys used before (None for new)."""
     keyed = [(i, e) for i, e in enumerate(entries) if e.idempotency_key]
     found: list[JobRecord | None] = [None] * len(entries)
@@ -174,7 +177,7 @@ def _claim_batch_keys(services: Services, entries: list[BatchEntry], ids: list[s
             if not ok:
                 found[i] = _claim_idempotency_key(services, entry.idempotency_key, ids[i])
                 if found[i] is not None and found[i].request != entry.request:
-                    raise Conflict(f"jobs[{i}]: idempotency_key {entry.idempotency_key!r} was used for a different request")
+                    raise Conflict(f"jobs[{i}]: idempotency_key {given[i]!r} was used for a different request")
     except ActqError:
         if mine:
             services.redis.delete(*mine)

@@ -99,12 +99,6 @@ class S3Store(ArtifactStore):
         except (BotoCoreError, ClientError) as exc:
             raise self._error("delete", prefix, exc) from exc
 
-    def size(self, key: str) -> int:
-        try:
-            return int(self.client.head_object(Bucket=self.bucket, Key=self._key(key))["ContentLength"])
-        except (BotoCoreError, ClientError) as exc:
-            raise self._error("read", key, exc) from exc
-
     def read_range(self, key: str, start: int, length: int) -> bytes:
         if length <= 0:
             return b""

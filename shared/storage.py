@@ -59,9 +59,6 @@ class ArtifactStore(ABC):
     def delete_prefix(self, prefix: str) -> None: ...
 
     @abstractmethod
-    def size(self, key: str) -> int: ...
-
-    @abstractmethod
     def read_range(self, key: str, start: int, length: int) -> bytes:
         """`length` bytes from `start`: a seek on disk, an HTTP Range request on S3."""
 
@@ -129,12 +126,6 @@ class LocalStore(ArtifactStore):
             for child in sorted(base.rglob("*"), reverse=True):
                 child.rmdir() if child.is_dir() else child.unlink()
             base.rmdir()
-
-    def size(self, key: str) -> int:
-        try:
-            return self._path(key).stat().st_size
-        except OSError as exc:
-            raise StorageError(f"cannot read {key}: {exc.strerror}") from exc
 
     def read_range(self, key: str, start: int, length: int) -> bytes:
         try:

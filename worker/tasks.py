@@ -61,11 +61,15 @@ def _result(generation, finish_reason: str | None = None) -> JobResult:
     return JobResult(text=generation.text, finish_reason=finish_reason or generation.finish_reason, usage=usage)
 
 
+def _time_limit(rt: runtime.Runtime, record) -> float:
+    """The request's time_limit, never more than the deployment's ACTQ_JOB_SOFT_TIME_LIMIT."""
+    return min(rt.settings.job_soft_time_limit, record.request.time_limit or float("inf"))
+
+
 def _watch(rt: runtime.Runtime, record):
     """Asked after every decoding step: stop for a cancel flag or the job's deadline. Redis is read
     at most every WATCH_INTERVAL seconds (and the progress written then), not at every token."""
-    limit = min(rt.settings.job_soft_time_limit, record.request.time_limit or float("inf"))
-    deadline = time.monotonic() + limit
+    deadline = time.monotonic() + _time_limit(rt, record)
     last = [0.0]
 
     def watch(generated_tokens: int) -> str | None:
@@ -96,8 +100,7 @@ def _stopped(rt: runtime.Runtime, record, generation) -> None:
                        error={"type": "cancelled", "message": message})  # fmt: skip
         log.info("job %s cancelled after %d tokens", record.id, tokens)
         return
-    limit = min(rt.settings.job_soft_time_limit, record.request.time_limit or float("inf"))
-    message = f"the job ran past its time limit of {limit:g}s (after {tokens} tokens)"
+    message = f"the job ran past its time limit of {_time_limit(rt, record):g}s (after {tokens} tokens)"
     rt.jobs.finish(record.id, status=JobStatus.failed, result=_result(generation, "timeout").model_dump(),
                    error={"type": "timeout", "message": message})  # fmt: skip
     log.warning("job %s failed: timeout after %d tokens", record.id, tokens)
