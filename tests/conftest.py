@@ -149,7 +149,6 @@ def queued_messages(client: redis.Redis, model: str) -> int:
 
 
 def job_count(client: redis.Redis) -> int:
-    # SCAN may return a key twice while Redis rehashes its table: count distinct keys.
     return len(set(client.scan_iter(match=keys.job("*"), count=1000)))
 
 
