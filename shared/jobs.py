@@ -6,6 +6,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 
 import redis
+import stamina
 
 from shared import keys, stats
 from shared.schemas import JobError, JobRecord, JobStatus
@@ -30,11 +31,27 @@ def _record_stats(pipe, record: JobRecord) -> None:
 
 
 class JobStore:
-    """Reads and changes JobRecords. Every change is a WATCH/MULTI transaction on one key."""
+    """Reads and changes JobRecords. Every change is a WATCH/MULTI transaction on one key.
 
-    def __init__(self, client: redis.Redis, retention_seconds: int) -> None:
+    `outage_seconds` > 0 (the worker's store): claim and finish wait out a Redis outage of up to
+    that long, retrying with backoff, so a job's outcome is recorded once Redis is back instead of
+    being lost. 0 (the API's store): errors surface at once and the API answers 503.
+    """
+
+    def __init__(self, client: redis.Redis, retention_seconds: int, outage_seconds: float = 0) -> None:
         self.redis = client
         self.retention = retention_seconds
+        self.outage_seconds = outage_seconds
+
+    def _through_outage(self, call: Callable[[], object]):
+        if not self.outage_seconds:
+            return call()
+        retrying = stamina.retry_context(
+            on=(redis.ConnectionError, redis.TimeoutError), attempts=None, timeout=self.outage_seconds, wait_initial=0.1, wait_max=2.0
+        )
+        for attempt in retrying:
+            with attempt:
+                return call()
 
     def create(self, record: JobRecord) -> None:
         if not self.redis.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=self.retention):
@@ -111,9 +128,13 @@ class JobStore:
                 }
             )
 
-        record = self.update(job_id, change)
-        if record is not None:
-            self.redis.zrem(keys.queued(record.model), job_id)
+        def apply() -> JobRecord | None:
+            record = self.update(job_id, change)
+            if record is not None:
+                self.redis.zrem(keys.queued(record.model), job_id)
+            return record
+
+        record = self._through_outage(apply)
         if record is None or record.status is not JobStatus.running:
             return None, outcome["why"]
         return record, outcome["why"]
@@ -128,4 +149,4 @@ class JobStore:
             data.update(fields, finished_at=now())
             return JobRecord.model_validate(data)
 
-        return self.update(job_id, change)
+        return self._through_outage(lambda: self.update(job_id, change))

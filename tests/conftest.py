@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -114,6 +116,24 @@ def live(tmp_path_factory, redis_server, tiny_dir, smol_dir):
     s.processes["api"] = stack.start_api(env, s.logs["api"], port)
     try:
         s.start_worker(TINY, {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": TINY})
+        yield s
+    finally:
+        for process in s.processes.values():
+            stack.stop(process)
+
+
+@contextmanager
+def own_stack(root: Path, base_env: dict[str, str], **overrides: str) -> Iterator[Stack]:
+    """An API of its own (no worker yet) on `base_env` with `overrides`, e.g. its own Redis or
+    store; for tests that break a component and must not disturb the session's stack."""
+    root.mkdir(parents=True, exist_ok=True)
+    env = {**base_env, "ACTQ_STORAGE_URL": (root / "data").as_uri(), **overrides}
+    port = free_port()
+    s = Stack(base_url=f"http://127.0.0.1:{port}", redis_url=env["ACTQ_REDIS_URL"], storage_dir=root / "data", env=env, logs={})
+    s.logs["api"] = root / "api.log"
+    s.processes["api"] = stack.start_api(env, s.logs["api"], port)
+    try:
+        health_when_up(s.base_url)
         yield s
     finally:
         for process in s.processes.values():

@@ -42,7 +42,7 @@ class JobTask(app.Task):
             message = f"the job was killed at the hard time limit of {settings.job_time_limit:g}s"
             client = redis.Redis.from_url(settings.redis_url)
             try:
-                JobStore(client, settings.job_retention_seconds).finish(
+                JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds).finish(
                     task_id, status=JobStatus.failed, error={"type": "timeout", "message": message}
                 )
             finally:

@@ -50,7 +50,7 @@ def start(settings: Settings) -> Runtime:
         settings=settings,
         engine=engine,
         store=open_store(settings),
-        jobs=JobStore(client, settings.job_retention_seconds),
+        jobs=JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds),
         registry=registry,
         worker_id=worker_id,
         stop=stop,

@@ -48,6 +48,9 @@ def run_job(job_id: str) -> None:
         _fail(rt, job_id, JobTimeout(f"the job ran past the time limit of {rt.settings.job_soft_time_limit:g}s"))
     except JobFailure as exc:
         _fail(rt, job_id, exc)
+    except redis.RedisError:  # Redis stayed away past ACTQ_REDIS_OUTAGE_SECONDS: the broker redelivers the job
+        log.error("job %s: its outcome could not be recorded; Redis is unreachable", job_id)
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure ends the job, never the worker
         _fail(rt, job_id, _classify(exc))
 
