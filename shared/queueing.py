@@ -23,7 +23,13 @@ def make_celery(settings: Settings) -> Celery:
         worker_prefetch_multiplier=1,
         task_send_sent_event=True,
         worker_send_task_events=True,
-        broker_transport_options={"visibility_timeout": settings.visibility_timeout},
+        broker_transport_options={
+            "visibility_timeout": settings.visibility_timeout,
+            # Look for messages of dead workers (unacked past the visibility timeout) every tenth of
+            # it, at most every 10 s; kombu's default looks about every 100 s.
+            "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 10)),
+            "unacked_restore_throttle": 1,
+        },
         broker_connection_retry_on_startup=True,
         task_default_queue=keys.queue(settings.served_model_name),
         task_time_limit=settings.job_time_limit,

@@ -3,32 +3,41 @@
 Uploads use boto3's transfer manager (multipart above `s3_multipart_chunk_bytes`; an object
 appears only when the upload completes, and a failed multipart upload is aborted). Transient
 errors are retried by botocore's standard retry mode; connect and read timeouts keep a dead
-endpoint from hanging a job. Credentials come from the standard AWS chain (environment, config
+endpoint from hanging a job. An endpoint that cannot be reached at all is waited for (uploads
+retried with backoff for up to `outage_seconds`; the worker's store uses ACTQ_STORAGE_OUTAGE_SECONDS)
+so a short S3 outage delays jobs instead of failing them. Credentials come from the standard AWS chain (environment, config
 files, instance roles), never from a request.
 """
 
 from __future__ import annotations
 
+import logging
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import boto3
+import stamina
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
 from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
+from botocore.exceptions import ConnectionError as S3ConnectionError
 
 from shared.errors import StorageError
 from shared.storage import ArtifactStore, check_key
 
+log = logging.getLogger(__name__)
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken"}
 
 
 class S3Store(ArtifactStore):
     durable_scratch = False  # the scratch file is uploaded, then deleted
 
-    def __init__(self, bucket: str, prefix: str, *, endpoint_url: str | None, region: str | None, chunk_bytes: int) -> None:
+    def __init__(
+        self, bucket: str, prefix: str, *, endpoint_url: str | None, region: str | None, chunk_bytes: int, outage_seconds: float = 0
+    ) -> None:
         self.bucket = bucket
+        self.outage_seconds = outage_seconds
         self.prefix = prefix.strip("/")
         self.endpoint_url = endpoint_url
         config = Config(
@@ -66,20 +75,27 @@ class S3Store(ArtifactStore):
             return StorageError(f"cannot {action} {key}: S3 endpoint {self.endpoint_url or 'AWS'} is unreachable")
         return StorageError(f"cannot {action} {key} in {where}: {type(exc).__name__}: {exc}")
 
-    def put_file(self, key: str, src: Path) -> str:
+    def _upload(self, key: str, call: Callable[[], object]) -> str:
+        """Run an upload; while the endpoint is unreachable, retry it for up to outage_seconds."""
+
+        def unreachable(exc: Exception) -> bool:
+            return isinstance(_cause(exc), S3ConnectionError)
+
+        waiting = {"attempts": None, "timeout": self.outage_seconds} if self.outage_seconds else {"attempts": 1}
         try:
-            self.client.upload_file(str(src), self.bucket, self._key(key), Config=self.transfer)
-        except (BotoCoreError, ClientError, Exception) as exc:  # boto3 wraps errors in S3UploadFailedError
-            cause = exc.__cause__ or exc.__context__ or exc
+            for attempt in stamina.retry_context(on=unreachable, wait_initial=0.5, wait_max=5.0, **waiting):
+                with attempt:
+                    call()
+        except Exception as exc:  # boto3's transfer manager wraps errors in S3UploadFailedError
+            cause = _cause(exc)
             raise self._error("store", key, cause if isinstance(cause, (ClientError, BotoCoreError)) else exc) from exc
         return self.uri(key)
 
+    def put_file(self, key: str, src: Path) -> str:
+        return self._upload(key, lambda: self.client.upload_file(str(src), self.bucket, self._key(key), Config=self.transfer))
+
     def put_bytes(self, key: str, data: bytes) -> str:
-        try:
-            self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
-        except (BotoCoreError, ClientError) as exc:
-            raise self._error("store", key, exc) from exc
-        return self.uri(key)
+        return self._upload(key, lambda: self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data))
 
     def local_path(self, key: str) -> Path | None:
         return None
@@ -131,3 +147,9 @@ class S3Store(ArtifactStore):
             raise self._error("reach", "the bucket", exc) from exc
         except BotoCoreError as exc:
             raise self._error("reach", "the bucket", exc) from exc
+
+
+def _cause(exc: BaseException) -> BaseException:
+    """The botocore error under boto3's wrappers (S3UploadFailedError keeps it as the cause)."""
+    cause = exc.__cause__ or exc.__context__
+    return cause if isinstance(cause, (ClientError, BotoCoreError)) else exc

@@ -75,6 +75,9 @@ class Settings(BaseSettings):
     redis_outage_seconds: float = Field(
         120.0, ge=0, description="How long a worker retries a job's state change while Redis is unreachable (0: not at all)."
     )
+    storage_outage_seconds: float = Field(
+        60.0, ge=0, description="How long a worker retries an upload while the S3 endpoint is unreachable (0: not at all)."
+    )
     max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it is failed as `worker_lost`.")
     job_retention_seconds: int = Field(7 * 24 * 3600, gt=0, description="How long job records are kept.")
     heartbeat_interval: float = Field(5.0, gt=0, description="Seconds between worker heartbeats.")

@@ -23,6 +23,10 @@ def activations_key(job_id: str) -> str:
     return f"jobs/{job_id}/activations.safetensors"
 
 
+def job_prefix(job_id: str) -> str:
+    return f"jobs/{job_id}"
+
+
 def manifest_key(job_id: str) -> str:
     return f"jobs/{job_id}/manifest.json"
 
@@ -158,8 +162,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def open_store(settings: Settings) -> ArtifactStore:
-    """The store ACTQ_STORAGE_URL names: `file:///abs/dir` or `s3://bucket/prefix`."""
+def open_store(settings: Settings, wait_for_outages: bool = False) -> ArtifactStore:
+    """The store ACTQ_STORAGE_URL names: `file:///abs/dir` or `s3://bucket/prefix`. The worker's
+    store waits out an unreachable S3 endpoint for ACTQ_STORAGE_OUTAGE_SECONDS; the API's does not."""
     url = settings.storage_url
     parsed = urlparse(url)
     if parsed.scheme == "file":
@@ -177,5 +182,6 @@ def open_store(settings: Settings) -> ArtifactStore:
             endpoint_url=settings.s3_endpoint_url,
             region=settings.s3_region,
             chunk_bytes=settings.s3_multipart_chunk_bytes,
+            outage_seconds=settings.storage_outage_seconds if wait_for_outages else 0,
         )
     raise ValueError(f"ACTQ_STORAGE_URL {url!r}: unsupported scheme {parsed.scheme!r} (use file:///abs/dir or s3://bucket/prefix)")

@@ -122,6 +122,14 @@ def live(tmp_path_factory, redis_server, tiny_dir, smol_dir):
             stack.stop(process)
 
 
+@pytest.fixture
+def own_redis(tmp_path):
+    """A Redis of the test's own, for faults that must not reach the session's Redis."""
+    server = RedisServer(tmp_path / "redis").start()
+    yield server
+    server.stop()
+
+
 @contextmanager
 def own_stack(root: Path, base_env: dict[str, str], **overrides: str) -> Iterator[Stack]:
     """An API of its own (no worker yet) on `base_env` with `overrides`, e.g. its own Redis or

@@ -140,7 +140,7 @@ def broken_s3_workers(live_s3, s3_server, tiny_dir, tmp_path_factory):
     configs = {
         "tiny-badcreds": {**base, "AWS_SECRET_ACCESS_KEY": "wrong-secret"},
         "tiny-nobucket": {**base, "ACTQ_STORAGE_URL": "s3://no-such-bucket/runs"},
-        "tiny-s3down": {**base, "ACTQ_S3_ENDPOINT_URL": down.endpoint},
+        "tiny-s3down": {**base, "ACTQ_S3_ENDPOINT_URL": down.endpoint, "ACTQ_STORAGE_OUTAGE_SECONDS": "3"},
     }
     for name, env in configs.items():
         live_s3.start_worker(name, {**env, "ACTQ_MODEL_NAME": name})

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 from pathlib import Path
 
 from shared.safetensors_io import write_file
 from shared.schemas import ActivationsManifest, TensorInfo
-from shared.storage import ArtifactStore, StorageError, activations_key, manifest_key
+from shared.storage import ArtifactStore, StorageError, activations_key, job_prefix, manifest_key
 from worker.engine import Generation
 
 FORMAT = "actq/1"
+log = logging.getLogger(__name__)
 
 
 def write_activations(
@@ -61,5 +63,12 @@ def write_activations(
     ]
     manifest = ActivationsManifest(uri=uri, key=key, sha256=sha, bytes=size, tensors=infos)
     document = {"job_id": job_id, "model": model, "metadata": metadata, **manifest.model_dump(exclude_none=True)}
-    store.put_bytes(manifest_key(job_id), json.dumps(document, indent=2).encode())
+    try:
+        store.put_bytes(manifest_key(job_id), json.dumps(document, indent=2).encode())
+    except StorageError:  # remove the file that has no manifest (the job fails with the first error)
+        try:
+            store.delete_prefix(job_prefix(job_id))
+        except StorageError as exc:
+            log.warning("job %s: activations without a manifest left at %s: %s", job_id, uri, exc.message)
+        raise
     return manifest

@@ -49,7 +49,7 @@ def start(settings: Settings) -> Runtime:
     _runtime = Runtime(
         settings=settings,
         engine=engine,
-        store=open_store(settings),
+        store=open_store(settings, wait_for_outages=True),
         jobs=JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds),
         registry=registry,
         worker_id=worker_id,

@@ -16,6 +16,7 @@ from shared import keys
 from shared.errors import JobNotFound, NotReady, TensorNotFound
 from shared.jobs import now
 from shared.safetensors_io import parse_rows, read_tensor
+from shared.storage import job_prefix
 from shared.schemas import BatchItem, BatchRequest, BatchResponse, JobError, JobRecord, JobRequest, JobStatus, JobView
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(get_caller)])
@@ -189,7 +190,7 @@ def delete_job(job_id: str, services: ServicesDep, caller: CallerDep, request: R
         services.redis.set(keys.cancel(job_id), 1, ex=services.settings.job_retention_seconds)
         response.status_code = 202
         return view(record, request, live_fields(services, record))
-    services.store.delete_prefix(f"jobs/{job_id}")
+    services.store.delete_prefix(job_prefix(job_id))
     services.jobs.delete(job_id)
     services.redis.delete(keys.cancel(job_id), keys.progress(job_id))
     services.redis.zrem(keys.jobs_index(caller), job_id)
