@@ -37,25 +37,28 @@ def build_services(settings: Settings) -> Services:
     celery = make_celery(settings)
     celery.conf.broker_connection_timeout = 2
     celery.conf.task_publish_retry_policy = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2}
+    # No task-sent event per job: it doubles the cost of a submission, and the API already shows
+    # queued jobs (GET /jobs, /metrics). Workers still send received/started/succeeded to Flower.
+    celery.conf.task_send_sent_event = False
     return Services(
         settings=settings,
         redis=client,
         aredis=aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2),
         jobs=JobStore(client, settings.job_retention_seconds),
-        registry=ModelRegistry(client, settings.heartbeat_ttl),
+        registry=ModelRegistry(client, settings.heartbeat_ttl, cache_seconds=1.0),
         celery=celery,
         store=open_store(settings),
     )
 
 
-def get_services(request: Request) -> Services:
+async def get_services(request: Request) -> Services:  # async: no threadpool hop for a lookup
     return request.app.state.services
 
 
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-def get_caller(request: Request, services: ServicesDep) -> str | None:
+async def get_caller(request: Request, services: ServicesDep) -> str | None:
     """Who is calling: None when ACTQ_API_KEYS is unset; else a stable id of the caller's key
     (the key itself is never stored). Keys are compared in constant time."""
     keys = services.settings.api_key_list

@@ -81,12 +81,10 @@ def submit(services: Services, request: JobRequest, idempotency_key: str | None,
         id=job_id, status=JobStatus.queued, model=request.model, request=request, max_tokens=max_tokens,
         capture_points=points, created_at=now(), owner=owner,
     )
-    services.jobs.create(record)
-    with services.redis.pipeline(transaction=False) as pipe:
-        pipe.zadd(keys.queued(request.model), {job_id: record.created_at.timestamp()})
-        pipe.zadd(keys.jobs_index(owner), {job_id: record.created_at.timestamp()})
-        stats.count_submitted(pipe, request.model)
-        pipe.execute()
+    with services.redis.pipeline(transaction=True) as pipe:  # one round trip, all or nothing
+        _record_queued(pipe, record, services.settings.job_retention_seconds)
+        if not pipe.execute()[0]:
+            raise RuntimeError(f"job {job_id} already exists")
     try:
         services.celery.send_task(keys.TASK_NAME, args=[job_id], task_id=job_id, queue=keys.queue(request.model))
     except OperationalError as exc:
@@ -96,6 +94,16 @@ def submit(services: Services, request: JobRequest, idempotency_key: str | None,
             services.redis.delete(keys.idempotency(idempotency_key))
         raise ServiceUnavailable("the broker cannot be reached; nothing was enqueued, try again shortly") from exc
     return record, True
+
+
+def _record_queued(pipe, record: JobRecord, retention: int) -> None:
+    """A new job's writes: its record (SET NX, first in the pipeline), its place in the model's
+    queue and in its owner's list, and the submitted counter."""
+    created = record.created_at.timestamp()
+    pipe.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=retention)
+    pipe.zadd(keys.queued(record.model), {record.id: created})
+    pipe.zadd(keys.jobs_index(record.owner), {record.id: created})
+    stats.count_submitted(pipe, record.model)
 
 
 def _scoped(key: str, owner: str | None) -> str:
@@ -137,10 +145,7 @@ def submit_batch(services: Services, entries: list[BatchEntry], owner: str | Non
         out.append((record, True))
     with services.redis.pipeline(transaction=False) as pipe:
         for record in fresh:
-            pipe.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=retention)
-            pipe.zadd(keys.queued(record.model), {record.id: record.created_at.timestamp()})
-            pipe.zadd(keys.jobs_index(owner), {record.id: record.created_at.timestamp()})
-            stats.count_submitted(pipe, record.model)
+            _record_queued(pipe, record, retention)
         pipe.execute()
     try:
         with services.celery.producer_or_acquire() as producer:

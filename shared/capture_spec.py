@@ -68,25 +68,25 @@ def _closest(concrete: str, paths: list[str]) -> str:
 def resolve(spec: CaptureSpec, model: ModelInfo) -> list[CapturePoint]:
     """The capture points a spec names, in forward-execution order, each checked for the hook."""
     modules: list[ModuleInfo] = model.modules
-    paths = [m.path for m in modules]
-    split_paths = [p.split(".") for p in paths]
+    index = model.module_index
     selected: set[str] = set()
     concrete_patterns = [segments for pattern in spec.modules for segments in parse(pattern)]
     if len(concrete_patterns) > MAX_EXPANSION:
         raise CaptureSpecError(f"the capture spec expands to more than {MAX_EXPANSION} concrete paths")
     for segments in dict.fromkeys(tuple(s) for s in concrete_patterns):
-        hits = [p for p, parts in zip(paths, split_paths) if _matches(list(segments), parts)]
+        concrete = ".".join(segments)
+        if WILDCARD in segments:
+            hits = [m.path for m in modules if _matches(list(segments), m.path.split("."))]
+        else:  # a plain path: one lookup
+            hits = [concrete] if concrete in index else []
         if not hits:
-            concrete = ".".join(segments)
             raise CaptureSpecError(
-                f"capture path {concrete!r} names no module of model {model.name!r}{_closest(concrete, paths)}"
+                f"capture path {concrete!r} names no module of model {model.name!r}{_closest(concrete, list(index))}"
             )
         selected.update(hits)
 
     points: list[CapturePoint] = []
-    for info in modules:
-        if info.path not in selected:
-            continue
+    for info in (modules[i] for i in sorted(index[path] for path in selected)):
         dim = info.output_dim if spec.hook == "output" else info.input_dim
         if dim is None:
             raise CaptureSpecError(
@@ -122,11 +122,10 @@ def estimate_bytes(request: JobRequest, points: list[CapturePoint], model: Model
     """Worst-case bytes of a job's capture: positions x hidden x capture points x dtype bytes."""
     if request.capture is None:
         return 0
-    by_path = {m.path: m for m in model.modules}
     rows = rows_for(request.capture.positions, prompt_tokens_upper_bound(request), max_tokens)
     width = 0
     for point in points:
-        info = by_path[point.module]
+        info = model.modules[model.module_index[point.module]]
         width += (info.output_dim if point.hook == "output" else info.input_dim) or 0
     return rows * width * DTYPE_BYTES[request.capture.dtype]
 

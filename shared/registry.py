@@ -14,9 +14,11 @@ class ModelRegistry:
     """Descriptions are kept (a model stays known while no worker runs: its jobs wait queued);
     liveness comes from heartbeats scored in a sorted set per model."""
 
-    def __init__(self, client: redis.Redis, heartbeat_ttl: float) -> None:
+    def __init__(self, client: redis.Redis, heartbeat_ttl: float, cache_seconds: float = 0) -> None:
         self.redis = client
         self.ttl = heartbeat_ttl
+        self.cache_seconds = cache_seconds  # the API keeps found descriptions this long (one GET less per job)
+        self._cache: dict[str, tuple[float, ModelInfo]] = {}
 
     def publish(self, info: ModelInfo) -> None:
         with self.redis.pipeline() as pipe:
@@ -31,8 +33,16 @@ class ModelRegistry:
         self.redis.zrem(keys.workers(name), worker_id)
 
     def get(self, name: str) -> ModelInfo | None:
+        cached = self._cache.get(name)
+        if cached is not None and time.monotonic() - cached[0] < self.cache_seconds:
+            return cached[1]
         raw = self.redis.get(keys.model(name))
-        return None if raw is None else ModelInfo.model_validate_json(raw)
+        if raw is None:
+            return None
+        info = ModelInfo.model_validate_json(raw)
+        if self.cache_seconds:
+            self._cache[name] = (time.monotonic(), info)
+        return info
 
     def names(self) -> list[str]:
         return sorted(n.decode() if isinstance(n, bytes) else n for n in self.redis.smembers(keys.MODELS))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from datetime import datetime
 from enum import Enum
+from functools import cached_property
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -206,6 +207,11 @@ class ModelInfo(Strict):
     dtype: str
     device: str
     modules: list[ModuleInfo]  # forward-execution order
+
+    @cached_property
+    def module_index(self) -> dict[str, int]:
+        """Each module path's place in `modules` (built once per description)."""
+        return {m.path: i for i, m in enumerate(self.modules)}
 
 
 class ModelView(Strict):

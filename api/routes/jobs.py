@@ -6,7 +6,6 @@ import re
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 
 from api.deps import CallerDep, ServicesDep, get_caller
@@ -28,7 +27,16 @@ CANCELLED = JobError(type="cancelled", message="cancelled by DELETE /jobs/{id} b
 def load(services, job_id: str, caller: str | None) -> JobRecord:
     """Job ids are uuid4s; anything else is unknown without touching Redis or the disk. With API
     keys, another key's job is unknown too (404, not 403: its existence is not disclosed)."""
-    record = services.jobs.get(job_id) if _UUID.fullmatch(job_id) else None
+    return _visible(services, job_id, caller, services.jobs.get(job_id) if _UUID.fullmatch(job_id) else None)
+
+
+async def load_async(services, job_id: str, caller: str | None) -> JobRecord:
+    """`load` on the event loop (redis.asyncio): the hot path of polling clients."""
+    raw = await services.aredis.get(keys.job(job_id)) if _UUID.fullmatch(job_id) else None
+    return _visible(services, job_id, caller, None if raw is None else JobRecord.model_validate_json(raw))
+
+
+def _visible(services, job_id: str, caller: str | None, record: JobRecord | None) -> JobRecord:
     if record is None or (services.settings.api_key_list and record.owner != caller):
         raise JobNotFound(f"no job with id {job_id!r}")
     return record
@@ -109,21 +117,31 @@ async def get_job(
 ) -> JobView:
     """A job's status, and its result and activations manifest once it has succeeded. With `wait`,
     the answer comes as soon as the job finishes (or after `wait` seconds), instead of polling."""
-    record = await run_in_threadpool(load, services, job_id, caller)
+    record = await load_async(services, job_id, caller)
     if wait > 0 and not record.status.terminal:
         record = await wait_for_job(services.aredis, job_id, wait) or record
-    live = await run_in_threadpool(live_fields, services, record)
+    live = {}
+    if record.status is JobStatus.queued:
+        live = _queue_position(await services.aredis.zrank(keys.queued(record.model), record.id))
+    elif record.status is JobStatus.running:
+        live = _progress(await services.aredis.get(keys.progress(record.id)))
     return view(record, request, live)
+
+
+def _queue_position(rank: int | None) -> dict:
+    return {"queue_position": None if rank is None else rank + 1}
+
+
+def _progress(tokens: bytes | None) -> dict:
+    return {"generated_tokens": int(tokens) if tokens is not None else 0}
 
 
 def live_fields(services, record: JobRecord) -> dict:
     """Where a queued job stands in its model's queue; how far a running job has got."""
     if record.status is JobStatus.queued:
-        rank = services.redis.zrank(keys.queued(record.model), record.id)
-        return {"queue_position": None if rank is None else rank + 1}
+        return _queue_position(services.redis.zrank(keys.queued(record.model), record.id))
     if record.status is JobStatus.running:
-        tokens = services.redis.get(keys.progress(record.id))
-        return {"generated_tokens": int(tokens) if tokens is not None else 0}
+        return _progress(services.redis.get(keys.progress(record.id)))
     return {}
 
 
