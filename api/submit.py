@@ -1,16 +1,19 @@
-"""Turning a valid-looking request into a queued job: checks against the served model, the capture
-budget, the record in Redis, then the Celery message (carrying only the job id)."""
+"""Turning a valid-looking request into a queued job: checks against the served model and the
+capture budget, then the record and its Celery message (carrying only the job id) written in one
+Redis transaction (see shared/enqueue.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 
-from kombu.exceptions import OperationalError
+import redis
 
 from api.deps import Services
 from shared import capture_spec, keys, stats
-from shared.errors import ActqError, BadRequest, Conflict, NotReady, ServiceUnavailable, UnknownModel
+from shared.errors import ActqError, BadRequest, Conflict, NotReady, UnknownModel
+from shared.enqueue import enqueue
 from shared.jobs import now
 from shared.schemas import BatchEntry, CapturePoint, JobRecord, JobRequest, JobStatus
 
@@ -62,7 +65,47 @@ def _claim_idempotency_key(services: Services, key: str, job_id: str) -> JobReco
         owner = services.redis.get(idem)
     if owner is None:  # the first request failed and released the key
         return _claim_idempotency_key(services, key, job_id)
+    if _take_over(services, idem, owner, job_id):  # the first request died before recording its job
+        return None
     raise NotReady("a request with this Idempotency-Key is still being recorded; retry shortly")
+
+
+def _take_over(services: Services, idem: str, stale: bytes, job_id: str) -> bool:
+    """Move a key to `job_id` if it still names `stale`, a job that was never recorded (its job
+    and message are written in the transaction right after the key is claimed, so a key whose job
+    has not appeared within the wait belongs to a request that did not get that far)."""
+    with services.redis.pipeline() as pipe:
+        try:
+            pipe.watch(idem, keys.job(stale.decode()))
+            if pipe.get(idem) != stale or pipe.exists(keys.job(stale.decode())):
+                return False
+            pipe.multi()
+            pipe.set(idem, job_id, ex=services.settings.job_retention_seconds)
+            pipe.execute()
+            return True
+        except redis.WatchError:
+            return False
+
+
+async def submit_now(services: Services, request: JobRequest, owner: str | None = None) -> JobRecord:
+    """`submit` without an Idempotency-Key, on the event loop (redis.asyncio): the common case of
+    POST /jobs, with no threadpool hop. Same checks, same single transaction."""
+    cache: dict = {}
+    info = services.registry.cached(request.model)
+    if info is None:
+        info = services.registry.remember(await services.aredis.get(keys.model(request.model)))
+    if info is not None:
+        cache[("model", request.model)] = info
+    max_tokens, points = plan(services, request, cache)  # unknown model: the registry names the served ones
+    record = JobRecord(
+        id=str(uuid.uuid4()), status=JobStatus.queued, model=request.model, request=request, max_tokens=max_tokens,
+        capture_points=points, created_at=now(), owner=owner,
+    )  # fmt: skip
+    async with services.aredis.pipeline(transaction=True) as pipe:
+        _record_queued(pipe, record, services.settings.job_retention_seconds, services.celery)
+        if not (await pipe.execute())[0]:
+            raise RuntimeError(f"job {record.id} already exists")
+    return record
 
 
 def submit(services: Services, request: JobRequest, idempotency_key: str | None, owner: str | None = None) -> tuple[JobRecord, bool]:
@@ -81,29 +124,36 @@ def submit(services: Services, request: JobRequest, idempotency_key: str | None,
         id=job_id, status=JobStatus.queued, model=request.model, request=request, max_tokens=max_tokens,
         capture_points=points, created_at=now(), owner=owner,
     )
-    with services.redis.pipeline(transaction=True) as pipe:  # one round trip, all or nothing
-        _record_queued(pipe, record, services.settings.job_retention_seconds)
-        if not pipe.execute()[0]:
-            raise RuntimeError(f"job {job_id} already exists")
     try:
-        services.celery.send_task(keys.TASK_NAME, args=[job_id], task_id=job_id, queue=keys.queue(request.model))
-    except OperationalError as exc:
-        services.jobs.delete(job_id)
-        services.redis.zrem(keys.queued(request.model), job_id)
-        if idempotency_key is not None:
-            services.redis.delete(keys.idempotency(idempotency_key))
-        raise ServiceUnavailable("the broker cannot be reached; nothing was enqueued, try again shortly") from exc
+        with services.redis.pipeline(transaction=True) as pipe:  # record and message: one round trip, all or nothing
+            _record_queued(pipe, record, services.settings.job_retention_seconds, services.celery)
+            created = pipe.execute()[0]
+    except redis.RedisError:
+        _release(services, [idempotency_key])
+        raise
+    if not created:
+        raise RuntimeError(f"job {job_id} already exists")
     return record, True
 
 
-def _record_queued(pipe, record: JobRecord, retention: int) -> None:
-    """A new job's writes: its record (SET NX, first in the pipeline), its place in the model's
-    queue and in its owner's list, and the submitted counter."""
+def _release(services: Services, idempotency_keys: list[str | None]) -> None:
+    """Nothing was queued: free the idempotency keys this request claimed (best effort; a key
+    left behind is taken over by the next request after the wait in _claim_idempotency_key)."""
+    claimed = [keys.idempotency(k) for k in idempotency_keys if k]
+    if claimed:
+        with contextlib.suppress(redis.RedisError):
+            services.redis.delete(*claimed)
+
+
+def _record_queued(pipe, record: JobRecord, retention: int, celery) -> None:
+    """A new job's writes: its record (SET NX, first in the pipeline), its broker message, its
+    place in the model's queue and in its owner's list, and the submitted counter."""
     created = record.created_at.timestamp()
     pipe.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=retention)
     pipe.zadd(keys.queued(record.model), {record.id: created})
     pipe.zadd(keys.jobs_index(record.owner), {record.id: created})
     stats.count_submitted(pipe, record.model)
+    enqueue(pipe, celery, record.id, record.model)
 
 
 def _scoped(key: str, owner: str | None) -> str:
@@ -143,23 +193,15 @@ def submit_batch(services: Services, entries: list[BatchEntry], owner: str | Non
         )  # fmt: skip
         fresh.append(record)
         out.append((record, True))
-    with services.redis.pipeline(transaction=False) as pipe:
-        for record in fresh:
-            _record_queued(pipe, record, retention)
-        pipe.execute()
+    claimed = [e.idempotency_key for e, old in zip(entries, existing) if e.idempotency_key and old is None]
     try:
-        with services.celery.producer_or_acquire() as producer:
+        with services.redis.pipeline(transaction=True) as pipe:  # every record and message, or none
             for record in fresh:
-                services.celery.send_task(
-                    keys.TASK_NAME, args=[record.id], task_id=record.id, queue=keys.queue(record.model), producer=producer
-                )
-    except OperationalError as exc:
-        # Unsent jobs stay recorded as queued but are never run; remove them and their keys.
-        services.redis.delete(*[keys.job(r.id) for r in fresh])
-        claimed = [keys.idempotency(e.idempotency_key) for e, old in zip(entries, existing) if e.idempotency_key and old is None]
-        if claimed:
-            services.redis.delete(*claimed)
-        raise ServiceUnavailable("the broker cannot be reached; retry the batch (its idempotency keys make that safe)") from exc
+                _record_queued(pipe, record, retention, services.celery)
+            pipe.execute()
+    except redis.RedisError:
+        _release(services, claimed)
+        raise
     return out
 
 

@@ -33,15 +33,20 @@ class ModelRegistry:
         self.redis.zrem(keys.workers(name), worker_id)
 
     def get(self, name: str) -> ModelInfo | None:
-        cached = self._cache.get(name)
-        if cached is not None and time.monotonic() - cached[0] < self.cache_seconds:
-            return cached[1]
-        raw = self.redis.get(keys.model(name))
+        return self.cached(name) or self.remember(self.redis.get(keys.model(name)))
+
+    def cached(self, name: str) -> ModelInfo | None:
+        """The description read within the last `cache_seconds`, if any."""
+        found = self._cache.get(name)
+        return found[1] if found is not None and time.monotonic() - found[0] < self.cache_seconds else None
+
+    def remember(self, raw: bytes | None) -> ModelInfo | None:
+        """Parse a stored description (read by the caller, e.g. with redis.asyncio) and cache it."""
         if raw is None:
             return None
         info = ModelInfo.model_validate_json(raw)
         if self.cache_seconds:
-            self._cache[name] = (time.monotonic(), info)
+            self._cache[info.name] = (time.monotonic(), info)
         return info
 
     def names(self) -> list[str]:

@@ -6,6 +6,7 @@ import hashlib
 import json
 import threading
 import time
+import uuid
 
 import httpx
 import pytest
@@ -173,6 +174,19 @@ def test_concurrent_retries_with_one_idempotency_key_make_one_job(live, redis_cl
         t.join()
     assert len({job_id for _, job_id in ids}) == 1
     assert sorted(code for code, _ in ids) == [200] * 7 + [202]
+
+
+def test_an_idempotency_key_whose_request_died_before_recording_is_taken_over(live, http, redis_client):
+    """A key claimed by a request that never recorded its job (its process died, or Redis went
+    away in between) does not block the key for the retention period: after the wait for the
+    first request, a retry takes it over and queues the job once."""
+    redis_client.set(keys.idempotency("orphaned-1"), str(uuid.uuid4()), ex=600)
+    retry = http.post("/jobs", json=job_body(capture=None, max_tokens=2), headers={"Idempotency-Key": "orphaned-1"})
+    assert retry.status_code == 202, retry.text
+    assert redis_client.get(keys.idempotency("orphaned-1")).decode() == retry.json()["id"]
+    again = http.post("/jobs", json=job_body(capture=None, max_tokens=2), headers={"Idempotency-Key": "orphaned-1"})
+    assert again.status_code == 200 and again.json()["id"] == retry.json()["id"]
+    assert live.wait(http, retry.json()["id"])["status"] == "succeeded"
 
 
 def test_overlapping_requests_all_complete(live, http):

@@ -6,17 +6,18 @@ import re
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
+from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, RedirectResponse, StreamingResponse
 
 from api.deps import CallerDep, ServicesDep, get_caller
-from api.submit import submit, submit_batch
+from api.submit import submit, submit_batch, submit_now
 from api.waiting import wait_for_job
 from shared import keys
 from shared.errors import JobNotFound, NotReady, TensorNotFound
 from shared.jobs import now
 from shared.safetensors_io import parse_rows, read_tensor
-from shared.storage import job_prefix
 from shared.schemas import BatchItem, BatchRequest, BatchResponse, JobError, JobRecord, JobRequest, JobStatus, JobView
+from shared.storage import job_prefix
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(get_caller)])
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}")
@@ -52,7 +53,7 @@ def view(record: JobRecord, request: Request, live: dict | None = None) -> JobVi
 
 
 @router.post("", status_code=202, response_model=JobView, responses={404: {"description": "Unknown model"}, 422: {}, 503: {}})
-def create_job(
+async def create_job(
     body: JobRequest,
     services: ServicesDep,
     caller: CallerDep,
@@ -61,7 +62,10 @@ def create_job(
     idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
 ) -> JobView:
     """Queue a chat completion with activation capture."""
-    record, created = submit(services, body, idempotency_key, owner=caller)
+    if idempotency_key is None:
+        record, created = await submit_now(services, body, owner=caller), True
+    else:  # may wait for a concurrent request with the same key: off the event loop
+        record, created = await run_in_threadpool(submit, services, body, idempotency_key, caller)
     response.headers["Location"] = str(request.url_for("get_job", job_id=record.id))
     if not created:
         response.status_code = 200
