@@ -9,7 +9,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.actq-installed
 
-.PHONY: install run test browser bench bench-storage clean
+.PHONY: install run test browser bench bench-storage bench-api clean
 
 install: $(STAMP)
 
@@ -40,6 +40,12 @@ bench: $(STAMP)
 
 bench-storage: $(STAMP)
 	$(BIN)/python bench/bench_storage.py --runs 9
+
+# wrk (Debian's package) is the load generator; installed when this machine allows it.
+bench-api: $(STAMP)
+	@command -v wrk >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk >/dev/null; } || echo "wrk is not installed"
+	$(BIN)/python bench/bench_api.py --rounds 3 --duration 10
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache
