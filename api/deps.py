@@ -32,14 +32,10 @@ class Services:
 
 
 def build_services(settings: Settings) -> Services:
-    """Nothing here connects yet: redis-py and Celery connect on first use."""
+    """Nothing here connects yet: redis-py connects on first use. The Celery app only builds
+    messages (shared/enqueue.py); the API never opens a broker connection of its own."""
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30)
     celery = make_celery(settings)
-    celery.conf.broker_connection_timeout = 2
-    celery.conf.task_publish_retry_policy = {"max_retries": 2, "interval_start": 0, "interval_step": 0.2}
-    # No task-sent event per job: it doubles the cost of a submission, and the API already shows
-    # queued jobs (GET /jobs, /metrics). Workers still send received/started/succeeded to Flower.
-    celery.conf.task_send_sent_event = False
     return Services(
         settings=settings,
         redis=client,

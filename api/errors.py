@@ -8,7 +8,6 @@ import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from kombu.exceptions import OperationalError
 from starlette.exceptions import HTTPException
 
 from shared.errors import ActqError
@@ -57,4 +56,3 @@ def install(app: FastAPI) -> None:
     app.add_exception_handler(RequestValidationError, validation_error)
     app.add_exception_handler(HTTPException, http_error)
     app.add_exception_handler(redis.RedisError, unavailable)
-    app.add_exception_handler(OperationalError, unavailable)

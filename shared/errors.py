@@ -10,7 +10,6 @@
     ├── TensorNotFound         (404)  the job exists; the tensor name does not
     ├── Conflict               (409)  e.g. an Idempotency-Key reused for another request
     ├── NotReady               (409)  e.g. activations of a job that has not succeeded
-    ├── ServiceUnavailable     (503)  Redis (or the broker) cannot be reached
     └── JobFailure                    raised inside the worker; stored on the job as {type, message}
         ├── ContextLengthExceeded
         ├── StorageError
@@ -74,11 +73,6 @@ class Conflict(ActqError):
 class NotReady(ActqError):
     status_code = 409
     error_type = "not_ready"
-
-
-class ServiceUnavailable(ActqError):
-    status_code = 503
-    error_type = "service_unavailable"
 
 
 class JobFailure(ActqError):

@@ -3,15 +3,14 @@
 Uploads use boto3's transfer manager (multipart above `s3_multipart_chunk_bytes`; an object
 appears only when the upload completes, and a failed multipart upload is aborted). Transient
 errors are retried by botocore's standard retry mode; connect and read timeouts keep a dead
-endpoint from hanging a job. An endpoint that cannot be reached at all is waited for (uploads
-retried with backoff for up to `outage_seconds`; the worker's store uses ACTQ_STORAGE_OUTAGE_SECONDS)
-so a short S3 outage delays jobs instead of failing them. Credentials come from the standard AWS chain (environment, config
-files, instance roles), never from a request.
+endpoint from hanging a job. An endpoint that cannot be reached at all is waited for: uploads
+are retried with backoff for up to `outage_seconds` (the worker's store: ACTQ_STORAGE_OUTAGE_SECONDS),
+so a short S3 outage delays jobs instead of failing them. Credentials come from the standard AWS
+chain (environment, config files, instance roles), never from a request.
 """
 
 from __future__ import annotations
 
-import logging
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,7 +25,6 @@ from botocore.exceptions import ConnectionError as S3ConnectionError
 from shared.errors import StorageError
 from shared.storage import ArtifactStore, check_key
 
-log = logging.getLogger(__name__)
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken"}
 
 
@@ -87,8 +85,7 @@ class S3Store(ArtifactStore):
                 with attempt:
                     call()
         except Exception as exc:  # boto3's transfer manager wraps errors in S3UploadFailedError
-            cause = _cause(exc)
-            raise self._error("store", key, cause if isinstance(cause, (ClientError, BotoCoreError)) else exc) from exc
+            raise self._error("store", key, _cause(exc)) from exc
         return self.uri(key)
 
     def put_file(self, key: str, src: Path) -> str:

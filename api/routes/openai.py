@@ -34,7 +34,6 @@ from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from kombu.exceptions import OperationalError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
@@ -130,7 +129,7 @@ class OpenAIRoute(APIRoute):
                 return _from_actq(exc).response()
             except HTTPException as exc:
                 return OpenAIError(exc.status_code, str(exc.detail), "http_error").response()
-            except (redis.RedisError, OperationalError):
+            except redis.RedisError:
                 message = "Redis (the job store and broker) cannot be reached; try again shortly"
                 return OpenAIError(503, message, "service_unavailable").response()
 
