@@ -97,10 +97,7 @@ async def submit_now(services: Services, request: JobRequest, owner: str | None 
     if info is not None:
         cache[("model", request.model)] = info
     max_tokens, points = plan(services, request, cache)  # unknown model: the registry names the served ones
-    record = JobRecord(
-        id=str(uuid.uuid4()), status=JobStatus.queued, model=request.model, request=request, max_tokens=max_tokens,
-        capture_points=points, created_at=now(), owner=owner,
-    )  # fmt: skip
+    record = _queued(str(uuid.uuid4()), request, max_tokens, points, owner)
     async with services.aredis.pipeline(transaction=True) as pipe:
         _record_queued(pipe, record, services.settings.job_retention_seconds, services.celery)
         if not (await pipe.execute())[0]:
@@ -120,10 +117,7 @@ def submit(services: Services, request: JobRequest, idempotency_key: str | None,
             if existing.request != request:
                 raise Conflict("this Idempotency-Key was used for a different request; use a new key")
             return existing, False
-    record = JobRecord(
-        id=job_id, status=JobStatus.queued, model=request.model, request=request, max_tokens=max_tokens,
-        capture_points=points, created_at=now(), owner=owner,
-    )
+    record = _queued(job_id, request, max_tokens, points, owner)
     try:
         with services.redis.pipeline(transaction=True) as pipe:  # record and message: one round trip, all or nothing
             _record_queued(pipe, record, services.settings.job_retention_seconds, services.celery)
@@ -143,6 +137,14 @@ def _release(services: Services, idempotency_keys: list[str | None]) -> None:
     if claimed:
         with contextlib.suppress(redis.RedisError):
             services.redis.delete(*claimed)
+
+
+def _queued(job_id: str, request: JobRequest, max_tokens: int, points: list[CapturePoint], owner: str | None,
+            created_at=None) -> JobRecord:  # fmt: skip
+    return JobRecord(
+        id=job_id, status=JobStatus.queued, model=request.model, request=request, max_tokens=max_tokens,
+        capture_points=points, created_at=created_at or now(), owner=owner,
+    )  # fmt: skip
 
 
 def _record_queued(pipe, record: JobRecord, retention: int, celery) -> None:
@@ -187,10 +189,7 @@ def submit_batch(services: Services, entries: list[BatchEntry], owner: str | Non
         if old is not None:
             out.append((old, False))
             continue
-        record = JobRecord(
-            id=job_id, status=JobStatus.queued, model=entry.request.model, request=entry.request,
-            max_tokens=max_tokens, capture_points=points, created_at=created_at, owner=owner,
-        )  # fmt: skip
+        record = _queued(job_id, entry.request, max_tokens, points, owner, created_at)
         fresh.append(record)
         out.append((record, True))
     claimed = [e.idempotency_key for e, old in zip(entries, existing) if e.idempotency_key and old is None]
