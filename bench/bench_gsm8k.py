@@ -31,7 +31,8 @@ DATA = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 def enqueue(base: str, redis_url: str, problems, preset: list[str], model_info: dict) -> dict:
     import redis
 
-    from shared import gsm8k, keys
+    from shared import keys
+    from shared.cli.gsm8k import data as gsm8k
     from shared.client import Client
     from shared.registry import ModelRegistry
     from shared.schemas import ModelInfo
@@ -42,8 +43,12 @@ def enqueue(base: str, redis_url: str, problems, preset: list[str], model_info: 
     name = "enqueue-bench"
     ModelRegistry(client_redis, settings.heartbeat_ttl).publish(ModelInfo.model_validate({**model_info, "name": name}))
     requests = [
-        {"model": name, "messages": gsm8k.messages(p, "zero-shot"), "max_tokens": 256,
-         "capture": {"modules": preset, "positions": "generated", "dtype": "float16"}}  # fmt: skip
+        {
+            "model": name,
+            "messages": gsm8k.messages(p, "zero-shot"),
+            "max_tokens": 256,
+            "capture": {"modules": preset, "positions": "generated", "dtype": "float16"},
+        }
         for p in problems
     ]
     times = []
@@ -56,26 +61,35 @@ def enqueue(base: str, redis_url: str, problems, preset: list[str], model_info: 
             assert len({j.id for j in jobs}) == len(requests)
             queued = client_redis.llen(keys.queue(name))
             assert queued == len(requests), queued
-            client_redis.delete(keys.queue(name), *[keys.job(j.id) for j in jobs], *[keys.idempotency(k) for k in keys_])
-    return {"jobs": len(requests), "seconds": times, "median_seconds": statistics.median(times),
-            "jobs_per_second": len(requests) / statistics.median(times)}  # fmt: skip
+            client_redis.delete(
+                keys.queue(name), *[keys.job(j.id) for j in jobs], *[keys.idempotency(k) for k in keys_]
+            )
+    return {
+        "jobs": len(requests),
+        "seconds": times,
+        "median_seconds": statistics.median(times),
+        "jobs_per_second": len(requests) / statistics.median(times),
+    }
 
 
 def plain_generate(problems, max_tokens: int) -> dict:
     import torch
 
-    from shared import gsm8k
+    from shared.cli.gsm8k import data as gsm8k
     from shared.settings import Settings
     from worker.models import load
 
     loaded = load(Settings())
     tokens, seconds = 0, 0.0
     for problem in problems:
-        encoded = loaded.tokenizer.apply_chat_template(gsm8k.messages(problem, "zero-shot"), add_generation_prompt=True,
-                                                       return_dict=True, return_tensors="pt")  # fmt: skip
+        encoded = loaded.tokenizer.apply_chat_template(
+            gsm8k.messages(problem, "zero-shot"), add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        )
         start = time.perf_counter()
         with torch.inference_mode():
-            ids = loaded.model.generate(**encoded, max_new_tokens=max_tokens, do_sample=False, pad_token_id=loaded.tokenizer.eos_token_id)
+            ids = loaded.model.generate(
+                **encoded, max_new_tokens=max_tokens, do_sample=False, pad_token_id=loaded.tokenizer.eos_token_id
+            )
         seconds += time.perf_counter() - start
         tokens += ids.shape[1] - encoded["input_ids"].shape[1]
     return {"generated_tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
@@ -91,12 +105,16 @@ def main() -> int:
         print(f"skipped: {DATA} is absent (the GSM8K test split beside the repository)")
         return 0
     sys.path.insert(0, str(ROOT))
-    from shared import gsm8k, stack
-    from shared.cli import run_gsm8k
+    from shared.cli import local_stack as stack
+    from shared.cli.gsm8k import data as gsm8k
+    from shared.cli.gsm8k.runner import run as run_gsm8k
+    from shared.cli.gsm8k.scoring import fewshot_answer, gold_answer, strict_match
     from shared.client import Client
     from shared.settings import Settings
 
     problems = gsm8k.load(str(DATA))
+    for problem in problems:  # every gold answer parses, and its few-shot form scores as itself
+        assert strict_match(fewshot_answer(problem.answer)) == gold_answer(problem.answer), problem.index
     settings = Settings()
     results: dict = {"command": " ".join([sys.executable, *sys.argv])}
     with tempfile.TemporaryDirectory(prefix="actq-bench-gsm8k-") as tmp:
@@ -110,24 +128,46 @@ def main() -> int:
             from shared import keys
 
             model_info = json.loads(redis.Redis.from_url(local.redis_url).get(keys.model(info["name"])))
-            results["enqueue"] = enqueue(base, local.redis_url, problems, gsm8k.residual_preset(info["num_layers"]), model_info)
-            print(f"enqueue: {results['enqueue']['jobs']} jobs in {results['enqueue']['median_seconds']:.2f} s (median of 3)")
+            results["enqueue"] = enqueue(
+                base, local.redis_url, problems, gsm8k.residual_preset(info["num_layers"]), model_info
+            )
+            print(
+                f"enqueue: {results['enqueue']['jobs']} jobs in {results['enqueue']['median_seconds']:.2f} s (median of 3)"
+            )
             started = time.perf_counter()
-            summary = run_gsm8k(out=Path(tmp) / "run", dataset=str(DATA), limit=args.problems, model=info["name"],
-                                max_tokens=args.max_tokens, api=base, quiet=True)  # fmt: skip
+            summary = run_gsm8k(
+                out=Path(tmp) / "run",
+                dataset=str(DATA),
+                limit=args.problems,
+                model=info["name"],
+                max_tokens=args.max_tokens,
+                api=base,
+                quiet=True,
+            )
             wall = time.perf_counter() - started
-        results["run"] = {"problems": summary["finished"], "wall_seconds": wall, "problems_per_minute": summary["finished"] / wall * 60,
-                          "generated_tokens": summary["generated_tokens"], "tokens_per_second": summary["generated_tokens"] / wall,
-                          "accuracy": summary["accuracy"]}  # fmt: skip
+        results["run"] = {
+            "problems": summary["finished"],
+            "wall_seconds": wall,
+            "problems_per_minute": summary["finished"] / wall * 60,
+            "generated_tokens": summary["generated_tokens"],
+            "tokens_per_second": summary["generated_tokens"] / wall,
+            "accuracy": summary["accuracy"],
+        }
     results["plain"] = plain_generate(problems[: args.problems], args.max_tokens)
     ratio = results["run"]["tokens_per_second"] / results["plain"]["tokens_per_second"]
     results["run_over_plain_tokens_per_second"] = ratio
     print(f"command: {results['command']}")
     e, r, p = results["enqueue"], results["run"], results["plain"]
-    print(f"  enqueue {e['jobs']} problems via POST /jobs/batch: {e['median_seconds']:.2f} s median ({e['jobs_per_second']:.0f} jobs/s), target < 5 s: {'PASS' if e['median_seconds'] < 5 else 'FAIL'}")
-    print(f"  {r['problems']}-problem run ({args.max_tokens} max tokens, residual capture): {r['problems_per_minute']:.2f} problems/min, "
-          f"{r['tokens_per_second']:.2f} generated tokens/s, accuracy {r['accuracy']}")  # fmt: skip
-    print(f"  plain HF generate, same prompts: {p['tokens_per_second']:.2f} tokens/s -> the run reaches {ratio:.2f}x of it")
+    print(
+        f"  enqueue {e['jobs']} problems via POST /jobs/batch: {e['median_seconds']:.2f} s median ({e['jobs_per_second']:.0f} jobs/s), target < 5 s: {'PASS' if e['median_seconds'] < 5 else 'FAIL'}"
+    )
+    print(
+        f"  {r['problems']}-problem run ({args.max_tokens} max tokens, residual capture): {r['problems_per_minute']:.2f} problems/min, "
+        f"{r['tokens_per_second']:.2f} generated tokens/s, accuracy {r['accuracy']}"
+    )
+    print(
+        f"  plain HF generate, same prompts: {p['tokens_per_second']:.2f} tokens/s -> the run reaches {ratio:.2f}x of it"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -31,29 +31,29 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import argparse  # noqa: E402
-import gc  # noqa: E402
-import json  # noqa: E402
-import platform  # noqa: E402
-import shlex  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass  # noqa: E402
-from datetime import datetime  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import gc
+import json
+import platform
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 
-import httpx  # noqa: E402
-import torch  # noqa: E402
+import httpx
+import torch
 
-from shared import stack  # noqa: E402
-from shared.capture_spec import resolve  # noqa: E402
-from shared.redis_server import RedisServer, free_port  # noqa: E402
-from shared.schemas import CaptureSpec, ChatMessage, JobRequest  # noqa: E402
-from shared.settings import Settings  # noqa: E402
-from worker.engine import CaptureEngine  # noqa: E402
-from worker.models import load  # noqa: E402
+from shared.capture_spec import resolve
+from shared.cli.local_stack import Stack
+from shared.cli.redis_server import RedisServer
+from shared.schemas import CaptureSpec, ChatMessage, JobRequest
+from shared.settings import Settings
+from worker.engine import CaptureEngine
+from worker.models import load
 
 LAYERS = (7, 15, 23)
 # A word problem whose greedy completion runs past 32 tokens (every run checks it did).
@@ -199,7 +199,9 @@ def check_job(s: Setup, job: dict) -> None:
     if usage["completion_tokens"] != s.tokens or reason != "length":
         raise BenchError(f"arm c: {usage['completion_tokens']} tokens, finish_reason={reason}")
     if usage["prompt_tokens"] != s.prompt["input_ids"].shape[1]:
-        raise BenchError(f"arm c: the worker saw {usage['prompt_tokens']} prompt tokens, this process encoded a different count")
+        raise BenchError(
+            f"arm c: the worker saw {usage['prompt_tokens']} prompt tokens, this process encoded a different count"
+        )
     expected_text = s.engine.tokenizer.decode(s.expected, skip_special_tokens=True)
     if job["result"]["text"] != expected_text:
         raise BenchError("arm c generated a different text from arms a and b")
@@ -211,46 +213,46 @@ def check_job(s: Setup, job: dict) -> None:
 # -- the stack for arm (c) ------------------------------------------------------------------
 
 
-class Stack:
-    """Embedded Redis, a worker and the API, all in a temp dir; `close` stops everything."""
+class JobStack:
+    """Embedded Redis, a worker and the API (shared.cli.local_stack), all in a temp dir; `close`
+    stops everything."""
 
     def __init__(self, settings: Settings, threads: int, root: Path) -> None:
         self.settings, self.threads, self.root = settings, threads, root
         self.redis: RedisServer | None = None
-        self.processes: list = []
-        self.logs = [root / "worker.log", root / "api.log"]
+        self.stack: Stack | None = None
 
     def start(self) -> str:
         self.redis = RedisServer(self.root / "redis").start()
-        storage = self.root / "storage"
-        storage.mkdir()
         env = {
             "ACTQ_REDIS_URL": self.redis.url,
-            "ACTQ_STORAGE_URL": storage.as_uri(),
+            "ACTQ_STORAGE_URL": (self.root / "storage").as_uri(),
             "ACTQ_TORCH_THREADS": str(self.threads),  # the worker computes with as many threads as we do
             "HF_HUB_OFFLINE": os.environ["HF_HUB_OFFLINE"],
         }
-        port = free_port()
-        base = f"http://127.0.0.1:{port}"
-        self.processes.append(stack.start_worker(env, self.logs[0]))
-        self.processes.append(stack.start_api(env, self.logs[1], port))
-        stack.wait_ready(base, self.settings.served_model_name, self.processes, START_TIMEOUT, self.logs)
-        return base
+        self.stack = Stack(self.root, env)
+        self.stack.start_api(wait=False)
+        self.stack.start_worker("bench", timeout=START_TIMEOUT)
+        return self.stack.base_url
+
+    def _worker_log(self) -> str:
+        return self.stack.log_tail("worker-bench", 10**9) if self.stack else ""
 
     def log_tail(self, chars: int = 3000) -> str:
-        log = self.logs[0]
-        return log.read_text(errors="replace")[-chars:] if log.exists() else ""
+        return self._worker_log()[-chars:]
 
     def worker_phases(self) -> list[tuple[float, float]]:
         """(generate ms, store ms) per job, from the worker's own log lines."""
         import re
 
-        text = self.logs[0].read_text(errors="replace") if self.logs[0].exists() else ""
-        return [(float(g), float(w)) for g, w in re.findall(r"generate ([0-9.]+) ms, store ([0-9.]+) ms", text)]
+        return [
+            (float(g), float(w))
+            for g, w in re.findall(r"generate ([0-9.]+) ms, store ([0-9.]+) ms", self._worker_log())
+        ]
 
     def close(self) -> None:
-        for process in reversed(self.processes):
-            stack.stop(process)
+        if self.stack is not None:
+            self.stack.stop()
         if self.redis is not None:
             self.redis.stop()
 
@@ -278,13 +280,17 @@ def run_all(s: Setup, client: httpx.Client, runs: int) -> tuple[dict[str, list[f
         sizes["job_tensor_bytes"] = sum(t["bytes"] for t in job["activations"]["tensors"])
         sizes["job_file_bytes"] = job["activations"]["bytes"]
         if sizes["job_tensor_bytes"] != sizes["captured_tensor_bytes"]:
-            raise BenchError(f"arm c captured {sizes['job_tensor_bytes']:,} bytes, arm b {sizes['captured_tensor_bytes']:,}")
+            raise BenchError(
+                f"arm c captured {sizes['job_tensor_bytes']:,} bytes, arm b {sizes['captured_tensor_bytes']:,}"
+            )
         label = "warm-up" if round_ == 0 else f"run {round_}/{runs}"
-        print(f"  {label:<9} a={a * 1000:8.1f} ms  b={b * 1000:8.1f} ms  c={c * 1000:8.1f} ms ({polls} polls)", flush=True)
+        print(
+            f"  {label:<9} a={a * 1000:8.1f} ms  b={b * 1000:8.1f} ms  c={c * 1000:8.1f} ms ({polls} polls)", flush=True
+        )
         if round_ > 0:
             sizes["polls_per_job"].append(polls)
             sizes["job_phases"].append(job_phases(job, c))
-            for arm, value in zip(ARMS, (a, b, c)):
+            for arm, value in zip(ARMS, (a, b, c), strict=True):
                 times[arm].append(value)
     return times, sizes
 
@@ -297,8 +303,8 @@ def summarize(times: dict[str, list[float]]) -> dict:
     b_over_a = arms["b"]["median_s"] / arms["a"]["median_s"]
     c_over_b = arms["c"]["median_s"] / arms["b"]["median_s"]
     paired = {
-        "b/a": statistics.median(b / a for a, b in zip(times["a"], times["b"])),
-        "c/b": statistics.median(c / b for b, c in zip(times["b"], times["c"])),
+        "b/a": statistics.median(b / a for a, b in zip(times["a"], times["b"], strict=True)),
+        "c/b": statistics.median(c / b for b, c in zip(times["b"], times["c"], strict=True)),
     }
     return {
         "arms": arms,
@@ -337,8 +343,21 @@ def environment(s: Setup, threads: int) -> dict:
 
 def report(command: str, env: dict, summary: dict, sizes: dict, runs: int) -> None:
     print(f"\ncommand: {command}")
-    for key in ("python", "platform", "torch", "transformers", "nnsight", "torch_threads", "cpu_count", "cpus_usable",
-                "model", "device", "dtype", "prompt_tokens", "new_tokens"):  # fmt: skip
+    for key in (
+        "python",
+        "platform",
+        "torch",
+        "transformers",
+        "nnsight",
+        "torch_threads",
+        "cpu_count",
+        "cpus_usable",
+        "model",
+        "device",
+        "dtype",
+        "prompt_tokens",
+        "new_tokens",
+    ):
         print(f"  {key:<14} {env[key]}")
     print(f"  {'capture':<14} {len(env['capture_points'])} points, output, positions=all, float32:")
     print(f"  {'':<14} {', '.join(env['capture_points'])}")
@@ -346,7 +365,9 @@ def report(command: str, env: dict, summary: dict, sizes: dict, runs: int) -> No
         f"  captured bytes per job: {sizes['captured_tensor_bytes']:,} in tensors "
         f"(job file {sizes['job_file_bytes']:,} bytes incl. token_ids and header)"
     )
-    print(f"  GET /jobs/{{id}}?wait={POLL_WAIT} requests per job (median): {statistics.median(sizes['polls_per_job']):g}")
+    print(
+        f"  GET /jobs/{{id}}?wait={POLL_WAIT} requests per job (median): {statistics.median(sizes['polls_per_job']):g}"
+    )
     phases = {k: statistics.median(p[k] for p in sizes["job_phases"]) for k in ("queue_s", "worker_s", "rest_s")}
     print(
         f"  (c) split (medians): queue {phases['queue_s'] * 1000:.1f} ms, worker {phases['worker_s'] * 1000:.1f} ms, "
@@ -367,7 +388,9 @@ def report(command: str, env: dict, summary: dict, sizes: dict, runs: int) -> No
     for name, ratio in summary["ratios"].items():
         verdict = "PASS" if ratio["pass"] else "FAIL"
         paired = summary["paired_ratios"][name]
-        print(f"  {name} = {ratio['value']:.3f}  (target <= {ratio['target']:.2f})  {verdict}   median of per-round ratios {paired:.3f}")
+        print(
+            f"  {name} = {ratio['value']:.3f}  (target <= {ratio['target']:.2f})  {verdict}   median of per-round ratios {paired:.3f}"
+        )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -389,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     s = setup(settings, args.tokens, LAYERS)
     threads = torch.get_num_threads()
     with tempfile.TemporaryDirectory(prefix="actq-bench-") as tmp:
-        pipeline = Stack(settings, threads, Path(tmp))
+        pipeline = JobStack(settings, threads, Path(tmp))
         try:
             print("starting Redis, a worker and the API", flush=True)
             base = pipeline.start()

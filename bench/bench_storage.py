@@ -31,11 +31,11 @@ sys.path.insert(0, str(ROOT))  # for tests.s3_server (the SeaweedFS launcher the
 import torch  # noqa: E402
 from safetensors.torch import save  # noqa: E402
 
-from shared.s3_store import S3Store  # noqa: E402
 from shared.schemas import CapturePoint  # noqa: E402
 from shared.storage import LocalStore  # noqa: E402
-from shared.safetensors_io import read_tensor  # noqa: E402
-from tests.s3_server import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedS3  # noqa: E402
+from shared.storage.s3 import S3Store  # noqa: E402
+from shared.storage.tensors import read_tensor  # noqa: E402
+from tests.support.s3_server import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedS3  # noqa: E402
 from worker.artifacts import write_activations  # noqa: E402
 from worker.engine import CapturedTensor, Generation  # noqa: E402
 
@@ -52,9 +52,19 @@ def synthetic_generation(total_mb: int) -> Generation:
         for suffix in ("", ".input_layernorm", ".post_attention_layernorm"):
             path = f"model.layers.{layer}{suffix}"
             tensor = torch.randn(rows, 576, generator=generator)
-            captured.append(CapturedTensor(point=CapturePoint(name=path, module=path, hook="output"), tensor=tensor, start=0, stop=rows))
-    return Generation(text="", finish_reason="length", prompt_tokens=rows - 31, completion_tokens=32,
-                      token_ids=torch.arange(rows + 1), captured=captured)  # fmt: skip
+            captured.append(
+                CapturedTensor(
+                    point=CapturePoint(name=path, module=path, hook="output"), tensor=tensor, start=0, stop=rows
+                )
+            )
+    return Generation(
+        text="",
+        finish_reason="length",
+        prompt_tokens=rows - 31,
+        completion_tokens=32,
+        token_ids=torch.arange(rows + 1),
+        captured=captured,
+    )
 
 
 def raw_bytes(generation: Generation) -> bytes:
@@ -92,15 +102,17 @@ def main() -> int:
         local_times = {"actq": [], "raw": []}
         for _ in range(args.runs):
             raw_path = local.scratch_dir() / f"raw-{uuid.uuid4()}"
-            local_times["raw"].append(timed(lambda: raw_file_write(raw_path, data)))
+            local_times["raw"].append(timed(lambda raw_path=raw_path: raw_file_write(raw_path, data)))
             raw_path.unlink()  # outside the timing, as the actq side's clean-up below
             job = str(uuid.uuid4())
-            local_times["actq"].append(timed(lambda: write_activations(local, job, "bench", "all", generation)))
+            local_times["actq"].append(timed(lambda job=job: write_activations(local, job, "bench", "all", generation)))
             local.delete_prefix(f"jobs/{job}")
 
         server = SeaweedS3(root / "s3").start()
         try:
-            os.environ.update(AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION="us-east-1")
+            os.environ.update(
+                AWS_ACCESS_KEY_ID=ACCESS_KEY, AWS_SECRET_ACCESS_KEY=SECRET_KEY, AWS_DEFAULT_REGION="us-east-1"
+            )
             s3 = S3Store(BUCKET, "bench", endpoint_url=server.endpoint, region="us-east-1", chunk_bytes=8 << 20)
             raw_client = server.client()
             source = root / "upload.safetensors"
@@ -108,10 +120,10 @@ def main() -> int:
             s3_times = {"actq": [], "raw": []}
             for _ in range(args.runs):
                 key = f"raw/{uuid.uuid4()}"
-                s3_times["raw"].append(timed(lambda: raw_client.upload_file(str(source), BUCKET, key)))
+                s3_times["raw"].append(timed(lambda key=key: raw_client.upload_file(str(source), BUCKET, key)))
                 raw_client.delete_object(Bucket=BUCKET, Key=key)
                 job = str(uuid.uuid4())
-                s3_times["actq"].append(timed(lambda: write_activations(s3, job, "bench", "all", generation)))
+                s3_times["actq"].append(timed(lambda job=job: write_activations(s3, job, "bench", "all", generation)))
                 last_job = job
             reads = []
             manifest = json.loads(s3.read_range(f"jobs/{last_job}/manifest.json", 0, 1 << 20))
@@ -119,8 +131,14 @@ def main() -> int:
             for info in manifest["tensors"]:
                 before = s3.bytes_read
                 read_tensor(s3, manifest["key"], info["name"], None)
-                reads.append({"name": info["name"], "tensor_bytes": info["bytes"], "header_bytes": header,
-                              "bytes_read": s3.bytes_read - before})  # fmt: skip
+                reads.append(
+                    {
+                        "name": info["name"],
+                        "tensor_bytes": info["bytes"],
+                        "header_bytes": header,
+                        "bytes_read": s3.bytes_read - before,
+                    }
+                )
         finally:
             server.stop()
 
@@ -130,8 +148,14 @@ def main() -> int:
     report = {}
     for name, times in (("local write", local_times), ("S3 upload", s3_times)):
         ours, raw = throughput(times["actq"]), throughput(times["raw"])
-        report[name] = {"actq_mib_s": ours, "raw_mib_s": raw, "ratio": ours / raw, "pass": ours / raw >= TARGET_THROUGHPUT,
-                        "actq_s": times["actq"], "raw_s": times["raw"]}  # fmt: skip
+        report[name] = {
+            "actq_mib_s": ours,
+            "raw_mib_s": raw,
+            "ratio": ours / raw,
+            "pass": ours / raw >= TARGET_THROUGHPUT,
+            "actq_s": times["actq"],
+            "raw_s": times["raw"],
+        }
     worst = max(r["bytes_read"] / (r["tensor_bytes"] + r["header_bytes"]) for r in reads)
     results.update(report, single_tensor_reads=reads, worst_read_ratio=worst)
 
@@ -139,11 +163,17 @@ def main() -> int:
     print(f"payload: {size:,} bytes per job (9 float32 tensors + token_ids), {args.runs} runs, medians")
     for name, r in report.items():
         verdict = "PASS" if r["pass"] else "FAIL"
-        print(f"  {name:<12} actq {r['actq_mib_s']:8.1f} MiB/s   raw {r['raw_mib_s']:8.1f} MiB/s   "
-              f"ratio {r['ratio']:.2f} (target >= {TARGET_THROUGHPUT})  {verdict}")  # fmt: skip
-    print(f"  single-tensor reads: {len(reads)} tensors, bytes read / (tensor + header) at worst {worst:.4f} "
-          f"(target <= {1 + TARGET_READ_OVERHEAD})  {'PASS' if worst <= 1 + TARGET_READ_OVERHEAD else 'FAIL'}")
-    print(f"    e.g. {reads[0]['name']}: read {reads[0]['bytes_read']:,} = tensor {reads[0]['tensor_bytes']:,} + header {reads[0]['header_bytes']:,}")
+        print(
+            f"  {name:<12} actq {r['actq_mib_s']:8.1f} MiB/s   raw {r['raw_mib_s']:8.1f} MiB/s   "
+            f"ratio {r['ratio']:.2f} (target >= {TARGET_THROUGHPUT})  {verdict}"
+        )
+    print(
+        f"  single-tensor reads: {len(reads)} tensors, bytes read / (tensor + header) at worst {worst:.4f} "
+        f"(target <= {1 + TARGET_READ_OVERHEAD})  {'PASS' if worst <= 1 + TARGET_READ_OVERHEAD else 'FAIL'}"
+    )
+    print(
+        f"    e.g. {reads[0]['name']}: read {reads[0]['bytes_read']:,} = tensor {reads[0]['tensor_bytes']:,} + header {reads[0]['header_bytes']:,}"
+    )
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0

@@ -18,6 +18,7 @@ import difflib
 import itertools
 import re
 
+from shared.dtypes import ITEM_BYTES
 from shared.errors import CaptureSpecError, CaptureTooLarge
 from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo, ModuleInfo
 
@@ -26,8 +27,6 @@ _INDEX = re.compile(r"[0-9]{1,6}")
 _SET = re.compile(r"\{([0-9]{1,6}(?:,[0-9]{1,6})*)\}")
 WILDCARD = "*"
 MAX_EXPANSION = 4096
-
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 # Chat-template framing per message, in tokens; generous so the estimate stays an upper bound.
 TEMPLATE_TOKENS_PER_MESSAGE = 16
 
@@ -56,7 +55,7 @@ def parse(pattern: str) -> list[list[str]]:
 def _matches(segments: list[str], path: list[str]) -> bool:
     if len(segments) != len(path):
         return False
-    return all(s == p or (s == WILDCARD and p.isdigit()) for s, p in zip(segments, path))
+    return all(s == p or (s == WILDCARD and p.isdigit()) for s, p in zip(segments, path, strict=True))
 
 
 def _closest(concrete: str, paths: list[str]) -> str:
@@ -107,15 +106,28 @@ def prompt_tokens_upper_bound(request: JobRequest) -> int:
     return sum(len(m.content.encode()) + TEMPLATE_TOKENS_PER_MESSAGE for m in request.messages) + 8
 
 
-def rows_for(positions: str, prompt_tokens: int, new_tokens: int) -> int:
-    """Rows in each `[T, H]` tensor for a positions choice (see README "Positions")."""
+def span(positions: str, prompt_tokens: int, new_tokens: int) -> tuple[int, int]:
+    """The token_ids range `[start, stop)` a positions choice keeps (README "Positions").
+
+    A generation of N new tokens from a P-token prompt feeds P + N - 1 tokens to the model (the
+    last new token is never fed back); row i of a capture is the activation at fed position i.
+    """
+    fed = prompt_tokens + new_tokens - 1
     if positions == "all":
-        return prompt_tokens + new_tokens - 1
+        return 0, fed
     if positions == "prompt":
-        return prompt_tokens
+        return 0, prompt_tokens
     if positions == "generated":
-        return new_tokens
-    return 1  # last
+        return prompt_tokens - 1, fed
+    if positions == "last":
+        return fed - 1, fed
+    raise ValueError(f"unknown positions {positions!r}")
+
+
+def rows_for(positions: str, prompt_tokens: int, new_tokens: int) -> int:
+    """Rows in each `[T, H]` tensor for a positions choice."""
+    start, stop = span(positions, prompt_tokens, new_tokens)
+    return stop - start
 
 
 def estimate_bytes(request: JobRequest, points: list[CapturePoint], model: ModelInfo, max_tokens: int) -> int:
@@ -127,7 +139,7 @@ def estimate_bytes(request: JobRequest, points: list[CapturePoint], model: Model
     for point in points:
         info = model.modules[model.module_index[point.module]]
         width += (info.output_dim if point.hook == "output" else info.input_dim) or 0
-    return rows * width * DTYPE_BYTES[request.capture.dtype]
+    return rows * width * ITEM_BYTES[request.capture.dtype]
 
 
 def check_budget(estimate: int, budget: int) -> None:

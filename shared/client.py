@@ -30,15 +30,27 @@ from urllib.parse import quote
 
 import httpx
 
+from shared.states import TERMINAL_NAMES
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
 __all__ = [
-    "ActqClientError", "BadRequest", "NotFound", "Conflict", "Unavailable", "JobFailed", "ChecksumMismatch",
-    "Client", "Job", "Result", "Usage", "TERMINAL",
-]  # fmt: skip
+    "ActqClientError",
+    "BadRequest",
+    "NotFound",
+    "Conflict",
+    "Unavailable",
+    "JobFailed",
+    "ChecksumMismatch",
+    "Client",
+    "Job",
+    "Result",
+    "Usage",
+    "TERMINAL",
+]
 
-TERMINAL = frozenset({"succeeded", "failed", "cancelled"})
+TERMINAL = TERMINAL_NAMES  # job states that are final
 MAX_LONG_POLL = 60.0  # the API's upper bound for ?wait=
 
 
@@ -228,10 +240,11 @@ class Job:
             return
         if size != manifest["bytes"] or digest != manifest["sha256"]:
             raise ChecksumMismatch(
-                None, "checksum_mismatch",
+                None,
+                "checksum_mismatch",
                 f"activations of job {self.id}: got {size} bytes with sha256 {digest}, the manifest says "
                 f"{manifest['bytes']} bytes with sha256 {manifest['sha256']}",
-            )  # fmt: skip
+            )
 
     def activations_bytes(self, *, proxy: bool = False) -> bytes:
         """The job's safetensors file as bytes, checked against the manifest's sha256 and size.
@@ -277,7 +290,9 @@ class Job:
         params = None
         if rows is not None:
             params = {"rows": self._rows(name, rows)}
-        with self._client._stream("GET", f"/jobs/{self.id}/activations/{quote(name, safe='')}", params=params) as response:
+        with self._client._stream(
+            "GET", f"/jobs/{self.id}/activations/{quote(name, safe='')}", params=params
+        ) as response:
             data = response.read()
         return load(data)[name]
 
@@ -348,7 +363,9 @@ class Client:
             return self._request("GET", f"/jobs/{quote(job_id, safe='')}").json()
         # The request is held up to `wait` seconds: the read timeout must outlast it.
         timeout = httpx.Timeout(self.timeout, read=wait + self.timeout)
-        return self._request("GET", f"/jobs/{quote(job_id, safe='')}", params={"wait": round(wait, 3)}, timeout=timeout).json()
+        return self._request(
+            "GET", f"/jobs/{quote(job_id, safe='')}", params={"wait": round(wait, 3)}, timeout=timeout
+        ).json()
 
     def submit(
         self,
@@ -387,7 +404,9 @@ class Client:
         jobs: list[Job] = []
         for start in range(0, len(requests), batch_size):
             entries = []
-            for request, key in zip(requests[start : start + batch_size], keys[start : start + batch_size]):
+            for request, key in zip(
+                requests[start : start + batch_size], keys[start : start + batch_size], strict=True
+            ):
                 body = {k: v for k, v in request.items() if v is not None}
                 if isinstance(body.get("stop"), str):
                     body["stop"] = [body["stop"]]

@@ -1,6 +1,6 @@
 """One error hierarchy for the whole project.
 
-    ActqError                  (500)  base: message + status code
+    ActqError                  (500)  base: message + status code + error type
     ├── BadRequest             (422)  the request cannot be run as given
     │   ├── CaptureSpecError   (422)  a capture path, hook or position is invalid
     │   └── CaptureTooLarge    (422)  the estimated capture exceeds the budget
@@ -10,14 +10,20 @@
     ├── TensorNotFound         (404)  the job exists; the tensor name does not
     ├── Conflict               (409)  e.g. an Idempotency-Key reused for another request
     ├── NotReady               (409)  e.g. activations of a job that has not succeeded
-    └── JobFailure                    raised inside the worker; stored on the job as {type, message}
-        ├── ContextLengthExceeded
-        ├── StorageError
-        ├── JobTimeout
-        ├── OutOfMemory
-        └── InternalError      anything unexpected: "<ExceptionType>: <message>"
+    ├── JobFailure                    how a job ended badly; stored on the job as {type, message}
+    │   ├── ContextLengthExceeded     context_length_exceeded
+    │   ├── StorageError       (503)  storage_error (the API answers 503 when it meets one)
+    │   ├── JobTimeout                timeout
+    │   ├── OutOfMemory               out_of_memory
+    │   ├── WorkerLost                worker_lost: delivered ACTQ_MAX_ATTEMPTS times, never finished
+    │   ├── JobCancelled              cancelled: DELETE /jobs/{id} (the job ends `cancelled`)
+    │   └── InternalError             internal_error: anything unexpected, "<ExceptionType>: <message>"
+    ├── ConfigurationError            settings that cannot work together (a worker refuses to start)
+    └── ToolError                     bad input to a command-line tool (`actq gsm8k`, `actq probe`)
 
-The API renders every ActqError as `{"error": <ClassName>, "detail": <message>}`.
+The API renders every ActqError as `{"error": <error_type>, "detail": <message>}`; the `actq`
+command prints a ToolError's message and exits 2. Every `error.type` a job can carry is the
+`error_type` of one JobFailure class: `JobFailure.stored_types()` lists them.
 """
 
 from __future__ import annotations
@@ -76,9 +82,21 @@ class NotReady(ActqError):
 
 
 class JobFailure(ActqError):
-    """A job ended in failure; `error_type` becomes the job's `error.type`."""
+    """A job ended badly; `error_type` becomes the job's `error.type`."""
 
     error_type = "job_failed"
+
+    def as_error(self) -> dict[str, str]:
+        """The `{type, message}` stored on the job."""
+        return {"type": self.error_type, "message": self.message}
+
+    @classmethod
+    def stored_types(cls) -> set[str]:
+        """Every `error.type` a job can end with."""
+        found = set()
+        for sub in cls.__subclasses__():
+            found |= {sub.error_type} | sub.stored_types()
+        return found
 
 
 class ContextLengthExceeded(JobFailure):
@@ -98,5 +116,23 @@ class OutOfMemory(JobFailure):
     error_type = "out_of_memory"
 
 
+class WorkerLost(JobFailure):
+    error_type = "worker_lost"
+
+
+class JobCancelled(JobFailure):
+    """Not a failure of the job's own: it ends `cancelled`, not `failed`."""
+
+    error_type = "cancelled"
+
+
 class InternalError(JobFailure):
     error_type = "internal_error"
+
+
+class ConfigurationError(ActqError):
+    error_type = "configuration_error"
+
+
+class ToolError(ActqError):
+    error_type = "tool_error"

@@ -1,22 +1,38 @@
-"""The job store: JobRecords as JSON in Redis, with state changes that cannot race."""
+"""The job store: every operation on a job's Redis keys, in one place.
+
+Keys (see shared/keys.py): the JSON JobRecord, the model's queued set (queue positions), the
+owner's index (GET /jobs), the cancel flag and the progress counter of a running job, and the
+Celery message on the model's queue list. State changes are WATCH/MULTI transactions on the record,
+so they cannot race: a terminal record is never changed again.
+
+Who calls what: the API enqueues, reads, lists, cancels and deletes; the worker claims, reports
+progress (reading the cancel flag), and finishes.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
+from typing import Any, TypeVar, cast
 
 import redis
+import redis.asyncio as aioredis
 import stamina
+from celery import Celery
 
-from shared import keys, stats
-from shared.schemas import JobError, JobRecord, JobStatus
+from shared import broker, keys, stats
+from shared.errors import JobCancelled, JobFailure, WorkerLost
+from shared.schemas import JobRecord, JobStatus
+
+T = TypeVar("T")
 
 
 def now() -> datetime:
     return datetime.now(UTC)
 
 
-def _record_stats(pipe, record: JobRecord) -> None:
+def _record_stats(pipe: Any, record: JobRecord) -> None:
     """A job just ended: its figures go into the model's counters and histograms (same MULTI)."""
     counters = keys.counters(record.model)
     pipe.hincrby(counters, record.status.value, 1)
@@ -30,39 +46,155 @@ def _record_stats(pipe, record: JobRecord) -> None:
             stats.observe(pipe, record.model, "duration", (record.finished_at - record.started_at).total_seconds())
 
 
+def _live_fields(record: JobRecord, rank: int | None, tokens: bytes | str | None) -> dict[str, int | None]:
+    if record.status is JobStatus.queued:
+        return {"queue_position": None if rank is None else rank + 1}
+    if record.status is JobStatus.running:
+        return {"generated_tokens": int(tokens) if tokens is not None else 0}
+    return {}
+
+
 class JobStore:
-    """Reads and changes JobRecords. Every change is a WATCH/MULTI transaction on one key.
+    """Reads and changes jobs in Redis.
 
     `outage_seconds` > 0 (the worker's store): claim and finish wait out a Redis outage of up to
     that long, retrying with backoff, so a job's outcome is recorded once Redis is back instead of
     being lost. 0 (the API's store): errors surface at once and the API answers 503.
+    `aclient` (the API's): a redis.asyncio client for the reads on the event loop.
     """
 
-    def __init__(self, client: redis.Redis, retention_seconds: int, outage_seconds: float = 0) -> None:
+    def __init__(
+        self,
+        client: redis.Redis,
+        retention_seconds: int,
+        outage_seconds: float = 0,
+        aclient: aioredis.Redis | None = None,
+    ) -> None:
         self.redis = client
+        self.aredis = aclient
         self.retention = retention_seconds
         self.outage_seconds = outage_seconds
 
-    def _through_outage(self, call: Callable[[], object]):
+    def _through_outage(self, call: Callable[[], T]) -> T:
         if not self.outage_seconds:
             return call()
         retrying = stamina.retry_context(
-            on=(redis.ConnectionError, redis.TimeoutError), attempts=None, timeout=self.outage_seconds, wait_initial=0.1, wait_max=2.0
+            on=(redis.ConnectionError, redis.TimeoutError),
+            attempts=None,
+            timeout=self.outage_seconds,
+            wait_initial=0.1,
+            wait_max=2.0,
         )
         for attempt in retrying:
             with attempt:
                 return call()
+        raise AssertionError("unreachable: stamina retries until it returns or raises")
 
-    def create(self, record: JobRecord) -> None:
-        if not self.redis.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=self.retention):
-            raise RuntimeError(f"job {record.id} already exists")
+    # -- creating ---------------------------------------------------------------------------
+
+    def _queue_writes(self, pipe: Any, record: JobRecord, celery: Celery) -> None:
+        """A new job's writes: its record (SET NX, first), its place in the model's queue and in
+        its owner's index, the submitted counter, and its broker message (job id only)."""
+        created = record.created_at.timestamp()
+        pipe.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=self.retention)
+        pipe.zadd(keys.queued(record.model), {record.id: created})
+        pipe.zadd(keys.jobs_index(record.owner), {record.id: created})
+        stats.count_submitted(pipe, record.model)
+        queue = keys.queue(record.model)
+        pipe.lpush(queue, broker.task_message(celery, record.id, queue))
+
+    _WRITES_PER_JOB = 5
+
+    def enqueue(self, records: Sequence[JobRecord], celery: Celery) -> None:
+        """Record and queue new jobs in one transaction: all of them or none."""
+        if not records:
+            return
+        with self.redis.pipeline(transaction=True) as pipe:
+            for record in records:
+                self._queue_writes(pipe, record, celery)
+            self._check_created(records, pipe.execute())
+
+    async def enqueue_async(self, record: JobRecord, celery: Celery) -> None:
+        """`enqueue` of one job on the event loop (the API's hot path)."""
+        assert self.aredis is not None, "JobStore was built without an async client"
+        async with self.aredis.pipeline(transaction=True) as pipe:
+            self._queue_writes(pipe, record, celery)
+            self._check_created([record], await pipe.execute())
+
+    def _check_created(self, records: Sequence[JobRecord], replies: list[Any]) -> None:
+        for i, record in enumerate(records):
+            if not replies[i * self._WRITES_PER_JOB]:
+                raise RuntimeError(f"job {record.id} already exists")
+
+    # -- reading ----------------------------------------------------------------------------
 
     def get(self, job_id: str) -> JobRecord | None:
         raw = self.redis.get(keys.job(job_id))
         return None if raw is None else JobRecord.model_validate_json(raw)
 
-    def delete(self, job_id: str) -> None:
-        self.redis.delete(keys.job(job_id))
+    async def get_async(self, job_id: str) -> JobRecord | None:
+        assert self.aredis is not None, "JobStore was built without an async client"
+        raw = await self.aredis.get(keys.job(job_id))
+        return None if raw is None else JobRecord.model_validate_json(raw)
+
+    def live_fields(self, record: JobRecord) -> dict[str, int | None]:
+        """Where a queued job stands in its model's queue (1 = next); how far a running job has got."""
+        rank = self.redis.zrank(keys.queued(record.model), record.id) if record.status is JobStatus.queued else None
+        tokens = self.redis.get(keys.progress(record.id)) if record.status is JobStatus.running else None
+        return _live_fields(record, cast("int | None", rank), tokens)  # zrank without withscore: an int
+
+    async def live_fields_async(self, record: JobRecord) -> dict[str, int | None]:
+        assert self.aredis is not None, "JobStore was built without an async client"
+        rank = tokens = None
+        if record.status is JobStatus.queued:
+            rank = await self.aredis.zrank(keys.queued(record.model), record.id)
+        elif record.status is JobStatus.running:
+            tokens = await self.aredis.get(keys.progress(record.id))
+        return _live_fields(record, cast("int | None", rank), tokens)  # zrank without withscore: an int
+
+    def queue_depth(self, model: str) -> int:
+        """How many jobs of `model` wait in its queue."""
+        return int(self.redis.zcard(keys.queued(model)))
+
+    async def wait_until_terminal(self, job_id: str, timeout: float) -> JobRecord | None:
+        """Long polling: the record once it is terminal, or as it is after `timeout` seconds (None:
+        unknown job). Waits on the job's pub/sub channel, subscribed before the first read so that
+        a change between the read and the wait is not missed; holds no thread."""
+        assert self.aredis is not None, "JobStore was built without an async client"
+        async with self.aredis.pubsub(ignore_subscribe_messages=True) as pubsub:
+            await pubsub.subscribe(keys.job_events(job_id))
+            deadline = time.monotonic() + timeout
+            while True:
+                record = await self.get_async(job_id)
+                remaining = deadline - time.monotonic()
+                if record is None or record.status.terminal or remaining <= 0:
+                    return record
+                await pubsub.get_message(timeout=min(remaining, 1.0))
+
+    def list(self, owner: str | None, status: JobStatus | None, limit: int) -> list[JobRecord]:
+        """An owner's jobs (all jobs when keys are off), newest first; records past their
+        retention leave the index on the way."""
+        index = keys.jobs_index(owner)
+        found: list[JobRecord] = []
+        start = 0
+        while len(found) < limit:
+            ids = [i.decode() for i in cast("list[bytes]", self.redis.zrevrange(index, start, start + 4 * limit - 1))]
+            if not ids:
+                break
+            start += len(ids)
+            raws = self.redis.mget([keys.job(i) for i in ids])
+            expired = [i for i, raw in zip(ids, raws, strict=True) if raw is None]
+            if expired:
+                self.redis.zrem(index, *expired)
+                start -= len(expired)
+            for raw in raws:
+                if raw is not None:
+                    record = JobRecord.model_validate_json(raw)
+                    if status is None or record.status is status:
+                        found.append(record)
+        return found[:limit]
+
+    # -- changing ---------------------------------------------------------------------------
 
     def update(self, job_id: str, change: Callable[[JobRecord], JobRecord | None]) -> JobRecord | None:
         """Apply `change` atomically. It returns the new record, or None to leave the job as it is.
@@ -86,6 +218,8 @@ class JobStore:
                     pipe.multi()
                     pipe.set(key, new.model_dump_json(), keepttl=True)
                     pipe.publish(keys.job_events(job_id), new.status.value)
+                    if new.status is not JobStatus.queued:
+                        pipe.zrem(keys.queued(new.model), job_id)
                     if new.status.terminal and not old.status.terminal:
                         _record_stats(pipe, new)
                     pipe.execute()
@@ -107,16 +241,8 @@ class JobStore:
                 return None
             if record.attempts >= max_attempts:
                 outcome["why"] = "too many attempts"
-                return record.model_copy(
-                    update={
-                        "status": JobStatus.failed,
-                        "finished_at": now(),
-                        "error": JobError(
-                            type="worker_lost",
-                            message=f"the worker running this job was lost {record.attempts} times; giving up",
-                        ),
-                    }
-                )
+                lost = WorkerLost(f"the worker running this job was lost {record.attempts} times; giving up")
+                return _ended(record, lost, None)
             outcome["why"] = "claimed"
             return record.model_copy(
                 update={
@@ -128,25 +254,58 @@ class JobStore:
                 }
             )
 
-        def apply() -> JobRecord | None:
-            record = self.update(job_id, change)
-            if record is not None:
-                self.redis.zrem(keys.queued(record.model), job_id)
-            return record
-
-        record = self._through_outage(apply)
+        record = self._through_outage(lambda: self.update(job_id, change))
         if record is None or record.status is not JobStatus.running:
             return None, outcome["why"]
         return record, outcome["why"]
 
-    def finish(self, job_id: str, **fields: object) -> JobRecord | None:
-        """Move a running job to a terminal state (`status` in fields). A terminal job is left alone."""
+    def succeed(self, job_id: str, result: dict[str, Any], activations: dict[str, Any] | None) -> JobRecord | None:
+        """A running job's result (and manifest). A terminal job is left alone."""
 
         def change(record: JobRecord) -> JobRecord | None:
             if record.status.terminal:
                 return None
             data = record.model_dump()
-            data.update(fields, finished_at=now())
+            data.update(status=JobStatus.succeeded, result=result, activations=activations, finished_at=now())
             return JobRecord.model_validate(data)
 
         return self._through_outage(lambda: self.update(job_id, change))
+
+    def fail(self, job_id: str, failure: JobFailure, result: dict[str, Any] | None = None) -> JobRecord | None:
+        """End a job with `failure` (a JobCancelled ends it `cancelled`, anything else `failed`),
+        keeping a partial `result` when given. A terminal job is left alone."""
+        return self._through_outage(
+            lambda: self.update(job_id, lambda r: None if r.status.terminal else _ended(r, failure, result))
+        )
+
+    def cancel_queued(self, job_id: str, failure: JobCancelled) -> JobRecord | None:
+        """A queued job becomes `cancelled` (the worker skips it); None when it is no longer queued."""
+        return self.update(job_id, lambda r: _ended(r, failure, None) if r.status is JobStatus.queued else None)
+
+    def request_cancel(self, job_id: str) -> None:
+        """Ask the worker running this job to stop it (it reads the flag while generating)."""
+        self.redis.set(keys.cancel(job_id), 1, ex=self.retention)
+
+    def report_progress(self, job_id: str, generated_tokens: int) -> bool:
+        """The worker's word while it generates: store the progress; True when a cancel was asked."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.exists(keys.cancel(job_id))
+            pipe.set(keys.progress(job_id), generated_tokens, ex=self.retention)
+            cancelled, _ = pipe.execute()
+        return bool(cancelled)
+
+    def delete(self, job_id: str, owner: str | None) -> None:
+        """Remove a finished job's record, flags and index entry (its files are the store's)."""
+        with self.redis.pipeline(transaction=True) as pipe:
+            pipe.delete(keys.job(job_id), keys.cancel(job_id), keys.progress(job_id))
+            pipe.zrem(keys.jobs_index(owner), job_id)
+            pipe.execute()
+
+
+def _ended(record: JobRecord, failure: JobFailure, result: dict[str, Any] | None) -> JobRecord:
+    status = JobStatus.cancelled if isinstance(failure, JobCancelled) else JobStatus.failed
+    data = record.model_dump()
+    data.update(status=status, error=failure.as_error(), finished_at=now())
+    if result is not None:
+        data["result"] = result
+    return JobRecord.model_validate(data)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from typing import cast
 
 import redis
+import redis.asyncio as aioredis
 
 from shared import keys
 from shared.schemas import ModelInfo
@@ -14,8 +16,11 @@ class ModelRegistry:
     """Descriptions are kept (a model stays known while no worker runs: its jobs wait queued);
     liveness comes from heartbeats scored in a sorted set per model."""
 
-    def __init__(self, client: redis.Redis, heartbeat_ttl: float, cache_seconds: float = 0) -> None:
+    def __init__(
+        self, client: redis.Redis, heartbeat_ttl: float, cache_seconds: float = 0, aclient: aioredis.Redis | None = None
+    ) -> None:
         self.redis = client
+        self.aredis = aclient
         self.ttl = heartbeat_ttl
         self.cache_seconds = cache_seconds  # the API keeps found descriptions this long (one GET less per job)
         self._cache: dict[str, tuple[float, ModelInfo]] = {}
@@ -26,8 +31,15 @@ class ModelRegistry:
             pipe.sadd(keys.MODELS, info.name)
             pipe.execute()
 
-    def heartbeat(self, name: str, worker_id: str) -> None:
-        self.redis.zadd(keys.workers(name), {worker_id: time.time()})
+    def heartbeat(self, info: ModelInfo, worker_id: str) -> None:
+        """Mark the worker live; publish the description again if Redis lost it (a restart
+        without persistence, a flush), so the model never stays unknown while its worker runs."""
+        with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zadd(keys.workers(info.name), {worker_id: time.time()})
+            pipe.exists(keys.model(info.name))
+            _, described = pipe.execute()
+        if not described:
+            self.publish(info)
 
     def remove_worker(self, name: str, worker_id: str) -> None:
         self.redis.zrem(keys.workers(name), worker_id)
@@ -35,12 +47,17 @@ class ModelRegistry:
     def get(self, name: str) -> ModelInfo | None:
         return self.cached(name) or self.remember(self.redis.get(keys.model(name)))
 
+    async def get_async(self, name: str) -> ModelInfo | None:
+        """`get` on the event loop (the API's POST /jobs)."""
+        assert self.aredis is not None, "ModelRegistry was built without an async client"
+        return self.cached(name) or self.remember(await self.aredis.get(keys.model(name)))
+
     def cached(self, name: str) -> ModelInfo | None:
         """The description read within the last `cache_seconds`, if any."""
         found = self._cache.get(name)
         return found[1] if found is not None and time.monotonic() - found[0] < self.cache_seconds else None
 
-    def remember(self, raw: bytes | None) -> ModelInfo | None:
+    def remember(self, raw: bytes | str | None) -> ModelInfo | None:
         """Parse a stored description (read by the caller, e.g. with redis.asyncio) and cache it."""
         if raw is None:
             return None
@@ -55,5 +72,5 @@ class ModelRegistry:
     def live_workers(self, name: str) -> list[str]:
         cutoff = time.time() - self.ttl
         self.redis.zremrangebyscore(keys.workers(name), "-inf", cutoff)
-        members = self.redis.zrangebyscore(keys.workers(name), cutoff, "+inf")
+        members = cast("list[bytes | str]", self.redis.zrangebyscore(keys.workers(name), cutoff, "+inf"))  # no scores
         return [m.decode() if isinstance(m, bytes) else m for m in members]

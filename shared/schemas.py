@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
-from enum import Enum
 from functools import cached_property
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-CaptureDtype = Literal["float32", "float16", "bfloat16"]
+from shared.dtypes import CaptureDtype
+from shared.states import JobStatus as JobStatus  # re-exported: the states live in shared.states
+
 Positions = Literal["all", "prompt", "generated", "last"]
 Hook = Literal["output", "input"]
 
@@ -34,7 +35,9 @@ class ChatMessage(Strict):
 class CaptureSpec(Strict):
     """Which activations to keep. See README "Capture" for the path grammar and positions."""
 
-    modules: Annotated[list[Annotated[str, Field(min_length=1, max_length=256)]], Field(min_length=1, max_length=MAX_CAPTURE_PATTERNS)]
+    modules: Annotated[
+        list[Annotated[str, Field(min_length=1, max_length=256)]], Field(min_length=1, max_length=MAX_CAPTURE_PATTERNS)
+    ]
     hook: Hook = "output"
     positions: Positions = "all"
     dtype: CaptureDtype = "float32"
@@ -51,7 +54,9 @@ class JobRequest(Strict):
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
     stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=MAX_STOP_STRINGS)] = []
     capture: CaptureSpec | None = None
-    time_limit: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = None  # seconds; at most ACTQ_JOB_SOFT_TIME_LIMIT
+    time_limit: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = (
+        None  # seconds; at most ACTQ_JOB_SOFT_TIME_LIMIT
+    )
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -96,18 +101,6 @@ class CapturePoint(Strict):
     name: str  # tensor name in the file: the module path, or "<path>:input"
     module: str
     hook: Hook
-
-
-class JobStatus(str, Enum):
-    queued = "queued"  # recorded and sent to the model's queue
-    running = "running"  # a worker took it (attempts counts deliveries)
-    succeeded = "succeeded"  # result and activations are stored; final
-    failed = "failed"  # error holds {type, message}; final
-    cancelled = "cancelled"  # final
-
-    @property
-    def terminal(self) -> bool:
-        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
 
 
 class Usage(Strict):

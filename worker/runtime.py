@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import redis
 
@@ -16,13 +17,16 @@ from shared.registry import ModelRegistry
 from shared.settings import Settings
 from shared.storage import ArtifactStore, open_store
 
+if TYPE_CHECKING:
+    from worker.engine import CaptureEngine
+
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class Runtime:
     settings: Settings
-    engine: object  # worker.engine.CaptureEngine
+    engine: CaptureEngine
     store: ArtifactStore
     jobs: JobStore
     registry: ModelRegistry
@@ -55,17 +59,16 @@ def start(settings: Settings) -> Runtime:
         worker_id=worker_id,
         stop=stop,
     )
-    registry.heartbeat(engine.info.name, worker_id)
+    registry.heartbeat(engine.info, worker_id)
     threading.Thread(target=_beat, args=(_runtime,), name="actq-heartbeat", daemon=True).start()
     log.info("serving %s (%s on %s, %s) as %s", engine.info.name, loaded.source, loaded.device, loaded.dtype, worker_id)
     return _runtime
 
 
 def _beat(runtime: Runtime) -> None:
-    name = runtime.engine.info.name
     while not runtime.stop.wait(runtime.settings.heartbeat_interval):
         try:
-            runtime.registry.heartbeat(name, runtime.worker_id)
+            runtime.registry.heartbeat(runtime.engine.info, runtime.worker_id)
         except redis.RedisError as exc:  # keep beating once Redis is back
             log.warning("heartbeat failed: %s", exc)
 

@@ -7,7 +7,6 @@ from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
 from api.deps import ServicesDep
-from shared import keys
 from shared.errors import StorageError
 
 router = APIRouter(tags=["health"])
@@ -21,16 +20,24 @@ def health(services: ServicesDep) -> JSONResponse:
         services.redis.ping()
         names = services.registry.names()
         workers = {name: len(services.registry.live_workers(name)) for name in names}
-        queued = {name: services.redis.zcard(keys.queued(name)) for name in names}
+        queued = {name: services.jobs.queue_depth(name) for name in names}
     except redis.RedisError as exc:
-        body = {"status": "unavailable", "redis": f"unreachable: {type(exc).__name__}"}
-        return JSONResponse({"error": "service_unavailable", "detail": "Redis cannot be reached", **body}, status_code=503)
+        body: dict[str, object] = {"status": "unavailable", "redis": f"unreachable: {type(exc).__name__}"}
+        return JSONResponse(
+            {"error": "service_unavailable", "detail": "Redis cannot be reached", **body}, status_code=503
+        )
     try:
         services.store.check()
         storage = "ok"
     except StorageError as exc:
         storage = exc.message
-    body = {"status": "ok" if storage == "ok" else "unavailable", "redis": "ok", "storage": storage, "workers": workers, "queued": queued}
+    body = {
+        "status": "ok" if storage == "ok" else "unavailable",
+        "redis": "ok",
+        "storage": storage,
+        "workers": workers,
+        "queued": queued,
+    }
     if storage != "ok":
         body = {"error": "service_unavailable", "detail": f"the artifact store cannot be used: {storage}", **body}
     return JSONResponse(body, status_code=200 if storage == "ok" else 503)

@@ -26,90 +26,32 @@ so that OpenAI's clients do not resubmit it on their own: a retry would queue a 
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Callable, Literal
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import redis
 from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from fastapi.routing import APIRoute
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException
 
-from api.deps import CallerDep, ServicesDep, get_caller
-from api.routes.jobs import view
+from api.deps import CallerDep, Services, ServicesDep, get_caller
+from api.openai_compat import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    completion,
+    from_actq,
+    from_validation,
+    to_job_request,
+    unfinished,
+)
 from api.submit import submit
-from api.waiting import wait_for_job
-from shared.errors import ActqError, BadRequest, CaptureSpecError, CaptureTooLarge, NotReady, UnknownModel
-from shared.schemas import ActivationsManifest, CaptureSpec, JobRecord, JobRequest, JobStatus, Usage
-
-WAIT_DEFAULT_SECONDS = 300.0
-WAIT_MAX_SECONDS = 3600.0
-
-# A failed job's error type -> HTTP status. Only a prompt too long for the model is the client's doing.
-FAILURE_STATUS = {"context_length_exceeded": 400}
-
-
-# --- errors ------------------------------------------------------------------------------------
-
-
-class OpenAIError(Exception):
-    """An error answered in OpenAI's shape (see the module docstring)."""
-
-    def __init__(
-        self, status: int, message: str, code: str, *, param: str | None = None, job_id: str | None = None,
-        retry: bool | None = None,
-    ) -> None:  # fmt: skip
-        super().__init__(message)
-        self.status, self.message, self.code, self.param, self.job_id, self.retry = status, message, code, param, job_id, retry
-
-    def response(self) -> JSONResponse:
-        kind = "invalid_request_error" if self.status < 500 else "server_error"
-        error: dict[str, Any] = {"message": self.message, "type": kind, "param": self.param, "code": self.code}
-        if self.job_id is not None:
-            error["job_id"] = self.job_id
-        headers = {} if self.retry is None else {"x-should-retry": "true" if self.retry else "false"}
-        if self.status == 401:
-            headers["WWW-Authenticate"] = "Bearer"
-        return JSONResponse({"error": error, "detail": self.message}, status_code=self.status, headers=headers or None)
-
-
-def _unsupported(field: str, message: str) -> OpenAIError:
-    return OpenAIError(400, message, "unsupported_parameter", param=field)
-
-
-def _where(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p != "body"]
-    return ".".join(parts) or "body"
-
-
-def _from_validation(errors: list[dict]) -> OpenAIError:
-    if any(e.get("type") == "json_invalid" for e in errors):
-        return OpenAIError(400, "the request body is not valid JSON", "invalid_json")
-    messages = []
-    for e in errors:
-        where = _where(tuple(e.get("loc", ())))
-        if e.get("type") == "extra_forbidden":
-            messages.append(
-                f"unknown field {where!r}: /v1/chat/completions takes OpenAI's chat completion fields "
-                "plus 'capture' and 'actq_wait_seconds'"
-            )
-        else:
-            messages.append(f"{where}: {e.get('msg')}")
-    param = _where(tuple(errors[0].get("loc", ()))) if errors else None
-    return OpenAIError(400, "; ".join(messages), "invalid_request", param=param)
-
-
-def _from_actq(exc: ActqError) -> OpenAIError:
-    if isinstance(exc, UnknownModel):
-        return OpenAIError(404, exc.message, "model_not_found", param="model")
-    if isinstance(exc, BadRequest):  # 422 under /jobs; OpenAI's clients expect 400 for a bad request
-        param = "capture" if isinstance(exc, (CaptureSpecError, CaptureTooLarge)) else None
-        return OpenAIError(400, exc.message, exc.error_type, param=param)
-    # OpenAI's clients retry a 409 by themselves: right for NotReady ("retry shortly"), pointless otherwise.
-    retry = isinstance(exc, NotReady) if exc.status_code == 409 else None
-    return OpenAIError(exc.status_code, exc.message, exc.error_type, retry=retry)
+from shared.errors import ActqError
+from shared.schemas import JobStatus
 
 
 class OpenAIRoute(APIRoute):
@@ -124,9 +66,9 @@ class OpenAIRoute(APIRoute):
             except OpenAIError as exc:
                 return exc.response()
             except RequestValidationError as exc:
-                return _from_validation(list(exc.errors())).response()
+                return from_validation(list(exc.errors())).response()
             except ActqError as exc:
-                return _from_actq(exc).response()
+                return from_actq(exc).response()
             except HTTPException as exc:
                 return OpenAIError(exc.status_code, str(exc.detail), "http_error").response()
             except redis.RedisError:
@@ -139,244 +81,13 @@ class OpenAIRoute(APIRoute):
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute, dependencies=[Depends(get_caller)])
 
 
-# --- request -----------------------------------------------------------------------------------
-
-
-class ContentPart(BaseModel):
-    """One part of a list content; only `text` parts are read, the others are refused."""
-
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: str | None = None
-
-
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
-    # OpenAI's other message fields: refused unless null (see _message)
-    name: str | None = None
-    tool_calls: Any = None
-    tool_call_id: Any = None
-    function_call: Any = None
-    refusal: Any = None
-    audio: Any = None
-
-
-class ChatCompletionRequest(BaseModel):
-    """OpenAI's chat completion request, plus `capture` and `actq_wait_seconds`. Value ranges are
-    JobRequest's (checked when the job request is built)."""
-
-    model_config = ConfigDict(extra="forbid")
-    model: str
-    messages: list[Message]
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    capture: CaptureSpec | None = None
-    actq_wait_seconds: Annotated[float, Field(gt=0, le=WAIT_MAX_SECONDS)] = WAIT_DEFAULT_SECONDS
-    # Accepted only with a value actq honours (see UNSUPPORTED)
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: Any = None
-    logprobs: bool | None = None
-    top_logprobs: Any = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    modalities: Any = None
-    audio: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    service_tier: Any = None
-    web_search_options: Any = None
-    moderation: Any = None
-    # Accepted and ignored: no effect on what the model generates
-    user: Any = None
-    metadata: Any = None
-    store: Any = None
-    safety_identifier: Any = None
-    prompt_cache_key: Any = None
-    prompt_cache_retention: Any = None
-    prompt_cache_options: Any = None
-    parallel_tool_calls: Any = None
-
-
-_NO_TOOLS = "actq runs plain chat generation: tools and function calling are not supported"
-_NO_LOGPROBS = "log probabilities are not returned (capture `lm_head` with positions 'generated' for the logits)"
-# field -> (is the value one actq honours?, the refusal; {value} is the value sent)
-UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "stream": (lambda v: v in (None, False), "streaming is not supported; send stream=false (the default): the answer comes once the job has finished, with its activations manifest"),
-    "stream_options": (lambda v: v is None, "stream_options is not supported: streaming is not supported"),
-    "n": (lambda v: v in (None, 1), "n={value} is not supported: actq generates one choice per request; send n=1 (or several requests)"),
-    "logprobs": (lambda v: v in (None, False), f"logprobs={{value}} is not supported: {_NO_LOGPROBS}"),
-    "top_logprobs": (lambda v: v in (None, 0), f"top_logprobs={{value}} is not supported: {_NO_LOGPROBS}"),
-    "frequency_penalty": (lambda v: v in (None, 0), "frequency_penalty={value} is not supported: no penalties; send 0 or leave it out"),
-    "presence_penalty": (lambda v: v in (None, 0), "presence_penalty={value} is not supported: no penalties; send 0 or leave it out"),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-    "tools": (lambda v: not v, f"tools are not supported: {_NO_TOOLS}"),
-    "tool_choice": (lambda v: v in (None, "none"), f"tool_choice={{value}} is not supported: {_NO_TOOLS}"),
-    "functions": (lambda v: not v, f"functions are not supported: {_NO_TOOLS}"),
-    "function_call": (lambda v: v in (None, "none"), f"function_call={{value}} is not supported: {_NO_TOOLS}"),
-    "response_format": (lambda v: v is None or v == {"type": "text"}, "response_format={value} is not supported: only plain text output ({{'type': 'text'}})"),
-    "modalities": (lambda v: v in (None, ["text"]), "modalities={value} is not supported: only text output"),
-    "audio": (lambda v: v is None, "audio output is not supported: only text output"),
-    "prediction": (lambda v: v is None, "prediction (predicted outputs) is not supported"),
-    "reasoning_effort": (lambda v: v in (None, "none"), "reasoning_effort={value} is not supported"),
-    "verbosity": (lambda v: v is None, "verbosity={value} is not supported; use max_tokens"),
-    "service_tier": (lambda v: v in (None, "auto", "default"), "service_tier={value} is not supported (there are no service tiers)"),
-    "web_search_options": (lambda v: v is None, "web_search_options is not supported: no web search"),
-    "moderation": (lambda v: v is None, "moderation is not supported"),
-}  # fmt: skip
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _check_supported(body: ChatCompletionRequest) -> None:
-    for field, (honoured, refusal) in UNSUPPORTED.items():
-        value = getattr(body, field)
-        if not honoured(value):
-            raise _unsupported(field, refusal.format(value=_short(value)))
-
-
-def _message(index: int, message: Message) -> dict[str, str]:
-    """One OpenAI message as one actq message (role system/user/assistant, string content)."""
-    where = f"messages[{index}]"
-    if message.role in ("tool", "function"):
-        raise _unsupported(f"{where}.role", f"{where}: role {message.role!r} is not supported: {_NO_TOOLS}")
-    for field in ("tool_calls", "tool_call_id", "function_call"):
-        if getattr(message, field) is not None:
-            raise _unsupported(f"{where}.{field}", f"{where}.{field} is not supported: {_NO_TOOLS}")
-    for field in ("refusal", "audio"):
-        if getattr(message, field) is not None:
-            raise _unsupported(f"{where}.{field}", f"{where}.{field} is not supported: messages are text content only")
-    if message.name is not None:
-        raise _unsupported(f"{where}.name", f"{where}.name is not supported (chat templates have no participant names); put the name in the content")
-    content = message.content
-    if content is None:
-        raise OpenAIError(400, f"{where}.content is required (a string or a list of text parts)", "invalid_request", param=f"{where}.content")
-    if isinstance(content, list):
-        texts = []
-        for j, part in enumerate(content):
-            if part.type != "text" or part.text is None:
-                what = f"content parts of type {part.type!r} are" if part.type != "text" else "a text part without 'text' is"
-                raise _unsupported(f"{where}.content[{j}]", f"{where}.content[{j}]: {what} not supported; send text parts ({{'type': 'text', 'text': ...}}): the models actq serves read text")
-            texts.append(part.text)
-        content = "".join(texts)
-    role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content}
-
-
-def to_job_request(body: ChatCompletionRequest) -> JobRequest:
-    """The actq job an OpenAI chat completion request asks for (400 for what it cannot honour)."""
-    _check_supported(body)
-    if body.max_tokens is not None and body.max_completion_tokens is not None and body.max_tokens != body.max_completion_tokens:
-        raise OpenAIError(400, "max_tokens and max_completion_tokens differ; send one of them", "invalid_request", param="max_completion_tokens")
-    fields: dict[str, Any] = {
-        "model": body.model,
-        "messages": [_message(i, m) for i, m in enumerate(body.messages)],
-        "max_tokens": body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "seed": body.seed,
-        "stop": body.stop,
-        "capture": body.capture,
-    }
-    try:  # JobRequest's own constraints (ranges, limits), exactly as for POST /jobs
-        return JobRequest.model_validate({k: v for k, v in fields.items() if v is not None})
-    except ValidationError as exc:
-        raise _from_validation(list(exc.errors())) from None
-
-
-# --- response ----------------------------------------------------------------------------------
-
-
-class AssistantMessage(BaseModel):
-    role: Literal["assistant"] = "assistant"
-    content: str
-    refusal: None = None
-
-
-class Choice(BaseModel):
-    index: int
-    message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
-    logprobs: None = None
-
-
-class ActqExtra(BaseModel):
-    job_id: str
-    activations: ActivationsManifest | None  # as GET /jobs/{id} renders it, with download_url
-
-
-class ChatCompletion(BaseModel):
-    id: str
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int
-    model: str
-    choices: list[Choice]
-    usage: Usage
-    actq: ActqExtra
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int = 0
-    owned_by: str = "actq"
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-def _completion(record: JobRecord, request: Request) -> ChatCompletion:
-    assert record.result is not None
-    job = view(record, request)
-    return ChatCompletion(
-        id=f"chatcmpl-{record.id}",
-        created=int(record.created_at.timestamp()),
-        model=record.model,
-        choices=[Choice(index=0, message=AssistantMessage(content=record.result.text), finish_reason=record.result.finish_reason)],
-        usage=record.result.usage,
-        actq=ActqExtra(job_id=record.id, activations=job.activations),
-    )
-
-
-def _unfinished(record: JobRecord, waited: float, idempotency_key: str | None) -> OpenAIError:
-    job_id = record.id
-    if record.status is JobStatus.failed:
-        error = record.error
-        kind, text = (error.type, error.message) if error is not None else ("internal_error", "no reason recorded")
-        return OpenAIError(FAILURE_STATUS.get(kind, 500), f"job {job_id} failed: {text}", kind, job_id=job_id, retry=False)
-    if record.status is JobStatus.cancelled:
-        return OpenAIError(409, f"job {job_id} was cancelled", "cancelled", job_id=job_id, retry=False)
-    message = (
-        f"job {job_id} has not finished after {waited:g} s (it is {record.status.value}) and keeps running: "
-        f"poll GET /jobs/{job_id}?wait=60, or resend this request with the same Idempotency-Key to wait for it again"
-    )
-    # With an Idempotency-Key a client retry waits for the same job; without one it would queue another.
-    return OpenAIError(504, message, "wait_timeout", job_id=job_id, retry=idempotency_key is not None)
-
-
-# --- routes ------------------------------------------------------------------------------------
-
-
-ERRORS = {400: {"description": "Invalid or unsupported request"}, 404: {"description": "Unknown model"},
-          500: {"description": "The job failed"}, 503: {}, 504: {"description": "The job did not finish in time"}}  # fmt: skip
+ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"description": "Invalid or unsupported request"},
+    404: {"description": "Unknown model"},
+    500: {"description": "The job failed"},
+    503: {},
+    504: {"description": "The job did not finish in time"},
+}
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
@@ -392,13 +103,13 @@ async def chat_completions(
     job_request = to_job_request(body)
     record, _ = await run_in_threadpool(submit, services, job_request, idempotency_key, caller)
     if not record.status.terminal:
-        record = await wait_for_job(services.aredis, record.id, body.actq_wait_seconds) or record
+        record = await services.jobs.wait_until_terminal(record.id, body.actq_wait_seconds) or record
     if record.status is not JobStatus.succeeded:
-        raise _unfinished(record, body.actq_wait_seconds, idempotency_key)
-    return _completion(record, request)
+        raise unfinished(record, body.actq_wait_seconds, idempotency_key)
+    return completion(record, request)
 
 
-def _live_models(services) -> list[str]:
+def _live_models(services: Services) -> list[str]:
     registry = services.registry
     return [name for name in registry.names() if registry.get(name) is not None and registry.live_workers(name)]
 
@@ -415,5 +126,7 @@ def retrieve_model(model: str, services: ServicesDep) -> ModelCard:
     live = _live_models(services)
     if model not in live:
         served = ", ".join(live) or "none (is a worker running?)"
-        raise OpenAIError(404, f"model {model!r} is not served here; served models: {served}", "model_not_found", param="model")
+        raise OpenAIError(
+            404, f"model {model!r} is not served here; served models: {served}", "model_not_found", param="model"
+        )
     return ModelCard(id=model)

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
-from shared.gsm8k_scoring import fewshot_answer, gold_answer
+from shared.cli.gsm8k.scoring import fewshot_answer, gold_answer
+from shared.errors import ToolError
 
 ZERO_SHOT_INSTRUCTION = "Solve the problem step by step. End your reply with: The answer is <number>."
 FEWSHOT_COUNT = 8
@@ -31,12 +32,12 @@ class Problem:
         return gold_answer(self.answer)
 
 
-class DatasetUnavailable(RuntimeError):
-    pass
+class DatasetUnavailable(ToolError):
+    """The problems cannot be had from that source here (no file, no hub)."""
 
 
 def _read_jsonl(lines: list[str], source: str) -> list[Problem]:
-    problems = []
+    problems: list[Problem] = []
     for number, line in enumerate(lines, start=1):
         if not line.strip():
             continue
@@ -44,23 +45,25 @@ def _read_jsonl(lines: list[str], source: str) -> list[Problem]:
             row = json.loads(line)
             problems.append(Problem(index=len(problems), question=row["question"], answer=row["answer"]))
         except (ValueError, KeyError, TypeError) as exc:
-            raise ValueError(f"{source}:{number}: not a GSM8K line ({{'question', 'answer'}} expected): {exc}") from exc
+            raise ToolError(f"{source}:{number}: not a GSM8K line ({{'question', 'answer'}} expected): {exc}") from exc
     return problems
 
 
 def load(source: str, split: str = "test") -> list[Problem]:
     """`samples`, `hub`, or a path to a JSONL file."""
     if source == "samples":
-        text = resources.files("shared").joinpath("gsm8k_samples.jsonl").read_text()
+        text = resources.files("shared.cli.gsm8k").joinpath("samples.jsonl").read_text()
         return _read_jsonl(text.splitlines(), "samples")
     if source == "hub":
         try:
-            import datasets
+            import datasets  # type: ignore[import-not-found]  # optional, for `hub` only; not installed here
         except ImportError as exc:
-            raise DatasetUnavailable("loading GSM8K from the hub needs `pip install datasets`; or pass a JSONL path") from exc
+            raise DatasetUnavailable(
+                "loading GSM8K from the hub needs `pip install datasets`; or pass a JSONL path"
+            ) from exc
         try:
             rows = datasets.load_dataset("openai/gsm8k", "main", split=split)
-        except Exception as exc:  # noqa: BLE001 - offline, hub errors: all mean "not available here"
+        except Exception as exc:
             raise DatasetUnavailable(f"openai/gsm8k could not be loaded from the hub: {exc}") from exc
         return [Problem(index=i, question=r["question"], answer=r["answer"]) for i, r in enumerate(rows)]
     path = Path(source).expanduser()
@@ -69,7 +72,9 @@ def load(source: str, split: str = "test") -> list[Problem]:
     return _read_jsonl(path.read_text().splitlines(), str(path))
 
 
-def select(problems: list[Problem], offset: int = 0, limit: int | None = None, sample: int | None = None, seed: int = 0) -> list[Problem]:
+def select(
+    problems: list[Problem], offset: int = 0, limit: int | None = None, sample: int | None = None, seed: int = 0
+) -> list[Problem]:
     """A slice (offset, limit) or a seeded random sample, in index order."""
     if sample is not None:
         chosen = random.Random(seed).sample(problems, min(sample, len(problems)))
@@ -84,7 +89,10 @@ def fewshot_exemplars(train: list[Problem]) -> list[dict[str, str]]:
         raise DatasetUnavailable(f"cot-8shot needs {FEWSHOT_COUNT} train problems; got {len(train)}")
     turns: list[dict[str, str]] = []
     for problem in train[:FEWSHOT_COUNT]:
-        turns += [{"role": "user", "content": problem.question}, {"role": "assistant", "content": fewshot_answer(problem.answer)}]
+        turns += [
+            {"role": "user", "content": problem.question},
+            {"role": "assistant", "content": fewshot_answer(problem.answer)},
+        ]
     return turns
 
 
@@ -95,7 +103,7 @@ def messages(problem: Problem, style: str, exemplars: list[dict[str, str]] | Non
         if not exemplars:
             raise DatasetUnavailable("cot-8shot needs exemplars from a train split")
         return [*exemplars, {"role": "user", "content": problem.question}]
-    raise ValueError(f"unknown prompt style {style!r} (zero-shot or cot-8shot)")
+    raise ToolError(f"unknown prompt style {style!r} (zero-shot or cot-8shot)")
 
 
 def spread_layers(num_layers: int, count: int = 3) -> list[int]:

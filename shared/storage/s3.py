@@ -23,7 +23,7 @@ from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionEr
 from botocore.exceptions import ConnectionError as S3ConnectionError
 
 from shared.errors import StorageError
-from shared.storage import ArtifactStore, check_key
+from shared.storage.base import ArtifactStore, check_key
 
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken"}
 
@@ -32,7 +32,14 @@ class S3Store(ArtifactStore):
     durable_scratch = False  # the scratch file is uploaded, then deleted
 
     def __init__(
-        self, bucket: str, prefix: str, *, endpoint_url: str | None, region: str | None, chunk_bytes: int, outage_seconds: float = 0
+        self,
+        bucket: str,
+        prefix: str,
+        *,
+        endpoint_url: str | None,
+        region: str | None,
+        chunk_bytes: int,
+        outage_seconds: float = 0,
     ) -> None:
         self.bucket = bucket
         self.outage_seconds = outage_seconds
@@ -48,7 +55,9 @@ class S3Store(ArtifactStore):
         self.client = boto3.session.Session().client(
             "s3", endpoint_url=endpoint_url, region_name=region or None, config=config
         )
-        self.transfer = TransferConfig(multipart_threshold=chunk_bytes, multipart_chunksize=chunk_bytes, use_threads=True)
+        self.transfer = TransferConfig(
+            multipart_threshold=chunk_bytes, multipart_chunksize=chunk_bytes, use_threads=True
+        )
         self.bytes_read = 0  # bytes fetched by read_range: lets tests and benchmarks check partial reads
 
     def _key(self, key: str) -> str:
@@ -58,7 +67,7 @@ class S3Store(ArtifactStore):
     def uri(self, key: str) -> str:
         return f"s3://{self.bucket}/{self._key(key)}"
 
-    def _error(self, action: str, key: str, exc: Exception) -> StorageError:
+    def _error(self, action: str, key: str, exc: BaseException) -> StorageError:
         where = f"s3://{self.bucket}" + (f" at {self.endpoint_url}" if self.endpoint_url else "")
         if isinstance(exc, ClientError):
             code = exc.response.get("Error", {}).get("Code", "")
@@ -89,7 +98,9 @@ class S3Store(ArtifactStore):
         return self.uri(key)
 
     def put_file(self, key: str, src: Path) -> str:
-        return self._upload(key, lambda: self.client.upload_file(str(src), self.bucket, self._key(key), Config=self.transfer))
+        return self._upload(
+            key, lambda: self.client.upload_file(str(src), self.bucket, self._key(key), Config=self.transfer)
+        )
 
     def put_bytes(self, key: str, data: bytes) -> str:
         return self._upload(key, lambda: self.client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data))
@@ -104,7 +115,9 @@ class S3Store(ArtifactStore):
 
     def delete_prefix(self, prefix: str) -> None:
         try:
-            pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self._key(prefix) + "/")
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key(prefix) + "/"
+            )
             for page in pages:
                 objects = [{"Key": o["Key"]} for o in page.get("Contents", [])]
                 if objects:
@@ -116,7 +129,9 @@ class S3Store(ArtifactStore):
         if length <= 0:
             return b""
         try:
-            body = self.client.get_object(Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}")["Body"]
+            body = self.client.get_object(
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}"
+            )["Body"]
             data = body.read()
         except (BotoCoreError, ClientError) as exc:
             raise self._error("read", key, exc) from exc

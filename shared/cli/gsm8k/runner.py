@@ -24,13 +24,13 @@ import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tqdm import tqdm
+from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
 
-from shared import gsm8k
+from shared.cli.gsm8k import data
+from shared.cli.gsm8k.scoring import accuracy, score
 from shared.client import Client, Job
-from shared.gsm8k_scoring import accuracy, score
-
-TERMINAL = ("succeeded", "failed", "cancelled")
+from shared.errors import ToolError
+from shared.settings import Settings
 
 
 @dataclass
@@ -64,13 +64,18 @@ class Run:
             state = json.loads(state_file.read_text())
             if state["settings"] != asdict(settings):
                 changed = sorted(k for k in state["settings"] if state["settings"][k] != asdict(settings).get(k))
-                raise SystemExit(f"{out} holds a run with other settings ({', '.join(changed)}); use another --out to start a new run")
+                raise ToolError(
+                    f"{out} holds a run with other settings ({', '.join(changed)}); "
+                    "use another --out to start a new run"
+                )
             self.run_id = state["run_id"]
         else:
             self.run_id = uuid.uuid4().hex
             write_json(state_file, {"run_id": self.run_id, "settings": asdict(settings)})
         jobs_file = out / "jobs.json"
-        self.jobs: dict[int, str] = {int(k): v for k, v in json.loads(jobs_file.read_text()).items()} if jobs_file.exists() else {}
+        self.jobs: dict[int, str] = (
+            {int(k): v for k, v in json.loads(jobs_file.read_text()).items()} if jobs_file.exists() else {}
+        )
 
     def key(self, index: int) -> str:
         return f"actq-gsm8k:{self.run_id}:{index}"
@@ -78,7 +83,7 @@ class Run:
     def done(self) -> set[int]:
         return {int(p.stem) for p in self.samples.glob("*.json")} if self.samples.exists() else set()
 
-    def record(self, problem: gsm8k.Problem, job: Job, download: bool) -> dict:
+    def record(self, problem: data.Problem, job: Job, download: bool) -> dict:
         data = job.data
         result = data.get("result") or {}
         completion = result.get("text", "")
@@ -105,7 +110,11 @@ class Run:
         return sample
 
     def finish(self, wall: float, complete: bool) -> dict:
-        samples = [json.loads(p.read_text()) for p in sorted(self.samples.glob("*.json"), key=lambda p: int(p.stem))] if self.samples.exists() else []
+        samples = (
+            [json.loads(p.read_text()) for p in sorted(self.samples.glob("*.json"), key=lambda p: int(p.stem))]
+            if self.samples.exists()
+            else []
+        )
         with open(self.out / "results.jsonl", "w") as handle:
             for sample in samples:
                 handle.write(json.dumps(sample) + "\n")
@@ -129,39 +138,51 @@ class Run:
         return summary
 
 
-def execute(client: Client, run: Run, problems: list[gsm8k.Problem], exemplars, download: bool, quiet: bool = False) -> dict:
+def execute(
+    client: Client, run: Run, problems: list[data.Problem], exemplars, download: bool, quiet: bool = False
+) -> dict:
     """Submit what is not finished, follow it to the end, and write the results. Ctrl-C leaves a
     consistent directory (every finished problem has its sample) and is re-raised."""
     started = time.monotonic()
     s = run.settings
     todo = [p for p in problems if p.index not in run.done()]
-    bar = tqdm(total=len(problems), initial=len(problems) - len(todo), unit="problem", disable=quiet, dynamic_ncols=True)
+    bar = tqdm(
+        total=len(problems), initial=len(problems) - len(todo), unit="problem", disable=quiet, dynamic_ncols=True
+    )
     counts = {"submitted": 0, "queued": 0, "running": 0, "succeeded": 0, "failed": 0}
     try:
         requests = [
-            {"model": s.model, "messages": gsm8k.messages(p, s.style, exemplars), "max_tokens": s.max_tokens,
-             "temperature": s.temperature, "capture": s.capture}  # fmt: skip
+            {
+                "model": s.model,
+                "messages": data.messages(p, s.style, exemplars),
+                "max_tokens": s.max_tokens,
+                "temperature": s.temperature,
+                "capture": s.capture,
+            }
             for p in todo
         ]
         jobs: list[Job] = []
         for start in range(0, len(todo), 500):
             chunk = todo[start : start + 500]
-            jobs += client.submit_many(requests[start : start + 500], idempotency_keys=[run.key(p.index) for p in chunk])
-            run.jobs.update({p.index: j.id for p, j in zip(chunk, jobs[start:])})
+            jobs += client.submit_many(
+                requests[start : start + 500], idempotency_keys=[run.key(p.index) for p in chunk]
+            )
+            run.jobs.update({p.index: j.id for p, j in zip(chunk, jobs[start:], strict=True)})
             write_json(run.out / "jobs.json", {str(k): v for k, v in sorted(run.jobs.items())})
             counts["submitted"] = len(jobs)
-        pending = list(zip(todo, jobs))
+        pending = list(zip(todo, jobs, strict=True))
         while pending:
             # Jobs finish roughly in queue order: long-poll the oldest, then look at the ones
             # behind it until two unfinished ones are seen (those are running or next).
             head = pending[0][1].refresh(wait=10)
-            finished, unfinished = [], []
+            finished: list[tuple[data.Problem, Job]] = []
+            unfinished: list[tuple[data.Problem, Job]] = []
             for problem, job in pending:
                 if len(unfinished) >= 2:
                     break
                 if job is not head:
                     job.refresh()
-                (finished if job.status in TERMINAL else unfinished).append((problem, job))
+                (finished if job.done else unfinished).append((problem, job))
             for problem, job in finished:
                 sample = run.record(problem, job, download)
                 counts["succeeded" if sample["status"] == "succeeded" else "failed"] += 1
@@ -177,3 +198,62 @@ def execute(client: Client, run: Run, problems: list[gsm8k.Problem], exemplars, 
         raise
     bar.close()
     return run.finish(time.monotonic() - started, complete=True)
+
+
+def run(
+    *,
+    out: Path,
+    dataset: str,
+    split: str = "test",
+    train: str | None = None,
+    limit: int | None = None,
+    offset: int = 0,
+    sample: int | None = None,
+    seed: int = 0,
+    style: str = "zero-shot",
+    model: str | None = None,
+    max_tokens: int = 256,
+    temperature: float = 0.0,
+    module: list[str] | None = None,
+    no_capture: bool = False,
+    positions: str = "generated",
+    dtype: str = "float16",
+    download: bool = False,
+    api: str | None = None,
+    quiet: bool = False,
+) -> dict:
+    """`actq gsm8k`: load the problems, choose the capture, submit what is not done, follow it,
+    score it. Ctrl-C (KeyboardInterrupt) leaves a consistent directory and is re-raised."""
+    problems = data.select(data.load(dataset, split), offset=offset, limit=limit, sample=sample, seed=seed)
+    exemplars = None
+    if style == "cot-8shot":
+        if train is None and dataset not in ("hub", "samples"):
+            train = str(Path(dataset).expanduser().with_name("train.jsonl"))
+        exemplars = data.fewshot_exemplars(data.load(train or dataset, "train"))
+    with Client(api or Settings().api_url, timeout=60) as client:
+        served = client.models()
+        if model is None:
+            if len(served) != 1:
+                raise ToolError(f"name a --model; live models: {', '.join(m['name'] for m in served) or 'none'}")
+            model = served[0]["name"]
+        info = next((m for m in served if m["name"] == model), None)
+        capture = None
+        if not no_capture:
+            if module:
+                modules = list(module)
+            elif info is not None:
+                modules = data.residual_preset(info["num_layers"])
+            else:
+                raise ToolError(f"no live worker serves {model!r}, so its layer count is unknown; give --module")
+            capture = {"modules": modules, "hook": "output", "positions": positions, "dtype": dtype}
+        settings = RunSettings(
+            model=model,
+            dataset=dataset,
+            split=split,
+            style=style,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            capture=capture,
+            indices=[p.index for p in problems],
+        )
+        return execute(client, Run(Path(out), settings), problems, exemplars, download=download, quiet=quiet)

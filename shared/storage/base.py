@@ -1,0 +1,73 @@
+"""What every artifact store offers, and the layout of its keys.
+
+Layout: `jobs/<job_id>/activations.safetensors` and `jobs/<job_id>/manifest.json`. Keys are built
+by actq from job ids, never taken from a request, and checked again before any use.
+"""
+
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Iterator
+from pathlib import Path
+
+_KEY = re.compile(r"[A-Za-z0-9_-]+(/[A-Za-z0-9_.-]+)*")
+
+
+def activations_key(job_id: str) -> str:
+    return f"jobs/{job_id}/activations.safetensors"
+
+
+def job_prefix(job_id: str) -> str:
+    return f"jobs/{job_id}"
+
+
+def manifest_key(job_id: str) -> str:
+    return f"jobs/{job_id}/manifest.json"
+
+
+def check_key(key: str) -> str:
+    """Keys are relative, slash-separated, with no empty, '.' or '..' parts."""
+    if not _KEY.fullmatch(key) or any(part in (".", "..") or part.startswith(".") for part in key.split("/")):
+        raise ValueError(f"invalid storage key {key!r}")
+    return key
+
+
+class ArtifactStore(ABC):
+    # Whether files written to scratch_dir() must be fsynced: yes when they become the stored
+    # object (local rename); no when they are only uploaded and deleted (S3 keeps them durable).
+    durable_scratch = True
+
+    @abstractmethod
+    def put_file(self, key: str, src: Path) -> str:
+        """Store a finished local file under `key` (consuming it); returns the object's URI.
+        The object appears whole or not at all."""
+
+    @abstractmethod
+    def put_bytes(self, key: str, data: bytes) -> str: ...
+
+    @abstractmethod
+    def local_path(self, key: str) -> Path | None:
+        """A path the API can stream from, or None when the store is remote."""
+
+    @abstractmethod
+    def scratch_dir(self) -> Path:
+        """Where the worker writes a file before `put_file` (same filesystem when local)."""
+
+    @abstractmethod
+    def delete_prefix(self, prefix: str) -> None: ...
+
+    @abstractmethod
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """`length` bytes from `start`: a seek on disk, an HTTP Range request on S3."""
+
+    @abstractmethod
+    def stream(self, key: str, chunk: int = 1 << 20) -> Iterator[bytes]: ...
+
+    @abstractmethod
+    def presigned_url(self, key: str, expires: int) -> str | None:
+        """A URL a client can download from directly, or None (local store: the API streams)."""
+
+    @abstractmethod
+    def check(self) -> None:
+        """Raise StorageError when the store cannot be used (for /health)."""
