@@ -20,7 +20,7 @@ def test_every_setting_is_in_env_example_and_readme():
         assert f"# {name}=" in example, name
         assert f"`{name}`" in readme, name
     assert set(re.findall(r"ACTQ_[A-Z0-9_]+", example)) == SETTINGS
-    from shared.cli import render_env_example
+    from shared.cli.app import render_env_example
 
     assert example == render_env_example(), "regenerate it: actq env-example > .env.example"
 
@@ -31,8 +31,11 @@ def test_compose_is_valid_sets_only_real_settings_and_names_real_entry_points():
     from pathlib import Path as P
 
     checker = P(sys.executable).parent / "check-jsonschema"
-    valid = subprocess.run([str(checker), "--builtin-schema", "vendor.compose-spec", str(ROOT / "docker-compose.yml")],
-                           capture_output=True, text=True)  # fmt: skip
+    valid = subprocess.run(
+        [str(checker), "--builtin-schema", "vendor.compose-spec", str(ROOT / "docker-compose.yml")],
+        capture_output=True,
+        text=True,
+    )
     assert valid.returncode == 0, valid.stdout + valid.stderr
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     text = (ROOT / "docker-compose.yml").read_text()
@@ -46,7 +49,7 @@ def test_compose_is_valid_sets_only_real_settings_and_names_real_entry_points():
     for name in ("api", "worker"):
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
     # every entry point the file names exists
-    from shared.cli import cli
+    from shared.cli.app import cli
 
     assert "flower" in {c.name or c.callback.__name__ for c in cli.registered_commands}
     import api.main  # noqa: F401

@@ -1,0 +1,33 @@
+"""The real app in this process (FastAPI's TestClient speaks HTTP to it through ASGI) over a real
+Redis emptied before each test, with a model description published as a worker would. No worker
+and no API process: these tests check what the API decides on its own."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from fastapi.testclient import TestClient
+
+from api.main import create_app
+from shared.cli.redis_server import RedisServer
+from shared.registry import ModelRegistry
+from shared.settings import Settings
+from tests.support.models import tiny_llama
+
+LIMITS = {"max_tokens_limit": 200, "default_max_tokens": 16, "capture_budget_bytes": 20_000_000}
+
+
+@pytest.fixture
+def settings(redis_server: RedisServer, tmp_path) -> Settings:
+    return Settings(redis_url=redis_server.url, storage_url=(tmp_path / "data").as_uri(), **LIMITS)
+
+
+@pytest.fixture
+def http(settings: Settings, redis_client: redis.Redis):
+    """The app over HTTP, with `tiny` known and one live worker for it."""
+    registry = ModelRegistry(redis_client, settings.heartbeat_ttl)
+    info = tiny_llama()
+    registry.publish(info)
+    registry.heartbeat(info, "test-worker")
+    with TestClient(create_app(settings)) as client:
+        yield client

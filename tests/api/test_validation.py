@@ -1,0 +1,126 @@
+"""Bad input over HTTP against the live API: a clear 4xx that says what to fix, and nothing enqueued."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.stack import TINY, job_count, queued_messages
+
+MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
+
+
+def body(**changes):
+    base = {"model": TINY, "messages": MESSAGES, "max_tokens": 8, "capture": {"modules": ["model.layers.1"]}}
+    base.update(changes)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+BAD = [
+    ("max tokens over limit", body(max_tokens=201), 422, "max_tokens 201 exceeds the limit of 200"),
+    ("zero max tokens", body(max_tokens=0), 422, "max_tokens: Input should be greater than or equal to 1"),
+    ("unknown model", body(model="gpt-17"), 404, "model 'gpt-17' is not served here; served models:"),
+    ("empty messages", body(messages=[]), 422, "messages: List should have at least 1 item"),
+    (
+        "unknown role",
+        body(messages=[{"role": "wizard", "content": "hi"}]),
+        422,
+        "messages.0.role: Input should be 'system', 'user' or 'assistant'",
+    ),
+    ("missing content", body(messages=[{"role": "user"}]), 422, "messages.0.content: Field required"),
+    (
+        "bad capture path",
+        body(capture={"modules": ["model.layers.9"]}),
+        422,
+        "'model.layers.9' names no module of model 'tiny'; closest valid names: model.layers.3",
+    ),
+    ("typo in path", body(capture={"modules": ["model.layyers.1"]}), 422, "closest valid names: model.layers.1"),
+    ("dunder path", body(capture={"modules": ["model.layers.0.__dict__"]}), 422, "segment '__dict__' is not a name"),
+    ("globals path", body(capture={"modules": ["__class__.__init__.__globals__"]}), 422, "is not a name"),
+    (
+        "bad dtype",
+        body(capture={"modules": ["model.layers.1"], "dtype": "float64"}),
+        422,
+        "capture.dtype: Input should be 'float32', 'float16' or 'bfloat16'",
+    ),
+    (
+        "bad hook",
+        body(capture={"modules": ["model.layers.1"], "hook": "grad"}),
+        422,
+        "capture.hook: Input should be 'output' or 'input'",
+    ),
+    (
+        "bad positions",
+        body(capture={"modules": ["model.layers.1"], "positions": "first"}),
+        422,
+        "capture.positions: Input should be",
+    ),
+    (
+        "lm_head at every position",
+        body(capture={"modules": ["lm_head"]}),
+        422,
+        "only computes the last position of each step",
+    ),
+    (
+        "no capturable input",
+        body(capture={"modules": ["model.embed_tokens"], "hook": "input"}),
+        422,
+        "has no capturable input",
+    ),
+    (
+        "capture over budget",
+        body(max_tokens=200, capture={"modules": ["lm_head"], "positions": "generated"}),
+        422,
+        "estimated capture size 39,321,600 bytes exceeds the budget of 20,000,000 bytes",
+    ),
+    ("extra field", body(logprobs=True), 422, "logprobs: Extra inputs are not permitted"),
+    (
+        "extra capture field",
+        body(capture={"modules": ["model.layers.1"], "layers": [1]}),
+        422,
+        "capture.layers: Extra inputs are not permitted",
+    ),
+    ("temperature too high", body(temperature=5), 422, "temperature: Input should be less than or equal to 2"),
+    ("negative temperature", body(temperature=-1), 422, "temperature: Input should be greater than or equal to 0"),
+    ("zero top_p", body(top_p=0), 422, "top_p: Input should be greater than 0"),
+    ("negative seed", body(seed=-1), 422, "seed: Input should be greater than or equal to 0"),
+    ("too many stop strings", body(stop=["a"] * 9), 422, "stop: List should have at most 8 items"),
+    ("empty capture", body(capture={"modules": []}), 422, "capture.modules: List should have at least 1 item"),
+]
+
+
+@pytest.mark.parametrize(("case", "payload", "status", "message"), BAD, ids=[b[0] for b in BAD])
+def test_bad_request_is_refused_and_nothing_is_enqueued(http, redis_client, case, payload, status, message):
+    jobs_before, queued_before = job_count(redis_client), queued_messages(redis_client, TINY)
+    response = http.post("/jobs", json=payload)
+    assert response.status_code == status, response.text
+    error = response.json()
+    assert message in error["detail"], error
+    assert error["error"] and "Traceback" not in response.text
+    assert job_count(redis_client) == jobs_before
+    assert queued_messages(redis_client, TINY) == queued_before
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (b'{"model": "tiny", "messages": [', "the request body is not valid JSON"),
+        (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', "not valid JSON"),
+        (b"\xff\xfe not utf-8", "not valid JSON"),
+    ],
+)
+def test_malformed_json_is_a_400(http, redis_client, content, message):
+    jobs_before = job_count(redis_client)
+    response = http.post("/jobs", content=content, headers={"content-type": "application/json"})
+    assert response.status_code in (400, 422), response.text
+    assert message in response.json()["detail"] or response.status_code == 422
+    assert job_count(redis_client) == jobs_before
+
+
+@pytest.mark.parametrize(
+    "job_id", ["nope", "../../etc/passwd", "00000000-0000-4000-8000-000000000000", "..%2f..%2fetc%2fpasswd", "%2e%2e"]
+)
+def test_unknown_or_malformed_job_ids_are_404(http, job_id):
+    for path in (f"/jobs/{job_id}", f"/jobs/{job_id}/activations"):
+        response = http.get(path)
+        assert response.status_code == 404, (path, response.text)
+        assert response.json()["error"] in ("job_not_found", "not_found")  # a normalised path may match no route

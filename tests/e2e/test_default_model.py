@@ -1,0 +1,125 @@
+"""The built-in SmolLM2-135M-Instruct, end to end, and the README's first command."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load as load_safetensors
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shared.broker import make_celery
+from shared.settings import Settings
+from tests.support.reference import hooked_generate, select
+from tests.support.stack import SMOL
+
+pytestmark = pytest.mark.slow
+
+MESSAGES = [
+    {"role": "system", "content": "You are a careful math tutor."},
+    {"role": "user", "content": "Tom has 3 apples and buys 5 more. How many apples does he have?"},
+]
+
+
+def test_full_lifecycle_every_token_matches_forward_hooks(live_smol, smol_dir):
+    with live_smol.client() as http:
+        model = next(m for m in http.get("/models").json() if m["name"] == SMOL)
+        assert model["num_layers"] == 30 and model["hidden_size"] == 576 and model["dtype"] == "float32"
+        body = {
+            "model": SMOL,
+            "messages": MESSAGES,
+            "max_tokens": 24,
+            "temperature": 0,
+            "capture": {
+                "modules": [
+                    "model.layers.{8,12,16}.input_layernorm",
+                    "model.layers.{8,12,16}",
+                    "model.layers.29.post_attention_layernorm",
+                ],
+                "positions": "all",
+                "dtype": "float32",
+            },
+        }
+        job = live_smol.wait(http, live_smol.submit(http, body), timeout=300)
+        assert job["status"] == "succeeded", (job, live_smol.log_tail("worker-smol"))
+        tensors = load_safetensors(http.get(f"/jobs/{job['id']}/activations").content)
+
+    reference = AutoModelForCausalLM.from_pretrained(smol_dir).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smol_dir)
+    modules = [t["module"] for t in job["activations"]["tensors"]]
+    assert len(modules) == 7
+    new_tokens = job["result"]["usage"]["completion_tokens"]
+    ids, rows, prompt_tokens = hooked_generate(reference, tokenizer, MESSAGES, 24, modules)
+    assert torch.equal(tensors["token_ids"], ids)
+    assert job["result"]["text"] == tokenizer.decode(ids[prompt_tokens:], skip_special_tokens=True)
+    for info in job["activations"]["tensors"]:
+        expected = select(rows[info["module"]], "all", prompt_tokens, new_tokens)
+        assert info["shape"] == [prompt_tokens + new_tokens - 1, 576]
+        assert torch.equal(tensors[info["name"]], expected), info["name"]
+
+
+def test_control_commands_answer_while_a_job_runs(live_smol):
+    """Why prefork: the worker's parent answers `inspect ping` while its child generates."""
+    with live_smol.client() as http:
+        body = {
+            "model": SMOL,
+            "messages": [{"role": "user", "content": "Write a long story about a cat."}],
+            "max_tokens": 120,
+            "capture": {"modules": ["model.layers.*"], "positions": "last"},
+        }
+        job_id = live_smol.submit(http, body)
+        deadline = time.monotonic() + 60
+        while http.get(f"/jobs/{job_id}").json()["status"] == "queued" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        celery = make_celery(Settings(redis_url=live_smol.redis_url, model=SMOL))
+        started = time.monotonic()
+        replies = celery.control.inspect(timeout=1.0).ping()
+        elapsed = time.monotonic() - started
+        running = http.get(f"/jobs/{job_id}").json()["status"]
+        assert running == "running", "the job ended before the ping; make it longer"
+        assert replies and all(reply == {"ok": "pong"} for reply in replies.values())
+        assert any(name.startswith("smol-") for name in replies)  # the busy SmolLM2 worker answered
+        assert elapsed < 2.0
+        assert live_smol.wait(http, job_id, timeout=300)["status"] == "succeeded"
+
+
+def _our_processes() -> set[str]:
+    found = subprocess.run(
+        ["pgrep", "-f", "worker.celery_app|uvicorn api.main|redis-server"], capture_output=True, text=True
+    )
+    return set(found.stdout.split())
+
+
+def test_actq_run_does_the_main_job_and_leaves_nothing_behind(smol_dir, tmp_path):
+    before = _our_processes()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ACTQ_")}
+    env.update(ACTQ_MODEL_CACHE_DIR=str(smol_dir.parent), ACTQ_STORAGE_URL=(tmp_path / "data").as_uri())
+    out = tmp_path / "demo"
+    done = subprocess.run(
+        [sys.executable, "-m", "shared.cli", "run", "--problems", "3", "--max-tokens", "24", "--out", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    text = done.stdout
+    assert "embedded Redis on redis://127.0.0.1:" in text and "using actq's own sample problems" in text
+    assert "3/3 problems answered by smollm2-135m" in text and "accuracy: strict " in text
+    assert f"activations: {out / 'activations'}" in text and f"probe plot: {out / 'probes.png'}" in text
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and summary["succeeded"] == 3 and summary["generated_tokens"] <= 3 * 24
+    assert len(list((out / "activations").glob("*.safetensors"))) == 3
+    sample = json.loads((out / "samples" / "0.json").read_text())
+    # The residual preset on SmolLM2's 30 layers: layers 8, 15, 22.
+    assert [t["name"] for t in sample["activations"]["tensors"]] == [
+        f"model.layers.{i}.{kind}" for i in (8, 15, 22) for kind in ("input_layernorm", "post_attention_layernorm")
+    ]
+    assert (out / "probes.png").read_bytes()[:4] == b"\x89PNG"
+    assert _our_processes() - before == set()  # no worker, API or Redis left running

@@ -1,0 +1,122 @@
+"""`actq gsm8k` and `actq probe` as a user runs them, against the live stack (tiny model)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from shared.cli.gsm8k.scoring import score
+from tests.support.stack import TINY, job_count
+
+
+def actq(live, *args: str) -> list[str]:
+    return [sys.executable, "-m", "shared.cli", *args, "--api", live.base_url]
+
+
+def run_env(live) -> dict:
+    return {**os.environ, **live.env}
+
+
+def test_a_run_end_to_end_then_probes(live, tmp_path):
+    out = tmp_path / "run"
+    cmd = actq(
+        live,
+        "gsm8k",
+        "--out",
+        str(out),
+        "--dataset",
+        "samples",
+        "--model",
+        TINY,
+        "--max-tokens",
+        "8",
+        "--download",
+        "--quiet",
+    )
+    done = subprocess.run(cmd, env=run_env(live), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and summary["problems"] == summary["finished"] == summary["succeeded"] == 12
+    assert set(summary["accuracy"]) == {"strict", "flexible"} and summary["generated_tokens"] == 12 * 8
+    lines = (out / "results.jsonl").read_text().splitlines()
+    assert [json.loads(line)["index"] for line in lines] == list(range(12))
+    sample = json.loads((out / "samples" / "3.json").read_text())
+    assert sample["gold"] == "6" and sample["completion"] and sample["completion_tokens"] == 8
+    # the sample holds the scorer's verdict on this very completion (what the random model wrote varies)
+    assert {k: sample[k] for k in ("extracted", "correct")} == score(sample["completion"], "6")
+    names = [t["name"] for t in sample["activations"]["tensors"]]
+    assert names == [
+        f"model.layers.{i}.{kind}" for i in (1, 2, 3) for kind in ("input_layernorm", "post_attention_layernorm")
+    ]
+    assert all(
+        t["shape"] == [8, 64] and t["dtype"] == "float16" and t["positions"] == "generated"
+        for t in sample["activations"]["tensors"]
+    )
+    assert (out / sample["activations_file"]).is_file()
+
+    probe = subprocess.run(
+        actq(live, "probe", str(out)), env=run_env(live), capture_output=True, text=True, timeout=300
+    )
+    assert probe.returncode == 0, probe.stderr
+    report = json.loads((out / "probes.json").read_text())
+    assert report["n_samples"] == 12 and len(report["probes"]) == 12  # 6 points x 2 poolings
+    assert (out / "probes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_resume_after_a_kill_submits_nothing_twice(live, tmp_path, redis_client):
+    out = tmp_path / "run"
+    args = ["gsm8k", "--out", str(out), "--dataset", "samples", "--model", TINY, "--max-tokens", "120", "--quiet"]
+    before = job_count(redis_client)
+    first = subprocess.Popen(actq(live, *args), env=run_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while len(list((out / "samples").glob("*.json"))) < 3 if (out / "samples").exists() else True:
+        assert time.monotonic() < deadline and first.poll() is None, (
+            first.stderr.read() if first.poll() is not None else "slow"
+        )
+        time.sleep(0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait()
+    finished_before = len(list((out / "samples").glob("*.json")))
+    assert 3 <= finished_before < 12
+    assert len(json.loads((out / "jobs.json").read_text())) == 12  # all were queued before the kill
+
+    second = subprocess.run(actq(live, *args), env=run_env(live), capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    samples = [json.loads(p.read_text()) for p in (out / "samples").glob("*.json")]
+    assert sorted(s["index"] for s in samples) == list(range(12))
+    assert all(s["status"] == "succeeded" for s in samples)
+    assert len({s["job_id"] for s in samples}) == 12
+    assert {s["job_id"] for s in samples} == set(json.loads((out / "jobs.json").read_text()).values())
+    assert job_count(redis_client) - before == 12  # one job per problem across both invocations
+
+    changed = subprocess.run(
+        actq(live, *args[:-1], "--max-tokens", "5", "--quiet"),
+        env=run_env(live),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert changed.returncode != 0 and "holds a run with other settings (max_tokens)" in changed.stderr
+
+
+def test_ctrl_c_leaves_a_consistent_directory(live, tmp_path):
+    out = tmp_path / "run"
+    args = ["gsm8k", "--out", str(out), "--dataset", "samples", "--model", TINY, "--max-tokens", "120", "--quiet"]
+    process = subprocess.Popen(
+        actq(live, *args), env=run_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    deadline = time.monotonic() + 120
+    while not (out / "samples").exists() or not list((out / "samples").glob("*.json")):
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130 and "run the same command to resume" in stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert not summary["complete"] and summary["finished"] == len(list((out / "samples").glob("*.json")))
+    resumed = subprocess.run(actq(live, *args), env=run_env(live), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0 and json.loads((out / "summary.json").read_text())["finished"] == 12

@@ -1,0 +1,315 @@
+"""The OpenAI-compatible endpoints, driven by the official `openai` client against the live stack."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from datetime import datetime
+
+import openai
+import pytest
+from openai import OpenAI
+from safetensors.torch import load as load_safetensors
+
+from tests.support.stack import TINY, job_count
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+WITH_SYSTEM = [{"role": "system", "content": "You are a terse assistant."}, *MESSAGES]
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    with OpenAI(base_url=live.base_url + "/v1", api_key="unused", timeout=120) as c:
+        yield c
+
+
+def job_of(completion) -> str:
+    return completion.model_extra["actq"]["job_id"]
+
+
+def test_completion_with_capture_is_the_job_and_its_activations(live, http, client):
+    completion = client.chat.completions.create(
+        model=TINY,
+        messages=MESSAGES,
+        max_tokens=8,
+        temperature=0,
+        extra_body={"capture": {"modules": ["model.layers.1"]}},
+    )
+    job_id = job_of(completion)
+    job = http.get(f"/jobs/{job_id}").json()
+    assert job["status"] == "succeeded"
+    assert completion.id == f"chatcmpl-{job_id}" and completion.object == "chat.completion" and completion.model == TINY
+    assert completion.created == int(datetime.fromisoformat(job["created_at"]).timestamp())
+    assert len(completion.choices) == 1
+    choice = completion.choices[0]
+    assert choice.index == 0 and choice.message.role == "assistant" and choice.logprobs is None
+    assert choice.message.content == job["result"]["text"]
+    assert choice.finish_reason == job["result"]["finish_reason"] == "length"
+    usage = completion.usage
+    assert usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"}) == job["result"]["usage"]
+    assert usage.completion_tokens == 8 and usage.total_tokens == usage.prompt_tokens + 8
+
+    manifest = completion.model_extra["actq"]["activations"]
+    assert manifest == job["activations"]  # exactly as GET /jobs/{id} renders it
+    (tensor,) = manifest["tensors"]
+    rows = usage.prompt_tokens + 7
+    assert (
+        tensor["name"] == "model.layers.1"
+        and tensor["shape"] == [rows, 64]
+        and (tensor["start"], tensor["stop"]) == (0, rows)
+    )
+    download = http.get(manifest["download_url"])
+    assert download.status_code == 200 and hashlib.sha256(download.content).hexdigest() == manifest["sha256"]
+    tensors = load_safetensors(download.content)
+    assert list(tensors["model.layers.1"].shape) == [rows, 64]
+    assert tensors["token_ids"].shape[0] == usage.total_tokens
+
+
+def test_plain_greedy_completion_equals_a_posted_job(live, http, client):
+    completion = client.chat.completions.create(
+        model=TINY, messages=WITH_SYSTEM, max_completion_tokens=12, temperature=0
+    )
+    assert completion.model_extra["actq"]["activations"] is None
+    job = live.wait(
+        http, live.submit(http, {"model": TINY, "messages": WITH_SYSTEM, "max_tokens": 12, "temperature": 0})
+    )
+    assert job_of(completion) != job["id"]
+    assert completion.choices[0].message.content == job["result"]["text"]
+    assert (
+        completion.usage.model_dump(include={"prompt_tokens", "completion_tokens", "total_tokens"})
+        == job["result"]["usage"]
+    )
+
+
+def test_text_parts_and_developer_role_are_plain_messages(client):
+    plain = client.chat.completions.create(model=TINY, messages=WITH_SYSTEM, max_tokens=10, temperature=0)
+    parts = [
+        {
+            "role": "developer",
+            "content": [{"type": "text", "text": "You are a terse "}, {"type": "text", "text": "assistant."}],
+        },
+        {"role": "user", "content": [{"type": "text", "text": "Name three colours."}]},
+    ]
+    joined = client.chat.completions.create(model=TINY, messages=parts, max_tokens=10, temperature=0)
+    assert joined.choices[0].message.content == plain.choices[0].message.content
+    assert joined.usage.prompt_tokens == plain.usage.prompt_tokens
+
+
+def test_stop_string_and_seed(client):
+    full = (
+        client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=30, temperature=0)
+        .choices[0]
+        .message.content
+    )
+    stop = full.split()[len(full.split()) // 2]
+    cut = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, max_tokens=30, temperature=0, stop=stop
+    ).choices[0]
+    assert cut.finish_reason == "stop" and cut.message.content == full[: full.find(stop)]
+
+    def sampled(seed):
+        return client.chat.completions.create(
+            model=TINY, messages=MESSAGES, max_tokens=12, temperature=1.0, top_p=0.95, seed=seed
+        )
+
+    assert (
+        sampled(11).choices[0].message.content
+        == sampled(11).choices[0].message.content
+        != sampled(12).choices[0].message.content
+    )
+
+
+def test_models(client):
+    assert TINY in [m.id for m in client.models.list()]
+    model = client.models.retrieve(TINY)
+    assert model.id == TINY and model.object == "model" and model.owned_by == "actq"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-17")
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]
+REFUSED = [
+    ("stream", dict(stream=True), openai.BadRequestError, "stream", "streaming is not supported; "),
+    ("n", dict(n=2), openai.BadRequestError, "n", "n=2 is not supported: actq generates one choice per request"),
+    ("tools", dict(tools=TOOLS), openai.BadRequestError, "tools", "tools are not supported"),
+    (
+        "tool_choice",
+        dict(tool_choice="required"),
+        openai.BadRequestError,
+        "tool_choice",
+        "tool_choice='required' is not supported",
+    ),
+    ("logprobs", dict(logprobs=True), openai.BadRequestError, "logprobs", "logprobs=True is not supported"),
+    (
+        "response_format",
+        dict(response_format={"type": "json_object"}),
+        openai.BadRequestError,
+        "response_format",
+        "only plain text output",
+    ),
+    (
+        "penalty",
+        dict(presence_penalty=0.5),
+        openai.BadRequestError,
+        "presence_penalty",
+        "presence_penalty=0.5 is not supported",
+    ),
+    (
+        "unknown field",
+        dict(extra_body={"frobnicate": 1}),
+        openai.BadRequestError,
+        "frobnicate",
+        "unknown field 'frobnicate'",
+    ),
+    (
+        "unknown model",
+        dict(model="gpt-17"),
+        openai.NotFoundError,
+        "model",
+        "model 'gpt-17' is not served here; served models:",
+    ),
+    (
+        "image part",
+        dict(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+        openai.BadRequestError,
+        "messages[0].content[0]",
+        "content parts of type 'image_url' are not supported",
+    ),
+    (
+        "tool message",
+        dict(messages=[{"role": "tool", "content": "42", "tool_call_id": "c1"}]),
+        openai.BadRequestError,
+        "messages[0].role",
+        "role 'tool' is not supported",
+    ),
+    (
+        "both token limits",
+        dict(max_tokens=4, max_completion_tokens=5),
+        openai.BadRequestError,
+        "max_completion_tokens",
+        "differ",
+    ),
+    ("over the limit", dict(max_tokens=201), openai.BadRequestError, None, "max_tokens 201 exceeds the limit of 200"),
+    (
+        "temperature",
+        dict(temperature=5),
+        openai.BadRequestError,
+        "temperature",
+        "temperature: Input should be less than or equal to 2",
+    ),
+    (
+        "bad capture",
+        dict(extra_body={"capture": {"modules": ["model.layyers.1"]}}),
+        openai.BadRequestError,
+        "capture",
+        "closest valid names: model.layers.1",
+    ),
+    (
+        "capture typo",
+        dict(extra_body={"capture": {"modules": ["model.layers.1"], "layers": [1]}}),
+        openai.BadRequestError,
+        "capture.layers",
+        "unknown field 'capture.layers'",
+    ),
+    (
+        "wait too long",
+        dict(extra_body={"actq_wait_seconds": 4000}),
+        openai.BadRequestError,
+        "actq_wait_seconds",
+        "less than or equal to 3600",
+    ),
+]
+
+
+@pytest.mark.parametrize(("case", "changes", "error", "param", "message"), REFUSED, ids=[r[0] for r in REFUSED])
+def test_refused_with_a_clear_error_and_nothing_enqueued(client, redis_client, case, changes, error, param, message):
+    before = job_count(redis_client)
+    kwargs = {"model": TINY, "messages": MESSAGES, "max_tokens": 4, **changes}
+    with pytest.raises(error) as raised:
+        client.chat.completions.create(**kwargs)
+    assert message in str(raised.value), str(raised.value)  # the client puts our message in the exception
+    assert raised.value.param == param
+    assert job_count(redis_client) == before
+
+
+def test_error_body_is_openai_shaped_and_has_detail(http):
+    response = http.post("/v1/chat/completions", json={"model": TINY, "messages": MESSAGES, "stream": True})
+    assert response.status_code == 400
+    body = response.json()
+    assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "unsupported_parameter"
+    assert body["error"]["message"] == body["detail"] and body["detail"].startswith("streaming is not supported; ")
+    bad_json = http.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
+    assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
+
+
+def test_a_failed_job_is_an_error_naming_the_job(http, client, redis_client):
+    long_prompt = [{"role": "user", "content": "word " * 400}]  # past the tiny model's 256-token context
+    before = job_count(redis_client)
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=TINY, messages=long_prompt, max_tokens=4)
+    error = raised.value
+    assert error.code == "context_length_exceeded" and "exceeds the model's context of 256" in str(error)
+    assert error.response.headers["x-should-retry"] == "false"
+    job = http.get(f"/jobs/{error.body['job_id']}").json()
+    assert job["status"] == "failed" and job["error"]["type"] == "context_length_exceeded"
+    assert job_count(redis_client) == before + 1
+
+
+def test_a_job_not_done_in_time_is_a_504_naming_it_and_not_resubmitted(live, http, client, redis_client):
+    """A model no live worker serves: its job stays queued past actq_wait_seconds."""
+    from shared.registry import ModelRegistry
+    from shared.schemas import ModelInfo
+
+    registry = ModelRegistry(redis_client, heartbeat_ttl=4)
+    registry.publish(ModelInfo.model_validate({**registry.get(TINY).model_dump(), "name": "tiny-openai-offline"}))
+    assert "tiny-openai-offline" not in [m.id for m in client.models.list()]
+    before = job_count(redis_client)
+    started = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as raised:  # the client's class for every 5xx
+        client.chat.completions.create(
+            model="tiny-openai-offline", messages=MESSAGES, max_tokens=4, extra_body={"actq_wait_seconds": 1}
+        )
+    error = raised.value
+    assert error.status_code == 504 and error.code == "wait_timeout"
+    assert error.response.headers["x-should-retry"] == "false"
+    job_id = error.body["job_id"]
+    assert f"job {job_id} has not finished after 1 s (it is queued)" in str(error) and f"GET /jobs/{job_id}" in str(
+        error
+    )
+    assert 1 <= time.monotonic() - started < 5
+    assert job_count(redis_client) == before + 1  # the client did not retry into a second job
+    assert http.get(f"/jobs/{job_id}").json()["status"] == "queued"
+
+    # With an Idempotency-Key, asking again waits for the same job instead of queueing another.
+    no_retries = client.with_options(max_retries=0)
+    ids = []
+    for _ in range(2):
+        with pytest.raises(openai.InternalServerError) as raised:
+            no_retries.chat.completions.create(
+                model="tiny-openai-offline",
+                messages=MESSAGES,
+                max_tokens=4,
+                extra_body={"actq_wait_seconds": 0.5},
+                extra_headers={"Idempotency-Key": "openai-504"},
+            )
+        ids.append(raised.value.body["job_id"])
+    assert ids[0] == ids[1] and job_count(redis_client) == before + 2
+
+
+def test_idempotency_key_gives_the_same_job_and_refuses_another_request(client):
+    def create(max_tokens):
+        return client.chat.completions.create(
+            model=TINY,
+            messages=MESSAGES,
+            max_tokens=max_tokens,
+            temperature=0,
+            extra_headers={"Idempotency-Key": "openai-same"},
+        )
+
+    first, second = create(3), create(3)
+    assert job_of(first) == job_of(second) and first.choices[0].message.content == second.choices[0].message.content
+    with pytest.raises(openai.APIStatusError) as raised:
+        create(4)
+    assert raised.value.status_code in (400, 409) and "used for a different request" in str(raised.value)
+    # 409 once submit raises Conflict for a reused key; the client must not retry it by itself
+    assert raised.value.status_code == 400 or raised.value.response.headers["x-should-retry"] == "false"

@@ -1,0 +1,213 @@
+"""Outages injected for real: Redis restarted under 200 queued jobs, the S3 server stopped in the
+middle of a run, a local store whose disk fills up, a whole worker (parent and child) killed.
+Each runs on a stack of its own so the session's stack never sees the fault."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from datetime import datetime
+
+import httpx
+import pytest
+import redis
+
+from shared import keys
+from tests.e2e.conftest import own_stack
+from tests.support.stack import TERMINAL
+
+pytestmark = pytest.mark.slow
+
+
+def tiny_body(model: str, max_tokens: int = 4, **extra) -> dict:
+    return {
+        "model": model,
+        "messages": [{"role": "user", "content": "Count to ten."}],
+        "max_tokens": max_tokens,
+        "capture": {"modules": ["model.layers.{0,3}"], "positions": "all"},
+        **extra,
+    }
+
+
+def submit_batch(http: httpx.Client, body: dict, count: int, first: dict | None = None) -> list[str]:
+    """`count` jobs of `body` in one batch; `first` replaces the first one (e.g. a longer job)."""
+    entries = [{"request": first or body}] + [{"request": body}] * (count - 1)
+    response = http.post("/jobs/batch", json={"jobs": entries})
+    assert response.status_code == 202, response.text
+    return [j["id"] for j in response.json()["jobs"]]
+
+
+def wait_all(s, http: httpx.Client, ids: list[str], timeout: float) -> list[dict]:
+    """Every job's final record; fails naming the jobs that never finished."""
+    deadline = time.monotonic() + timeout
+    pending, done = list(ids), {}
+    while pending and time.monotonic() < deadline:
+        job = http.get(f"/jobs/{pending[0]}", params={"wait": 5}).json()
+        if job["status"] in TERMINAL:
+            done[job["id"]] = job
+            pending.pop(0)
+    assert not pending, (
+        f"{len(pending)} jobs unfinished, e.g. {http.get(f'/jobs/{pending[0]}').json()}\n{s.log_tail('worker-w')}"
+    )
+    return [done[i] for i in ids]
+
+
+def wait_running(http: httpx.Client, job_id: str, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while (status := http.get(f"/jobs/{job_id}").json()["status"]) != "running":
+        assert status == "queued" and time.monotonic() < deadline, status
+        time.sleep(0.005)
+
+
+def assert_one_artifact_each(s, jobs: list[dict]) -> None:
+    for job in jobs:
+        folder = s.storage_dir / "jobs" / job["id"]
+        assert sorted(p.name for p in folder.iterdir()) == ["activations.safetensors", "manifest.json"], job["id"]
+        assert json.loads((folder / "manifest.json").read_text())["sha256"] == job["activations"]["sha256"]
+
+
+def test_redis_restart_with_200_jobs_queued(live, tiny_dir, tmp_path, own_redis):
+    """Redis (append-only) stopped and started again on the same port under 200 queued jobs: the
+    API answers 503 naming Redis while it is down, never 500, and recovers by itself; the worker
+    reconnects by itself; every job succeeds exactly once."""
+    with own_stack(tmp_path / "stack", live.env, ACTQ_REDIS_URL=own_redis.url) as s:
+        s.start_worker("w", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-rr"})
+        with s.client() as http:
+            ids = submit_batch(
+                http, tiny_body("tiny-rr", max_tokens=8), 200, first=tiny_body("tiny-rr", max_tokens=200)
+            )
+            wait_running(http, ids[0])  # one job is generating when Redis goes away
+            own_redis.stop()  # SIGTERM: Redis writes its append-only file and exits
+            down = {
+                "GET /jobs/{id}": http.get(f"/jobs/{ids[-1]}"),
+                "GET /jobs/{id}?wait": http.get(f"/jobs/{ids[-1]}", params={"wait": 1}),
+                "POST /jobs": http.post("/jobs", json=tiny_body("tiny-rr")),
+                "POST /jobs/batch": http.post("/jobs/batch", json={"jobs": [{"request": tiny_body("tiny-rr")}]}),
+                "GET /models": http.get("/models"),
+                "GET /health": http.get("/health"),
+            }
+            for what, response in down.items():
+                assert response.status_code == 503, (what, response.status_code, response.text)
+                assert "Redis" in response.json()["detail"], (what, response.text)
+            time.sleep(3)
+            own_redis.start()
+            deadline = time.monotonic() + 30
+            while (health := http.get("/health")).status_code != 200:
+                assert time.monotonic() < deadline, health.text
+                time.sleep(0.2)
+            jobs = wait_all(s, http, ids, timeout=300)
+            assert jobs[0]["attempts"] == 1 and jobs[0]["result"]["usage"]["completion_tokens"] == 200  # outcome kept
+            assert [j["status"] for j in jobs] == ["succeeded"] * 200, [
+                (j["id"], j["status"], j["error"]) for j in jobs if j["status"] != "succeeded"
+            ]
+            assert_one_artifact_each(s, jobs)
+            client = redis.Redis.from_url(own_redis.url)
+            assert client.zcard(keys.queued("tiny-rr")) == 0
+            assert len(set(client.scan_iter(match=keys.job("*"), count=1000))) == 200  # none lost, none made twice
+            client.close()
+
+
+def test_kill_9_of_the_whole_worker_redelivers_its_jobs(live, tiny_dir, tmp_path, own_redis):
+    """SIGKILL of a worker's parent and child together: nothing acknowledges its messages, so Redis
+    hands them out again once the visibility timeout passes (8 s here; a job may not run longer
+    than 5 s). A new worker finishes every job; the one that was generating has attempts 2."""
+    limits = {"ACTQ_JOB_SOFT_TIME_LIMIT": "4", "ACTQ_JOB_TIME_LIMIT": "5", "ACTQ_VISIBILITY_TIMEOUT": "8"}
+    model = {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-kw"}
+    with own_stack(tmp_path / "stack", live.env, ACTQ_REDIS_URL=own_redis.url, **limits) as s, s.client() as http:
+        worker = s.start_worker("w", model)
+        ids = submit_batch(http, tiny_body("tiny-kw", max_tokens=200), 6)
+        wait_running(http, ids[1])
+        time.sleep(0.2)
+        os.killpg(worker.pid, signal.SIGKILL)
+        worker.wait()
+        killed = time.time()
+        time.sleep(1)
+        stuck = [http.get(f"/jobs/{i}").json()["status"] for i in ids]
+        assert stuck[:2] == ["succeeded", "running"] and set(stuck[2:]) == {"queued"}, stuck
+        s.start_worker("w2", model)
+        jobs = wait_all(s, http, ids, timeout=120)
+        assert [j["status"] for j in jobs] == ["succeeded"] * 6, [(j["status"], j["error"]) for j in jobs]
+        assert [j["attempts"] for j in jobs] == [1, 2, 1, 1, 1, 1]
+        rerun = datetime.fromisoformat(jobs[1]["started_at"]).timestamp()
+        assert rerun - killed >= 8 - 1, "redelivered before the visibility timeout"
+        assert_one_artifact_each(s, jobs)
+
+
+@pytest.mark.parametrize("outage_seconds", [60, 1])
+def test_s3_server_stopped_mid_run(live, tiny_dir, tmp_path, outage_seconds):
+    """SeaweedFS stopped while 30 capture jobs run, then started again. A worker that waits out
+    outages (ACTQ_STORAGE_OUTAGE_SECONDS=60, the default) succeeds every job once S3 is back; one
+    that waits 1 s fails the jobs that met the outage, naming the unreachable endpoint. A failed
+    job leaves no object, a succeeded one exactly its file and manifest; none is stuck."""
+    from tests.support.s3_server import BUCKET, SeaweedS3
+
+    s3 = SeaweedS3(tmp_path / "seaweedfs").start()
+    try:
+        env = {**s3.env("outage"), "ACTQ_STORAGE_OUTAGE_SECONDS": str(outage_seconds)}
+        with own_stack(tmp_path / "stack", live.env, **env) as s, s.client() as http:
+            s.start_worker("w", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-s3o"})
+            ids = submit_batch(http, tiny_body("tiny-s3o", max_tokens=8), 30)
+            wait_running(http, ids[3])
+            s3.stop()
+            time.sleep(3)
+            s3.start()
+            restarted = time.time()
+            jobs = wait_all(s, http, ids, timeout=300)
+            listing = s3.client().list_objects_v2(Bucket=BUCKET, Prefix="outage/jobs/").get("Contents", [])
+            stored: dict[str, set[str]] = {}
+            for item in listing:
+                job_id, name = item["Key"].split("/")[2:4]
+                stored.setdefault(job_id, set()).add(name)
+            failed = [j for j in jobs if j["status"] != "succeeded"]
+            for job in jobs:
+                if job["status"] == "succeeded":
+                    assert stored.get(job["id"]) == {"activations.safetensors", "manifest.json"}, job["id"]
+                else:
+                    assert job["status"] == "failed" and job["error"]["type"] == "storage_error", job
+                    assert f"S3 endpoint {s3.endpoint} is unreachable" in job["error"]["message"], job["error"]
+                    assert job["id"] not in stored, stored.get(job["id"])
+            if outage_seconds == 60:
+                assert not failed, failed[0]
+                spanned = [j for j in jobs if datetime.fromisoformat(j["finished_at"]).timestamp() >= restarted]
+                assert spanned and datetime.fromisoformat(spanned[0]["started_at"]).timestamp() < restarted - 3
+            else:
+                assert failed, "no job met the outage"
+            after = s.wait(http, s.submit(http, tiny_body("tiny-s3o")))  # the worker goes on
+            assert after["status"] == "succeeded"
+    finally:
+        s3.stop()
+
+
+def test_disk_full_on_the_local_store(live, tiny_dir, tmp_path):
+    """The local store on a 1 MiB tmpfs, filled up: a capture job fails as storage_error saying
+    the disk is full and leaves no file; the worker survives and, once there is room, stores the
+    next job whole."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        with own_stack(tmp_path / "stack", live.env, ACTQ_STORAGE_URL=mount.as_uri()) as s, s.client() as http:
+            s.start_worker("w", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-full"})
+            filler = mount / "filler"
+            with open(filler, "wb") as handle:  # leave about 16 KiB free; the capture needs more
+                handle.write(b"\0" * ((1 << 20) - (16 << 10)))
+            body = tiny_body("tiny-full", max_tokens=32)
+            failed = s.wait(http, s.submit(http, body))
+            assert failed["status"] == "failed" and failed["error"]["type"] == "storage_error", failed
+            assert "No space left on device" in failed["error"]["message"], failed["error"]
+            assert not (mount / "jobs" / failed["id"]).exists() or not any((mount / "jobs" / failed["id"]).iterdir())
+            assert not any((mount / ".tmp").iterdir()), list((mount / ".tmp").iterdir())
+            assert http.get(f"/jobs/{failed['id']}/activations").status_code == 409
+            filler.unlink()
+            ok = s.wait(http, s.submit(http, body))
+            assert ok["status"] == "succeeded" and ok["activations"]["bytes"] > 16 << 10
+            assert_one_artifact_each(s, [ok])
+    finally:
+        subprocess.run(["umount", str(mount)], check=False)

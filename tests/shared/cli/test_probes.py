@@ -1,0 +1,212 @@
+"""Probes on synthetic results directories: no network, no model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from safetensors.numpy import save_file
+
+from shared.cli import probes
+from shared.errors import ToolError
+
+H = 16
+LAYERS = (3, 6, 9)
+KINDS = ("input_layernorm", "post_attention_layernorm")
+NAMES = [f"model.layers.{layer}.{kind}" for layer in LAYERS for kind in KINDS]
+
+
+def make_results(root, n=80, signal_layer=6, positions="all", labels=None, files=True, failed=0, seed=0):
+    """A results directory like `actq gsm8k --download` writes. Sample i's label is i % 2 == 0 unless
+    `labels` is given; a permuted copy goes in `meta.shuffled`. Capture points of `signal_layer` are
+    shifted by +/-2 along a fixed direction according to the label; the rest are noise.
+    Returns {index: {name: rows}} (what a fetch callable would download)."""
+    rng = np.random.default_rng(seed)
+    direction = rng.normal(size=H)
+    direction /= np.linalg.norm(direction)
+    labels = [i % 2 == 0 for i in range(n)] if labels is None else labels
+    shuffled = rng.permutation(labels).tolist()
+    (root / "samples").mkdir(parents=True)
+    (root / "activations").mkdir()
+    stored = {}
+    for i in range(n + failed):
+        prompt, completion = int(rng.integers(10, 21)), int(rng.integers(5, 16))
+        total, end = prompt + completion, prompt + completion - 1  # the last token is never run: T - 1 rows
+        start, stop = {"all": (0, end), "generated": (prompt - 1, end), "prompt": (0, prompt)}[positions]
+        tensors, entries = {"token_ids": rng.integers(0, 1000, size=total).astype(np.int64)}, []
+        for name in NAMES:
+            rows = rng.normal(size=(stop - start, H))
+            if i < n and f".{signal_layer}." in name:
+                rows += direction * (2.0 if labels[i] else -2.0)
+            tensors[name] = rows.astype(np.float16)
+            entries.append(
+                {
+                    "name": name,
+                    "module": name,
+                    "hook": "output",
+                    "shape": [stop - start, H],
+                    "dtype": "float16",
+                    "positions": positions,
+                    "start": start,
+                    "stop": stop,
+                    "bytes": (stop - start) * H * 2,
+                }
+            )
+        stored[i] = tensors
+        if files:
+            save_file(tensors, str(root / "activations" / f"{i}.safetensors"))
+        sample = {
+            "index": i,
+            "question": f"q{i}",
+            "gold": "1",
+            "completion": "x",
+            "extracted": {"strict": None, "flexible": None},
+            "correct": {"strict": False, "flexible": labels[i] if i < n else False},
+            "meta": {"shuffled": shuffled[i] if i < n else False},
+            "job_id": f"job{i}",
+            "status": "succeeded" if i < n else "failed",
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "activations": {
+                "uri": "s3://b/k",
+                "key": "k",
+                "sha256": "0",
+                "bytes": 0,
+                "download_url": None,
+                "tensors": entries,
+            }
+            if i < n
+            else None,
+            "activations_file": f"activations/{i}.safetensors" if i < n else None,
+        }
+        (root / "samples" / f"{i}.json").write_text(json.dumps(sample))
+    return stored
+
+
+def by_key(report):
+    return {(p["layer"], p["kind"].split(".")[-1], p["pooling"]): p for p in report["probes"]}
+
+
+@pytest.fixture(scope="module")
+def separable(tmp_path_factory):
+    root = tmp_path_factory.mktemp("separable")
+    make_results(root, n=200, failed=3)
+    return root
+
+
+def test_signal_layer_is_found_and_noise_is_chance(separable):
+    report = probes.run(separable)
+    assert report["n_samples"] == 200 and report["skipped_samples"] == {"failed": 3}
+    found = by_key(report)
+    assert len(found) == len(NAMES) * 2
+    for (layer, kind, _pooling), p in found.items():
+        assert p["n"] == 200 and p["class_counts"] == {"false": 100, "true": 100} and p["folds"] == 5
+        assert p["majority_accuracy"] == 0.5 and p["majority_balanced_accuracy"] == 0.5
+        assert p["kind"] == f"model.layers.*.{kind}" and p["point"] == f"model.layers.{layer}.{kind}"
+        if layer == 6:
+            assert p["balanced_accuracy_mean"] > 0.9, p
+        else:
+            assert p["balanced_accuracy_mean"] < 0.7, p
+    on_disk = json.loads((separable / "probes.json").read_text())
+    assert on_disk["label"] == "correct.flexible" and on_disk["probes"] == report["probes"]
+    assert (separable / "probes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_shuffled_labels_via_dotted_path_are_chance(separable):
+    report = probes.run(separable, label="meta.shuffled")
+    assert report["label"] == "meta.shuffled" and len(report["probes"]) == len(NAMES) * 2
+    for p in report["probes"]:
+        assert p["balanced_accuracy_mean"] < 0.7, p
+
+
+def test_custom_column_and_missing_label_skipped(tmp_path):
+    make_results(tmp_path, n=40)
+    for i in range(40):
+        path = tmp_path / "samples" / f"{i}.json"
+        sample = json.loads(path.read_text())
+        if i < 36:
+            sample["meta"]["difficulty"] = ["easy", "hard", "medium"][i % 3]
+        path.write_text(json.dumps(sample))
+    features, labels, meta = probes.load_dataset(tmp_path, label="meta.difficulty")
+    assert meta["skipped"] == {"missing_label": 4} and meta["n_samples"] == 36
+    assert sorted(set(labels)) == ["easy", "hard", "medium"]
+    assert features[(NAMES[0], "last")].shape == (36, H)
+    entry = probes.train_probes(features, labels, folds=3)[0]
+    assert entry["class_counts"] == {"easy": 12, "hard": 12, "medium": 12}
+    assert entry["majority_balanced_accuracy"] == pytest.approx(1 / 3) and entry["folds"] == 3
+
+
+def test_generated_positions(tmp_path):
+    make_results(tmp_path, n=60, positions="generated")
+    found = by_key(probes.run(tmp_path))
+    assert found[(6, "input_layernorm", "mean_generated")]["balanced_accuracy_mean"] > 0.9
+    assert found[(6, "input_layernorm", "last")]["balanced_accuracy_mean"] > 0.9
+
+
+def test_prompt_positions_have_no_mean_generated(tmp_path):
+    make_results(tmp_path, n=20, positions="prompt")
+    report = probes.run(tmp_path)
+    assert {p["pooling"] for p in report["probes"]} == {"last"}
+    assert any("mean_generated skipped" in note for note in report["notes"])
+
+
+def test_pooling_uses_generated_rows():
+    rows = np.arange(30, dtype=np.float16)[:, None].repeat(2, axis=1)  # row i holds position start + i
+    pooled = probes._pool(rows, start=0, prompt_tokens=12)  # generated: positions 11..29
+    assert pooled["mean_generated"] == pytest.approx([20.0, 20.0]) and pooled["last"].tolist() == [29.0, 29.0]
+    pooled = probes._pool(rows[11:], start=11, prompt_tokens=12)  # positions "generated"
+    assert pooled["mean_generated"] == pytest.approx([20.0, 20.0])
+    assert "mean_generated" not in probes._pool(rows[:5], start=0, prompt_tokens=12)
+    assert "mean_generated" not in probes._pool(rows[:12], start=0, prompt_tokens=12, positions="prompt")
+
+
+def test_one_class_is_skipped_but_written(tmp_path):
+    make_results(tmp_path, n=12, labels=[True] * 12)
+    report = probes.run(tmp_path)
+    assert report["probes"] and all("one class" in p["skipped"] for p in report["probes"])
+    assert json.loads((tmp_path / "probes.json").read_text())["probes"][0]["skipped"]
+    assert (tmp_path / "probes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_singleton_class_is_skipped(tmp_path):
+    make_results(tmp_path, n=12, labels=[True] * 11 + [False])
+    assert all("at least 2" in p["skipped"] for p in probes.run(tmp_path)["probes"])
+
+
+def test_missing_activations_without_fetch(tmp_path):
+    make_results(tmp_path, n=6, files=False)
+    with pytest.raises(ToolError, match="--download.*--api"):
+        probes.load_dataset(tmp_path)
+
+
+def test_fetch_is_used_when_files_are_absent(tmp_path):
+    stored = make_results(tmp_path, n=30, files=False)
+    calls = []
+
+    def fetch(sample, name):
+        calls.append((sample["index"], name))
+        return stored[sample["index"]][name]
+
+    report = probes.run(tmp_path, fetch=fetch, folds=3)
+    assert len(calls) == 30 * len(NAMES) and ("token_ids" not in {n for _, n in calls})
+    assert report["n_samples"] == 30 and by_key(report)[(6, "input_layernorm", "last")]["balanced_accuracy_mean"] > 0.9
+
+
+def test_bfloat16_files(tmp_path):
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save_file as save_torch
+
+    path = tmp_path / "bf16.safetensors"
+    save_torch({"a": torch.arange(6, dtype=torch.bfloat16).reshape(3, 2), "token_ids": torch.arange(3)}, str(path))
+    out = probes._read_file(path, ["a"])
+    assert out["a"].dtype == np.float32 and out["a"].tolist() == [[0, 1], [2, 3], [4, 5]]
+
+
+def test_point_layer():
+    assert probes.point_layer("model.layers.12.post_attention_layernorm") == (
+        12,
+        "model.layers.*.post_attention_layernorm",
+    )
+    assert probes.point_layer("model.layers.3") == (3, "model.layers.*")
+    assert probes.point_layer("model.norm") == (None, "model.norm")

@@ -1,0 +1,111 @@
+"""The capture-path grammar and the size estimate (pure functions, no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.capture_spec import check_budget, estimate_bytes, prompt_tokens_upper_bound, resolve
+from shared.errors import CaptureSpecError, CaptureTooLarge
+from shared.schemas import CaptureSpec, JobRequest, ModelInfo, ModuleInfo
+
+
+def _model() -> ModelInfo:
+    modules = [ModuleInfo(path="model.embed_tokens", output_dim=8, input_dim=None, all_positions=True)]
+    for i in range(12):
+        modules += [
+            ModuleInfo(path=f"model.layers.{i}", output_dim=8, input_dim=8, all_positions=True),
+            ModuleInfo(path=f"model.layers.{i}.input_layernorm", output_dim=8, input_dim=8, all_positions=True),
+            ModuleInfo(path=f"model.layers.{i}.mlp", output_dim=8, input_dim=8, all_positions=True),
+        ]
+    modules += [
+        ModuleInfo(path="model.norm", output_dim=8, input_dim=8, all_positions=True),
+        ModuleInfo(path="lm_head", output_dim=100, input_dim=8, all_positions=False),
+    ]
+    return ModelInfo(
+        name="m",
+        source="x",
+        architecture="A",
+        num_layers=12,
+        hidden_size=8,
+        vocab_size=100,
+        max_context=64,
+        dtype="float32",
+        device="cpu",
+        modules=modules,
+    )
+
+
+MODEL = _model()
+
+
+def names(*patterns: str, **spec) -> list[str]:
+    return [p.name for p in resolve(CaptureSpec(modules=list(patterns), **spec), MODEL)]
+
+
+def test_index_lists_wildcards_and_forward_order():
+    assert names("model.layers.{8,2}.input_layernorm") == [
+        "model.layers.2.input_layernorm",
+        "model.layers.8.input_layernorm",
+    ]
+    assert names("model.layers.*") == [f"model.layers.{i}" for i in range(12)]
+    assert names("model.layers.*.mlp", "model.layers.3.mlp", "model.norm") == [
+        f"model.layers.{i}.mlp" for i in range(12)
+    ] + ["model.norm"]
+    assert names("model.layers.{0,1}", hook="input") == ["model.layers.0:input", "model.layers.1:input"]
+
+
+@pytest.mark.parametrize(
+    ("pattern", "message"),
+    [
+        ("model.layers.99", "'model.layers.99' names no module"),
+        ("model.layers.{1,99}", "'model.layers.99' names no module"),
+        ("model.layrs.3", "closest valid names: model.layers.3"),
+        ("model.layers.0.__dict__", "segment '__dict__' is not a name"),
+        ("__class__.__init__.__globals__", "segment '__class__' is not a name"),
+        ("model.layers[0]", "segment 'layers[0]' is not a name"),
+        ("model..layers", "segment '' is not a name"),
+        ("model.layers.{}", "segment '{}'"),
+        ("model.layers.0; import os", "is not a name"),
+        (".".join(["{" + ",".join(map(str, range(20))) + "}"] * 3), "expands to 8000 paths"),
+    ],
+)
+def test_bad_paths_are_refused_with_what_to_fix(pattern, message):
+    with pytest.raises(
+        CaptureSpecError, match=message.replace("[", r"\[").replace("{", r"\{").replace("}", r"\}").replace(".", r"\.")
+    ):
+        names(pattern)
+
+
+def test_many_patterns_cannot_multiply_the_work():
+    pattern = "model.layers.{" + ",".join(map(str, range(20))) + "}.mlp"  # 20 x 256 > 4096
+    with pytest.raises(CaptureSpecError, match="more than 4096 concrete paths"):
+        names(*[pattern] * 256)
+
+
+def test_modules_without_a_capturable_side_or_position_are_refused():
+    with pytest.raises(CaptureSpecError, match="has no capturable input"):
+        names("model.embed_tokens", hook="input")
+    with pytest.raises(CaptureSpecError, match="only computes the last position"):
+        names("lm_head", positions="all")
+    assert names("lm_head", positions="generated") == ["lm_head"]
+
+
+def test_estimate_is_positions_times_width_times_dtype_bytes():
+    request = JobRequest(
+        model="m",
+        messages=[{"role": "user", "content": "abcd"}],
+        capture={"modules": ["model.layers.{0,1}", "lm_head"], "positions": "generated", "dtype": "float16"},
+    )
+    points = resolve(request.capture, MODEL)
+    assert estimate_bytes(request, points, MODEL, max_tokens=10) == 10 * (8 + 8 + 100) * 2
+    request.capture.positions = "last"
+    assert estimate_bytes(request, points, MODEL, max_tokens=10) == 1 * 116 * 2
+    request.capture.positions = "prompt"
+    assert estimate_bytes(request, points, MODEL, max_tokens=10) == prompt_tokens_upper_bound(request) * 116 * 2
+    assert prompt_tokens_upper_bound(request) >= 4 + 16
+
+
+def test_budget():
+    check_budget(100, 100)
+    with pytest.raises(CaptureTooLarge, match="estimated capture size 101 bytes exceeds the budget of 100 bytes"):
+        check_budget(101, 100)

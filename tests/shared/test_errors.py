@@ -1,0 +1,42 @@
+"""The error hierarchy: every error type a job can be stored with is a class of it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from shared import errors
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_stored_error_type_is_a_job_failure_class():
+    assert errors.JobFailure.stored_types() == {
+        "context_length_exceeded",
+        "storage_error",
+        "timeout",
+        "out_of_memory",
+        "worker_lost",
+        "cancelled",
+        "internal_error",
+    }
+
+
+def test_no_error_type_is_written_as_a_string_in_the_product():
+    """Errors are stored through JobFailure.as_error(); a literal {"type": ...} would bypass it."""
+    names = "|".join(errors.JobFailure.stored_types())
+    literal = re.compile(rf"""["']type["']\s*:\s*["']({names})["']""")
+    found = [
+        f"{path.relative_to(ROOT)}:{n}"
+        for folder in ("api", "worker", "shared")
+        for path in (ROOT / folder).rglob("*.py")
+        for n, line in enumerate(path.read_text().splitlines(), start=1)
+        if literal.search(line)
+    ]
+    assert found == []
+
+
+def test_a_failure_is_stored_as_its_type_and_message():
+    assert errors.WorkerLost("lost twice").as_error() == {"type": "worker_lost", "message": "lost twice"}
+    assert errors.StorageError("disk full").status_code == 503
+    assert issubclass(errors.JobCancelled, errors.JobFailure)

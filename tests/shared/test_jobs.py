@@ -1,0 +1,185 @@
+"""The job store on a real Redis: enqueue, transitions, terminal states, redelivery, cancel flags,
+progress, listing and deletion, and concurrent changes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import uuid
+
+import pytest
+import redis.asyncio as aioredis
+
+from shared import keys
+from shared.broker import make_celery
+from shared.errors import JobCancelled, JobTimeout
+from shared.jobs import JobStore, now
+from shared.schemas import JobRecord, JobRequest, JobStatus
+from shared.settings import Settings
+
+RESULT = {
+    "text": "x",
+    "finish_reason": "stop",
+    "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2},
+}
+
+
+@pytest.fixture
+def celery(redis_server):
+    return make_celery(Settings(redis_url=redis_server.url))
+
+
+@pytest.fixture
+def store(redis_client):
+    return JobStore(redis_client, retention_seconds=60)
+
+
+def record(model: str = "m", owner: str | None = None) -> JobRecord:
+    request = JobRequest(model=model, messages=[{"role": "user", "content": "hi"}])
+    return JobRecord(
+        id=str(uuid.uuid4()),
+        status=JobStatus.queued,
+        model=model,
+        request=request,
+        max_tokens=4,
+        created_at=now(),
+        owner=owner,
+    )
+
+
+def new_job(store: JobStore, celery, **kwargs) -> str:
+    job = record(**kwargs)
+    store.enqueue([job], celery)
+    return job.id
+
+
+def test_enqueue_writes_record_queue_place_index_and_message_together(store, celery, redis_client):
+    jobs = [record(owner="k1") for _ in range(3)]
+    store.enqueue(jobs, celery)
+    assert [store.get(j.id) for j in jobs] == jobs
+    assert 0 < redis_client.ttl(keys.job(jobs[0].id)) <= 60
+    assert redis_client.zcard(keys.queued("m")) == 3 and store.queue_depth("m") == 3
+    assert redis_client.zcard(keys.jobs_index("k1")) == 3
+    messages = [json.loads(m) for m in redis_client.lrange(keys.queue("m"), 0, -1)]
+    assert sorted(m["headers"]["id"] for m in messages) == sorted(j.id for j in jobs)
+    assert redis_client.hget(keys.counters("m"), "submitted") == b"3"
+    with pytest.raises(RuntimeError, match="already exists"):  # an id is never recorded twice
+        store.enqueue([jobs[0]], celery)
+
+
+def test_lifecycle_and_retention(store, celery, redis_client):
+    job_id = new_job(store, celery)
+    assert store.live_fields(store.get(job_id)) == {"queue_position": 1}
+    running, why = store.claim(job_id, "w1", max_attempts=3)
+    assert why == "claimed" and running.status is JobStatus.running and running.attempts == 1 and running.worker == "w1"
+    assert store.queue_depth("m") == 0  # a claimed job leaves its model's queue
+    assert store.report_progress(job_id, 5) is False
+    assert store.live_fields(running) == {"generated_tokens": 5}
+    done = store.succeed(job_id, RESULT, None)
+    assert done.status is JobStatus.succeeded and done.finished_at >= done.started_at
+    assert 0 < redis_client.ttl(keys.job(job_id)) <= 60  # the TTL survives updates
+    assert redis_client.hget(keys.counters("m"), "succeeded") == b"1"
+
+
+def test_a_terminal_job_is_never_run_or_changed_again(store, celery):
+    job_id = new_job(store, celery)
+    store.claim(job_id, "w1", 3)
+    store.succeed(job_id, RESULT, None)
+    assert store.claim(job_id, "w2", 3) == (None, "already succeeded")
+    assert store.fail(job_id, JobTimeout("too late")) is None
+    assert store.cancel_queued(job_id, JobCancelled("no")) is None
+    assert store.get(job_id).status is JobStatus.succeeded
+    assert store.claim(str(uuid.uuid4()), "w", 3) == (None, "unknown job")
+
+
+def test_failures_are_stored_with_their_type_and_a_cancel_ends_cancelled(store, celery):
+    timed_out = new_job(store, celery)
+    store.claim(timed_out, "w", 3)
+    partial = {**RESULT, "finish_reason": "timeout"}
+    failed = store.fail(timed_out, JobTimeout("past 5s"), result=partial)
+    assert failed.status is JobStatus.failed and failed.error.type == "timeout" and failed.result.text == "x"
+    queued = new_job(store, celery)
+    cancelled = store.cancel_queued(queued, JobCancelled("by DELETE"))
+    assert cancelled.status is JobStatus.cancelled and cancelled.error.model_dump() == {
+        "type": "cancelled",
+        "message": "by DELETE",
+    }
+    assert store.queue_depth("m") == 0
+
+
+def test_redelivery_counts_attempts_then_gives_up(store, celery):
+    job_id = new_job(store, celery)
+    for attempt in (1, 2):
+        claimed, _ = store.claim(job_id, f"w{attempt}", max_attempts=2)
+        assert claimed.attempts == attempt
+    assert store.claim(job_id, "w3", max_attempts=2) == (None, "too many attempts")
+    lost = store.get(job_id)
+    assert lost.status is JobStatus.failed and lost.error.type == "worker_lost"
+
+
+def test_the_cancel_flag_reaches_the_worker_through_progress_reports(store, celery):
+    job_id = new_job(store, celery)
+    store.claim(job_id, "w", 3)
+    assert store.report_progress(job_id, 1) is False
+    store.request_cancel(job_id)
+    assert store.report_progress(job_id, 2) is True
+
+
+def test_list_is_per_owner_newest_first_and_filters_by_status(store, celery, redis_client):
+    ids = [new_job(store, celery, owner="k1") for _ in range(4)]
+    other = new_job(store, celery, owner="k2")
+    store.claim(ids[0], "w", 3)
+    store.succeed(ids[0], RESULT, None)
+    assert [r.id for r in store.list("k1", None, 10)] == ids[::-1]
+    assert [r.id for r in store.list("k1", JobStatus.succeeded, 10)] == [ids[0]]
+    assert [r.id for r in store.list("k1", None, 2)] == ids[:1:-1]
+    redis_client.delete(keys.job(ids[2]))  # past its retention: it leaves the index too
+    assert ids[2] not in [r.id for r in store.list("k1", None, 10)]
+    assert redis_client.zscore(keys.jobs_index("k1"), ids[2]) is None
+    assert [r.id for r in store.list("k2", None, 10)] == [other]
+
+
+def test_delete_removes_record_flags_and_index_entry(store, celery, redis_client):
+    job_id = new_job(store, celery, owner="k1")
+    store.request_cancel(job_id)
+    store.report_progress(job_id, 3)
+    store.delete(job_id, "k1")
+    assert store.get(job_id) is None
+    assert not redis_client.exists(keys.cancel(job_id), keys.progress(job_id))
+    assert redis_client.zcard(keys.jobs_index("k1")) == 0
+
+
+def test_long_poll_answers_when_the_job_ends(redis_server, redis_client, celery):
+    async def scenario():
+        store = JobStore(redis_client, 60, aclient=aioredis.Redis.from_url(redis_server.url))
+        job_id = new_job(store, celery)
+        waiting = asyncio.create_task(store.wait_until_terminal(job_id, timeout=10))
+        await asyncio.sleep(0.2)
+        assert not waiting.done()
+        await asyncio.to_thread(store.fail, job_id, JobTimeout("late"))
+        ended = await waiting
+        unknown = await store.wait_until_terminal(str(uuid.uuid4()), timeout=0.1)
+        await store.aredis.aclose()
+        return ended, unknown
+
+    ended, unknown = asyncio.run(scenario())
+    assert ended.error.type == "timeout" and unknown is None
+
+
+def test_concurrent_claims_and_cancels_let_exactly_one_win(store, celery):
+    job_id = new_job(store, celery)
+    results = []
+    barrier = threading.Barrier(8)
+
+    def act(i):
+        barrier.wait()
+        results.append(store.fail(job_id, JobCancelled("stop")) if i % 2 else store.claim(job_id, f"w{i}", 100)[0])
+
+    threads = [threading.Thread(target=act, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert store.get(job_id).status is JobStatus.cancelled
+    assert sum(1 for r in results if r is not None and r.status is JobStatus.cancelled) == 1

@@ -1,0 +1,51 @@
+"""The local artifact store: atomic writes, keys that cannot escape the root, URL parsing."""
+
+from __future__ import annotations
+
+import pytest
+
+from shared.errors import StorageError
+from shared.settings import Settings
+from shared.storage import LocalStore, activations_key, check_key, open_store
+
+
+def test_put_file_moves_whole_file_under_key(tmp_path):
+    store = LocalStore(tmp_path / "root")
+    src = store.scratch_dir() / "x.part"
+    src.write_bytes(b"payload")
+    uri = store.put_file(activations_key("abc"), src)
+    dest = tmp_path / "root" / "jobs" / "abc" / "activations.safetensors"
+    assert uri == dest.as_uri() and dest.read_bytes() == b"payload" and not src.exists()
+    store.put_bytes("jobs/abc/manifest.json", b"{}")
+    assert list((tmp_path / "root" / ".tmp").iterdir()) == []  # no temp file left behind
+    store.delete_prefix("jobs/abc")
+    assert not (tmp_path / "root" / "jobs" / "abc").exists()
+
+
+@pytest.mark.parametrize(
+    "key", ["../etc/passwd", "/abs", "jobs/../../x", "jobs//x", "jobs/.hidden", "jobs/x\x00", "", "a b"]
+)
+def test_keys_cannot_escape_the_root(key, tmp_path):
+    with pytest.raises(ValueError, match="invalid storage key"):
+        check_key(key)
+    with pytest.raises(ValueError):
+        LocalStore(tmp_path).local_path(key)
+
+
+def test_a_failed_write_is_a_storage_error(tmp_path):
+    (tmp_path / "jobs").write_text("a file where a directory should be")
+    store = LocalStore(tmp_path)
+    with pytest.raises(StorageError, match="cannot store jobs/a/manifest.json"):
+        store.put_bytes("jobs/a/manifest.json", b"{}")
+
+
+def test_storage_urls(tmp_path):
+    assert open_store(Settings(storage_url=tmp_path.as_uri())).root == tmp_path.resolve()
+    s3 = open_store(Settings(storage_url="s3://bucket/some/prefix/", s3_endpoint_url="http://127.0.0.1:1"))
+    assert (s3.bucket, s3.prefix, s3.uri("jobs/a/x")) == ("bucket", "some/prefix", "s3://bucket/some/prefix/jobs/a/x")
+    with pytest.raises(ValueError, match="unsupported scheme 'ftp'"):
+        open_store(Settings(storage_url="ftp://host/x"))
+    with pytest.raises(ValueError, match="must be local"):
+        open_store(Settings(storage_url="file://otherhost/x"))
+    with pytest.raises(ValueError, match="name a bucket"):
+        open_store(Settings(storage_url="s3:///x"))

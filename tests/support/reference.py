@@ -1,0 +1,55 @@
+"""The independent reference for captured activations: plain PyTorch forward hooks on a plain
+Hugging Face `generate`, sliced by the documented position rules. No nnsight, no actq engine."""
+
+from __future__ import annotations
+
+import torch
+
+
+def _first(value):
+    return value[0] if isinstance(value, (tuple, list)) else value
+
+
+def hooked_generate(model, tokenizer, messages, max_new_tokens, modules, hook="output", **generate_kwargs):
+    """Greedy (unless told otherwise) generate with hooks; returns (token_ids [P+N], {path: [rows, H]}, P)."""
+    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    steps: dict[str, list[torch.Tensor]] = {path: [] for path in modules}
+    handles = []
+    for path in modules:
+        module = model.get_submodule(path)
+        if hook == "output":
+
+            def on_output(_module, _args, output, path=path):
+                steps[path].append(_first(output).detach().float().clone())
+
+            handles.append(module.register_forward_hook(on_output))
+        else:
+
+            def on_input(_module, args, kwargs, path=path):
+                value = args[0] if args else next(iter(kwargs.values()))
+                steps[path].append(value.detach().float().clone())
+
+            handles.append(module.register_forward_pre_hook(on_input, with_kwargs=True))
+    generate_kwargs.setdefault("do_sample", False)
+    try:
+        with torch.inference_mode():
+            ids = model.generate(
+                **encoded, max_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id, **generate_kwargs
+            )
+    finally:
+        for handle in handles:
+            handle.remove()
+    rows = {path: torch.cat([s[0] for s in steps[path]], dim=0) for path in modules}
+    return ids[0], rows, int(encoded["input_ids"].shape[1])
+
+
+def select(rows: torch.Tensor, positions: str, prompt_tokens: int, new_tokens: int) -> torch.Tensor:
+    """Rows for a positions choice, for a module that sees every position (README "Positions")."""
+    fed = prompt_tokens + new_tokens - 1
+    assert rows.shape[0] == fed, (rows.shape, fed)
+    return {
+        "all": rows,
+        "prompt": rows[:prompt_tokens],
+        "generated": rows[prompt_tokens - 1 :],
+        "last": rows[fed - 1 :],
+    }[positions]

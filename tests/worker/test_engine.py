@@ -1,0 +1,155 @@
+"""The capture engine alone, in this process, against the forward-hook reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.capture_spec import resolve
+from shared.errors import ContextLengthExceeded
+from shared.schemas import JobRequest
+from shared.settings import Settings
+from tests.support.reference import hooked_generate, select
+from tests.support.tiny_model import TINY_CONTEXT
+
+pytestmark = pytest.mark.model  # builds and loads the tiny model in this process
+
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "What is 2+3?"}]
+LAYER_POINTS = [
+    "model.layers.1",
+    "model.layers.{0,3}.input_layernorm",
+    "model.layers.2.post_attention_layernorm",
+    "model.layers.1.mlp",
+]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    from worker.engine import CaptureEngine
+    from worker.models import load
+
+    return CaptureEngine(load(Settings(model=str(tiny_dir), model_name="tiny")))
+
+
+def request(capture: dict | None = None, **fields) -> JobRequest:
+    return JobRequest.model_validate({"model": "tiny", "messages": MESSAGES, "capture": capture, **fields})
+
+
+def run(engine, req: JobRequest, max_tokens: int):
+    points = resolve(req.capture, engine.info) if req.capture else []
+    return engine.run(req, points, max_tokens)
+
+
+def test_one_copy_of_the_weights(engine):
+    """nnsight wraps the loaded model itself: plain completions and captures share its parameters."""
+    assert engine.nn._module is engine.hf
+    wrapped = {p.data_ptr() for p in engine.nn._module.parameters()}
+    assert wrapped == {p.data_ptr() for p in engine.hf.parameters()}
+
+
+def test_describe_lists_modules_in_forward_order(engine):
+    paths = [m.path for m in engine.info.modules]
+    assert paths[0] == "model.embed_tokens"
+    assert paths[-1] == "lm_head"
+    for i in range(4):
+        layer = paths.index(f"model.layers.{i}")
+        assert layer < paths.index(f"model.layers.{i}.input_layernorm") < paths.index(f"model.layers.{i}.self_attn")
+        assert paths.index(f"model.layers.{i}.self_attn") < paths.index(f"model.layers.{i}.post_attention_layernorm")
+        assert paths.index(f"model.layers.{i}.post_attention_layernorm") < paths.index(f"model.layers.{i}.mlp")
+    by_path = {m.path: m for m in engine.info.modules}
+    assert by_path["model.layers.0"].output_dim == 64 and by_path["model.layers.0"].all_positions
+    assert by_path["model.layers.0.mlp.up_proj"].output_dim == 128
+    assert by_path["lm_head"].output_dim == engine.info.vocab_size and not by_path["lm_head"].all_positions
+    assert engine.info.num_layers == 4 and engine.info.hidden_size == 64 and engine.info.max_context == TINY_CONTEXT
+
+
+@pytest.mark.parametrize("positions", ["all", "prompt", "generated", "last"])
+def test_outputs_equal_forward_hooks(engine, positions):
+    req = request({"modules": LAYER_POINTS, "positions": positions})
+    gen = run(engine, req, 12)
+    points = [c.point.module for c in gen.captured]
+    ids, rows, prompt_tokens = hooked_generate(engine.hf, engine.tokenizer, MESSAGES, 12, points)
+    assert torch.equal(gen.token_ids, ids)
+    assert gen.prompt_tokens == prompt_tokens and gen.completion_tokens == 12
+    assert points == [
+        "model.layers.0.input_layernorm",
+        "model.layers.1",
+        "model.layers.1.mlp",
+        "model.layers.2.post_attention_layernorm",
+        "model.layers.3.input_layernorm",
+    ]
+    for captured in gen.captured:
+        expected = select(rows[captured.point.module], positions, prompt_tokens, 12)
+        assert captured.tensor.dtype == torch.float32
+        assert torch.equal(captured.tensor, expected), captured.point.name
+        assert captured.stop - captured.start == expected.shape[0]
+
+
+def test_inputs_equal_forward_pre_hooks(engine):
+    req = request({"modules": ["model.layers.*", "model.norm"], "hook": "input"})
+    gen = run(engine, req, 8)
+    modules = [c.point.module for c in gen.captured]
+    assert [c.point.name for c in gen.captured] == [f"{m}:input" for m in modules]
+    _, rows, prompt_tokens = hooked_generate(engine.hf, engine.tokenizer, MESSAGES, 8, modules, hook="input")
+    for captured in gen.captured:
+        assert torch.equal(captured.tensor, select(rows[captured.point.module], "all", prompt_tokens, 8))
+    # The input of layer i+1 is the output of layer i.
+    _, outputs, _ = hooked_generate(engine.hf, engine.tokenizer, MESSAGES, 8, ["model.layers.0"])
+    assert torch.equal(gen.captured[1].tensor, outputs["model.layers.0"])
+
+
+def test_lm_head_gives_one_row_per_new_token(engine):
+    gen = run(engine, request({"modules": ["lm_head"], "positions": "generated"}), 6)
+    ids, rows, prompt_tokens = hooked_generate(engine.hf, engine.tokenizer, MESSAGES, 6, ["lm_head"])
+    (captured,) = gen.captured
+    assert captured.tensor.shape == (6, engine.info.vocab_size)
+    assert torch.equal(captured.tensor, rows["lm_head"])
+    # Row j predicted completion token j (greedy): its argmax is that token.
+    assert torch.equal(captured.tensor.argmax(-1), ids[prompt_tokens:])
+    assert (captured.start, captured.stop) == (prompt_tokens - 1, prompt_tokens + 5)
+
+
+def test_half_precision_capture_is_a_cast_of_the_float32_values(engine):
+    gen = run(engine, request({"modules": ["model.layers.2"], "dtype": "bfloat16"}), 5)
+    _, rows, _ = hooked_generate(engine.hf, engine.tokenizer, MESSAGES, 5, ["model.layers.2"])
+    assert gen.captured[0].tensor.dtype == torch.bfloat16
+    assert torch.equal(gen.captured[0].tensor, rows["model.layers.2"].to(torch.bfloat16))
+
+
+def test_a_single_new_token_still_gives_every_prompt_position(engine):
+    gen = run(engine, request({"modules": ["model.layers.0", "model.layers.1"]}), 1)
+    assert gen.completion_tokens == 1
+    assert [tuple(c.tensor.shape) for c in gen.captured] == [(gen.prompt_tokens, 64)] * 2
+
+
+def test_plain_completion_matches_the_capture_run(engine):
+    plain = run(engine, request(), 10)
+    captured = run(engine, request({"modules": ["model.layers.3"]}), 10)
+    assert plain.captured == []
+    assert torch.equal(plain.token_ids, captured.token_ids) and plain.text == captured.text
+    assert plain.finish_reason == "length"
+
+
+def test_same_seed_same_tokens_when_sampling(engine):
+    first = run(engine, request(temperature=1.0, top_p=0.9, seed=7), 12)
+    again = run(engine, request(temperature=1.0, top_p=0.9, seed=7), 12)
+    other = run(engine, request(temperature=1.0, top_p=0.9, seed=8), 12)
+    assert torch.equal(first.token_ids, again.token_ids)
+    assert not torch.equal(first.token_ids, other.token_ids)
+
+
+def test_stop_string_ends_generation_and_is_cut_from_the_text(engine):
+    full = run(engine, request(), 30)
+    words = full.text.split()
+    assert len(words) > 4, full.text
+    stop = words[len(words) // 2]
+    stopped = run(engine, request(stop=[stop]), 30)
+    assert stopped.finish_reason == "stop"
+    assert stopped.completion_tokens < full.completion_tokens
+    assert stopped.text == full.text[: full.text.find(stop)]
+
+
+def test_prompt_past_the_context_fails_before_generating(engine):
+    long = request(messages=[{"role": "user", "content": "word " * 400}])
+    with pytest.raises(ContextLengthExceeded, match="context of 256"):
+        run(engine, long, 4)
