@@ -112,12 +112,12 @@ class Stack:
         self, name: str, env: Mapping[str, str] | None = None, timeout: float = 300
     ) -> subprocess.Popen[bytes]:
         """A worker (`worker-<name>`) with `env` over the stack's; waits until the API lists it live
-        (failing at once, with the log's tail, if any of the stack's processes dies meanwhile)."""
+        (failing at once, with the log's tail, if it or the API dies meanwhile)."""
         env = dict(env or {})
         process = self._start(f"worker-{name}", worker_command(name), env)
         settings = {k.removeprefix("ACTQ_").lower(): v for k, v in {**self.env, **env}.items() if k.startswith("ACTQ_")}
         model = self.models[f"worker-{name}"] = Settings.model_validate(settings).served_model_name
-        names = list(self.processes)
+        names = [f"worker-{name}", *(["api"] if "api" in self.processes else [])]
         wait_ready(self.base_url, model, [self.processes[n] for n in names], timeout, [self.logs[n] for n in names])
         return process
 
