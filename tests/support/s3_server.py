@@ -15,6 +15,8 @@ from pathlib import Path
 import boto3
 from botocore.config import Config
 
+from shared.cli.processes import spawn, stop
+
 ACCESS_KEY = "actq-test-key"
 SECRET_KEY = "actq-test-secret"
 BUCKET = "actq"
@@ -97,8 +99,7 @@ class SeaweedS3:
             f"-bucket={BUCKET}",
         ]
         cmd += [f"-{flag}={port}" for flag, port in self.ports.items()]
-        with open(self.directory / "weed.log", "ab") as log:
-            self.process = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = spawn(cmd, self.directory / "weed.log")
         client = self.client()
         deadline = time.monotonic() + timeout
         while True:
@@ -112,13 +113,7 @@ class SeaweedS3:
                 time.sleep(0.25)
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop(self.process, timeout=15)
 
     def env(self, prefix: str = "runs") -> dict[str, str]:
         """Settings for actq processes using this server."""
