@@ -116,8 +116,9 @@ def setup(settings: Settings, tokens: int, layers: tuple[int, ...]) -> Setup:
     expected_points = 3 * len(layers)
     if len(points) != expected_points:
         raise BenchError(f"capture spec resolved to {len(points)} points, expected {expected_points}")
-    kwargs = engine.generation_kwargs(request, tokens)
-    return Setup(tokens, request, engine, points, engine.encode(request), kwargs)
+    prompt = engine.encode(request)
+    kwargs = engine.generation_kwargs(request, tokens, int(prompt["input_ids"].shape[1]))
+    return Setup(tokens, request, engine, points, prompt, kwargs)
 
 
 def check_tokens(s: Setup, arm: str, new_ids: list[int]) -> None:

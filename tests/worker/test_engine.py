@@ -149,6 +149,22 @@ def test_stop_string_ends_generation_and_is_cut_from_the_text(engine):
     assert stopped.text == full.text[: full.text.find(stop)]
 
 
+def test_stop_strings_never_walk_the_vocabulary(engine, monkeypatch):
+    """transformers' StopStringCriteria precomputes over the whole vocabulary per stop set (eight
+    200-character stops held a worker for 17 s); the engine checks the decoded tail instead."""
+    from transformers.generation import stopping_criteria
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("StopStringCriteria was built")
+
+    monkeypatch.setattr(stopping_criteria.StopStringCriteria, "__init__", refuse)
+    long_stops = [f"{i}" * 200 for i in range(8)]
+    assert run(engine, request(stop=long_stops), 1).completion_tokens == 1
+    full = run(engine, request(), 30)
+    stop = full.text.split()[len(full.text.split()) // 2]
+    assert run(engine, request(stop=[*long_stops[:7], stop]), 30).text == full.text[: full.text.find(stop)]
+
+
 def test_prompt_past_the_context_fails_before_generating(engine):
     long = request(messages=[{"role": "user", "content": "word " * 400}])
     with pytest.raises(ContextLengthExceeded, match="context of 256"):
