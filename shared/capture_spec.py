@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import difflib
 import itertools
+import math
 import re
 
 from shared.dtypes import ITEM_BYTES
 from shared.errors import CaptureSpecError, CaptureTooLarge
-from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo, ModuleInfo
+from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo, ModuleInfo, path_shape
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _INDEX = re.compile(r"[0-9]{1,6}")
@@ -31,8 +32,8 @@ MAX_EXPANSION = 4096
 TEMPLATE_TOKENS_PER_MESSAGE = 16
 
 
-def parse(pattern: str) -> list[list[str]]:
-    """Expand `{a,b}` sets: one list of segments per concrete pattern (`*` kept as is)."""
+def _choices(pattern: str) -> list[list[str]]:
+    """The options for each segment of a pattern (one for a name, an index or `*`; a set's indices)."""
     choices: list[list[str]] = []
     for segment in pattern.split("."):
         if _NAME.fullmatch(segment) or _INDEX.fullmatch(segment) or segment == WILDCARD:
@@ -44,12 +45,26 @@ def parse(pattern: str) -> list[list[str]]:
                 f"capture path {pattern!r}: segment {segment!r} is not a name, an index, '*' or "
                 "an index list like {8,12,16}"
             )
-    count = 1
-    for options in choices:
-        count *= len(options)
-    if count > MAX_EXPANSION:
-        raise CaptureSpecError(f"capture path {pattern!r} expands to {count} paths (at most {MAX_EXPANSION})")
-    return [list(combo) for combo in itertools.product(*choices)]
+    return choices
+
+
+def parse_all(patterns: list[str]) -> list[list[str]]:
+    """Expand every pattern's `{a,b}` sets: one list of segments per concrete pattern (`*` kept).
+    The expansion is counted before any path is built: over MAX_EXPANSION is refused at once, so
+    no request can make the API build millions of paths."""
+    parsed = [(pattern, _choices(pattern)) for pattern in patterns]
+    total = 0
+    for pattern, choices in parsed:
+        count = math.prod(len(options) for options in choices)
+        if count > MAX_EXPANSION:
+            raise CaptureSpecError(f"capture path {pattern!r} expands to {count} paths (at most {MAX_EXPANSION})")
+        total += count
+        if total > MAX_EXPANSION:
+            raise CaptureSpecError(
+                f"the capture spec expands to more than {MAX_EXPANSION} concrete paths; "
+                "use '*' for every layer instead of long index lists"
+            )
+    return [list(combo) for _, choices in parsed for combo in itertools.product(*choices)]
 
 
 def _matches(segments: list[str], path: list[str]) -> bool:
@@ -69,13 +84,11 @@ def resolve(spec: CaptureSpec, model: ModelInfo) -> list[CapturePoint]:
     modules: list[ModuleInfo] = model.modules
     index = model.module_index
     selected: set[str] = set()
-    concrete_patterns = [segments for pattern in spec.modules for segments in parse(pattern)]
-    if len(concrete_patterns) > MAX_EXPANSION:
-        raise CaptureSpecError(f"the capture spec expands to more than {MAX_EXPANSION} concrete paths")
-    for segments in dict.fromkeys(tuple(s) for s in concrete_patterns):
+    for segments in dict.fromkeys(tuple(s) for s in parse_all(spec.modules)):
         concrete = ".".join(segments)
-        if WILDCARD in segments:
-            hits = [m.path for m in modules if _matches(list(segments), m.path.split("."))]
+        if WILDCARD in segments:  # only the modules of the same shape (numbers as '*') can match
+            candidates = model.shape_index.get(path_shape(segments), [])
+            hits = [p for p in candidates if _matches(list(segments), p.split("."))]
         else:  # a plain path: one lookup
             hits = [concrete] if concrete in index else []
         if not hits:

@@ -18,6 +18,7 @@ that return tensors. Every API error becomes an `ActqClientError` subclass carry
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import tempfile
 import time
@@ -391,10 +392,15 @@ class Client:
         return Job(self, self._request("POST", "/jobs", json=body, headers=headers).json())
 
     def submit_many(
-        self, requests: Iterable[dict], idempotency_keys: Iterable[str] | None = None, batch_size: int = 1000
+        self,
+        requests: Iterable[dict],
+        idempotency_keys: Iterable[str] | None = None,
+        batch_size: int = 1000,
+        batch_bytes: int = 3 << 20,
     ) -> list[Job]:
         """Submit requests (dicts of `submit`'s arguments: model, messages, ...) through
-        `POST /jobs/batch`, `batch_size` at a time; one bad request rejects its batch with the
+        `POST /jobs/batch`, at most `batch_size` jobs and about `batch_bytes` of JSON a request
+        (under the API's default body limit of 4 MiB); one bad request rejects its batch with the
         API's message naming its index. With `idempotency_keys` (one per request), re-running the
         same call after a failure part-way returns the jobs already created instead of duplicates."""
         requests = list(requests)
@@ -402,18 +408,26 @@ class Client:
         if len(keys) != len(requests):
             raise ValueError(f"{len(requests)} requests but {len(keys)} idempotency keys")
         jobs: list[Job] = []
-        for start in range(0, len(requests), batch_size):
-            entries = []
-            for request, key in zip(
-                requests[start : start + batch_size], keys[start : start + batch_size], strict=True
-            ):
-                body = {k: v for k, v in request.items() if v is not None}
-                if isinstance(body.get("stop"), str):
-                    body["stop"] = [body["stop"]]
-                entries.append({"request": body, "idempotency_key": key})
-            answer = self._request("POST", "/jobs/batch", json={"jobs": entries}).json()
-            jobs += [Job(self, {**item, "status": item["status"]}) for item in answer["jobs"]]
+        entries: list[dict] = []
+        size = 0
+        for request, key in zip(requests, keys, strict=True):
+            body = {k: v for k, v in request.items() if v is not None}
+            if isinstance(body.get("stop"), str):
+                body["stop"] = [body["stop"]]
+            entry = {"request": body, "idempotency_key": key}
+            entry_size = len(json.dumps(entry)) + 2
+            if entries and (len(entries) >= batch_size or size + entry_size > batch_bytes):
+                jobs += self._submit_batch(entries)
+                entries, size = [], 0
+            entries.append(entry)
+            size += entry_size
+        if entries:
+            jobs += self._submit_batch(entries)
         return jobs
+
+    def _submit_batch(self, entries: list[dict]) -> list[Job]:
+        answer = self._request("POST", "/jobs/batch", json={"jobs": entries}).json()
+        return [Job(self, {**item, "status": item["status"]}) for item in answer["jobs"]]
 
     def job(self, job_id: str) -> Job:
         """The job with this id (`GET /jobs/{id}`); `NotFound` when there is none."""

@@ -63,7 +63,11 @@ class Settings(BaseSettings):
         "auto", description="Model weights dtype: `auto` is bfloat16 on cuda, float32 on cpu."
     )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads in the worker (default: torch's).")
-    max_request_bytes: int = Field(64 << 20, ge=1024, description="Largest request body the API reads (413 above it).")
+    max_request_bytes: int = Field(
+        4 << 20,
+        ge=1024,
+        description="Largest request body the API reads (413 above it, before parsing); bounds per-request work.",
+    )
     max_tokens_limit: int = Field(1024, ge=1, description="Largest `max_tokens` a request may ask for.")
     default_max_tokens: int = Field(
         256, ge=1, description="`max_tokens` when a request gives none (capped at ACTQ_MAX_TOKENS_LIMIT)."

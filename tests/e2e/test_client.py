@@ -17,7 +17,7 @@ from safetensors.torch import load as load_safetensors
 from shared import keys
 from shared.cli.processes import free_port
 from shared.client import BadRequest, Client, Conflict, JobFailed, NotFound, Unavailable
-from tests.support.stack import TINY, TestStack
+from tests.support.stack import TINY, TestStack, job_count
 
 ROOT = Path(__file__).resolve().parent.parent
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -106,6 +106,14 @@ def test_submit_many_over_one_connection(live, client):
         assert job.wait(timeout=120).status == "succeeded" and job.result.usage.completion_tokens == 3
     with pytest.raises(ValueError, match="5 requests but 2 idempotency keys"):
         client.submit_many(requests, idempotency_keys=["a", "b"])
+
+
+def test_submit_many_splits_batches_under_the_api_body_limit(live, client, redis_client):
+    """40 requests of 100 kB each are 4 MB of JSON, over the API's default 4 MiB body limit: the
+    client sends them in several batches, and every job is created once."""
+    big = {"model": TINY, "messages": [{"role": "user", "content": "x" * 100_000}], "max_tokens": 1}
+    jobs = client.submit_many([big] * 40, idempotency_keys=[f"split-{i}" for i in range(40)])
+    assert len({j.id for j in jobs}) == 40 and job_count(redis_client) == 40
 
 
 def test_api_errors_are_typed_and_carry_the_detail(client):

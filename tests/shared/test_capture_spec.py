@@ -109,3 +109,25 @@ def test_budget():
     check_budget(100, 100)
     with pytest.raises(CaptureTooLarge, match="estimated capture size 101 bytes exceeds the budget of 100 bytes"):
         check_budget(101, 100)
+
+
+def test_the_expansion_is_counted_before_any_path_is_built(monkeypatch):
+    """256 patterns that each expand to 4,096 paths (a million in all) are refused from the
+    count alone: no path is built, so the API's event loop is never held by one request."""
+    from shared import capture_spec
+
+    built = []
+    monkeypatch.setattr(capture_spec.itertools, "product", lambda *a: built.append(a) or iter(()))
+    sixteen = "{" + ",".join(map(str, range(16))) + "}"
+    big = f"model.layers.{sixteen}.mlp.{sixteen}.up.{sixteen}"  # 16**3 = 4,096 paths
+    spec = CaptureSpec(modules=[big] * 256)
+    with pytest.raises(CaptureSpecError, match="expands to more than 4096 concrete paths"):
+        capture_spec.resolve(spec, MODEL)
+    assert built == []
+
+
+def test_wildcards_match_through_the_shape_index():
+    spec = CaptureSpec(modules=["model.layers.*", "model.layers.*.mlp"])
+    expected = [path for i in range(12) for path in (f"model.layers.{i}", f"model.layers.{i}.mlp")]
+    assert [p.module for p in resolve(spec, MODEL)] == expected
+    assert MODEL.shape_index["model.layers.*.mlp"] == [f"model.layers.{i}.mlp" for i in range(12)]
