@@ -10,7 +10,7 @@ from datetime import datetime
 import redis
 
 from api.deps import Services
-from shared import capture_spec
+from shared import capture_spec, keys
 from shared.errors import ActqError, BadRequest, Conflict, UnknownModel
 from shared.idempotency import scoped
 from shared.jobs import now
@@ -56,11 +56,17 @@ def plan(services: Services, request: JobRequest, cache: dict[tuple[str, ...], o
 
 
 def queued_record(
-    job_id: str, request: JobRequest, plan: Plan, owner: str | None, created_at: datetime | None = None
+    job_id: str,
+    request: JobRequest,
+    plan: Plan,
+    owner: str | None,
+    created_at: datetime | None = None,
+    idempotency_key: str | None = None,
 ) -> JobRecord:
-    """A new job's record, as every submission path creates it."""
+    """A new job's record, as every submission path creates it (`idempotency_key`: scoped)."""
     max_tokens, points = plan
     return JobRecord(
+        idempotency=None if idempotency_key is None else keys.idempotency(idempotency_key),
         id=job_id,
         status=JobStatus.queued,
         model=request.model,
@@ -98,7 +104,7 @@ def submit(
             if existing.request != request:
                 raise Conflict("this Idempotency-Key was used for a different request; use a new key")
             return existing, False
-    record = queued_record(job_id, request, job_plan, owner)
+    record = queued_record(job_id, request, job_plan, owner, idempotency_key=key)
     try:
         services.jobs.enqueue([record], services.celery)
     except redis.RedisError:
@@ -134,9 +140,12 @@ def submit_batch(
             services.idempotency.release(claimed)
             raise Conflict(f"jobs[{i}]: idempotency_key {given[i]!r} was used for a different request")
     created_at = now()
+    scoped_keys = [None if k is None else scoped(k, owner) for k in given]
     out = [
-        (old, False) if old is not None else (queued_record(job_id, entry.request, job_plan, owner, created_at), True)
-        for entry, job_id, job_plan, old in zip(entries, ids, plans, existing, strict=True)
+        (old, False)
+        if old is not None
+        else (queued_record(job_id, entry.request, job_plan, owner, created_at, key), True)
+        for entry, job_id, job_plan, old, key in zip(entries, ids, plans, existing, scoped_keys, strict=True)
     ]
     try:
         services.jobs.enqueue([record for record, created in out if created], services.celery)

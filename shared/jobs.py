@@ -294,11 +294,16 @@ class JobStore:
             cancelled, _ = pipe.execute()
         return bool(cancelled)
 
-    def delete(self, job_id: str, owner: str | None) -> None:
-        """Remove a finished job's record, flags and index entry (its files are the store's)."""
+    def delete(self, record: JobRecord) -> None:
+        """Remove a finished job's record, flags, index entry and Idempotency-Key (a retry with the
+        key then makes a new job at once instead of waiting for a record that is gone); its files
+        are the store's to remove."""
+        job_id = record.id
         with self.redis.pipeline(transaction=True) as pipe:
             pipe.delete(keys.job(job_id), keys.cancel(job_id), keys.progress(job_id))
-            pipe.zrem(keys.jobs_index(owner), job_id)
+            if record.idempotency is not None:
+                pipe.delete(record.idempotency)
+            pipe.zrem(keys.jobs_index(record.owner), job_id)
             pipe.execute()
 
 

@@ -19,6 +19,7 @@ MAX_CAPTURE_PATTERNS = 256
 MAX_MESSAGES = 512
 MAX_MESSAGE_CHARS = 1_000_000
 MAX_STOP_STRINGS = 8
+GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as vLLM does)
 
 
 class Strict(BaseModel):
@@ -57,6 +58,12 @@ class JobRequest(Strict):
     time_limit: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = (
         None  # seconds; at most ACTQ_JOB_SOFT_TIME_LIMIT
     )
+
+    @property
+    def samples(self) -> bool:
+        """Whether the job samples; a temperature below GREEDY_BELOW is greedy decoding (dividing
+        logits by 1e-300 overflows to inf and NaN: such a job used to fail as internal_error)."""
+        return self.temperature >= GREEDY_BELOW
 
     @field_validator("temperature", "top_p")
     @classmethod
@@ -158,6 +165,7 @@ class JobRecord(Strict):
     model: str
     request: JobRequest
     owner: str | None = None  # id of the API key that made it (ACTQ_API_KEYS); others get 404
+    idempotency: str | None = None  # the Redis key of its Idempotency-Key, removed with the job
     max_tokens: int  # resolved by the API (request or default), checked against the limits
     capture_points: list[CapturePoint] = []
     created_at: datetime

@@ -193,7 +193,7 @@ class CaptureEngine:
     def generation_kwargs(self, request: JobRequest, max_tokens: int, prompt_tokens: int) -> dict:
         """What `generate` gets for this request (shared with benchmarks' plain arm)."""
         kwargs: dict = {"max_new_tokens": max_tokens, **self._pad()}
-        if request.temperature > 0:
+        if request.samples:
             kwargs.update(do_sample=True, temperature=request.temperature, top_p=request.top_p)
         else:
             kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)

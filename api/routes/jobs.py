@@ -28,7 +28,7 @@ async def create_job(
     caller: CallerDep,
     request: Request,
     response: Response,
-    idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=256)] = None,
 ) -> JobView:
     """Queue a chat completion with activation capture."""
     if idempotency_key is None:
@@ -105,5 +105,5 @@ def delete_job(
         response.status_code = 202
         return view(record, request, services.jobs.live_fields(record))
     services.store.delete_prefix(job_prefix(job_id))
-    services.jobs.delete(job_id, caller)
+    services.jobs.delete(record)
     return Response(status_code=204)

@@ -96,7 +96,7 @@ async def chat_completions(
     services: ServicesDep,
     caller: CallerDep,
     request: Request,
-    idempotency_key: Annotated[str | None, Header(max_length=256)] = None,
+    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=256)] = None,
 ) -> ChatCompletion:
     """OpenAI's chat completion, run as an actq job (with an optional `capture`): answers once the
     job has finished, with the job id and its activations manifest in the extra field `actq`."""

@@ -31,7 +31,8 @@ def parse_rows(text: str | None) -> tuple[int | None, int | None] | None:
     if text is None:
         return None
     parts = text.split(":")
-    if len(parts) != 2 or not all(p == "" or p.isdigit() for p in parts):
+    # ASCII digits only: str.isdigit() also accepts superscripts and other scripts' digits ("²").
+    if len(parts) != 2 or not all(p == "" or (p.isascii() and p.isdigit()) for p in parts):
         raise BadRequest(f"rows={text!r}: use start:stop with non-negative integers, e.g. rows=0:16")
     return tuple(int(p) if p else None for p in parts)  # type: ignore[return-value]
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from tests.support.stack import TINY, job_count, queued_messages
@@ -124,3 +126,22 @@ def test_unknown_or_malformed_job_ids_are_404(http, job_id):
         response = http.get(path)
         assert response.status_code == 404, (path, response.text)
         assert response.json()["error"] in ("job_not_found", "not_found")  # a normalised path may match no route
+
+
+def test_an_empty_idempotency_key_is_refused(http, redis_client):
+    response = http.post("/jobs", json=body(), headers={"Idempotency-Key": ""})
+    assert response.status_code == 422 and "idempotency-key" in response.json()["detail"].lower()
+    assert job_count(redis_client) == 0
+
+
+def test_deleting_a_job_frees_its_idempotency_key(http, redis_client):
+    """A deleted job's Idempotency-Key used to point at nothing: each retry with it held a
+    threadpool thread for the 2 s wait for a record that would never come."""
+    first = http.post("/jobs", json=body(), headers={"Idempotency-Key": "reused"}).json()["id"]
+    assert http.delete(f"/jobs/{first}").json()["status"] == "cancelled"  # queued: no worker here
+    assert http.delete(f"/jobs/{first}").status_code == 204  # finished: deleted
+    assert list(redis_client.scan_iter(match="actq:idem:*")) == []
+    started = time.monotonic()
+    again = http.post("/jobs", json=body(), headers={"Idempotency-Key": "reused"})
+    assert again.status_code == 202 and again.json()["id"] != first
+    assert time.monotonic() - started < 1.0

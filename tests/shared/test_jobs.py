@@ -144,7 +144,7 @@ def test_delete_removes_record_flags_and_index_entry(store, celery, redis_client
     job_id = new_job(store, celery, owner="k1")
     store.request_cancel(job_id)
     store.report_progress(job_id, 3)
-    store.delete(job_id, "k1")
+    store.delete(store.get(job_id))
     assert store.get(job_id) is None
     assert not redis_client.exists(keys.cancel(job_id), keys.progress(job_id))
     assert redis_client.zcard(keys.jobs_index("k1")) == 0

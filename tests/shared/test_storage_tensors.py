@@ -63,7 +63,7 @@ def test_one_tensor_reads_header_and_exactly_its_bytes(tmp_path, tensors):
         read_tensor(store, "jobs/j/a.safetensors", "lm_head", parse_rows("3:3"))
 
 
-@pytest.mark.parametrize("text", ["1", "a:b", "-1:3", "1:2:3", "1 :2"])
+@pytest.mark.parametrize("text", ["1", "a:b", "-1:3", "1:2:3", "1 :2", "²:", "0:٣", "𝟘:1"])
 def test_bad_rows(text):
     with pytest.raises(BadRequest, match="use start:stop"):
         parse_rows(text)

@@ -149,6 +149,13 @@ def test_stop_string_ends_generation_and_is_cut_from_the_text(engine):
     assert stopped.text == full.text[: full.text.find(stop)]
 
 
+def test_a_vanishing_temperature_decodes_greedily(engine):
+    """temperature 1e-300 is valid by the schema; sampling with it divides logits into inf/NaN
+    (the job failed as internal_error). Below 1e-5 the engine decodes greedily instead."""
+    greedy = run(engine, request(), 12)
+    assert run(engine, request(temperature=1e-300, seed=3), 12).token_ids.tolist() == greedy.token_ids.tolist()
+
+
 def test_stop_strings_never_walk_the_vocabulary(engine, monkeypatch):
     """transformers' StopStringCriteria precomputes over the whole vocabulary per stop set (eight
     200-character stops held a worker for 17 s); the engine checks the decoded tail instead."""
