@@ -13,7 +13,7 @@ from celery import Celery
 from fastapi import Depends, Request
 
 from shared.broker import make_celery
-from shared.errors import Unauthorized
+from shared.errors import Forbidden, Unauthorized
 from shared.idempotency import IdempotencyKeys
 from shared.jobs import JobStore
 from shared.registry import ModelRegistry
@@ -61,21 +61,48 @@ async def get_services(request: Request) -> Services:  # async: no threadpool ho
 ServicesDep = Annotated[Services, Depends(get_services)]
 
 
-async def get_caller(request: Request, services: ServicesDep) -> str | None:
-    """Who is calling: None when ACTQ_API_KEYS is unset; else a stable id of the caller's key
-    (the key itself is never stored). Keys are compared in constant time."""
-    keys = services.settings.api_key_list
-    if not keys:
-        return None
+def _bearer(request: Request) -> str | None:
     scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not token:
-        raise Unauthorized("this API needs a key: send `Authorization: Bearer <key>`")
+    return token if scheme.lower() == "bearer" and token else None
+
+
+def _one_of(token: str, keys: list[str]) -> bool:
     matched = False
     for key in keys:  # no early exit: the time taken does not tell which key matched
         matched |= hmac.compare_digest(token.encode(), key.encode())
-    if not matched:
+    return matched
+
+
+async def get_caller(request: Request, services: ServicesDep) -> str | None:
+    """Who is calling: None when no keys are set (ACTQ_API_KEYS, ACTQ_OPERATOR_KEYS); else a
+    stable id of the caller's key (the key itself is never stored). Compared in constant time."""
+    keys = services.settings.api_key_list
+    if not keys:
+        return None
+    token = _bearer(request)
+    if token is None:
+        raise Unauthorized("this API needs a key: send `Authorization: Bearer <key>`")
+    if not _one_of(token, keys):
         raise Unauthorized("the API key is not valid")
     return hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
 CallerDep = Annotated[str | None, Depends(get_caller)]
+
+
+async def sees_all(request: Request, services: ServicesDep) -> bool:
+    """Whether the caller may see counts across keys: always with keys off, else only with an
+    operator key. Never raises: /health answers everyone, with less for non-operators."""
+    if not services.settings.api_key_list:
+        return True
+    token = _bearer(request)
+    return token is not None and _one_of(token, services.settings.operator_key_list)
+
+
+SeesAllDep = Annotated[bool, Depends(sees_all)]
+
+
+async def require_operator(caller: CallerDep, operator: SeesAllDep) -> None:
+    """Operator-only routes: 401 without a valid key, 403 with a key that is not an operator's."""
+    if not operator:
+        raise Forbidden("this needs an operator key (ACTQ_OPERATOR_KEYS)")

@@ -7,17 +7,21 @@ from fastapi import FastAPI
 from api import errors
 from api.deps import build_services
 from api.limits import BodyLimit
-from api.routes import activations, health, jobs, metrics, models, openai
+from api.routes import activations, docs, health, jobs, metrics, models, openai
 from shared.settings import Settings, get_settings
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    open_docs = settings.public_docs or not settings.api_key_list
     app = FastAPI(
         title="actq",
         summary="Chat completions with per-token activation capture, queued for one-model workers.",
         version="0.1.0",
+        docs_url="/docs" if open_docs else None,
+        redoc_url="/redoc" if open_docs else None,
+        openapi_url="/openapi.json" if open_docs else None,
     )
-    settings = settings or get_settings()
     app.state.services = build_services(settings)
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
     errors.install(app)
@@ -27,6 +31,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(openai.router)
+    if not open_docs:
+        app.include_router(docs.router)
     return app
 
 

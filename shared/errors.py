@@ -5,6 +5,7 @@
     │   ├── CaptureSpecError   (422)  a capture path, hook or position is invalid
     │   └── CaptureTooLarge    (422)  the estimated capture exceeds the budget
     ├── Unauthorized           (401)  a missing or wrong API key
+    ├── Forbidden              (403)  a valid key that may not do this (operator-only)
     ├── UnknownModel           (404)  no worker has ever served this model
     ├── JobNotFound            (404)
     ├── TensorNotFound         (404)  the job exists; the tensor name does not
@@ -54,6 +55,11 @@ class CaptureTooLarge(BadRequest):
 class Unauthorized(ActqError):
     status_code = 401
     error_type = "unauthorized"
+
+
+class Forbidden(ActqError):
+    status_code = 403
+    error_type = "forbidden"
 
 
 class UnknownModel(ActqError):

@@ -25,6 +25,16 @@ class Settings(BaseSettings):
             "Comma-separated API keys; when set, every endpoint but /health needs `Authorization: Bearer <key>`."
         ),
     )
+    operator_keys: str | None = Field(
+        None,
+        description=(
+            "Comma-separated operator keys: valid API keys that may also read /metrics and counts across keys "
+            "(queue positions, queued jobs per model in /health)."
+        ),
+    )
+    public_docs: bool = Field(
+        False, description="With API keys on: serve /docs, /redoc and /openapi.json without a key."
+    )
     flower_basic_auth: str | None = Field(
         None,
         description=(
@@ -106,7 +116,12 @@ class Settings(BaseSettings):
 
     @property
     def api_key_list(self) -> list[str]:
-        return [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
+        """Every key that authenticates (operator keys included); empty: the API is open."""
+        return self.operator_key_list + [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
+
+    @property
+    def operator_key_list(self) -> list[str]:
+        return [k.strip() for k in (self.operator_keys or "").split(",") if k.strip()]
 
     @property
     def max_tokens_default(self) -> int:

@@ -6,16 +6,16 @@ import redis
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from api.deps import ServicesDep
+from api.deps import SeesAllDep, ServicesDep
 from shared.errors import StorageError
 
 router = APIRouter(tags=["health"])
 
 
 @router.get("/health")
-def health(services: ServicesDep) -> JSONResponse:
-    """API up, Redis and the artifact store reachable, live workers per model; 503 when Redis or
-    the store cannot be used."""
+def health(services: ServicesDep, operator: SeesAllDep) -> JSONResponse:
+    """API up, Redis and the artifact store reachable, live workers per model (and, for operators
+    when API keys are on, queued jobs per model); 503 when Redis or the store cannot be used."""
     try:
         services.redis.ping()
         names = services.registry.names()
@@ -36,7 +36,7 @@ def health(services: ServicesDep) -> JSONResponse:
         "redis": "ok",
         "storage": storage,
         "workers": workers,
-        "queued": queued,
+        **({"queued": queued} if operator else {}),
     }
     if storage != "ok":
         body = {"error": "service_unavailable", "detail": f"the artifact store cannot be used: {storage}", **body}

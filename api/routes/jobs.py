@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
 
-from api.deps import CallerDep, ServicesDep, get_caller
+from api.deps import CallerDep, SeesAllDep, ServicesDep, get_caller
 from api.presenters import view
 from api.submit import submit, submit_batch, submit_now
 from api.visibility import load, load_async
@@ -72,6 +72,7 @@ async def get_job(
     services: ServicesDep,
     caller: CallerDep,
     request: Request,
+    operator: SeesAllDep,
     wait: Annotated[float, Query(ge=0, le=60, description="Seconds to wait for the job to finish (long poll).")] = 0,
 ) -> JobView:
     """A job's status, and its result and activations manifest once it has succeeded. With `wait`,
@@ -79,7 +80,7 @@ async def get_job(
     record = await load_async(services, job_id, caller)
     if wait > 0 and not record.status.terminal:
         record = await services.jobs.wait_until_terminal(job_id, wait) or record
-    return view(record, request, await services.jobs.live_fields_async(record))
+    return view(record, request, _shown(await services.jobs.live_fields_async(record), operator))
 
 
 @router.delete(
@@ -89,7 +90,7 @@ async def get_job(
     responses={**ERRORS, 202: {"description": "Cancelling"}, 204: {"description": "Deleted"}},
 )
 def delete_job(
-    job_id: str, services: ServicesDep, caller: CallerDep, request: Request, response: Response
+    job_id: str, services: ServicesDep, caller: CallerDep, operator: SeesAllDep, request: Request, response: Response
 ) -> Response | JobView:
     """A queued job is cancelled (200; the worker skips it). A running job is stopped within one
     decoding step (202; it ends `cancelled` with the text generated so far). A finished job's
@@ -103,7 +104,12 @@ def delete_job(
     if record.status is JobStatus.running:
         services.jobs.request_cancel(job_id)
         response.status_code = 202
-        return view(record, request, services.jobs.live_fields(record))
+        return view(record, request, _shown(services.jobs.live_fields(record), operator))
     services.store.delete_prefix(job_prefix(job_id))
     services.jobs.delete(record)
     return Response(status_code=204)
+
+
+def _shown(live: dict[str, int | None], operator: bool) -> dict[str, int | None]:
+    """A queue position counts other keys' jobs: with API keys on, only operators see it."""
+    return live if operator else {k: v for k, v in live.items() if k != "queue_position"}

@@ -7,10 +7,10 @@ from fastapi import APIRouter, Depends, Response
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from api.deps import Services, ServicesDep, get_caller
+from api.deps import Services, ServicesDep, require_operator
 from shared import stats
 
-router = APIRouter(tags=["metrics"], dependencies=[Depends(get_caller)])
+router = APIRouter(tags=["metrics"], dependencies=[Depends(require_operator)])
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
