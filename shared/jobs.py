@@ -99,11 +99,12 @@ class JobStore:
         pipe.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=self.retention)
         pipe.zadd(keys.queued(record.model), {record.id: created})
         pipe.zadd(keys.jobs_index(record.owner), {record.id: created})
+        pipe.zadd(keys.jobs_status_index(record.owner, record.status.value), {record.id: created})
         stats.count_submitted(pipe, record.model)
         queue = keys.queue(record.model)
         pipe.lpush(queue, broker.task_message(celery, record.id, queue))
 
-    _WRITES_PER_JOB = 5
+    _WRITES_PER_JOB = 6
 
     def enqueue(self, records: Sequence[JobRecord], celery: Celery) -> None:
         """Record and queue new jobs in one transaction: all of them or none."""
@@ -172,9 +173,10 @@ class JobStore:
                 await pubsub.get_message(timeout=min(remaining, 1.0))
 
     def list(self, owner: str | None, status: JobStatus | None, limit: int) -> list[JobRecord]:
-        """An owner's jobs (all jobs when keys are off), newest first; records past their
-        retention leave the index on the way."""
-        index = keys.jobs_index(owner)
+        """An owner's jobs (all jobs when keys are off), newest first, all or in one state (read
+        from that state's index, not filtered from all); records past their retention leave the
+        index on the way."""
+        index = keys.jobs_index(owner) if status is None else keys.jobs_status_index(owner, status.value)
         found: list[JobRecord] = []
         start = 0
         while len(found) < limit:
@@ -218,6 +220,10 @@ class JobStore:
                     pipe.multi()
                     pipe.set(key, new.model_dump_json(), keepttl=True)
                     pipe.publish(keys.job_events(job_id), new.status.value)
+                    if new.status is not old.status:
+                        created = new.created_at.timestamp()
+                        pipe.zrem(keys.jobs_status_index(new.owner, old.status.value), job_id)
+                        pipe.zadd(keys.jobs_status_index(new.owner, new.status.value), {job_id: created})
                     if new.status is not JobStatus.queued:
                         pipe.zrem(keys.queued(new.model), job_id)
                     if new.status.terminal and not old.status.terminal:
@@ -304,6 +310,7 @@ class JobStore:
             if record.idempotency is not None:
                 pipe.delete(record.idempotency)
             pipe.zrem(keys.jobs_index(record.owner), job_id)
+            pipe.zrem(keys.jobs_status_index(record.owner, record.status.value), job_id)
             pipe.execute()
 
 

@@ -39,6 +39,11 @@ def jobs_index(owner: str | None) -> str:
     return f"{PREFIX}:jobs-index:{owner or '_'}"
 
 
+def jobs_status_index(owner: str | None, status: str) -> str:
+    """The same for the jobs in one state, kept with every state change: GET /jobs?status=."""
+    return f"{PREFIX}:jobs-index:{owner or '_'}:{status}"
+
+
 def counters(name: str) -> str:
     """Hash of a model's job counters (submitted, succeeded, ..., generated_tokens)."""
     return f"{PREFIX}:stats:{name}:counters"

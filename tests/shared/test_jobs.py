@@ -140,6 +140,28 @@ def test_list_is_per_owner_newest_first_and_filters_by_status(store, celery, red
     assert [r.id for r in store.list("k2", None, 10)] == [other]
 
 
+def test_a_status_filter_reads_only_that_states_index(store, celery, redis_client):
+    """GET /jobs?status=running used to parse every one of the caller's records (0.45 s at 5,700
+    jobs); each state now has its own index, kept in the transaction of every state change."""
+    ids = [new_job(store, celery, owner="k1") for _ in range(30)]
+    store.claim(ids[3], "w", 3)
+
+    def index(status: str) -> set[str]:
+        return {i.decode() for i in redis_client.zrange(keys.jobs_status_index("k1", status), 0, -1)}
+
+    assert index("running") == {ids[3]} and index("queued") == set(ids) - {ids[3]}
+    parsed = []
+    original = JobRecord.model_validate_json
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(JobRecord, "model_validate_json", lambda raw: parsed.append(raw) or original(raw))
+        assert [r.id for r in store.list("k1", JobStatus.running, 10)] == [ids[3]]
+    assert len(parsed) == 1
+    store.succeed(ids[3], RESULT, None)
+    assert index("running") == set() and index("succeeded") == {ids[3]}
+    store.delete(store.get(ids[3]))
+    assert index("succeeded") == set()
+
+
 def test_delete_removes_record_flags_and_index_entry(store, celery, redis_client):
     job_id = new_job(store, celery, owner="k1")
     store.request_cancel(job_id)
