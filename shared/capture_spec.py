@@ -114,9 +114,15 @@ def resolve(spec: CaptureSpec, model: ModelInfo) -> list[CapturePoint]:
     return points
 
 
-def prompt_tokens_upper_bound(request: JobRequest) -> int:
-    """An upper bound on prompt tokens without a tokenizer: a byte-level BPE token covers >= 1 byte."""
-    return sum(len(m.content.encode()) + TEMPLATE_TOKENS_PER_MESSAGE for m in request.messages) + 8
+def prompt_tokens_upper_bound(request: JobRequest, model: ModelInfo) -> int:
+    """An upper bound on prompt tokens without a tokenizer: a byte-level BPE token covers >= 1 byte
+    of content, plus the chat template's own tokens as the worker measured them (a default system
+    prompt included); a generous guess where the worker did not measure them."""
+    content = sum(len(m.content.encode()) for m in request.messages)
+    if model.template_tokens is None or model.template_tokens_per_message is None:
+        return content + TEMPLATE_TOKENS_PER_MESSAGE * len(request.messages) + 8
+    per_message = max(model.template_tokens_per_message, 0)
+    return content + model.template_tokens + per_message * (len(request.messages) - 1) + 8
 
 
 def span(positions: str, prompt_tokens: int, new_tokens: int) -> tuple[int, int]:
@@ -147,7 +153,7 @@ def estimate_bytes(request: JobRequest, points: list[CapturePoint], model: Model
     """Worst-case bytes of a job's capture: positions x hidden x capture points x dtype bytes."""
     if request.capture is None:
         return 0
-    rows = rows_for(request.capture.positions, prompt_tokens_upper_bound(request), max_tokens)
+    rows = rows_for(request.capture.positions, prompt_tokens_upper_bound(request, model), max_tokens)
     width = 0
     for point in points:
         info = model.modules[model.module_index[point.module]]

@@ -222,6 +222,10 @@ class ModelInfo(Strict):
     dtype: str
     device: str
     modules: list[ModuleInfo]  # forward-execution order
+    # The chat template's own tokens, measured by the worker: around a one-message conversation
+    # (a default system prompt included), and per further message. None: not measured.
+    template_tokens: int | None = None
+    template_tokens_per_message: int | None = None
 
     @cached_property
     def module_index(self) -> dict[str, int]:

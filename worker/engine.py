@@ -170,7 +170,25 @@ class CaptureEngine:
             dtype=self.loaded.dtype,
             device=self.loaded.device,
             modules=modules,
+            **self._template_tokens(),
         )
+
+    def _template_tokens(self) -> dict[str, int]:
+        """The chat template's own tokens: around one empty user message (a default system prompt
+        included) and per further message, so the API's size estimate can count them. Each
+        message counts at most one token for its empty content's place; more is not possible."""
+        user = {"role": "user", "content": ""}
+
+        def count(messages: list[dict[str, str]]) -> int:
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+            return len(cast("BatchEncoding", encoded)["input_ids"])
+
+        try:
+            one = count([user])
+            three = count([user, {"role": "assistant", "content": ""}, user])
+        except Exception:  # noqa: BLE001 - a template that cannot render this: the API guesses generously
+            return {}
+        return {"template_tokens": one, "template_tokens_per_message": max(0, -(-(three - one) // 2))}
 
     def _pad(self) -> dict:
         pad = self.tokenizer.pad_token_id

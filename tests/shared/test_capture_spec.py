@@ -101,8 +101,8 @@ def test_estimate_is_positions_times_width_times_dtype_bytes():
     request.capture.positions = "last"
     assert estimate_bytes(request, points, MODEL, max_tokens=10) == 1 * 116 * 2
     request.capture.positions = "prompt"
-    assert estimate_bytes(request, points, MODEL, max_tokens=10) == prompt_tokens_upper_bound(request) * 116 * 2
-    assert prompt_tokens_upper_bound(request) >= 4 + 16
+    assert estimate_bytes(request, points, MODEL, max_tokens=10) == prompt_tokens_upper_bound(request, MODEL) * 116 * 2
+    assert prompt_tokens_upper_bound(request, MODEL) >= 4 + 16
 
 
 def test_budget():

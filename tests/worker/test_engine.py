@@ -149,6 +149,27 @@ def test_stop_string_ends_generation_and_is_cut_from_the_text(engine):
     assert stopped.text == full.text[: full.text.find(stop)]
 
 
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "user", "content": ""}],
+        [{"role": "user", "content": "hi"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+3?"}],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+        [{"role": "user", "content": "<|im_start|> 数学 🙂 " * 20}],
+    ],
+)
+def test_the_prompt_bound_the_api_uses_covers_the_template(engine, messages):
+    """The API bounds prompt tokens without a tokenizer; the chat template's own tokens (30 for one
+    empty user turn on SmolLM2's template, its default system prompt included) must be inside it."""
+    from shared.capture_spec import prompt_tokens_upper_bound
+
+    req = request(messages=messages)
+    actual = int(engine.encode(req)["input_ids"].shape[1])
+    assert engine.info.template_tokens == 30 and engine.info.template_tokens_per_message == 6
+    assert prompt_tokens_upper_bound(req, engine.info) >= actual
+
+
 def test_a_vanishing_temperature_decodes_greedily(engine):
     """temperature 1e-300 is valid by the schema; sampling with it divides logits into inf/NaN
     (the job failed as internal_error). Below 1e-5 the engine decodes greedily instead."""
