@@ -11,7 +11,7 @@ import redis
 
 from api.deps import Services
 from shared import capture_spec, keys
-from shared.errors import ActqError, BadRequest, Conflict, UnknownModel
+from shared.errors import ActqError, BadRequest, Conflict, ContextLengthExceeded, PromptTooLong, UnknownModel
 from shared.idempotency import scoped
 from shared.jobs import now
 from shared.schemas import BatchEntry, CapturePoint, JobRecord, JobRequest, JobStatus, ModelInfo
@@ -44,6 +44,10 @@ def plan(services: Services, request: JobRequest, cache: dict[tuple[str, ...], o
         raise BadRequest(
             f"max_tokens {max_tokens} leaves no room for a prompt in {info.name}'s context of {info.max_context}"
         )
+    try:
+        capture_spec.check_prompt_fits(request, info, max_tokens)
+    except ContextLengthExceeded as exc:  # at submit it is bad input: 422, nothing queued
+        raise PromptTooLong(exc.message) from None
     if request.capture is None:
         return max_tokens, []
     spec_key = ("spec", request.model, request.capture.model_dump_json())

@@ -20,7 +20,7 @@ import math
 import re
 
 from shared.dtypes import ITEM_BYTES
-from shared.errors import CaptureSpecError, CaptureTooLarge
+from shared.errors import CaptureSpecError, CaptureTooLarge, ContextLengthExceeded
 from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo, ModuleInfo, path_shape
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -141,6 +141,27 @@ def span(positions: str, prompt_tokens: int, new_tokens: int) -> tuple[int, int]
     if positions == "last":
         return fed - 1, fed
     raise ValueError(f"unknown positions {positions!r}")
+
+
+def prompt_tokens_lower_bound(request: JobRequest, model: ModelInfo) -> int:
+    """At least this many prompt tokens: no token stands for more than `model.max_token_bytes`
+    bytes of text (0 when the worker did not say)."""
+    if not model.max_token_bytes:
+        return 0
+    content = sum(len(m.content.encode()) for m in request.messages)
+    return -(-content // model.max_token_bytes)
+
+
+def check_prompt_fits(request: JobRequest, model: ModelInfo, max_tokens: int) -> None:
+    """Refuse a prompt that cannot fit the context whatever the tokenizer does with it; the API
+    checks it at submit and the worker again before it tokenizes anything."""
+    least = prompt_tokens_lower_bound(request, model)
+    if model.max_context and least + max_tokens > model.max_context:
+        raise ContextLengthExceeded(
+            f"the messages are at least {least:,} tokens ({model.name}'s tokens stand for at most "
+            f"{model.max_token_bytes} bytes each) and max_tokens is {max_tokens}: over the model's context of "
+            f"{model.max_context:,}; shorten the prompt or ask for fewer tokens"
+        )
 
 
 def rows_for(positions: str, prompt_tokens: int, new_tokens: int) -> int:

@@ -3,7 +3,8 @@
     ActqError                  (500)  base: message + status code + error type
     ├── BadRequest             (422)  the request cannot be run as given
     │   ├── CaptureSpecError   (422)  a capture path, hook or position is invalid
-    │   └── CaptureTooLarge    (422)  the estimated capture exceeds the budget
+    │   ├── CaptureTooLarge    (422)  the estimated capture exceeds the budget
+    │   └── PromptTooLong      (422)  the prompt cannot fit the model's context (context_length_exceeded)
     ├── Unauthorized           (401)  a missing or wrong API key
     ├── Forbidden              (403)  a valid key that may not do this (operator-only)
     ├── UnknownModel           (404)  no worker has ever served this model
@@ -50,6 +51,10 @@ class CaptureSpecError(BadRequest):
 
 class CaptureTooLarge(BadRequest):
     error_type = "capture_too_large"
+
+
+class PromptTooLong(BadRequest):
+    error_type = "context_length_exceeded"
 
 
 class Unauthorized(ActqError):

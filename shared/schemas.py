@@ -226,6 +226,9 @@ class ModelInfo(Strict):
     # (a default system prompt included), and per further message. None: not measured.
     template_tokens: int | None = None
     template_tokens_per_message: int | None = None
+    # The most UTF-8 bytes one token stands for: a prompt of B bytes is at least B / this many
+    # tokens, so the API can refuse a prompt that cannot fit without a tokenizer. None: unknown.
+    max_token_bytes: int | None = None
 
     @cached_property
     def module_index(self) -> dict[str, int]:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from shared.capture_spec import span
+from shared.capture_spec import check_prompt_fits, span
 from shared.errors import ContextLengthExceeded, JobFailure
 from shared.schemas import CapturePoint, JobRequest, ModelInfo, ModuleInfo
 from worker.models import LoadedModel
@@ -170,8 +170,15 @@ class CaptureEngine:
             dtype=self.loaded.dtype,
             device=self.loaded.device,
             modules=modules,
+            max_token_bytes=self._max_token_bytes(),
             **self._template_tokens(),
         )
+
+    def _max_token_bytes(self) -> int:
+        """The most UTF-8 bytes any token decodes to (a partial character decodes to U+FFFD, 3
+        bytes, which can only overstate it: the bound stays safe)."""
+        texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+        return max(len(text.encode()) for text in texts)
 
     def _template_tokens(self) -> dict[str, int]:
         """The chat template's own tokens: around one empty user message (a default system prompt
@@ -230,6 +237,7 @@ class CaptureEngine:
         unknown = [p.module for p in points if p.module not in self._module_paths]
         if unknown:
             raise JobFailure(f"modules not in this model's capturable list: {', '.join(unknown)}")
+        check_prompt_fits(request, self.info, max_tokens)  # before tokenizing megabytes of text
         prompt = self.encode(request)
         prompt_tokens = int(prompt["input_ids"].shape[1])
         limit = self.info.max_context

@@ -145,3 +145,17 @@ def test_deleting_a_job_frees_its_idempotency_key(http, redis_client):
     again = http.post("/jobs", json=body(), headers={"Idempotency-Key": "reused"})
     assert again.status_code == 202 and again.json()["id"] != first
     assert time.monotonic() - started < 1.0
+
+
+def test_a_prompt_that_cannot_fit_is_refused_at_submit(http, redis_client):
+    """25 messages of a million characters used to be accepted; the worker then tokenized 4.2 M
+    tokens for 26 s. A prompt of B bytes is at least B / max_token_bytes tokens (81 bytes for
+    SmolLM2's vocabulary), so the API refuses what cannot fit the context (256 here)."""
+    response = http.post("/jobs", json=body(messages=[{"role": "user", "content": "x" * 30_000}], capture=None))
+    assert response.status_code == 422, response.text
+    error = response.json()
+    assert error["error"] == "context_length_exceeded"
+    assert "at least 371 tokens" in error["detail"] and "context of 256" in error["detail"]
+    assert job_count(redis_client) == 0
+    fits = http.post("/jobs", json=body(messages=[{"role": "user", "content": "x" * 2_000}], capture=None))
+    assert fits.status_code == 202  # 25 tokens at least: the worker decides with the real count

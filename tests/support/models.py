@@ -49,4 +49,7 @@ def tiny_llama(name: str = "tiny", layers: int = 4, hidden: int = 64, intermedia
         dtype="float32",
         device="cpu",
         modules=modules,
+        template_tokens=30,  # what a worker measures for SmolLM2's tokenizer and template
+        template_tokens_per_message=6,
+        max_token_bytes=81,
     )

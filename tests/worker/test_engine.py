@@ -193,6 +193,17 @@ def test_stop_strings_never_walk_the_vocabulary(engine, monkeypatch):
     assert run(engine, request(stop=[*long_stops[:7], stop]), 30).text == full.text[: full.text.find(stop)]
 
 
+def test_a_prompt_that_cannot_fit_is_never_tokenized(engine, monkeypatch):
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the prompt was tokenized")
+
+    monkeypatch.setattr(engine.tokenizer, "apply_chat_template", refuse)
+    huge = request(messages=[{"role": "user", "content": "word " * 200_000}])  # 1 MB
+    with pytest.raises(ContextLengthExceeded, match="at least"):
+        run(engine, huge, 4)
+    assert engine.info.max_token_bytes >= 16
+
+
 def test_prompt_past_the_context_fails_before_generating(engine):
     long = request(messages=[{"role": "user", "content": "word " * 400}])
     with pytest.raises(ContextLengthExceeded, match="context of 256"):
