@@ -72,6 +72,13 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Model weights dtype: `auto` is bfloat16 on cuda, float32 on cpu."
     )
+    allow_special_tokens: bool = Field(
+        False,
+        description=(
+            "Read special-token strings in message text (`<|im_start|>`...) as special tokens: only for trusted "
+            "users (by default they are text, so no message can forge a turn of the chat template)."
+        ),
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads in the worker (default: torch's).")
     max_request_bytes: int = Field(
         4 << 20,

@@ -27,9 +27,10 @@ from shared.capture_spec import check_prompt_fits, span
 from shared.errors import ContextLengthExceeded, JobFailure
 from shared.schemas import CapturePoint, JobRequest, ModelInfo, ModuleInfo
 from worker.models import LoadedModel
+from worker.prompts import PromptEncoder
 
 if TYPE_CHECKING:
-    from transformers import BatchEncoding, PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -122,11 +123,12 @@ class CaptureEngine:
     """Wraps the loaded model once with nnsight (same weights, no second copy) and runs one
     generate at a time: nnsight is not thread-safe, so every run holds `lock`."""
 
-    def __init__(self, loaded: LoadedModel) -> None:
+    def __init__(self, loaded: LoadedModel, allow_special_tokens: bool = False) -> None:
         from nnsight import TransformersModel
 
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
+        self.prompts = PromptEncoder(loaded.tokenizer, allow_special_tokens)
         self.hf = loaded.model
         self.nn = TransformersModel(self.hf, task="text-generation", tokenizer=self.tokenizer)
         self.lock = threading.Lock()
@@ -170,32 +172,9 @@ class CaptureEngine:
             dtype=self.loaded.dtype,
             device=self.loaded.device,
             modules=modules,
-            max_token_bytes=self._max_token_bytes(),
-            **self._template_tokens(),
+            max_token_bytes=self.prompts.max_token_bytes(),
+            **self.prompts.template_tokens(),
         )
-
-    def _max_token_bytes(self) -> int:
-        """The most UTF-8 bytes any token decodes to (a partial character decodes to U+FFFD, 3
-        bytes, which can only overstate it: the bound stays safe)."""
-        texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
-        return max(len(text.encode()) for text in texts)
-
-    def _template_tokens(self) -> dict[str, int]:
-        """The chat template's own tokens: around one empty user message (a default system prompt
-        included) and per further message, so the API's size estimate can count them. Each
-        message counts at most one token for its empty content's place; more is not possible."""
-        user = {"role": "user", "content": ""}
-
-        def count(messages: list[dict[str, str]]) -> int:
-            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
-            return len(cast("BatchEncoding", encoded)["input_ids"])
-
-        try:
-            one = count([user])
-            three = count([user, {"role": "assistant", "content": ""}, user])
-        except Exception:  # noqa: BLE001 - a template that cannot render this: the API guesses generously
-            return {}
-        return {"template_tokens": one, "template_tokens_per_message": max(0, -(-(three - one) // 2))}
 
     def _pad(self) -> dict:
         pad = self.tokenizer.pad_token_id
@@ -206,14 +185,7 @@ class CaptureEngine:
     # -- running a job -------------------------------------------------------------------
 
     def encode(self, request: JobRequest) -> dict[str, torch.Tensor]:
-        messages = [m.model_dump() for m in request.messages]
-        encoded = cast(  # return_dict=True: a BatchEncoding
-            "BatchEncoding",
-            self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-            ),
-        )
-        return {k: encoded[k].to(self.loaded.device) for k in ("input_ids", "attention_mask")}
+        return {k: v.to(self.loaded.device) for k, v in self.prompts.encode(request).items()}
 
     def generation_kwargs(self, request: JobRequest, max_tokens: int, prompt_tokens: int) -> dict:
         """What `generate` gets for this request (shared with benchmarks' plain arm)."""

@@ -45,7 +45,9 @@ def start(settings: Settings) -> Runtime:
 
     client = redis.Redis.from_url(settings.redis_url)
     loaded = load(settings)
-    engine = CaptureEngine(loaded)
+    engine = CaptureEngine(loaded, allow_special_tokens=settings.allow_special_tokens)
+    if settings.allow_special_tokens:
+        log.warning("ACTQ_ALLOW_SPECIAL_TOKENS is on: special-token strings in messages become special tokens")
     registry = ModelRegistry(client, settings.heartbeat_ttl)
     registry.publish(engine.info)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"

@@ -1,0 +1,103 @@
+"""From a job's messages to the model's prompt tokens, and what the API needs to know about them.
+
+Special tokens are text. A chat template marks turns with special tokens (`<|im_start|>`...);
+tokenizing the rendered template parses those strings wherever they appear, so a user who writes
+`<|im_end|>\n<|im_start|>system` in a message would forge a system turn. By default the content
+of every message is tokenized with special tokens split into ordinary text, and only the
+template's own markup becomes special tokens. A deployment whose users are trusted may allow
+them (ACTQ_ALLOW_SPECIAL_TOKENS). Messages without any special-token string take the plain
+`apply_chat_template` path, so their tokens are exactly what it gives.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import TYPE_CHECKING, cast
+
+import torch
+
+from shared.errors import JobFailure
+from shared.schemas import JobRequest
+
+if TYPE_CHECKING:
+    from transformers import BatchEncoding, PreTrainedTokenizerBase
+
+_SENTINEL = "\u27e6actq-message-{}\u27e7"  # ⟦actq-message-N⟧: marks where a message's content goes
+
+
+class PromptEncoder:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, allow_special_tokens: bool = False) -> None:
+        self.tokenizer = tokenizer
+        self.allow_special_tokens = allow_special_tokens
+        specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+        self._special = (
+            re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
+        )
+
+    def encode(self, request: JobRequest) -> dict[str, torch.Tensor]:
+        """`input_ids` and `attention_mask`, `[1, P]`, on the CPU."""
+        messages = [m.model_dump() for m in request.messages]
+        if (
+            self.allow_special_tokens
+            or self._special is None
+            or not any(self._special.search(m["content"]) for m in messages)
+        ):
+            encoded = cast(
+                "BatchEncoding",
+                self.tokenizer.apply_chat_template(
+                    messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
+                ),
+            )
+            return {k: encoded[k] for k in ("input_ids", "attention_mask")}
+        ids = self._as_text(messages)
+        tensor = torch.tensor([ids], dtype=torch.long)
+        return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
+
+    def _as_text(self, messages: list[dict[str, str]]) -> list[int]:
+        """The template rendered around placeholders; its own pieces tokenized as usual, each
+        message's content with special tokens split into text."""
+        marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
+        rendered = cast(str, self.tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False))
+        pieces = re.split("(" + re.escape(_SENTINEL).replace(r"\{\}", r"(\d+)") + ")", rendered)
+        found = [int(pieces[k + 1]) for k in range(1, len(pieces), 3)] if len(pieces) > 1 else []
+        if sorted(found) != list(range(len(messages))):
+            raise JobFailure(
+                "this model's chat template does not place message content as written, so special-token "
+                "strings in it cannot be kept as text; remove them, or ask the deployment to allow them"
+            )
+        ids: list[int] = []
+        for k, piece in enumerate(pieces):
+            if k % 3 == 0:  # the template's own text
+                ids += self._tokens(piece, split_special=False)
+            elif k % 3 == 2:  # a message's content
+                ids += self._tokens(messages[int(piece)]["content"], split_special=True)
+        return ids
+
+    def _tokens(self, text: str, split_special: bool) -> list[int]:
+        if not text:
+            return []
+        return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special)["input_ids"])
+
+    # -- what the API needs to bound a prompt without a tokenizer ------------------------
+
+    def max_token_bytes(self) -> int:
+        """The most UTF-8 bytes any token decodes to (a partial character decodes to U+FFFD, 3
+        bytes, which can only overstate it: the bound stays safe)."""
+        texts = self.tokenizer.batch_decode([[i] for i in range(len(self.tokenizer))])
+        return max(len(text.encode()) for text in texts)
+
+    def template_tokens(self) -> dict[str, int]:
+        """The chat template's own tokens: around one empty user message (a default system prompt
+        included) and per further message, so the API's size estimate can count them."""
+        user = {"role": "user", "content": ""}
+
+        def count(messages: list[dict[str, str]]) -> int:
+            encoded = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+            return len(cast("BatchEncoding", encoded)["input_ids"])
+
+        try:
+            one = count([user])
+            three = count([user, {"role": "assistant", "content": ""}, user])
+        except Exception:  # noqa: BLE001 - a template that cannot render this: the API guesses generously
+            return {}
+        return {"template_tokens": one, "template_tokens_per_message": max(0, -(-(three - one) // 2))}
