@@ -157,6 +157,14 @@ class JobStore:
         """How many jobs of `model` wait in its queue."""
         return int(self.redis.zcard(keys.queued(model)))
 
+    async def queue_depths_async(self, models: list[str]) -> dict[str, int]:
+        """`queue_depth` of many models in one round trip on the event loop."""
+        assert self.aredis is not None, "JobStore was built without an async client"
+        async with self.aredis.pipeline(transaction=False) as pipe:
+            for model in models:
+                pipe.zcard(keys.queued(model))
+            return {model: int(n) for model, n in zip(models, await pipe.execute(), strict=True)}
+
     async def wait_until_terminal(self, job_id: str, timeout: float) -> JobRecord | None:
         """Long polling: the record once it is terminal, or as it is after `timeout` seconds (None:
         unknown job). Waits on the job's pub/sub channel, subscribed before the first read so that

@@ -69,6 +69,18 @@ class ModelRegistry:
     def names(self) -> list[str]:
         return sorted(n.decode() if isinstance(n, bytes) else n for n in self.redis.smembers(keys.MODELS))
 
+    async def live_counts_async(self) -> dict[str, int]:
+        """Live workers per known model, in two round trips on the event loop (GET /health)."""
+        assert self.aredis is not None, "ModelRegistry was built without an async client"
+        names = sorted(n.decode() if isinstance(n, bytes) else n for n in await self.aredis.smembers(keys.MODELS))
+        cutoff = time.time() - self.ttl
+        async with self.aredis.pipeline(transaction=False) as pipe:
+            for name in names:
+                pipe.zremrangebyscore(keys.workers(name), "-inf", cutoff)
+                pipe.zcount(keys.workers(name), cutoff, "+inf")
+            replies = await pipe.execute()
+        return {name: int(replies[2 * i + 1]) for i, name in enumerate(names)}
+
     def live_workers(self, name: str) -> list[str]:
         cutoff = time.time() - self.ttl
         self.redis.zremrangebyscore(keys.workers(name), "-inf", cutoff)

@@ -113,8 +113,15 @@ def test_ctrl_c_leaves_a_consistent_directory(live, tmp_path):
     while not (out / "samples").exists() or not list((out / "samples").glob("*.json")):
         assert time.monotonic() < deadline and process.poll() is None
         time.sleep(0.05)
-    process.send_signal(signal.SIGINT)
-    _, stderr = process.communicate(timeout=60)
+    # Pause the worker so that the run is surely mid-way when Ctrl-C arrives (the tiny model can
+    # otherwise finish all twelve problems between two looks at the directory).
+    worker = live.processes["worker-tiny"].pid
+    os.killpg(worker, signal.SIGSTOP)
+    try:
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        os.killpg(worker, signal.SIGCONT)
     assert process.returncode == 130 and "run the same command to resume" in stderr
     summary = json.loads((out / "summary.json").read_text())
     assert not summary["complete"] and summary["finished"] == len(list((out / "samples").glob("*.json")))
