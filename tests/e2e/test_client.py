@@ -17,6 +17,8 @@ from safetensors.torch import load as load_safetensors
 from shared import keys
 from shared.cli.processes import free_port
 from shared.client import BadRequest, Client, Conflict, JobFailed, NotFound, Unavailable
+from shared.registry import ModelRegistry
+from shared.schemas import ModelInfo
 from tests.support.stack import TINY, TestStack, job_count
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,8 +112,13 @@ def test_submit_many_over_one_connection(live, client):
 
 def test_submit_many_splits_batches_under_the_api_body_limit(live, client, redis_client):
     """40 requests of 100 kB each are 4 MB of JSON, over the API's default 4 MiB body limit: the
-    client sends them in several batches, and every job is created once."""
-    big = {"model": TINY, "messages": [{"role": "user", "content": "x" * 100_000}], "max_tokens": 1}
+    client sends them in several batches, and every job is created once. (The model is one with a
+    long context and no worker: the jobs wait queued.)"""
+    registry = ModelRegistry(redis_client, heartbeat_ttl=4)
+    registry.publish(
+        ModelInfo.model_validate({**registry.get(TINY).model_dump(), "name": "long", "max_context": 10**6})
+    )
+    big = {"model": "long", "messages": [{"role": "user", "content": "x" * 100_000}], "max_tokens": 1}
     jobs = client.submit_many([big] * 40, idempotency_keys=[f"split-{i}" for i in range(40)])
     assert len({j.id for j in jobs}) == 40 and job_count(redis_client) == 40
 

@@ -104,26 +104,33 @@ def test_resume_after_a_kill_submits_nothing_twice(live, tmp_path, redis_client)
 
 
 def test_ctrl_c_leaves_a_consistent_directory(live, tmp_path):
+    """Ctrl-C mid-run: finished problems keep their samples, the summary says incomplete, and
+    the same command resumes to the end. The worker is paused around the interrupt so that the
+    run is surely mid-way (the tiny model can otherwise finish all twelve problems at once)."""
     out = tmp_path / "run"
     args = ["gsm8k", "--out", str(out), "--dataset", "samples", "--model", TINY, "--max-tokens", "120", "--quiet"]
-    process = subprocess.Popen(
-        actq(live, *args), env=run_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    deadline = time.monotonic() + 120
-    while not (out / "samples").exists() or not list((out / "samples").glob("*.json")):
-        assert time.monotonic() < deadline and process.poll() is None
-        time.sleep(0.05)
-    # Pause the worker so that the run is surely mid-way when Ctrl-C arrives (the tiny model can
-    # otherwise finish all twelve problems between two looks at the directory).
     worker = live.processes["worker-tiny"].pid
     os.killpg(worker, signal.SIGSTOP)
     try:
+        process = subprocess.Popen(
+            actq(live, *args), env=run_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        deadline = time.monotonic() + 120
+        while not (out / "jobs.json").exists():  # every problem is queued; none can have run
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.05)
+        os.killpg(worker, signal.SIGCONT)
+        while not (out / "samples").exists() or not list((out / "samples").glob("*.json")):
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.01)
+        os.killpg(worker, signal.SIGSTOP)
         process.send_signal(signal.SIGINT)
         _, stderr = process.communicate(timeout=60)
     finally:
         os.killpg(worker, signal.SIGCONT)
     assert process.returncode == 130 and "run the same command to resume" in stderr
     summary = json.loads((out / "summary.json").read_text())
-    assert not summary["complete"] and summary["finished"] == len(list((out / "samples").glob("*.json")))
+    finished = len(list((out / "samples").glob("*.json")))
+    assert not summary["complete"] and summary["finished"] == finished and 1 <= finished < 12
     resumed = subprocess.run(actq(live, *args), env=run_env(live), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and json.loads((out / "summary.json").read_text())["finished"] == 12

@@ -18,9 +18,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import tempfile
+import threading
 import time
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -142,7 +146,38 @@ def execute(
     client: Client, run: Run, problems: list[data.Problem], exemplars, download: bool, quiet: bool = False
 ) -> dict:
     """Submit what is not finished, follow it to the end, and write the results. Ctrl-C leaves a
-    consistent directory (every finished problem has its sample) and is re-raised."""
+    consistent directory (every finished problem has its sample) and is re-raised.
+
+    Ctrl-C only sets a flag, read between requests: a KeyboardInterrupt raised in the middle of
+    an HTTP call can leave the client's connection pool locked, and closing it then hangs (seen
+    once in sixty seconds of waiting). Long polls are short (2 s) so that the flag is read soon."""
+    with _interrupt_flag() as interrupted:
+        return _execute(client, run, problems, exemplars, download, quiet, interrupted)
+
+
+@contextmanager
+def _interrupt_flag() -> Iterator[threading.Event]:
+    """An event set by SIGINT while the block runs (in the main thread; elsewhere never set)."""
+    interrupted = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield interrupted
+        return
+    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
+    try:
+        yield interrupted
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _execute(
+    client: Client,
+    run: Run,
+    problems: list[data.Problem],
+    exemplars: list[dict[str, str]] | None,
+    download: bool,
+    quiet: bool,
+    interrupted: threading.Event,
+) -> dict:
     started = time.monotonic()
     s = run.settings
     todo = [p for p in problems if p.index not in run.done()]
@@ -170,11 +205,15 @@ def execute(
             run.jobs.update({p.index: j.id for p, j in zip(chunk, jobs[start:], strict=True)})
             write_json(run.out / "jobs.json", {str(k): v for k, v in sorted(run.jobs.items())})
             counts["submitted"] = len(jobs)
+            if interrupted.is_set():
+                raise KeyboardInterrupt
         pending = list(zip(todo, jobs, strict=True))
         while pending:
+            if interrupted.is_set():
+                raise KeyboardInterrupt
             # Jobs finish roughly in queue order: long-poll the oldest, then look at the ones
             # behind it until two unfinished ones are seen (those are running or next).
-            head = pending[0][1].refresh(wait=10)
+            head = pending[0][1].refresh(wait=2)
             finished: list[tuple[data.Problem, Job]] = []
             unfinished: list[tuple[data.Problem, Job]] = []
             for problem, job in pending:
