@@ -133,7 +133,8 @@ def submit_batch(
     if len({k for k in given if k}) != len([k for k in given if k]):
         raise BadRequest("two entries of the batch share an idempotency_key")
     ids = [str(uuid.uuid4()) for _ in entries]
-    wanted = [(i, scoped(k, owner)) for i, k in enumerate(given) if k]
+    scoped_keys = [None if k is None else scoped(k, owner) for k in given]
+    wanted = [(i, key) for i, key in enumerate(scoped_keys) if key]
     found = services.idempotency.claim_many([(key, ids[i]) for i, key in wanted])
     existing: list[JobRecord | None] = [None] * len(entries)
     for (i, _), record in zip(wanted, found, strict=True):
@@ -144,7 +145,6 @@ def submit_batch(
             services.idempotency.release(claimed)
             raise Conflict(f"jobs[{i}]: idempotency_key {given[i]!r} was used for a different request")
     created_at = now()
-    scoped_keys = [None if k is None else scoped(k, owner) for k in given]
     out = [
         (old, False)
         if old is not None

@@ -92,10 +92,12 @@ class JobStore:
 
     # -- creating ---------------------------------------------------------------------------
 
-    def _queue_writes(self, pipe: Any, record: JobRecord, celery: Celery) -> None:
-        """A new job's writes: its record (SET NX, first), its place in the model's queue and in
-        its owner's index, the submitted counter, and its broker message (job id only)."""
+    def _queue_writes(self, pipe: Any, record: JobRecord, celery: Celery) -> int:
+        """A new job's writes: its record (SET NX), its place in the model's queue and in its
+        owner's indexes, the submitted counter, and its broker message (job id only). Returns the
+        position of the SET's reply among the pipeline's replies."""
         created = record.created_at.timestamp()
+        position = len(pipe.command_stack)
         pipe.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=self.retention)
         pipe.zadd(keys.queued(record.model), {record.id: created})
         pipe.zadd(keys.jobs_index(record.owner), {record.id: created})
@@ -103,28 +105,26 @@ class JobStore:
         stats.count_submitted(pipe, record.model)
         queue = keys.queue(record.model)
         pipe.lpush(queue, broker.task_message(celery, record.id, queue))
-
-    _WRITES_PER_JOB = 6
+        return position
 
     def enqueue(self, records: Sequence[JobRecord], celery: Celery) -> None:
         """Record and queue new jobs in one transaction: all of them or none."""
         if not records:
             return
         with self.redis.pipeline(transaction=True) as pipe:
-            for record in records:
-                self._queue_writes(pipe, record, celery)
-            self._check_created(records, pipe.execute())
+            positions = [self._queue_writes(pipe, record, celery) for record in records]
+            self._check_created(records, positions, pipe.execute())
 
     async def enqueue_async(self, record: JobRecord, celery: Celery) -> None:
         """`enqueue` of one job on the event loop (the API's hot path)."""
         assert self.aredis is not None, "JobStore was built without an async client"
         async with self.aredis.pipeline(transaction=True) as pipe:
-            self._queue_writes(pipe, record, celery)
-            self._check_created([record], await pipe.execute())
+            position = self._queue_writes(pipe, record, celery)
+            self._check_created([record], [position], await pipe.execute())
 
-    def _check_created(self, records: Sequence[JobRecord], replies: list[Any]) -> None:
-        for i, record in enumerate(records):
-            if not replies[i * self._WRITES_PER_JOB]:
+    def _check_created(self, records: Sequence[JobRecord], positions: list[int], replies: list[Any]) -> None:
+        for record, position in zip(records, positions, strict=True):
+            if not replies[position]:
                 raise RuntimeError(f"job {record.id} already exists")
 
     # -- reading ----------------------------------------------------------------------------

@@ -27,7 +27,7 @@ async def health(services: ServicesDep, operator: SeesAllDep) -> JSONResponse:
             {"error": "service_unavailable", "detail": "Redis cannot be reached", **body}, status_code=503
         )
     try:
-        if services.store.local_path("health") is None:  # a remote store: a network call, off the loop
+        if services.store.remote:  # a network call: off the event loop
             await run_in_threadpool(services.store.check)
         else:
             services.store.check()

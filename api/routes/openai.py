@@ -17,11 +17,9 @@ at most 3600; past it the answer is a 504 naming the job, which keeps running: p
 `GET /jobs/{id}`). An `Idempotency-Key` header works as for `POST /jobs`: resending a timed-out
 request with the same key waits for the same job instead of queueing another.
 
-Errors under /v1 use OpenAI's error shape, because that is where OpenAI's clients look for the
-message (`{"error": {"message", "type", "param", "code"}}`; `code` is actq's error type), plus
-`detail` (the same message, as in every actq error) and, when a job exists, `error.job_id`.
-Responses about a job that ran (failed, cancelled, still running) carry `x-should-retry: false`,
-so that OpenAI's clients do not resubmit it on their own: a retry would queue a new job.
+Errors under /v1 use OpenAI's error shape (api/openai_compat.py says how); responses about a job
+that ran (failed, cancelled, still running) carry `x-should-retry: false`, so that OpenAI's
+clients do not resubmit it on their own: a retry would queue a new job.
 """
 
 from __future__ import annotations

@@ -37,6 +37,8 @@ class ArtifactStore(ABC):
     # Whether files written to scratch_dir() must be fsynced: yes when they become the stored
     # object (local rename); no when they are only uploaded and deleted (S3 keeps them durable).
     durable_scratch = True
+    # Whether using the store is a network call (the API keeps those off its event loop).
+    remote = False
 
     @abstractmethod
     def put_file(self, key: str, src: Path) -> str:

@@ -30,6 +30,7 @@ _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenie
 
 class S3Store(ArtifactStore):
     durable_scratch = False  # the scratch file is uploaded, then deleted
+    remote = True
 
     def __init__(
         self,
