@@ -12,6 +12,7 @@ import redis.asyncio as aioredis
 from celery import Celery
 from fastapi import Depends, Request
 
+from api.waiters import JobWaiters
 from shared.broker import make_celery
 from shared.errors import Forbidden, Unauthorized
 from shared.idempotency import IdempotencyKeys
@@ -27,6 +28,7 @@ class Services:
     redis: redis.Redis
     aredis: aioredis.Redis  # for the reads on the event loop (GET /jobs/{id}, long polls, POST /jobs)
     jobs: JobStore
+    waiters: JobWaiters  # long polls, on one subscription per process
     idempotency: IdempotencyKeys
     registry: ModelRegistry
     celery: Celery
@@ -39,7 +41,12 @@ def build_services(settings: Settings) -> Services:
     client = redis.Redis.from_url(
         settings.redis_url, socket_timeout=5, socket_connect_timeout=2, health_check_interval=30
     )
-    aclient = aioredis.Redis.from_url(settings.redis_url, socket_connect_timeout=2)
+    # A blocking pool: under a burst a request waits (up to 5 s) for a free connection instead of
+    # failing with "Too many connections".
+    pool = aioredis.BlockingConnectionPool.from_url(
+        settings.redis_url, max_connections=settings.redis_max_connections, timeout=5, socket_connect_timeout=2
+    )
+    aclient = aioredis.Redis(connection_pool=pool)
     celery = make_celery(settings)
     jobs = JobStore(client, settings.job_retention_seconds, aclient=aclient)
     return Services(
@@ -47,6 +54,7 @@ def build_services(settings: Settings) -> Services:
         redis=client,
         aredis=aclient,
         jobs=jobs,
+        waiters=JobWaiters(aclient, jobs, settings.max_long_polls),
         idempotency=IdempotencyKeys(client, jobs, settings.job_retention_seconds),
         registry=ModelRegistry(client, settings.heartbeat_ttl, cache_seconds=1.0, aclient=aclient),
         celery=celery,

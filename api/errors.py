@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.types import HTTPExceptionHandler
 
-from shared.errors import ActqError
+from shared.errors import ActqError, Busy
 
 log = logging.getLogger("actq.api")
 
@@ -28,8 +28,10 @@ def where(loc: tuple[object, ...]) -> str:
 
 
 async def actq_error(_: Request, exc: ActqError) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else None
-    return JSONResponse(_body(exc.error_type, exc.message), status_code=exc.status_code, headers=headers)
+    headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else {}
+    if isinstance(exc, Busy):
+        headers["Retry-After"] = str(exc.retry_after)
+    return JSONResponse(_body(exc.error_type, exc.message), status_code=exc.status_code, headers=headers or None)
 
 
 async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -15,13 +15,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Annotated, Any, Literal
 
+import redis
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import where
 from api.presenters import view
-from shared.errors import ActqError, BadRequest, CaptureSpecError, CaptureTooLarge, NotReady, UnknownModel
+from shared.errors import ActqError, BadRequest, Busy, CaptureSpecError, CaptureTooLarge, NotReady, UnknownModel
 from shared.schemas import ActivationsManifest, CaptureSpec, JobRecord, JobRequest, JobStatus, Usage
 
 WAIT_DEFAULT_SECONDS = 300.0
@@ -46,8 +47,10 @@ class OpenAIError(Exception):
         param: str | None = None,
         job_id: str | None = None,
         retry: bool | None = None,
+        retry_after: int | None = None,
     ) -> None:
         super().__init__(message)
+        self.retry_after = retry_after
         self.status, self.message, self.code, self.param, self.job_id, self.retry = (
             status,
             message,
@@ -65,6 +68,8 @@ class OpenAIError(Exception):
         headers = {} if self.retry is None else {"x-should-retry": "true" if self.retry else "false"}
         if self.status == 401:
             headers["WWW-Authenticate"] = "Bearer"
+        if self.retry_after is not None:
+            headers["Retry-After"] = str(self.retry_after)
         return JSONResponse({"error": error, "detail": self.message}, status_code=self.status, headers=headers or None)
 
 
@@ -95,6 +100,8 @@ def from_actq(exc: ActqError) -> OpenAIError:
     if isinstance(exc, BadRequest):  # 422 under /jobs; OpenAI's clients expect 400 for a bad request
         param = "capture" if isinstance(exc, (CaptureSpecError, CaptureTooLarge)) else None
         return OpenAIError(400, exc.message, exc.error_type, param=param)
+    if isinstance(exc, Busy):  # nothing was queued: the client's own retry (after Retry-After) is right
+        return OpenAIError(429, exc.message, "rate_limit_exceeded", retry_after=exc.retry_after)
     # OpenAI's clients retry a 409 by themselves: right for NotReady ("retry shortly"), pointless otherwise.
     retry = isinstance(exc, NotReady) if exc.status_code == 409 else None
     return OpenAIError(exc.status_code, exc.message, exc.error_type, retry=retry)
@@ -363,6 +370,15 @@ def completion(record: JobRecord, request: Request) -> ChatCompletion:
         usage=record.result.usage,
         actq=ActqExtra(job_id=record.id, activations=job.activations),
     )
+
+
+def after_queued(job_id: str, exc: Exception) -> OpenAIError:
+    """An error met once the job is queued (Redis lost while waiting): never retried by the
+    client on its own, since a retry would queue a second job; the message names the job."""
+    status = 503 if isinstance(exc, redis.RedisError) else 500
+    reason = "Redis (the job store) could not be reached" if status == 503 else f"{type(exc).__name__}"
+    message = f"job {job_id} is queued and keeps running, but waiting for it failed ({reason}): poll GET /jobs/{job_id}"
+    return OpenAIError(status, message, "wait_failed", job_id=job_id, retry=False)
 
 
 def unfinished(record: JobRecord, waited: float, idempotency_key: str | None) -> OpenAIError:

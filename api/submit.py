@@ -48,14 +48,14 @@ def plan(services: Services, request: JobRequest, cache: dict[tuple[str, ...], o
         capture_spec.check_prompt_fits(request, info, max_tokens)
     except ContextLengthExceeded as exc:  # at submit it is bad input: 422, nothing queued
         raise PromptTooLong(exc.message) from None
-    if request.capture is None:
-        return max_tokens, []
-    spec_key = ("spec", request.model, request.capture.model_dump_json())
-    if spec_key not in cache:
-        cache[spec_key] = capture_spec.resolve(request.capture, info)
-    points: list[CapturePoint] = cache[spec_key]  # type: ignore[assignment]
-    estimate = capture_spec.estimate_bytes(request, points, info, max_tokens)
-    capture_spec.check_budget(estimate, settings.capture_budget_bytes)
+    points: list[CapturePoint] = []
+    if request.capture is not None:
+        spec_key = ("spec", request.model, request.capture.model_dump_json())
+        if spec_key not in cache:
+            cache[spec_key] = capture_spec.resolve(request.capture, info)
+        points = cache[spec_key]  # type: ignore[assignment]
+    estimate = capture_spec.estimate(request, points, info, max_tokens)
+    capture_spec.check_budget(estimate, settings.capture_budget_bytes, settings.job_memory_budget_bytes)
     return max_tokens, points
 
 

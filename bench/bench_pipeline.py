@@ -5,8 +5,8 @@ decoder layers plus their input_layernorm and post_attention_layernorm at every 
 this times three arms:
 
   (a) plain  - `model.generate` (Hugging Face) with no capture, under torch.inference_mode;
-  (b) engine - `CaptureEngine.run` alone, in this process: nnsight tracing, per-step copies to the
-               CPU, the [T, H] tensors (what the capture itself costs);
+  (b) engine - `CaptureEngine.run` alone, in this process: capture hooks copying the kept rows
+               of every step to the CPU, the [T, H] tensors (what the capture itself costs);
   (c) job    - a whole job: POST /jobs -> API -> Redis -> Celery worker (the same engine) ->
                safetensors file + manifest -> record -> GET /jobs/{id} shows `succeeded`
                (what the queue, process hops and storage add).
@@ -318,7 +318,6 @@ def summarize(times: dict[str, list[float]]) -> dict:
 
 
 def environment(s: Setup, threads: int) -> dict:
-    import nnsight
     import transformers
 
     loaded = s.engine.loaded
@@ -327,7 +326,6 @@ def environment(s: Setup, threads: int) -> dict:
         "platform": platform.platform(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "nnsight": nnsight.__version__,
         "torch_threads": threads,
         "cpu_count": os.cpu_count(),
         "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
@@ -349,7 +347,6 @@ def report(command: str, env: dict, summary: dict, sizes: dict, runs: int) -> No
         "platform",
         "torch",
         "transformers",
-        "nnsight",
         "torch_threads",
         "cpu_count",
         "cpus_usable",

@@ -18,9 +18,10 @@ import difflib
 import itertools
 import math
 import re
+from typing import NamedTuple
 
 from shared.dtypes import ITEM_BYTES
-from shared.errors import CaptureSpecError, CaptureTooLarge, ContextLengthExceeded
+from shared.errors import CaptureSpecError, CaptureTooLarge, ContextLengthExceeded, JobTooLarge
 from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo, ModuleInfo, path_shape
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -170,22 +171,65 @@ def rows_for(positions: str, prompt_tokens: int, new_tokens: int) -> int:
     return stop - start
 
 
-def estimate_bytes(request: JobRequest, points: list[CapturePoint], model: ModelInfo, max_tokens: int) -> int:
-    """Worst-case bytes of a job's capture: positions x hidden x capture points x dtype bytes."""
-    if request.capture is None:
+class MemoryEstimate(NamedTuple):
+    """What a job holds on its worker beyond the model's weights, in bytes."""
+
+    capture: int  # the kept rows (also what is stored)
+    working: int  # KV cache and the forward pass's activations
+
+    @property
+    def total(self) -> int:
+        return self.capture + self.working
+
+
+def capture_bytes(
+    capture: CaptureSpec | None, points: list[CapturePoint], model: ModelInfo, prompt_tokens: int, max_tokens: int
+) -> int:
+    """Bytes of a capture: rows x (sum of the points' widths) x dtype bytes."""
+    if capture is None:
         return 0
-    rows = rows_for(request.capture.positions, prompt_tokens_upper_bound(request, model), max_tokens)
+    rows = rows_for(capture.positions, prompt_tokens, max_tokens)
     width = 0
     for point in points:
         info = model.modules[model.module_index[point.module]]
         width += (info.output_dim if point.hook == "output" else info.input_dim) or 0
-    return rows * width * ITEM_BYTES[request.capture.dtype]
+    return rows * width * ITEM_BYTES[capture.dtype]
 
 
-def check_budget(estimate: int, budget: int) -> None:
-    if estimate > budget:
+def working_bytes(model: ModelInfo, prompt_tokens: int, max_tokens: int) -> int:
+    """The KV cache of every token, plus the prefill's activations (one layer at a time, and the
+    attention scores where they are materialised)."""
+    kv = (model.kv_bytes_per_token or 0) * (prompt_tokens + max_tokens)
+    activations = (model.activation_bytes_per_token or 0) * prompt_tokens
+    return kv + activations + model.attention_bytes_per_token_pair * prompt_tokens * prompt_tokens
+
+
+def job_memory(
+    capture: CaptureSpec | None, points: list[CapturePoint], model: ModelInfo, prompt_tokens: int, max_tokens: int
+) -> MemoryEstimate:
+    captured = capture_bytes(capture, points, model, prompt_tokens, max_tokens)
+    return MemoryEstimate(captured, working_bytes(model, prompt_tokens, max_tokens))
+
+
+def estimate(request: JobRequest, points: list[CapturePoint], model: ModelInfo, max_tokens: int) -> MemoryEstimate:
+    """The worst case for a request, before any tokenizer ran: the prompt at its upper bound
+    (never more than the context leaves, since a longer one is refused before it is run)."""
+    prompt_tokens = prompt_tokens_upper_bound(request, model)
+    if model.max_context:
+        prompt_tokens = max(1, min(prompt_tokens, model.max_context - max_tokens))
+    return job_memory(request.capture, points, model, prompt_tokens, max_tokens)
+
+
+def check_budget(estimate: MemoryEstimate, capture_budget: int, memory_budget: int) -> None:
+    if estimate.capture > capture_budget:
         raise CaptureTooLarge(
-            f"estimated capture size {estimate:,} bytes exceeds the budget of {budget:,} bytes "
+            f"estimated capture size {estimate.capture:,} bytes exceeds the budget of {capture_budget:,} bytes "
             "(ACTQ_CAPTURE_BUDGET_BYTES); capture fewer modules, fewer positions, a 2-byte dtype "
             "or fewer max_tokens"
+        )
+    if estimate.total > memory_budget:
+        raise JobTooLarge(
+            f"this job needs an estimated {estimate.total:,} bytes of worker memory (capture {estimate.capture:,}, "
+            f"KV cache and activations {estimate.working:,}), over the budget of {memory_budget:,} bytes "
+            "(ACTQ_JOB_MEMORY_BUDGET_BYTES); use a shorter prompt, fewer max_tokens or a smaller capture"
         )

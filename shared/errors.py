@@ -4,6 +4,7 @@
     ├── BadRequest             (422)  the request cannot be run as given
     │   ├── CaptureSpecError   (422)  a capture path, hook or position is invalid
     │   ├── CaptureTooLarge    (422)  the estimated capture exceeds the budget
+    │   ├── JobTooLarge        (422)  the worker memory a job needs exceeds the budget
     │   └── PromptTooLong      (422)  the prompt cannot fit the model's context (context_length_exceeded)
     ├── Unauthorized           (401)  a missing or wrong API key
     ├── Forbidden              (403)  a valid key that may not do this (operator-only)
@@ -11,6 +12,7 @@
     ├── JobNotFound            (404)
     ├── TensorNotFound         (404)  the job exists; the tensor name does not
     ├── Conflict               (409)  e.g. an Idempotency-Key reused for another request
+    ├── Busy                   (429)  a capacity limit (long polls per process); carries Retry-After
     ├── NotReady               (409)  e.g. activations of a job that has not succeeded
     ├── JobFailure                    how a job ended badly; stored on the job as {type, message}
     │   ├── ContextLengthExceeded     context_length_exceeded
@@ -53,6 +55,10 @@ class CaptureTooLarge(BadRequest):
     error_type = "capture_too_large"
 
 
+class JobTooLarge(BadRequest):
+    error_type = "job_too_large"
+
+
 class PromptTooLong(BadRequest):
     error_type = "context_length_exceeded"
 
@@ -90,6 +96,17 @@ class Conflict(ActqError):
 class NotReady(ActqError):
     status_code = 409
     error_type = "not_ready"
+
+
+class Busy(ActqError):
+    """Capacity, not the request: retry after `retry_after` seconds (sent as Retry-After)."""
+
+    status_code = 429
+    error_type = "busy"
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class JobFailure(ActqError):

@@ -11,7 +11,6 @@ progress (reading the cancel flag), and finishes.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar, cast
@@ -164,21 +163,6 @@ class JobStore:
             for model in models:
                 pipe.zcard(keys.queued(model))
             return {model: int(n) for model, n in zip(models, await pipe.execute(), strict=True)}
-
-    async def wait_until_terminal(self, job_id: str, timeout: float) -> JobRecord | None:
-        """Long polling: the record once it is terminal, or as it is after `timeout` seconds (None:
-        unknown job). Waits on the job's pub/sub channel, subscribed before the first read so that
-        a change between the read and the wait is not missed; holds no thread."""
-        assert self.aredis is not None, "JobStore was built without an async client"
-        async with self.aredis.pubsub(ignore_subscribe_messages=True) as pubsub:
-            await pubsub.subscribe(keys.job_events(job_id))
-            deadline = time.monotonic() + timeout
-            while True:
-                record = await self.get_async(job_id)
-                remaining = deadline - time.monotonic()
-                if record is None or record.status.terminal or remaining <= 0:
-                    return record
-                await pubsub.get_message(timeout=min(remaining, 1.0))
 
     def list(self, owner: str | None, status: JobStatus | None, limit: int) -> list[JobRecord]:
         """An owner's jobs (all jobs when keys are off), newest first, all or in one state (read

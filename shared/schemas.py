@@ -229,6 +229,13 @@ class ModelInfo(Strict):
     # The most UTF-8 bytes one token stands for: a prompt of B bytes is at least B / this many
     # tokens, so the API can refuse a prompt that cannot fit without a tokenizer. None: unknown.
     max_token_bytes: int | None = None
+    # The worker memory a sequence needs beyond the weights, from the model's configuration: KV
+    # cache per token, one layer's activations per prompt token (the prefill's peak), and, where
+    # the attention implementation materialises the scores, bytes per (query, key) pair. None:
+    # not published (the estimate then counts the capture only).
+    kv_bytes_per_token: int | None = None
+    activation_bytes_per_token: int | None = None
+    attention_bytes_per_token_pair: int = 0
 
     @cached_property
     def module_index(self) -> dict[str, int]:

@@ -89,7 +89,22 @@ class Settings(BaseSettings):
     default_max_tokens: int = Field(
         256, ge=1, description="`max_tokens` when a request gives none (capped at ACTQ_MAX_TOKENS_LIMIT)."
     )
-    capture_budget_bytes: int = Field(1 << 30, ge=1, description="Largest estimated capture (bytes) a job may request.")
+    capture_budget_bytes: int = Field(
+        1 << 30, ge=1, description="Largest estimated capture (bytes stored for one job) a job may request."
+    )
+    job_memory_budget_bytes: int = Field(
+        4 << 30,
+        ge=1,
+        description="Largest estimated worker memory (bytes) a job may need: its capture, KV cache and activations.",
+    )
+    max_long_polls: int = Field(
+        2000,
+        ge=1,
+        description="Long polls (GET /jobs/{id}?wait=, /v1/chat/completions) one API process holds; 429 beyond.",
+    )
+    redis_max_connections: int = Field(
+        64, ge=2, description="Redis connections per API process for its async work (requests wait for a free one)."
+    )
     job_soft_time_limit: float = Field(1800, gt=0, description="Seconds before a running job is failed as a timeout.")
     job_time_limit: float = Field(1860, gt=0, description="Seconds before Celery kills the worker child (hard limit).")
     visibility_timeout: int = Field(

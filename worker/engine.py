@@ -1,4 +1,4 @@
-"""The capture engine: chat template -> nnsight generate -> per-step tensors on the CPU -> [T, H].
+"""The capture engine: chat template -> generate with capture hooks -> kept rows on the CPU -> [T, H].
 
 It knows nothing of Celery or Redis and can be driven directly (tests, benchmarks).
 
@@ -23,9 +23,11 @@ from typing import TYPE_CHECKING, cast
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from shared.capture_spec import check_prompt_fits, span
+from shared.capture_spec import check_prompt_fits
 from shared.errors import ContextLengthExceeded, JobFailure
-from shared.schemas import CapturePoint, JobRequest, ModelInfo, ModuleInfo
+from shared.schemas import CapturePoint, JobRequest, ModelInfo
+from worker.capture import StepCapture, describe_modules
+from worker.footprint import footprint
 from worker.models import LoadedModel
 from worker.prompts import PromptEncoder
 
@@ -91,46 +93,16 @@ class _StopStrings(StoppingCriteria):
         return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
-def _first_tensor(value: object) -> torch.Tensor | None:
-    """A module's value if it is one tensor, or a tuple whose only tensor comes first."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-        if not any(isinstance(v, torch.Tensor) for v in value[1:]):
-            return value[0]
-    return None
-
-
-def _per_step(view, attr: str) -> list:
-    """One value per forward step. nnsight unwraps a single visit to the bare value; undo that."""
-    values = getattr(view, attr)
-    return [values] if len(view) == 1 else list(values)
-
-
-def _row_dim(value: object, seq: int) -> tuple[int | None, bool]:
-    """(last dim, covers every position) for a [1, S, H] value, (None, False) otherwise."""
-    tensor = _first_tensor(value)
-    if tensor is None or tensor.dim() != 3 or tensor.shape[0] != 1 or not tensor.is_floating_point():
-        return None, False
-    if tensor.shape[1] == seq:
-        return int(tensor.shape[2]), True
-    if tensor.shape[1] == 1:
-        return int(tensor.shape[2]), False
-    return None, False
-
-
 class CaptureEngine:
-    """Wraps the loaded model once with nnsight (same weights, no second copy) and runs one
-    generate at a time: nnsight is not thread-safe, so every run holds `lock`."""
+    """Runs generations on the loaded model (one copy of the weights) with capture hooks for the
+    duration of each job. One generate at a time: the hooks of two jobs on one model would see
+    each other's steps, so every run holds `lock`."""
 
     def __init__(self, loaded: LoadedModel, allow_special_tokens: bool = False) -> None:
-        from nnsight import TransformersModel
-
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.prompts = PromptEncoder(loaded.tokenizer, allow_special_tokens)
         self.hf = loaded.model
-        self.nn = TransformersModel(self.hf, task="text-generation", tokenizer=self.tokenizer)
         self.lock = threading.Lock()
         self.info = self._describe()
         self._module_paths = {m.path for m in self.info.modules}
@@ -138,28 +110,17 @@ class CaptureEngine:
     # -- describing the model ------------------------------------------------------------
 
     def _describe(self) -> ModelInfo:
-        """A one-token generate over a 3-token input with every module cached: gives the modules
+        """A one-token generate over a 3-token input with hooks on every module: gives the modules
         in forward-execution order, their widths, and which see every position."""
-        ids = torch.tensor([[1, 2, 3]], device=self.loaded.device) % self.hf.config.vocab_size
-        prompt = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-        with self.lock, self.nn.generate(prompt, max_new_tokens=1, do_sample=False, **self._pad()) as tracer:
-            cache = tracer.cache(include_inputs=True)
-        root = self.nn.path + "."
-        modules: list[ModuleInfo] = []
-        for key in cache.keys():
-            if not key.startswith(root) or ".generator" in key:
-                continue
-            entry = cache[key]
-            out_dim, out_all = _row_dim(_per_step(entry, "output")[0], ids.shape[1])
-            in_dim, in_all = _row_dim(_per_step(entry, "input")[0], ids.shape[1])
-            if out_dim is None and in_dim is None:
-                continue
-            all_positions = out_all if out_dim is not None else in_all
-            if out_dim is not None and in_dim is not None and out_all != in_all:
-                in_dim = None  # keep one row layout per module
-            modules.append(
-                ModuleInfo(path=key[len(root) :], output_dim=out_dim, input_dim=in_dim, all_positions=all_positions)
-            )
+
+        def run_forward(seq: int) -> None:
+            ids = torch.arange(1, seq + 1, device=self.loaded.device).unsqueeze(0) % self.hf.config.vocab_size
+            with self.lock, torch.inference_mode():
+                self.hf.generate(  # type: ignore[operator]  # generate is GenerationMixin's
+                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **self._pad()
+                )
+
+        modules = describe_modules(self.hf, run_forward)
         config = self.hf.config
         return ModelInfo(
             name=self.loaded.name,
@@ -174,6 +135,7 @@ class CaptureEngine:
             modules=modules,
             max_token_bytes=self.prompts.max_token_bytes(),
             **self.prompts.template_tokens(),
+            **footprint(config, self.hf.dtype),
         )
 
     def _pad(self) -> dict:
@@ -222,18 +184,21 @@ class CaptureEngine:
         if watch is not None:
             criterion = _StopWhen(watch, prompt_tokens)
             kwargs["stopping_criteria"].append(criterion)
-        with self.lock:
+        dtype = getattr(torch, request.capture.dtype) if request.capture else torch.float32
+        positions = request.capture.positions if request.capture else "all"
+        widths = [self._width(p) for p in points]
+        capture = StepCapture(self.hf, points, widths, positions, prompt_tokens, max_tokens, dtype)
+        with self.lock, torch.inference_mode(), capture:
             if request.seed is not None:
                 torch.manual_seed(request.seed)
-            if points:
-                ids, steps = self._generate_with_capture(prompt, points, request, kwargs)
-            else:
-                with torch.inference_mode():
-                    ids, steps = self.hf.generate(**prompt, **kwargs), {}  # type: ignore[operator]  # generate is GenerationMixin's, not PreTrainedModel's
+            ids = self.hf.generate(**prompt, **kwargs)  # type: ignore[operator]  # generate is GenerationMixin's
         token_ids = ids[0].to("cpu", torch.int64)
         generated = token_ids[prompt_tokens:]
         text, finish_reason = self._finish(generated, request, max_tokens)
-        captured = [self._select(p, steps[p.name], request, prompt_tokens, len(generated)) for p in points]
+        captured = [
+            CapturedTensor(point=point, tensor=rows, start=start, stop=stop)
+            for point, rows, start, stop in capture.tensors(len(generated))
+        ]
         return Generation(
             text=text,
             finish_reason=finish_reason,
@@ -244,26 +209,12 @@ class CaptureEngine:
             stopped_by=criterion.reason if criterion else None,
         )
 
-    def _generate_with_capture(self, prompt, points, request, kwargs):
-        dtype = getattr(torch, request.capture.dtype)
-        outputs = [self.nn.get(p.module) for p in points if p.hook == "output"]
-        inputs = [self.nn.get(p.module) for p in points if p.hook == "input"]
-        with self.nn.generate(prompt, **kwargs) as tracer:
-            out_cache = tracer.cache(modules=outputs, device="cpu", dtype=dtype) if outputs else None
-            in_cache = (
-                tracer.cache(modules=inputs, device="cpu", dtype=dtype, include_output=False, include_inputs=True)
-                if inputs
-                else None
-            )
-            ids = tracer.result.save()
-        steps: dict[str, list] = {}
-        root = self.nn.path + "."
-        for p in points:
-            cache = out_cache if p.hook == "output" else in_cache
-            assert cache is not None  # a point's hook has its cache: built for every hook some point uses
-            view = cache[root + p.module]
-            steps[p.name] = _per_step(view, p.hook)
-        return ids, steps
+    def _width(self, point: CapturePoint) -> int:
+        info = self.info.modules[self.info.module_index[point.module]]
+        width = info.output_dim if point.hook == "output" else info.input_dim
+        if width is None:
+            raise JobFailure(f"module {point.module!r} has no capturable {point.hook}")
+        return width
 
     def _finish(self, generated: torch.Tensor, request: JobRequest, max_tokens: int) -> tuple[str, str]:
         text = cast(str, self.tokenizer.decode(generated, skip_special_tokens=True))  # one sequence: one str
@@ -275,18 +226,3 @@ class CaptureEngine:
         if len(generated) and int(generated[-1]) in eos_ids:
             return text, "stop"
         return text, "length" if len(generated) >= max_tokens else "stop"
-
-    def _select(self, point, steps, request, prompt_tokens: int, new_tokens: int) -> CapturedTensor:
-        if len(steps) != new_tokens:
-            raise JobFailure(f"{point.name}: captured {len(steps)} steps for {new_tokens} new tokens")
-        rows = torch.cat([cast(torch.Tensor, _first_tensor(s))[0] for s in steps], dim=0)  # [rows, H]
-        all_positions = rows.shape[0] == prompt_tokens + new_tokens - 1
-        first = 0 if all_positions else prompt_tokens - 1  # token_ids index of rows[0]
-        start, stop = span(request.capture.positions, prompt_tokens, new_tokens)
-        if start < first:
-            raise JobFailure(f"{point.name} only has positions from {first}; use 'generated' or 'last'")
-        if (start - first, stop - first) == (0, rows.shape[0]):
-            tensor = rows  # already a fresh contiguous tensor: no second copy
-        else:
-            tensor = rows[start - first : stop - first].clone()
-        return CapturedTensor(point=point, tensor=tensor, start=start, stop=stop)

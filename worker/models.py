@@ -103,7 +103,7 @@ def pick_dtype(setting: str, device: str) -> str:
 
 
 def load(settings: Settings) -> LoadedModel:
-    """Load the model and tokenizer once. The nnsight wrapper is built on top of this copy."""
+    """Load the model and tokenizer once; every job runs on this copy."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

@@ -79,7 +79,8 @@ async def get_job(
     the answer comes as soon as the job finishes (or after `wait` seconds), instead of polling."""
     record = await load_async(services, job_id, caller)
     if wait > 0 and not record.status.terminal:
-        record = await services.jobs.wait_until_terminal(job_id, wait) or record
+        async with services.waiters.slot():
+            record = await services.waiters.wait(job_id, wait) or record
     return view(record, request, _shown(await services.jobs.live_fields_async(record), operator))
 
 

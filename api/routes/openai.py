@@ -19,11 +19,15 @@ request with the same key waits for the same job instead of queueing another.
 
 Errors under /v1 use OpenAI's error shape (api/openai_compat.py says how); responses about a job
 that ran (failed, cancelled, still running) carry `x-should-retry: false`, so that OpenAI's
-clients do not resubmit it on their own: a retry would queue a new job.
+clients do not resubmit it on their own: a retry would queue a new job. So does any error met while
+waiting for a queued job (`wait_failed`, naming the job). The wait takes one of the process's
+long-poll places (ACTQ_MAX_LONG_POLLS); when none is free the answer is a 429 with `Retry-After`
+before anything is queued, which the client's own retry handles.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -41,6 +45,7 @@ from api.openai_compat import (
     ModelCard,
     ModelList,
     OpenAIError,
+    after_queued,
     completion,
     from_actq,
     from_validation,
@@ -76,12 +81,14 @@ class OpenAIRoute(APIRoute):
         return route
 
 
+log = logging.getLogger("actq.api")
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute, dependencies=[Depends(get_caller)])
 
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "Invalid or unsupported request"},
     404: {"description": "Unknown model"},
+    429: {"description": "Every long-poll place of this API process is taken (Retry-After)"},
     500: {"description": "The job failed"},
     503: {},
     504: {"description": "The job did not finish in time"},
@@ -99,9 +106,14 @@ async def chat_completions(
     """OpenAI's chat completion, run as an actq job (with an optional `capture`): answers once the
     job has finished, with the job id and its activations manifest in the extra field `actq`."""
     job_request = to_job_request(body)
-    record, _ = await run_in_threadpool(submit, services, job_request, idempotency_key, caller)
-    if not record.status.terminal:
-        record = await services.jobs.wait_until_terminal(record.id, body.actq_wait_seconds) or record
+    async with services.waiters.slot():  # at capacity: a 429 before anything is queued
+        record, _ = await run_in_threadpool(submit, services, job_request, idempotency_key, caller)
+        if not record.status.terminal:
+            try:
+                record = await services.waiters.wait(record.id, body.actq_wait_seconds) or record
+            except Exception as exc:  # whatever it is, the job is queued: say so, and no retry
+                log.warning("waiting for job %s failed: %r", record.id, exc)
+                raise after_queued(record.id, exc) from exc
     if record.status is not JobStatus.succeeded:
         raise unfinished(record, body.actq_wait_seconds, idempotency_key)
     return completion(record, request)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from shared.capture_spec import check_budget, estimate_bytes, prompt_tokens_upper_bound, resolve
-from shared.errors import CaptureSpecError, CaptureTooLarge
+from shared.capture_spec import MemoryEstimate, check_budget, estimate, prompt_tokens_upper_bound, resolve
+from shared.errors import CaptureSpecError, CaptureTooLarge, JobTooLarge
 from shared.schemas import CaptureSpec, JobRequest, ModelInfo, ModuleInfo
 
 
@@ -90,25 +90,46 @@ def test_modules_without_a_capturable_side_or_position_are_refused():
     assert names("lm_head", positions="generated") == ["lm_head"]
 
 
-def test_estimate_is_positions_times_width_times_dtype_bytes():
+def test_capture_estimate_is_positions_times_width_times_dtype_bytes():
     request = JobRequest(
         model="m",
         messages=[{"role": "user", "content": "abcd"}],
         capture={"modules": ["model.layers.{0,1}", "lm_head"], "positions": "generated", "dtype": "float16"},
     )
     points = resolve(request.capture, MODEL)
-    assert estimate_bytes(request, points, MODEL, max_tokens=10) == 10 * (8 + 8 + 100) * 2
+    assert estimate(request, points, MODEL, max_tokens=10).capture == 10 * (8 + 8 + 100) * 2
     request.capture.positions = "last"
-    assert estimate_bytes(request, points, MODEL, max_tokens=10) == 1 * 116 * 2
+    assert estimate(request, points, MODEL, max_tokens=10).capture == 1 * 116 * 2
     request.capture.positions = "prompt"
-    assert estimate_bytes(request, points, MODEL, max_tokens=10) == prompt_tokens_upper_bound(request, MODEL) * 116 * 2
-    assert prompt_tokens_upper_bound(request, MODEL) >= 4 + 16
+    prompt = prompt_tokens_upper_bound(request, MODEL)
+    assert estimate(request, points, MODEL, max_tokens=10).capture == prompt * 116 * 2
+    assert prompt >= 4 + 16
 
 
-def test_budget():
-    check_budget(100, 100)
+def test_working_memory_is_kv_cache_per_token_plus_prefill_activations():
+    """KV cache for every prompt and generated token, activations for the prompt, and attention
+    scores per (query, key) pair where the worker says they are materialised."""
+    model = MODEL.model_copy(update={"kv_bytes_per_token": 100, "activation_bytes_per_token": 10})
+    request = JobRequest(model="m", messages=[{"role": "user", "content": "abcd"}])
+    prompt = prompt_tokens_upper_bound(request, model)
+    assert estimate(request, [], model, max_tokens=7) == MemoryEstimate(0, 100 * (prompt + 7) + 10 * prompt)
+    eager = model.model_copy(update={"attention_bytes_per_token_pair": 3})
+    assert estimate(request, [], eager, max_tokens=7).working == 100 * (prompt + 7) + 10 * prompt + 3 * prompt**2
+    assert estimate(request, [], MODEL, max_tokens=7) == MemoryEstimate(0, 0)  # a worker that did not publish
+
+
+def test_the_prompt_bound_never_exceeds_what_the_context_leaves():
+    model = MODEL.model_copy(update={"max_context": 64, "kv_bytes_per_token": 1})
+    request = JobRequest(model="m", messages=[{"role": "user", "content": "x" * 10_000}])
+    assert estimate(request, [], model, max_tokens=4).working == 64
+
+
+def test_budgets():
+    check_budget(MemoryEstimate(100, 50), capture_budget=100, memory_budget=150)
     with pytest.raises(CaptureTooLarge, match="estimated capture size 101 bytes exceeds the budget of 100 bytes"):
-        check_budget(101, 100)
+        check_budget(MemoryEstimate(101, 0), capture_budget=100, memory_budget=1000)
+    with pytest.raises(JobTooLarge, match=r"estimated 151 bytes of worker memory \(capture 100, KV cache and"):
+        check_budget(MemoryEstimate(100, 51), capture_budget=100, memory_budget=150)
 
 
 def test_the_expansion_is_counted_before_any_path_is_built(monkeypatch):

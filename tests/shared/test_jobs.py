@@ -3,13 +3,11 @@ progress, listing and deletion, and concurrent changes."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import threading
 import uuid
 
 import pytest
-import redis.asyncio as aioredis
 
 from shared import keys
 from shared.broker import make_celery
@@ -170,23 +168,6 @@ def test_delete_removes_record_flags_and_index_entry(store, celery, redis_client
     assert store.get(job_id) is None
     assert not redis_client.exists(keys.cancel(job_id), keys.progress(job_id))
     assert redis_client.zcard(keys.jobs_index("k1")) == 0
-
-
-def test_long_poll_answers_when_the_job_ends(redis_server, redis_client, celery):
-    async def scenario():
-        store = JobStore(redis_client, 60, aclient=aioredis.Redis.from_url(redis_server.url))
-        job_id = new_job(store, celery)
-        waiting = asyncio.create_task(store.wait_until_terminal(job_id, timeout=10))
-        await asyncio.sleep(0.2)
-        assert not waiting.done()
-        await asyncio.to_thread(store.fail, job_id, JobTimeout("late"))
-        ended = await waiting
-        unknown = await store.wait_until_terminal(str(uuid.uuid4()), timeout=0.1)
-        await store.aredis.aclose()
-        return ended, unknown
-
-    ended, unknown = asyncio.run(scenario())
-    assert ended.error.type == "timeout" and unknown is None
 
 
 def test_concurrent_claims_and_cancels_let_exactly_one_win(store, celery):

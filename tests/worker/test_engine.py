@@ -41,11 +41,13 @@ def run(engine, req: JobRequest, max_tokens: int):
     return engine.run(req, points, max_tokens)
 
 
-def test_one_copy_of_the_weights(engine):
-    """nnsight wraps the loaded model itself: plain completions and captures share its parameters."""
-    assert engine.nn._module is engine.hf
-    wrapped = {p.data_ptr() for p in engine.nn._module.parameters()}
-    assert wrapped == {p.data_ptr() for p in engine.hf.parameters()}
+def test_a_run_leaves_no_hooks_behind(engine):
+    """Capture hooks live for one job: after it (and after a job that failed inside the
+    generation) no module of the served model carries one."""
+    run(engine, request({"modules": LAYER_POINTS, "positions": "all"}), max_tokens=3)
+    run(engine, request({"modules": ["model.layers.0.mlp"], "hook": "input"}), max_tokens=2)
+    for name, module in engine.hf.named_modules():
+        assert not module._forward_hooks and not module._forward_pre_hooks, name
 
 
 def test_describe_lists_modules_in_forward_order(engine):

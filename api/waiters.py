@@ -1,0 +1,132 @@
+"""Long polls (`GET /jobs/{id}?wait=`, `POST /v1/chat/completions`) on one Redis subscription per
+API process.
+
+Workers publish every change of a job's state on `actq:job-events:<id>`. One listener per process
+holds a pattern subscription to all of them and wakes the waiters of that job; a waiter costs an
+asyncio.Event, not a Redis connection (a subscription each ran the pool dry at 50 waiters and
+turned long polls, then unrelated requests, into 503s).
+
+A waiter reads the record after its event is registered and the subscription confirmed, so a
+change between the read and the wait is never missed. If the subscription breaks (Redis
+restarts), every waiter is woken to read again, and waiters also read every RECHECK_SECONDS as a
+safety net. At most `capacity` waiters per process: past it a long poll is refused at once with
+a 429 and `Retry-After` (`Busy`), before anything is queued.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+
+import redis
+import redis.asyncio as aioredis
+
+from shared import keys
+from shared.errors import Busy
+from shared.jobs import JobStore
+from shared.schemas import JobRecord
+
+log = logging.getLogger("actq.api")
+RECHECK_SECONDS = 5.0  # a waiter reads its record at least this often, events or not
+RETRY_AFTER_SECONDS = 2
+
+
+class JobWaiters:
+    def __init__(self, aredis: aioredis.Redis, jobs: JobStore, capacity: int) -> None:
+        self.aredis, self.jobs, self.capacity = aredis, jobs, capacity
+        self.active = 0
+        self._events: dict[str, set[asyncio.Event]] = {}
+        self._listener: asyncio.Task | None = None
+        self._subscribed: asyncio.Event | None = None
+        self._prefix = keys.job_events("")
+
+    @contextlib.asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        """One waiter's place; `Busy` (429) when all `capacity` are taken."""
+        if self.active >= self.capacity:
+            raise Busy(
+                f"this API process already holds {self.capacity} long polls (ACTQ_MAX_LONG_POLLS); "
+                f"retry in {RETRY_AFTER_SECONDS} s, or poll without `wait`",
+                retry_after=RETRY_AFTER_SECONDS,
+            )
+        self.active += 1
+        try:
+            yield
+        finally:
+            self.active -= 1
+
+    async def wait(self, job_id: str, timeout: float) -> JobRecord | None:
+        """The record once it is terminal, or as it is after `timeout` seconds (None: no such job).
+        Call inside `slot()`."""
+        event = asyncio.Event()
+        self._events.setdefault(job_id, set()).add(event)
+        try:
+            deadline = time.monotonic() + timeout
+            while True:
+                event.clear()
+                await self._subscription()  # again: a lost subscription is renewed before the read
+                record = await self.jobs.get_async(job_id)
+                remaining = deadline - time.monotonic()
+                if record is None or record.status.terminal or remaining <= 0:
+                    return record
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(event.wait(), min(remaining, RECHECK_SECONDS))
+        finally:
+            waiters = self._events.get(job_id)
+            if waiters is not None:
+                waiters.discard(event)
+                if not waiters:
+                    del self._events[job_id]
+
+    async def _subscription(self) -> None:
+        """Start the listener if it is not running (in this event loop), and return once its
+        subscription is live; a RedisError if it cannot subscribe."""
+        loop = asyncio.get_running_loop()
+        listener = self._listener
+        if listener is None or listener.done() or listener.get_loop() is not loop:
+            self._subscribed = asyncio.Event()
+            listener = self._listener = loop.create_task(self._listen(self._subscribed), name="actq-job-events")
+        assert self._subscribed is not None
+        if self._subscribed.is_set():
+            return
+        ready = loop.create_task(self._subscribed.wait())
+        try:
+            await asyncio.wait([ready, listener], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            ready.cancel()
+        if not self._subscribed.is_set():  # the listener ended before subscribing: say why
+            listener.result()
+            raise redis.ConnectionError("the job-event subscription ended before it started")
+
+    async def _listen(self, subscribed: asyncio.Event) -> None:
+        pubsub = self.aredis.pubsub(ignore_subscribe_messages=True)
+        try:
+            await pubsub.psubscribe(self._prefix + "*")
+            subscribed.set()
+            while True:
+                message = await pubsub.get_message(timeout=RECHECK_SECONDS)
+                if message is None:
+                    continue
+                channel = message["channel"]
+                job_id = (channel.decode() if isinstance(channel, bytes) else channel).removeprefix(self._prefix)
+                for event in self._events.get(job_id, ()):
+                    event.set()
+        except redis.RedisError as exc:
+            if subscribed.is_set():
+                log.warning("job-event subscription lost (%s); waiters read again", exc)
+            raise
+        finally:
+            for waiters in list(self._events.values()):  # no event may be missed: everyone reads again
+                for event in waiters:
+                    event.set()
+            with contextlib.suppress(Exception):
+                await pubsub.aclose()
+
+    async def close(self) -> None:
+        if self._listener is not None and not self._listener.done():
+            self._listener.cancel()
+            with contextlib.suppress(asyncio.CancelledError, redis.RedisError):
+                await self._listener
