@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.actq-installed
 
-.PHONY: install run test test-fast lint format browser bench bench-storage bench-api clean
+.PHONY: install run test test-fast lint format browser bench bench-storage bench-api bench-long-polls clean
 
 install: $(STAMP)
 
@@ -53,6 +53,9 @@ bench: $(STAMP)
 
 bench-storage: $(STAMP)
 	$(BIN)/python bench/bench_storage.py --runs 9
+
+bench-long-polls: $(STAMP)
+	$(BIN)/python bench/bench_long_polls.py --waiters 1000
 
 # wrk (Debian's package) is the load generator; installed when this machine allows it.
 bench-api: $(STAMP)
