@@ -89,6 +89,10 @@ class Unavailable(ActqClientError):
     """503: the API cannot reach Redis or the broker; retrying later is reasonable."""
 
 
+class Busy(ActqClientError):
+    """429: a capacity limit of the API (e.g. its long polls); retry after a pause."""
+
+
 class JobFailed(ActqClientError):
     """The job ended `failed` or `cancelled`. `error_type` is the job's `error.type`
     (e.g. `context_length_exceeded`, or `cancelled`), `detail` its message, `job` the job."""
@@ -102,7 +106,7 @@ class ChecksumMismatch(ActqClientError):
     """The downloaded activations do not match the sha256 or size in the job's manifest."""
 
 
-_BY_STATUS = {400: BadRequest, 422: BadRequest, 404: NotFound, 409: Conflict, 503: Unavailable}
+_BY_STATUS = {400: BadRequest, 422: BadRequest, 404: NotFound, 409: Conflict, 429: Busy, 503: Unavailable}
 
 
 def _raise_for_error(response: httpx.Response) -> None:
@@ -364,9 +368,12 @@ class Client:
             return self._request("GET", f"/jobs/{quote(job_id, safe='')}").json()
         # The request is held up to `wait` seconds: the read timeout must outlast it.
         timeout = httpx.Timeout(self.timeout, read=wait + self.timeout)
-        return self._request(
-            "GET", f"/jobs/{quote(job_id, safe='')}", params={"wait": round(wait, 3)}, timeout=timeout
-        ).json()
+        try:
+            return self._request(
+                "GET", f"/jobs/{quote(job_id, safe='')}", params={"wait": round(wait, 3)}, timeout=timeout
+            ).json()
+        except Busy:  # every long-poll place of the API is taken: a plain read (Job.wait then backs off)
+            return self._request("GET", f"/jobs/{quote(job_id, safe='')}").json()
 
     def submit(
         self,

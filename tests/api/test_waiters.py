@@ -140,3 +140,35 @@ def test_an_error_while_waiting_for_a_queued_chat_job_says_do_not_retry(http, re
     error = answer.json()["error"]
     assert error["code"] == "wait_failed" and error["job_id"] in error["message"]
     assert job_count(redis_client) == before + 1
+
+
+def test_the_python_client_waits_on_when_every_long_poll_place_is_taken(http, monkeypatch):
+    """At capacity `Job.wait` reads without `wait` and backs off instead of raising; it still
+    returns once the job ends."""
+    from shared.client import Client, Job
+
+    class InProcess:  # the in-process app over HTTP (its TestClient takes no per-request timeout)
+        def request(self, method: str, url: str, **kwargs: object):
+            kwargs.pop("timeout", None)
+            return http.request(method, url, **kwargs)
+
+    client = Client.__new__(Client)
+    client._http, client.timeout = InProcess(), 30
+    job = Job(client, http.post("/jobs", json=CHAT).json())
+    store = http.app.state.services.jobs
+    waiters = http.app.state.services.waiters
+    waiters.active = waiters.capacity
+    polls = []
+
+    def fail_on_third_poll(seconds: float) -> None:
+        polls.append(seconds)
+        if len(polls) == 3:
+            store.fail(job.id, JobTimeout("ended while the client backed off"))
+
+    monkeypatch.setattr("shared.client.time.sleep", fail_on_third_poll)
+    try:
+        with pytest.raises(Exception, match="ended while the client backed off"):
+            job.wait(timeout=30, poll=5)
+    finally:
+        waiters.active = 0
+    assert len(polls) == 3 and polls[0] > 0  # it backed off between plain reads
