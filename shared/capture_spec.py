@@ -100,7 +100,7 @@ def resolve(spec: CaptureSpec, model: ModelInfo) -> list[CapturePoint]:
 
     points: list[CapturePoint] = []
     for info in (modules[i] for i in sorted(index[path] for path in selected)):
-        dim = info.output_dim if spec.hook == "output" else info.input_dim
+        dim = info.width(spec.hook)
         if dim is None:
             raise CaptureSpecError(
                 f"module {info.path!r} has no capturable {spec.hook} (it is not one [batch, position, hidden] tensor)"
@@ -192,7 +192,7 @@ def capture_bytes(
     width = 0
     for point in points:
         info = model.modules[model.module_index[point.module]]
-        width += (info.output_dim if point.hook == "output" else info.input_dim) or 0
+        width += info.width(point.hook) or 0
     return rows * width * ITEM_BYTES[capture.dtype]
 
 

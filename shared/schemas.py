@@ -208,6 +208,10 @@ class ModuleInfo(Strict):
     input_dim: int | None  # last dim of the first input tensor, None when not capturable
     all_positions: bool  # False when the module only sees the last position (lm_head in generate)
 
+    def width(self, hook: str) -> int | None:
+        """The last dimension captured on `hook` ("output" or "input"); None: not capturable."""
+        return self.output_dim if hook == "output" else self.input_dim
+
 
 class ModelInfo(Strict):
     """What a worker publishes about its model; the API validates capture specs against it."""

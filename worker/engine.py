@@ -211,7 +211,7 @@ class CaptureEngine:
 
     def _width(self, point: CapturePoint) -> int:
         info = self.info.modules[self.info.module_index[point.module]]
-        width = info.output_dim if point.hook == "output" else info.input_dim
+        width = info.width(point.hook)
         if width is None:
             raise JobFailure(f"module {point.module!r} has no capturable {point.hook}")
         return width
