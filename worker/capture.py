@@ -11,7 +11,7 @@ job owns: memory follows the rows kept, and the values are what the module retur
 
 Positions. A generation of N new tokens from a P-token prompt runs N forward steps: the first
 feeds positions [0, P), step k >= 1 feeds position P + k - 1. A module's value at a step is
-`[1, S, H]` and covers the last S positions fed so far (S = P, or 1 for a module that only sees the
+`[1, S, H]` (or `[S, H]`) and covers the last S positions fed so far (S = P, or 1 for a module that only sees the
 last position, like `lm_head` in generate). See engine.py for what each `positions` choice keeps.
 """
 
@@ -27,12 +27,15 @@ from shared.schemas import CapturePoint, ModuleInfo
 
 
 def first_tensor(value: object) -> torch.Tensor | None:
-    """A module's value if it is one tensor, or a tuple whose only tensor comes first."""
+    """A module's value: one tensor, or the first element of a tuple when that is a tensor (the
+    transformers convention: `(hidden_states, attention_weights, ...)`) and no other element is a
+    tensor of its shape (rotary embeddings return `(cos, sin)`: no one value)."""
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-        if not any(isinstance(v, torch.Tensor) for v in value[1:]):
-            return value[0]
+        first = value[0]
+        if not any(isinstance(v, torch.Tensor) and v.shape == first.shape for v in value[1:]):
+            return first
     return None
 
 
@@ -44,26 +47,58 @@ def first_input(args: tuple, kwargs: dict) -> object:
     return next(iter(kwargs.values()), None)
 
 
-def _row_dim(value: object, seq: int) -> tuple[int | None, bool]:
-    """(last dim, covers every position) for a floating `[1, S, H]` value, (None, False) otherwise."""
+def rows_of(value: torch.Tensor) -> torch.Tensor | None:
+    """A per-position value as `[S, H]`: `[1, S, H]` (batch first) or `[S, H]` (OPT's MLP and
+    per-layer norm flatten the batch away); None for any other shape."""
+    if value.dim() == 3 and value.shape[0] == 1:
+        return value[0]
+    if value.dim() == 2:
+        return value
+    return None
+
+
+PROBE_POSITIONS = 7  # the describe run's prompt length: unlike any head count or small width
+PROBE_STEPS = 2
+
+
+def _shape(value: object) -> tuple[int, ...] | None:
     tensor = first_tensor(value)
-    if tensor is None or tensor.dim() != 3 or tensor.shape[0] != 1 or not tensor.is_floating_point():
+    return tuple(tensor.shape) if tensor is not None and tensor.is_floating_point() else None
+
+
+def _row_layout(shapes: list[tuple[int, ...] | None]) -> tuple[int | None, bool]:
+    """(width, covers every position) from a value's shape at each describe step; (None, False)
+    when it is not one row per fed position. The first step feeds PROBE_POSITIONS positions, the
+    second one: a value of rows is `[1, S, H]` or `[S, H]` with S = 7 then 1 (or 1 then 1 for a
+    module that only sees the last position, like `lm_head` in generate, `[1, 1, H]` only)."""
+    if len(shapes) != PROBE_STEPS or any(shape is None for shape in shapes):
         return None, False
-    if tensor.shape[1] == seq:
-        return int(tensor.shape[2]), True
-    if tensor.shape[1] == 1:
-        return int(tensor.shape[2]), False
+    first, later = shapes
+    assert first is not None and later is not None
+    if len(first) != len(later) or first[-1] != later[-1] or len(first) not in (2, 3):
+        return None, False
+    if len(first) == 3 and (first[0], later[0]) != (1, 1):
+        return None, False
+    rows, later_rows = first[-2], later[-2]
+    if later_rows != 1:
+        return None, False
+    if rows == PROBE_POSITIONS:
+        return int(first[-1]), True
+    if rows == 1 and len(first) == 3:  # a 2-D [1, H] could as well be a pooled value: not rows
+        return int(first[-1]), False
     return None, False
 
 
 def describe_modules(model: torch.nn.Module, run_forward) -> list[ModuleInfo]:
     """Every capturable module, in the order the forward pass enters them, with its widths.
 
-    `run_forward(seq)` runs one forward step over `seq` positions. A module is capturable when its
-    output (or first input) is one floating `[1, S, H]` tensor and it runs exactly once per step:
-    a module called twice in a step (one shared block) has no single value per position."""
+    `run_forward(seq, steps)` runs a generation of `steps` forward steps from a `seq`-token prompt.
+    A module is capturable when its output (or first input) is one row per fed position at every
+    step (see `_row_layout`) and it runs exactly once per step: a module called twice in a step
+    (one shared block) has no single value per position. Modules the run never enters (a vision
+    tower when the model reads text) are not listed."""
     calls: dict[str, int] = {}
-    seen: dict[str, tuple[object, object]] = {}
+    shapes: dict[str, tuple[list, list]] = {}
     order: list[str] = []
     handles = []
     for path, module in model.named_modules():
@@ -72,29 +107,28 @@ def describe_modules(model: torch.nn.Module, run_forward) -> list[ModuleInfo]:
 
         def on_enter(_module, args, kwargs, path=path):
             calls[path] = calls.get(path, 0) + 1
-            if path not in seen:
+            if path not in shapes:
                 order.append(path)
-                seen[path] = (first_input(args, kwargs), None)
+                shapes[path] = ([], [])
+            shapes[path][0].append(_shape(first_input(args, kwargs)))
 
         def on_exit(_module, _args, output, path=path):
-            if calls.get(path) == 1:
-                seen[path] = (seen[path][0], output)
+            shapes[path][1].append(_shape(output))
 
         handles.append(module.register_forward_pre_hook(on_enter, with_kwargs=True))
         handles.append(module.register_forward_hook(on_exit))
-    seq = 3
     try:
-        run_forward(seq)
+        run_forward(PROBE_POSITIONS, PROBE_STEPS)
     finally:
         for handle in handles:
             handle.remove()
     modules = []
     for path in order:
-        if calls[path] != 1:
+        if calls[path] != PROBE_STEPS:
             continue
-        value_in, value_out = seen[path]
-        out_dim, out_all = _row_dim(value_out, seq)
-        in_dim, in_all = _row_dim(value_in, seq)
+        inputs, outputs = shapes[path]
+        out_dim, out_all = _row_layout(outputs)
+        in_dim, in_all = _row_layout(inputs)
         if out_dim is None and in_dim is None:
             continue
         all_positions = out_all if out_dim is not None else in_all
@@ -176,9 +210,10 @@ class StepCapture:
 
     def _keep(self, buffer: _Buffer, value: torch.Tensor | None) -> None:
         name, width = buffer.point.name, buffer.rows.shape[1]
-        if value is None or value.dim() != 3 or value.shape[0] != 1 or value.shape[2] != width:
-            raise JobFailure(f"{name}: expected one [1, positions, {width}] tensor at step {buffer.steps}")
-        step, seen = buffer.steps, int(value.shape[1])
+        rows = None if value is None else rows_of(value)
+        if rows is None or rows.shape[1] != width:
+            raise JobFailure(f"{name}: expected [1, positions, {width}] or [positions, {width}] at step {buffer.steps}")
+        step, seen = buffer.steps, int(rows.shape[0])
         buffer.steps += 1
         end = self.prompt_tokens + step  # one past the last position fed so far
         if seen not in (1, end if step == 0 else 1):
@@ -192,7 +227,7 @@ class StepCapture:
         if buffer.first is None or self.positions == "last":
             buffer.first = begin
         at = begin - buffer.first
-        buffer.rows[at : at + stop - begin].copy_(value[0, begin - (end - seen) : stop - (end - seen)])
+        buffer.rows[at : at + stop - begin].copy_(rows[begin - (end - seen) : stop - (end - seen)])
 
     def tensors(self, new_tokens: int) -> list[tuple[CapturePoint, torch.Tensor, int, int]]:
         """(point, [rows, H], start, stop) per point once the generation ended after `new_tokens`."""

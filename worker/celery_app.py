@@ -13,7 +13,8 @@ import os
 import signal
 
 from celery.exceptions import TimeLimitExceeded
-from celery.signals import worker_process_init, worker_process_shutdown
+from celery.platforms import EX_FAILURE
+from celery.signals import worker_init, worker_process_init, worker_process_shutdown, worker_shutting_down
 
 from shared import keys
 from shared.broker import check_timeouts, make_celery
@@ -57,6 +58,22 @@ def run_job(job_id: str) -> None:
     runner.run(job_id)
 
 
+_controller: list[object] = []  # the parent's WorkController, to give its exit code
+
+
+@worker_init.connect
+def _remember_controller(sender: object, **_: object) -> None:
+    _controller[:] = [sender]
+
+
+@worker_shutting_down.connect
+def _cold_shutdown_fails(sig: str, how: str, **_: object) -> None:
+    """Celery documents a cold shutdown (SIGQUIT) as exiting EX_FAILURE but its terminate path
+    exits 0; a child that cannot load the model asks for a cold shutdown, so set the code here."""
+    if how == "Cold" and _controller:
+        _controller[0].exitcode = EX_FAILURE  # type: ignore[attr-defined]  # a WorkController
+
+
 @worker_process_init.connect
 def _load_model(**_: object) -> None:
     from worker import runtime
@@ -67,9 +84,11 @@ def _load_model(**_: object) -> None:
         runtime.start(settings)
     except Exception:
         # Celery only logs a signal handler's exception and would go on consuming with no model;
-        # stop the whole worker instead (warm shutdown of the parent), with the reason in the log.
+        # stop the whole worker instead, with the reason in the log. SIGQUIT is Celery's cold
+        # shutdown, which exits 1 (SIGTERM's warm shutdown exits 0: a supervisor would see a
+        # clean exit and not report or restart it as failed).
         log.critical("cannot serve model %s; stopping the worker", settings.model, exc_info=True)
-        os.kill(os.getppid(), signal.SIGTERM)
+        os.kill(os.getppid(), signal.SIGQUIT)
         os._exit(1)
 
 

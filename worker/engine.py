@@ -15,6 +15,7 @@ and one past its last:
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,10 +30,21 @@ from shared.schemas import CapturePoint, JobRequest, ModelInfo
 from worker.capture import StepCapture, describe_modules
 from worker.footprint import footprint
 from worker.models import LoadedModel
+from worker.presets import resolve_presets
 from worker.prompts import PromptEncoder
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+
+def _required(config: object, name: str) -> int:
+    """A setting the worker cannot go on without: a clear error rather than a silent 0."""
+    value = getattr(config, name, None)
+    if not isinstance(value, int) or value <= 0:
+        raise ValueError(f"the model's configuration ({type(config).__name__}) has no usable {name}: {value!r}")
+    return value
 
 
 @dataclass
@@ -110,33 +122,54 @@ class CaptureEngine:
     # -- describing the model ------------------------------------------------------------
 
     def _describe(self) -> ModelInfo:
-        """A one-token generate over a 3-token input with hooks on every module: gives the modules
+        """A two-step generate over a short input with hooks on every module: gives the modules
         in forward-execution order, their widths, and which see every position."""
+        text = self.hf.config.get_text_config()  # a multimodal config keeps these in text_config
+        vocab = _required(text, "vocab_size")
 
-        def run_forward(seq: int) -> None:
-            ids = torch.arange(1, seq + 1, device=self.loaded.device).unsqueeze(0) % self.hf.config.vocab_size
+        def run_forward(seq: int, steps: int) -> None:
+            ids = torch.arange(1, seq + 1, device=self.loaded.device).unsqueeze(0) % vocab
             with self.lock, torch.inference_mode():
                 self.hf.generate(  # type: ignore[operator]  # generate is GenerationMixin's
-                    input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, do_sample=False, **self._pad()
+                    input_ids=ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=steps,
+                    min_new_tokens=steps,
+                    do_sample=False,
+                    **self._pad(),
                 )
 
         modules = describe_modules(self.hf, run_forward)
-        config = self.hf.config
+        hidden = _required(text, "hidden_size")
+        layers = _required(text, "num_hidden_layers")
         return ModelInfo(
             name=self.loaded.name,
             source=self.loaded.source,
             architecture=type(self.hf).__name__,
-            num_layers=int(getattr(config, "num_hidden_layers", 0)),
-            hidden_size=int(getattr(config, "hidden_size", 0)),
-            vocab_size=int(config.vocab_size),
-            max_context=int(getattr(config, "max_position_embeddings", 0) or 0),
+            num_layers=layers,
+            hidden_size=hidden,
+            vocab_size=vocab,
+            max_context=self._max_context(text),
             dtype=self.loaded.dtype,
             device=self.loaded.device,
             modules=modules,
             max_token_bytes=self.prompts.max_token_bytes(),
+            chat_template=self.prompts.has_chat_template,
+            presets=resolve_presets(self.hf, modules, hidden, layers),
             **self.prompts.template_tokens(),
-            **footprint(config, self.hf.dtype),
+            **footprint(self.hf.config, self.hf.dtype),
         )
+
+    def _max_context(self, text: object) -> int:
+        """The context length from the config, else the tokenizer's; 0 (no check) with a warning."""
+        found = getattr(text, "max_position_embeddings", None)
+        if isinstance(found, int) and found > 0:
+            return found
+        found = getattr(self.tokenizer, "model_max_length", None)
+        if isinstance(found, int) and 0 < found < 10**8:  # transformers' "unset" is a huge number
+            return found
+        log.warning("%s states no context length: prompts are not checked against one", self.loaded.name)
+        return 0
 
     def _pad(self) -> dict:
         pad = self.tokenizer.pad_token_id

@@ -28,6 +28,8 @@ def list_models(services: ServicesDep, include_offline: bool = False) -> list[Mo
                 hidden_size=info.hidden_size,
                 max_context=info.max_context,
                 dtype=info.dtype,
+                chat_template=info.chat_template,
+                presets=info.presets,
                 modules=[m.path for m in info.modules],
             )
         )

@@ -289,11 +289,12 @@ def test_a_worker_that_cannot_load_its_model_stops_with_the_reason(live, tmp_pat
     env = {**live.env, "ACTQ_MODEL": str(tmp_path / "no-such-model"), "ACTQ_MODEL_NAME": "broken"}
     process = spawn(worker_command("broken"), log, env)
     try:
-        process.wait(timeout=120)  # the worker exits by itself (TimeoutExpired fails the test)
+        code = process.wait(timeout=120)  # the worker exits by itself (TimeoutExpired fails the test)
     finally:
         stop(process)
     text = log.read_text(errors="replace")
-    assert "cannot serve model" in text and "stopping the worker" in text
+    assert "cannot serve model" in text and "stopping the worker" in text and "no such model folder" in text
+    assert code != 0, "a worker that cannot serve its model must not exit 0 (a supervisor would see success)"
     with live.client() as http:
         assert "broken" not in http.get("/health").json()["workers"]
 

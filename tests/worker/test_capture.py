@@ -54,5 +54,66 @@ def test_describe_lists_modules_in_entry_order_and_skips_shared_ones():
             return self.twice(self.twice(self.first(x)))
 
     model = Shared()
-    modules = describe_modules(model, lambda seq: model(torch.randn(1, seq, 4)))
+    modules = describe_modules(model, lambda seq, steps: _generate_like(model, seq, steps))
     assert [m.path for m in modules] == ["first"]  # `twice` runs twice a step: no single value per row
+
+
+def _generate_like(model: torch.nn.Module, seq: int, steps: int) -> None:
+    """What generate does to each module: a prefill over `seq` positions, then one per step."""
+    with torch.no_grad():
+        for step in range(steps):
+            model(torch.randn(1, seq if step == 0 else 1, 4))
+
+
+class TupleAttention(torch.nn.Module):
+    """Returns `(out, weights)`, as transformers' eager attention does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.proj(x), torch.ones(1, 2, x.shape[1], x.shape[1])
+
+
+class Shapes(torch.nn.Module):
+    """Values of every layout a model may give: OPT-like `[S, H]` rows, a pooled `[1, H]`, an
+    attention-like `(out, weights)` tuple and a rotary-like `(cos, sin)` pair."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flat = torch.nn.Linear(4, 6)  # called on [S, 4]
+        self.pooled = torch.nn.Linear(4, 4)  # called on the mean over positions: [1, 4]
+        self.attn = TupleAttention()
+        self.rotary = torch.nn.Identity()  # called on (x, x): two tensors of one shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.pooled(x.mean(dim=1))
+        self.rotary((x, x))
+        self.attn(x)
+        return self.flat(x.view(-1, 4))
+
+
+def test_describe_lists_flat_rows_and_attention_tuples_not_pooled_values_or_pairs():
+    model = Shapes()
+    modules = {m.path: m for m in describe_modules(model, lambda seq, steps: _generate_like(model, seq, steps))}
+    assert modules["flat"].output_dim == 6 and modules["flat"].input_dim == 4 and modules["flat"].all_positions
+    assert modules["attn"].output_dim == 4  # the first element of (out, weights)
+    assert "pooled" not in modules  # [1, H] at every step is no row per position
+    assert "rotary" not in modules  # (cos, sin): no one value
+
+
+def test_flat_rows_are_captured_as_rows_of_the_sequence():
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(4, 6)
+    points = [CapturePoint(name="flat", module="flat", hook="output")]
+    model = torch.nn.Module()
+    model.flat = layer
+    prefill, step = torch.randn(5, 4), torch.randn(1, 4)
+    with torch.no_grad(), StepCapture(model, points, [6], "all", 5, 2, torch.float32) as capture:
+        layer(prefill)
+        layer(step)
+    ((_, rows, start, stop),) = capture.tensors(new_tokens=2)
+    with torch.no_grad():
+        expected = torch.cat([layer(prefill), layer(step)])
+    assert (start, stop) == (0, 6) and torch.equal(rows, expected)
