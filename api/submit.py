@@ -11,7 +11,15 @@ import redis
 
 from api.deps import Services
 from shared import capture_spec, keys
-from shared.errors import ActqError, BadRequest, Conflict, ContextLengthExceeded, PromptTooLong, UnknownModel
+from shared.errors import (
+    ActqError,
+    BadRequest,
+    Conflict,
+    ContextLengthExceeded,
+    NoChatTemplate,
+    PromptTooLong,
+    UnknownModel,
+)
 from shared.idempotency import scoped
 from shared.jobs import now
 from shared.schemas import BatchEntry, CapturePoint, JobRecord, JobRequest, JobStatus, ModelInfo
@@ -30,6 +38,12 @@ def plan(services: Services, request: JobRequest, cache: dict[tuple[str, ...], o
     if not isinstance(info, ModelInfo):
         served = ", ".join(services.registry.names()) or "none yet (is a worker running?)"
         raise UnknownModel(f"model {request.model!r} is not served here; served models: {served}")
+    if request.messages is not None and not info.chat_template:
+        raise NoChatTemplate(
+            f"model {info.name!r} has no chat template, so `messages` cannot be rendered: send the text as `prompt` "
+            "(raw text; /v1/completions under the OpenAI API), or give its workers a template "
+            "(ACTQ_CHAT_TEMPLATE=path/to/template.jinja)"
+        )
     max_tokens = request.max_tokens or settings.max_tokens_default
     if max_tokens > settings.max_tokens_limit:
         raise BadRequest(

@@ -80,11 +80,34 @@ def _closest(concrete: str, paths: list[str]) -> str:
     return f"; closest valid names: {', '.join(near)}" if near else ""
 
 
+def preset_paths(spec: CaptureSpec, model: ModelInfo) -> list[str]:
+    """The module paths a spec's preset names at its layers (all layers by default)."""
+    if spec.preset is None:
+        return []
+    paths = model.presets.get(spec.preset)
+    if paths is None:
+        known = ", ".join(sorted(model.presets)) or "none (name modules instead)"
+        raise CaptureSpecError(
+            f"model {model.name!r} has no preset {spec.preset!r}; its presets: {known} (GET /models lists them)"
+        )
+    if spec.layers is None:
+        return list(paths)
+    count, picked = len(paths), []
+    for layer in spec.layers:
+        if not -count <= layer < count:
+            raise CaptureSpecError(
+                f"layer {layer} is out of range for preset {spec.preset!r}: model {model.name!r} has {count} "
+                f"layers (0 to {count - 1}, or -1 for the last)"
+            )
+        picked.append(paths[layer])
+    return picked
+
+
 def resolve(spec: CaptureSpec, model: ModelInfo) -> list[CapturePoint]:
     """The capture points a spec names, in forward-execution order, each checked for the hook."""
     modules: list[ModuleInfo] = model.modules
     index = model.module_index
-    selected: set[str] = set()
+    selected: set[str] = set(preset_paths(spec, model))
     for segments in dict.fromkeys(tuple(s) for s in parse_all(spec.modules)):
         concrete = ".".join(segments)
         if WILDCARD in segments:  # only the modules of the same shape (numbers as '*') can match
@@ -118,8 +141,11 @@ def resolve(spec: CaptureSpec, model: ModelInfo) -> list[CapturePoint]:
 def prompt_tokens_upper_bound(request: JobRequest, model: ModelInfo) -> int:
     """An upper bound on prompt tokens without a tokenizer: a byte-level BPE token covers >= 1 byte
     of content, plus the chat template's own tokens as the worker measured them (a default system
-    prompt included); a generous guess where the worker did not measure them."""
-    content = sum(len(m.content.encode()) for m in request.messages)
+    prompt included); a generous guess where the worker did not measure them. A raw `prompt` has
+    no template: only the tokens the tokenizer adds (BOS), well inside the slack of 8."""
+    content = request.content_bytes
+    if request.messages is None:
+        return content + 8
     if model.template_tokens is None or model.template_tokens_per_message is None:
         return content + TEMPLATE_TOKENS_PER_MESSAGE * len(request.messages) + 8
     per_message = max(model.template_tokens_per_message, 0)
@@ -149,8 +175,7 @@ def prompt_tokens_lower_bound(request: JobRequest, model: ModelInfo) -> int:
     bytes of text (0 when the worker did not say)."""
     if not model.max_token_bytes:
         return 0
-    content = sum(len(m.content.encode()) for m in request.messages)
-    return -(-content // model.max_token_bytes)
+    return -(-request.content_bytes // model.max_token_bytes)
 
 
 def check_prompt_fits(request: JobRequest, model: ModelInfo, max_tokens: int) -> None:
@@ -158,8 +183,9 @@ def check_prompt_fits(request: JobRequest, model: ModelInfo, max_tokens: int) ->
     checks it at submit and the worker again before it tokenizes anything."""
     least = prompt_tokens_lower_bound(request, model)
     if model.max_context and least + max_tokens > model.max_context:
+        what = "prompt is" if request.prompt is not None else "messages are"
         raise ContextLengthExceeded(
-            f"the messages are at least {least:,} tokens ({model.name}'s tokens stand for at most "
+            f"the {what} at least {least:,} tokens ({model.name}'s tokens stand for at most "
             f"{model.max_token_bytes} bytes each) and max_tokens is {max_tokens}: over the model's context of "
             f"{model.max_context:,}; shorten the prompt or ask for fewer tokens"
         )

@@ -63,6 +63,10 @@ class PromptTooLong(BadRequest):
     error_type = "context_length_exceeded"
 
 
+class NoChatTemplate(BadRequest):
+    error_type = "no_chat_template"
+
+
 class Unauthorized(ActqError):
     status_code = 401
     error_type = "unauthorized"

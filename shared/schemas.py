@@ -7,7 +7,7 @@ from datetime import datetime
 from functools import cached_property
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.dtypes import CaptureDtype
 from shared.states import JobStatus as JobStatus  # re-exported: the states live in shared.states
@@ -18,6 +18,7 @@ Hook = Literal["output", "input"]
 MAX_CAPTURE_PATTERNS = 256
 MAX_MESSAGES = 512
 MAX_MESSAGE_CHARS = 1_000_000
+MAX_PROMPT_CHARS = 1_000_000
 MAX_STOP_STRINGS = 8
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as vLLM does)
 
@@ -34,21 +35,38 @@ class ChatMessage(Strict):
 
 
 class CaptureSpec(Strict):
-    """Which activations to keep. See README "Capture" for the path grammar and positions."""
+    """Which activations to keep: module path patterns, a preset, or both (README "Capture")."""
 
     modules: Annotated[
-        list[Annotated[str, Field(min_length=1, max_length=256)]], Field(min_length=1, max_length=MAX_CAPTURE_PATTERNS)
-    ]
+        list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=MAX_CAPTURE_PATTERNS)
+    ] = []
+    # A named module set the model publishes (GET /models: residual, attention, mlp), one module
+    # per decoder block; `layers` picks blocks by index (negative counts from the last), default all.
+    preset: Annotated[str, Field(pattern=r"^[a-z][a-z_]{0,31}$")] | None = None
+    layers: (
+        Annotated[list[Annotated[int, Field(ge=-100_000, le=100_000)]], Field(min_length=1, max_length=4096)] | None
+    ) = None
     hook: Hook = "output"
     positions: Positions = "all"
     dtype: CaptureDtype = "float32"
 
+    @model_validator(mode="after")
+    def _names_something(self) -> CaptureSpec:
+        if not self.modules and self.preset is None:
+            raise ValueError('name what to capture: `modules` (path patterns) or a `preset` (e.g. "residual")')
+        if self.layers is not None and self.preset is None:
+            raise ValueError("`layers` picks the blocks of a `preset`; give a preset, or use index sets in `modules`")
+        return self
+
 
 class JobRequest(Strict):
-    """`POST /jobs`: an OpenAI-style chat request plus an optional capture spec."""
+    """`POST /jobs`: an OpenAI-style chat request (`messages`, rendered with the model's chat
+    template) or a raw text `prompt` (tokenized as it is, for base models), plus an optional
+    capture spec."""
 
     model: Annotated[str, Field(min_length=1, max_length=200)]
-    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
+    prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
@@ -58,6 +76,22 @@ class JobRequest(Strict):
     time_limit: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = (
         None  # seconds; at most ACTQ_JOB_SOFT_TIME_LIMIT
     )
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> JobRequest:
+        if (self.messages is None) == (self.prompt is None):
+            raise ValueError(
+                "give exactly one of `messages` (a chat, rendered with the model's chat template) "
+                "or `prompt` (raw text, tokenized as it is, no template)"
+            )
+        return self
+
+    @property
+    def content_bytes(self) -> int:
+        """UTF-8 bytes of the text the user wrote: the prompt, or every message's content."""
+        if self.prompt is not None:
+            return len(self.prompt.encode())
+        return sum(len(m.content.encode()) for m in self.messages or [])
 
     @property
     def samples(self) -> bool:
@@ -240,6 +274,10 @@ class ModelInfo(Strict):
     kv_bytes_per_token: int | None = None
     activation_bytes_per_token: int | None = None
     attention_bytes_per_token_pair: int = 0
+    # Whether the model has a chat template (takes `messages`); without one, only `prompt`.
+    chat_template: bool = True
+    # Named module sets, one path per decoder block (worker/presets.py): residual, attention, mlp.
+    presets: dict[str, list[str]] = {}
 
     @cached_property
     def module_index(self) -> dict[str, int]:
@@ -265,4 +303,6 @@ class ModelView(Strict):
     hidden_size: int
     max_context: int
     dtype: str
+    chat_template: bool  # False: a base model, send `prompt` (raw text) rather than `messages`
+    presets: dict[str, list[str]]  # preset -> one module path per decoder block
     modules: list[str]  # forward-execution order

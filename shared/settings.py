@@ -79,6 +79,20 @@ class Settings(BaseSettings):
             "users (by default they are text, so no message can forge a turn of the chat template)."
         ),
     )
+    chat_template: Path | None = Field(
+        None,
+        description=(
+            "A Jinja chat template file for the worker's model, replacing the tokenizer's own (or giving a base "
+            "model one, so that it takes `messages`)."
+        ),
+    )
+    trust_remote_code: bool = Field(
+        False,
+        description=(
+            "Let the worker run Python code shipped inside the model folder or hub repo (needed by some "
+            "architectures): only for models you trust; the worker logs a warning when on."
+        ),
+    )
     torch_threads: int | None = Field(None, ge=1, description="torch CPU threads in the worker (default: torch's).")
     max_request_bytes: int = Field(
         4 << 20,

@@ -102,6 +102,21 @@ def pick_dtype(setting: str, device: str) -> str:
     return setting
 
 
+def read_chat_template(path: Path, tokenizer: PreTrainedTokenizerBase) -> str:
+    """ACTQ_CHAT_TEMPLATE's text, checked by rendering a one-message chat with it."""
+    try:
+        template = path.expanduser().read_text()
+    except OSError as exc:
+        raise ValueError(f"ACTQ_CHAT_TEMPLATE={str(path)!r} cannot be read: {exc}") from exc
+    try:
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "hi"}], chat_template=template, add_generation_prompt=True, tokenize=False
+        )
+    except Exception as exc:
+        raise ValueError(f"ACTQ_CHAT_TEMPLATE={str(path)!r} does not render a chat: {exc}") from exc
+    return template
+
+
 def load(settings: Settings) -> LoadedModel:
     """Load the model and tokenizer once; every job runs on this copy."""
     import torch
@@ -113,8 +128,15 @@ def load(settings: Settings) -> LoadedModel:
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     local = Path(source).is_dir()  # no hub lookups for a local folder
-    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), local_files_only=local)
+    remote = settings.trust_remote_code
+    if remote:
+        log.warning("ACTQ_TRUST_REMOTE_CODE is on: code shipped with %s may run in this worker", source)
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local, trust_remote_code=remote)
+    if settings.chat_template is not None:
+        tokenizer.chat_template = read_chat_template(settings.chat_template, tokenizer)
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=getattr(torch, dtype), local_files_only=local, trust_remote_code=remote
+    )
     model.to(device)  # type: ignore[arg-type]  # mypy does not bind self for functools.wraps-decorated .to
     model.eval()
     return LoadedModel(

@@ -34,9 +34,20 @@ class PromptEncoder:
             re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
         )
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
     def encode(self, request: JobRequest) -> dict[str, torch.Tensor]:
         """`input_ids` and `attention_mask`, `[1, P]`, on the CPU."""
-        messages = [m.model_dump() for m in request.messages]
+        if request.prompt is not None:
+            return self._raw(request.prompt)
+        if not self.has_chat_template:
+            raise JobFailure(
+                "this model has no chat template, so messages cannot be rendered; send the text as `prompt`, "
+                "or give the deployment a template (ACTQ_CHAT_TEMPLATE)"
+            )
+        messages = [m.model_dump() for m in request.messages or []]
         if (
             self.allow_special_tokens
             or self._special is None
@@ -50,6 +61,15 @@ class PromptEncoder:
             )
             return {k: encoded[k] for k in ("input_ids", "attention_mask")}
         ids = self._as_text(messages)
+        tensor = torch.tensor([ids], dtype=torch.long)
+        return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
+
+    def _raw(self, prompt: str) -> dict[str, torch.Tensor]:
+        """A raw prompt: tokenized as `tokenizer(prompt)` does it (the tokenizer's own BOS
+        included), special-token strings kept as text unless the deployment allows them."""
+        ids = [int(i) for i in self.tokenizer(prompt, split_special_tokens=not self.allow_special_tokens)["input_ids"]]
+        if not ids:
+            raise JobFailure("the prompt tokenizes to no tokens")
         tensor = torch.tensor([ids], dtype=torch.long)
         return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
 
@@ -89,6 +109,8 @@ class PromptEncoder:
     def template_tokens(self) -> dict[str, int]:
         """The chat template's own tokens: around one empty user message (a default system prompt
         included) and per further message, so the API's size estimate can count them."""
+        if not self.has_chat_template:
+            return {}
         user = {"role": "user", "content": ""}
 
         def count(messages: list[dict[str, str]]) -> int:

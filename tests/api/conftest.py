@@ -24,10 +24,10 @@ def settings(redis_server: RedisServer, tmp_path) -> Settings:
 
 @pytest.fixture
 def http(settings: Settings, redis_client: redis.Redis):
-    """The app over HTTP, with `tiny` known and one live worker for it."""
+    """The app over HTTP, with `tiny` and `tiny-base` (no chat template) known, each with a live worker."""
     registry = ModelRegistry(redis_client, settings.heartbeat_ttl)
-    info = tiny_llama()
-    registry.publish(info)
-    registry.heartbeat(info, "test-worker")
+    for info in (tiny_llama(), tiny_llama("tiny-base").model_copy(update={"chat_template": False})):
+        registry.publish(info)
+        registry.heartbeat(info, f"worker-{info.name}")
     with TestClient(create_app(settings)) as client:
         yield client

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from shared.capture_spec import MemoryEstimate, check_budget, estimate, prompt_tokens_upper_bound, resolve
+from shared.capture_spec import (
+    MemoryEstimate,
+    check_budget,
+    estimate,
+    prompt_tokens_lower_bound,
+    prompt_tokens_upper_bound,
+    resolve,
+)
 from shared.errors import CaptureSpecError, CaptureTooLarge, JobTooLarge
 from shared.schemas import CaptureSpec, JobRequest, ModelInfo, ModuleInfo
 
@@ -32,6 +39,10 @@ def _model() -> ModelInfo:
         dtype="float32",
         device="cpu",
         modules=modules,
+        presets={
+            "residual": [f"model.layers.{i}" for i in range(12)],
+            "mlp": [f"model.layers.{i}.mlp" for i in range(12)],
+        },
     )
 
 
@@ -152,3 +163,48 @@ def test_wildcards_match_through_the_shape_index():
     expected = [path for i in range(12) for path in (f"model.layers.{i}", f"model.layers.{i}.mlp")]
     assert [p.module for p in resolve(spec, MODEL)] == expected
     assert MODEL.shape_index["model.layers.*.mlp"] == [f"model.layers.{i}.mlp" for i in range(12)]
+
+
+def _names(**spec) -> list[str]:
+    return [p.name for p in resolve(CaptureSpec(**spec), MODEL)]
+
+
+def test_a_preset_names_one_module_per_block_at_the_layers_asked_in_forward_order():
+    assert _names(preset="residual") == [f"model.layers.{i}" for i in range(12)]
+    assert _names(preset="residual", layers=[-1, 3, 0]) == ["model.layers.0", "model.layers.3", "model.layers.11"]
+    assert _names(preset="mlp", layers=[2], hook="input") == ["model.layers.2.mlp:input"]
+    # with modules: the union, each module once, still in forward order
+    both = _names(preset="residual", layers=[1], modules=["model.layers.{1,2}", "model.norm"])
+    assert both == ["model.layers.1", "model.layers.2", "model.norm"]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"preset": "attention"}, "model 'm' has no preset 'attention'; its presets: mlp, residual"),
+        ({"preset": "residual", "layers": [12]}, "layer 12 is out of range for preset 'residual'"),
+        ({"preset": "residual", "layers": [-13]}, "model 'm' has 12 layers (0 to 11, or -1 for the last)"),
+    ],
+)
+def test_a_preset_the_model_cannot_resolve_is_refused(spec, message):
+    with pytest.raises(CaptureSpecError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        resolve(CaptureSpec(**spec), MODEL)
+
+
+def test_a_raw_prompt_is_bounded_by_its_bytes_with_no_template_tokens():
+    request = JobRequest(model="m", prompt="x" * 40)
+    chat = JobRequest(model="m", messages=[{"role": "user", "content": "x" * 40}])
+    assert prompt_tokens_upper_bound(request, MODEL) == 40 + 8  # a BOS or two, well inside the slack
+    assert prompt_tokens_upper_bound(chat, MODEL) > prompt_tokens_upper_bound(request, MODEL)
+    bytes_per_token = MODEL.model_copy(update={"max_token_bytes": 16})
+    assert prompt_tokens_lower_bound(request, bytes_per_token) == 3  # ceil(40 / 16)
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [{}, {"prompt": "a", "messages": [{"role": "user", "content": "a"}]}],
+    ids=["neither", "both"],
+)
+def test_a_request_gives_exactly_one_of_prompt_and_messages(fields):
+    with pytest.raises(ValueError, match="give exactly one of `messages`"):
+        JobRequest(model="m", **fields)

@@ -49,6 +49,11 @@ def tiny_llama(name: str = "tiny", layers: int = 4, hidden: int = 64, intermedia
         dtype="float32",
         device="cpu",
         modules=modules,
+        presets={
+            "residual": [f"model.layers.{i}" for i in range(layers)],
+            "attention": [f"model.layers.{i}.self_attn" for i in range(layers)],
+            "mlp": [f"model.layers.{i}.mlp" for i in range(layers)],
+        },
         template_tokens=30,  # what a worker measures for SmolLM2's tokenizer and template
         template_tokens_per_message=6,
         max_token_bytes=81,
