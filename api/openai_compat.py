@@ -1,9 +1,11 @@
-"""OpenAI's chat completion shapes and their translation to and from actq jobs.
+"""OpenAI's chat completion and (legacy) completion shapes and their translation to and from actq jobs.
 
-A chat completion request becomes an ordinary actq job (the same `JobRequest` as `POST /jobs`);
-the answer is OpenAI's ChatCompletion with an extra `actq` field: the job id and the activations
-manifest exactly as `GET /jobs/{id}` renders it. What actq cannot honour is refused with a 400
-naming the field (see `UNSUPPORTED`); routes/openai.py says what the endpoints do.
+A chat completion request becomes an ordinary actq job (the same `JobRequest` as `POST /jobs`,
+with `messages`); a completion request becomes one with a raw `prompt` (no chat template). The
+answer is OpenAI's ChatCompletion or Completion with an extra `actq` field: the job id and the
+activations manifest exactly as `GET /jobs/{id}` renders it. What actq cannot honour is refused
+with a 400 naming the field (see `UNSUPPORTED` and `COMPLETION_UNSUPPORTED`); routes/openai.py
+says what the endpoints do.
 
 Errors under /v1 use OpenAI's error shape, because that is where OpenAI's clients look for the
 message (`{"error": {"message", "type", "param", "code"}}`; `code` is actq's error type), plus
@@ -77,15 +79,20 @@ def _unsupported(field: str, message: str) -> OpenAIError:
     return OpenAIError(400, message, "unsupported_parameter", param=field)
 
 
-def from_validation(errors: Sequence[Mapping[str, Any]]) -> OpenAIError:
+# endpoint -> whose fields it takes, for the message about an unknown field
+ENDPOINT_FIELDS = {"/v1/chat/completions": "chat completion", "/v1/completions": "completion"}
+
+
+def from_validation(errors: Sequence[Mapping[str, Any]], endpoint: str = "/v1/chat/completions") -> OpenAIError:
     if any(e.get("type") == "json_invalid" for e in errors):
         return OpenAIError(400, "the request body is not valid JSON", "invalid_json")
     messages = []
     for e in errors:
         place = where(tuple(e.get("loc", ())))
         if e.get("type") == "extra_forbidden":
+            fields = ENDPOINT_FIELDS.get(endpoint, "request")
             messages.append(
-                f"unknown field {place!r}: /v1/chat/completions takes OpenAI's chat completion fields "
+                f"unknown field {place!r}: {endpoint} takes OpenAI's {fields} fields "
                 "plus 'capture' and 'actq_wait_seconds'"
             )
         else:
@@ -231,8 +238,8 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _check_supported(body: ChatCompletionRequest) -> None:
-    for field, (honoured, refusal) in UNSUPPORTED.items():
+def _check_supported(body: BaseModel, table: Mapping[str, tuple[Callable[[Any], bool], str]]) -> None:
+    for field, (honoured, refusal) in table.items():
         value = getattr(body, field)
         if not honoured(value):
             raise _unsupported(field, refusal.format(value=_short(value)))
@@ -284,7 +291,7 @@ def _message(index: int, message: Message) -> dict[str, str]:
 
 def to_job_request(body: ChatCompletionRequest) -> JobRequest:
     """The actq job an OpenAI chat completion request asks for (400 for what it cannot honour)."""
-    _check_supported(body)
+    _check_supported(body, UNSUPPORTED)
     if (
         body.max_tokens is not None
         and body.max_completion_tokens is not None
@@ -306,10 +313,121 @@ def to_job_request(body: ChatCompletionRequest) -> JobRequest:
         "stop": body.stop,
         "capture": body.capture,
     }
-    try:  # JobRequest's own constraints (ranges, limits), exactly as for POST /jobs
+    return _job_request(fields)
+
+
+def _job_request(fields: dict[str, Any]) -> JobRequest:
+    """JobRequest's own constraints (ranges, limits), exactly as for POST /jobs; a field left
+    None takes JobRequest's default."""
+    try:
         return JobRequest.model_validate({k: v for k, v in fields.items() if v is not None})
     except ValidationError as exc:
         raise from_validation(list(exc.errors())) from None
+
+
+class CompletionRequest(BaseModel):
+    """OpenAI's (legacy) completion request, plus `capture` and `actq_wait_seconds`. `prompt` is
+    typed loosely so that what actq cannot run (several prompts, token ids) gets a message saying
+    what to send (`_prompt_text`) rather than pydantic's union errors."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    prompt: Annotated[Any, Field(description="the text to complete: a string, or a list holding exactly one string")]
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    capture: CaptureSpec | None = None
+    actq_wait_seconds: Annotated[float, Field(gt=0, le=WAIT_MAX_SECONDS)] = WAIT_DEFAULT_SECONDS
+    # Accepted only with a value actq honours (see COMPLETION_UNSUPPORTED)
+    n: int | None = None
+    stream: bool | None = None
+    stream_options: Any = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+    # Accepted and ignored: no effect on what the model generates
+    user: Any = None
+
+
+# The chat refusals that mean the same here, plus the completion's own fields (legacy `logprobs`
+# is a count of tokens, 0 asking for none).
+COMPLETION_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
+    **{
+        field: UNSUPPORTED[field]
+        for field in ("stream", "stream_options", "n", "frequency_penalty", "presence_penalty", "logit_bias")
+    },
+    "logprobs": (
+        lambda v: v in (None, 0),
+        f"logprobs={{value}} is not supported: {_NO_LOGPROBS}; send 0 or leave it out",
+    ),
+    "echo": (
+        lambda v: v in (None, False),
+        "echo=true is not supported: the text returned is the completion only; send echo=false and prepend "
+        "the prompt yourself (its activations: capture with positions 'prompt' or 'all')",
+    ),
+    "suffix": (
+        lambda v: v is None,
+        "suffix is not supported (no fill-in-the-middle): the model continues the prompt; leave suffix out",
+    ),
+    "best_of": (
+        lambda v: v in (None, 1),
+        "best_of={value} is not supported: actq generates one completion per request; send best_of=1 or leave it out",
+    ),
+}
+
+
+def _invalid_prompt(message: str) -> OpenAIError:
+    return OpenAIError(400, message, "invalid_request", param="prompt")
+
+
+def _prompt_text(prompt: Any) -> str:
+    """The one text a completion request asks to continue. OpenAI also takes several prompts (one
+    choice each) and token ids; an actq job is one text, tokenized by the worker as it is."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise _invalid_prompt("prompt is empty: send the text to complete as a non-empty string")
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
+        raise _unsupported(
+            "prompt",
+            f"prompt holds {len(prompt)} prompts: actq runs one prompt per request; send one string "
+            "(or one request per prompt)",
+        )
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
+        raise _unsupported(
+            "prompt",
+            "prompt as token ids is not supported: send the text as a string (the worker tokenizes it with "
+            "the model's tokenizer)",
+        )
+    raise _invalid_prompt(
+        f"prompt must be the text to complete, a non-empty string (or a list holding exactly one string), "
+        f"not {_short(prompt)}"
+    )
+
+
+def completion_job_request(body: CompletionRequest) -> JobRequest:
+    """The actq job an OpenAI completion request asks for: its prompt as raw text, tokenized as it
+    is with no chat template (400 for what it cannot honour)."""
+    _check_supported(body, COMPLETION_UNSUPPORTED)
+    fields: dict[str, Any] = {
+        "model": body.model,
+        "prompt": _prompt_text(body.prompt),
+        "max_tokens": body.max_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+        "seed": body.seed,
+        "stop": body.stop,
+        "capture": body.capture,
+    }
+    return _job_request(fields)
 
 
 # --- response -----------------------------------------------------------------------------------
@@ -343,6 +461,25 @@ class ChatCompletion(BaseModel):
     actq: ActqExtra
 
 
+class TextChoice(BaseModel):
+    text: str
+    index: int
+    logprobs: None = None
+    finish_reason: Literal["stop", "length"]
+
+
+class Completion(BaseModel):
+    """OpenAI's (legacy) Completion, `object: "text_completion"`."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: Usage
+    actq: ActqExtra
+
+
 class ModelCard(BaseModel):
     id: str
     object: Literal["model"] = "model"
@@ -355,9 +492,13 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+def _extra(record: JobRecord, request: Request) -> ActqExtra:
+    """The `actq` field: the manifest as GET /jobs/{id} renders it (download_url included)."""
+    return ActqExtra(job_id=record.id, activations=view(record, request).activations)
+
+
 def completion(record: JobRecord, request: Request) -> ChatCompletion:
     assert record.result is not None
-    job = view(record, request)
     return ChatCompletion(
         id=f"chatcmpl-{record.id}",
         created=int(record.created_at.timestamp()),
@@ -368,7 +509,21 @@ def completion(record: JobRecord, request: Request) -> ChatCompletion:
             )
         ],
         usage=record.result.usage,
-        actq=ActqExtra(job_id=record.id, activations=job.activations),
+        actq=_extra(record, request),
+    )
+
+
+def text_completion(record: JobRecord, request: Request) -> Completion:
+    """A succeeded job as OpenAI's Completion (finish_reason as for chat: a succeeded job stopped
+    or ran to its length; cancelled and timed-out jobs are errors, see `unfinished`)."""
+    assert record.result is not None
+    return Completion(
+        id=f"cmpl-{record.id}",
+        created=int(record.created_at.timestamp()),
+        model=record.model,
+        choices=[TextChoice(text=record.result.text, index=0, finish_reason=record.result.finish_reason)],
+        usage=record.result.usage,
+        actq=_extra(record, request),
     )
 
 

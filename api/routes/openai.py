@@ -1,10 +1,18 @@
-"""OpenAI-compatible endpoints: `POST /v1/chat/completions` and `GET /v1/models`.
+"""OpenAI-compatible endpoints: `POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/models`.
 
 A chat completion request becomes an ordinary actq job (the same `JobRequest`, the same
 `api.submit.submit`: validation, capture budget, idempotency and enqueueing are shared with
 `POST /jobs`); the route then waits for the job (async, on its Redis pub/sub channel) and answers
 in OpenAI's ChatCompletion shape, with an extra `actq` field: the job id and the activations
 manifest exactly as `GET /jobs/{id}` renders it.
+
+A (legacy) completion request goes the same way (`_finished`) as a job with a raw `prompt`: the
+text is tokenized as it is (the tokenizer's own BOS included), with no chat template, which is
+what base models and probing on exact text need. The answer is OpenAI's Completion (`id`
+"cmpl-" + job id, `object: "text_completion"`, `choices[0].text`), with the same `actq` field.
+`prompt` is a string or a list holding exactly one string; several prompts or token ids are a 400.
+Refused as for chat: `n` > 1, streaming, penalties, logit bias, `logprobs` (other than 0); and the
+completion's own `echo: true`, `suffix` and `best_of` > 1. `user` is accepted and ignored.
 
 Differences from OpenAI, each refused with a 400 naming the field rather than silently ignored:
 no streaming, one choice (`n` = 1), no tools or function calls, no logprobs, no penalties or
@@ -22,7 +30,8 @@ that ran (failed, cancelled, still running) carry `x-should-retry: false`, so th
 clients do not resubmit it on their own: a retry would queue a new job. So does any error met while
 waiting for a queued job (`wait_failed`, naming the job). The wait takes one of the process's
 long-poll places (ACTQ_MAX_LONG_POLLS); when none is free the answer is a 429 with `Retry-After`
-before anything is queued, which the client's own retry handles.
+before anything is queued, which the client's own retry handles. Both completion endpoints share
+this flow (`_finished`), so they cannot drift apart on it.
 """
 
 from __future__ import annotations
@@ -42,19 +51,23 @@ from api.deps import CallerDep, Services, ServicesDep, get_caller
 from api.openai_compat import (
     ChatCompletion,
     ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
     ModelCard,
     ModelList,
     OpenAIError,
     after_queued,
     completion,
+    completion_job_request,
     from_actq,
     from_validation,
+    text_completion,
     to_job_request,
     unfinished,
 )
 from api.submit import submit
 from shared.errors import ActqError
-from shared.schemas import JobStatus
+from shared.schemas import JobRecord, JobRequest, JobStatus
 
 
 class OpenAIRoute(APIRoute):
@@ -69,7 +82,7 @@ class OpenAIRoute(APIRoute):
             except OpenAIError as exc:
                 return exc.response()
             except RequestValidationError as exc:
-                return from_validation(list(exc.errors())).response()
+                return from_validation(list(exc.errors()), self.path).response()
             except ActqError as exc:
                 return from_actq(exc).response()
             except HTTPException as exc:
@@ -95,28 +108,57 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
+IdempotencyKey = Annotated[str | None, Header(min_length=1, max_length=256)]
+
+
+async def _finished(
+    services: Services, job_request: JobRequest, wait_seconds: float, idempotency_key: str | None, caller: str | None
+) -> JobRecord:
+    """Submit the job and wait for it; its record once it has succeeded, else the error to answer.
+    The long-poll place is taken before submitting: at capacity the 429 comes before anything is
+    queued, so the client's own retry cannot make a second job."""
+    async with services.waiters.slot():
+        record, _ = await run_in_threadpool(submit, services, job_request, idempotency_key, caller)
+        if not record.status.terminal:
+            try:
+                record = await services.waiters.wait(record.id, wait_seconds) or record
+            except Exception as exc:  # whatever it is, the job is queued: say so, and no retry
+                log.warning("waiting for job %s failed: %r", record.id, exc)
+                raise after_queued(record.id, exc) from exc
+    if record.status is not JobStatus.succeeded:
+        raise unfinished(record, wait_seconds, idempotency_key)
+    return record
+
+
 @router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
 async def chat_completions(
     body: ChatCompletionRequest,
     services: ServicesDep,
     caller: CallerDep,
     request: Request,
-    idempotency_key: Annotated[str | None, Header(min_length=1, max_length=256)] = None,
+    idempotency_key: IdempotencyKey = None,
 ) -> ChatCompletion:
     """OpenAI's chat completion, run as an actq job (with an optional `capture`): answers once the
     job has finished, with the job id and its activations manifest in the extra field `actq`."""
     job_request = to_job_request(body)
-    async with services.waiters.slot():  # at capacity: a 429 before anything is queued
-        record, _ = await run_in_threadpool(submit, services, job_request, idempotency_key, caller)
-        if not record.status.terminal:
-            try:
-                record = await services.waiters.wait(record.id, body.actq_wait_seconds) or record
-            except Exception as exc:  # whatever it is, the job is queued: say so, and no retry
-                log.warning("waiting for job %s failed: %r", record.id, exc)
-                raise after_queued(record.id, exc) from exc
-    if record.status is not JobStatus.succeeded:
-        raise unfinished(record, body.actq_wait_seconds, idempotency_key)
+    record = await _finished(services, job_request, body.actq_wait_seconds, idempotency_key, caller)
     return completion(record, request)
+
+
+@router.post("/completions", response_model=Completion, responses=ERRORS)
+async def completions(
+    body: CompletionRequest,
+    services: ServicesDep,
+    caller: CallerDep,
+    request: Request,
+    idempotency_key: IdempotencyKey = None,
+) -> Completion:
+    """OpenAI's (legacy) completion: the prompt as raw text, tokenized as it is with no chat
+    template, run as an actq job (with an optional `capture`); answers like the chat completion,
+    with the job id and its activations manifest in the extra field `actq`."""
+    job_request = completion_job_request(body)
+    record = await _finished(services, job_request, body.actq_wait_seconds, idempotency_key, caller)
+    return text_completion(record, request)
 
 
 def _live_models(services: Services) -> list[str]:

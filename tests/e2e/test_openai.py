@@ -206,10 +206,10 @@ REFUSED = [
     ),
     (
         "capture typo",
-        dict(extra_body={"capture": {"modules": ["model.layers.1"], "layers": [1]}}),
+        dict(extra_body={"capture": {"modules": ["model.layers.1"], "layer": [1]}}),
         openai.BadRequestError,
-        "capture.layers",
-        "unknown field 'capture.layers'",
+        "capture.layer",
+        "unknown field 'capture.layer'",
     ),
     (
         "wait too long",
