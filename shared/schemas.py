@@ -260,6 +260,7 @@ class ModelInfo(Strict):
     dtype: str
     device: str
     modules: list[ModuleInfo]  # forward-execution order
+    not_capturable: dict[str, str] = {}  # other modules the forward pass runs: path -> why not
     # The chat template's own tokens, measured by the worker: around a one-message conversation
     # (a default system prompt included), and per further message. None: not measured.
     template_tokens: int | None = None
@@ -306,3 +307,4 @@ class ModelView(Strict):
     chat_template: bool  # False: a base model, send `prompt` (raw text) rather than `messages`
     presets: dict[str, list[str]]  # preset -> one module path per decoder block
     modules: list[str]  # forward-execution order
+    not_capturable: dict[str, str]  # modules the forward pass runs that cannot be captured, and why

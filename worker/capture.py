@@ -17,6 +17,7 @@ last position, like `lm_head` in generate). See engine.py for what each `positio
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -48,10 +49,11 @@ def first_input(args: tuple, kwargs: dict) -> object:
 
 
 def rows_of(value: torch.Tensor) -> torch.Tensor | None:
-    """A per-position value as `[S, H]`: `[1, S, H]` (batch first) or `[S, H]` (OPT's MLP and
-    per-layer norm flatten the batch away); None for any other shape."""
-    if value.dim() == 3 and value.shape[0] == 1:
-        return value[0]
+    """A per-position value as `[S, W]`: `[1, S, H]` loses its batch dim, `[1, S, heads, D]`
+    (Qwen3's q_norm) also flattens its trailing dims, and `[S, H]` (OPT's MLP and per-layer norm
+    flatten the batch away) is already rows; None for any other shape."""
+    if value.dim() >= 3 and value.shape[0] == 1:
+        return value[0] if value.dim() == 3 else value[0].flatten(1)
     if value.dim() == 2:
         return value
     return None
@@ -61,36 +63,44 @@ PROBE_POSITIONS = 7  # the describe run's prompt length: unlike any head count o
 PROBE_STEPS = 2
 
 
-def _shape(value: object) -> tuple[int, ...] | None:
+def _shape(value: object) -> tuple[int, ...] | str:
+    """A value's shape, or why it has none (what `not_capturable` reports)."""
     tensor = first_tensor(value)
-    return tuple(tensor.shape) if tensor is not None and tensor.is_floating_point() else None
+    if tensor is None:
+        return "not one tensor (nor a tuple led by one)"
+    if not tensor.is_floating_point():
+        return f"{str(tensor.dtype).removeprefix('torch.')} values"
+    return tuple(tensor.shape)
 
 
-def _row_layout(shapes: list[tuple[int, ...] | None]) -> tuple[int | None, bool]:
-    """(width, covers every position) from a value's shape at each describe step; (None, False)
-    when it is not one row per fed position. The first step feeds PROBE_POSITIONS positions, the
-    second one: a value of rows is `[1, S, H]` or `[S, H]` with S = 7 then 1 (or 1 then 1 for a
-    module that only sees the last position, like `lm_head` in generate, `[1, 1, H]` only)."""
-    if len(shapes) != PROBE_STEPS or any(shape is None for shape in shapes):
-        return None, False
+def _row_layout(shapes: list[tuple[int, ...] | str]) -> tuple[int | None, bool, str]:
+    """(width, covers every position, why not) from a value's shape at each describe step. The
+    first step feeds PROBE_POSITIONS positions, the second one: a value of rows is `[1, S, ...]`
+    or `[S, H]` with S = 7 then 1, or `[1, 1, H]` at both steps for a module that only sees the
+    last position (`lm_head` in generate)."""
+    for shape in shapes:
+        if isinstance(shape, str):
+            return None, False, shape
     first, later = shapes
-    assert first is not None and later is not None
-    if len(first) != len(later) or first[-1] != later[-1] or len(first) not in (2, 3):
-        return None, False
-    if len(first) == 3 and (first[0], later[0]) != (1, 1):
-        return None, False
-    rows, later_rows = first[-2], later[-2]
-    if later_rows != 1:
-        return None, False
-    if rows == PROBE_POSITIONS:
-        return int(first[-1]), True
-    if rows == 1 and len(first) == 3:  # a 2-D [1, H] could as well be a pooled value: not rows
-        return int(first[-1]), False
-    return None, False
+    assert not isinstance(first, str) and not isinstance(later, str)
+    seen = f"shape {list(first)} then {list(later)}"
+    batch_first = len(first) >= 3 and first[0] == 1
+    if len(first) != len(later) or first[2 if batch_first else 1 :] != later[2 if batch_first else 1 :]:
+        return None, False, f"{seen}: not one row per position"
+    if not batch_first and len(first) != 2:
+        return None, False, f"{seen}: no position dimension after a batch of 1"
+    rows, later_rows = (first[1], later[1]) if batch_first else (first[0], later[0])
+    width = math.prod(first[2:]) if batch_first else first[1]
+    if later_rows == 1 and rows == PROBE_POSITIONS:
+        return int(width), True, ""
+    if later_rows == 1 and rows == 1 and batch_first:  # a 2-D [1, H] could as well be a pooled value
+        return int(width), False, ""
+    return None, False, f"{seen}: not one row per position"
 
 
-def describe_modules(model: torch.nn.Module, run_forward) -> list[ModuleInfo]:
-    """Every capturable module, in the order the forward pass enters them, with its widths.
+def describe_modules(model: torch.nn.Module, run_forward) -> tuple[list[ModuleInfo], dict[str, str]]:
+    """Every capturable module, in the order the forward pass enters them, with its widths; and
+    every other module the run entered, with why it is not capturable.
 
     `run_forward(seq, steps)` runs a generation of `steps` forward steps from a `seq`-token prompt.
     A module is capturable when its output (or first input) is one row per fed position at every
@@ -122,20 +132,22 @@ def describe_modules(model: torch.nn.Module, run_forward) -> list[ModuleInfo]:
     finally:
         for handle in handles:
             handle.remove()
-    modules = []
+    modules, skipped = [], {}
     for path in order:
         if calls[path] != PROBE_STEPS:
+            skipped[path] = f"runs {calls[path]} times in {PROBE_STEPS} forward steps, not once per step"
             continue
         inputs, outputs = shapes[path]
-        out_dim, out_all = _row_layout(outputs)
-        in_dim, in_all = _row_layout(inputs)
+        out_dim, out_all, out_why = _row_layout(outputs)
+        in_dim, in_all, in_why = _row_layout(inputs)
         if out_dim is None and in_dim is None:
+            skipped[path] = f"output: {out_why}; input: {in_why}"
             continue
         all_positions = out_all if out_dim is not None else in_all
         if out_dim is not None and in_dim is not None and out_all != in_all:
             in_dim = None  # keep one row layout per module
         modules.append(ModuleInfo(path=path, output_dim=out_dim, input_dim=in_dim, all_positions=all_positions))
-    return modules
+    return modules, skipped
 
 
 @dataclass

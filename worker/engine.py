@@ -139,7 +139,7 @@ class CaptureEngine:
                     **self._pad(),
                 )
 
-        modules = describe_modules(self.hf, run_forward)
+        modules, not_capturable = describe_modules(self.hf, run_forward)
         hidden = _required(text, "hidden_size")
         layers = _required(text, "num_hidden_layers")
         return ModelInfo(
@@ -153,6 +153,7 @@ class CaptureEngine:
             dtype=self.loaded.dtype,
             device=self.loaded.device,
             modules=modules,
+            not_capturable=not_capturable,
             max_token_bytes=self.prompts.max_token_bytes(),
             chat_template=self.prompts.has_chat_template,
             presets=resolve_presets(self.hf, modules, hidden, layers),

@@ -31,6 +31,7 @@ def list_models(services: ServicesDep, include_offline: bool = False) -> list[Mo
                 chat_template=info.chat_template,
                 presets=info.presets,
                 modules=[m.path for m in info.modules],
+                not_capturable=info.not_capturable,
             )
         )
     return views

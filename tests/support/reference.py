@@ -10,9 +10,25 @@ def _first(value):
     return value[0] if isinstance(value, (tuple, list)) else value
 
 
+def _rows(value: torch.Tensor) -> torch.Tensor:
+    """A step's value as `[S, W]` (README "Capture"): `[1, S, H]` loses its batch dim, `[1, S, heads, D]`
+    flattens its trailing dims, OPT's `[S, H]` is already rows."""
+    if value.dim() == 2:
+        return value
+    return value[0].reshape(value.shape[1], -1)
+
+
+def encode(tokenizer, prompt):
+    """A chat (a list of messages) through the chat template, or raw text (a str) as `tokenizer(text)`."""
+    if isinstance(prompt, str):
+        return dict(tokenizer(prompt, return_tensors="pt"))
+    return tokenizer.apply_chat_template(prompt, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+
+
 def hooked_generate(model, tokenizer, messages, max_new_tokens, modules, hook="output", **generate_kwargs):
-    """Greedy (unless told otherwise) generate with hooks; returns (token_ids [P+N], {path: [rows, H]}, P)."""
-    encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
+    """Greedy (unless told otherwise) generate with hooks; returns (token_ids [P+N], {path: [rows, H]}, P).
+    `messages` is a chat, or a str for a raw prompt."""
+    encoded = encode(tokenizer, messages)
     steps: dict[str, list[torch.Tensor]] = {path: [] for path in modules}
     handles = []
     for path in modules:
@@ -39,7 +55,7 @@ def hooked_generate(model, tokenizer, messages, max_new_tokens, modules, hook="o
     finally:
         for handle in handles:
             handle.remove()
-    rows = {path: torch.cat([s[0] for s in steps[path]], dim=0) for path in modules}
+    rows = {path: torch.cat([_rows(s) for s in steps[path]], dim=0) for path in modules}
     return ids[0], rows, int(encoded["input_ids"].shape[1])
 
 

@@ -54,8 +54,9 @@ def test_describe_lists_modules_in_entry_order_and_skips_shared_ones():
             return self.twice(self.twice(self.first(x)))
 
     model = Shared()
-    modules = describe_modules(model, lambda seq, steps: _generate_like(model, seq, steps))
+    modules, skipped = describe_modules(model, lambda seq, steps: _generate_like(model, seq, steps))
     assert [m.path for m in modules] == ["first"]  # `twice` runs twice a step: no single value per row
+    assert skipped == {"twice": "runs 4 times in 2 forward steps, not once per step"}
 
 
 def _generate_like(model: torch.nn.Module, seq: int, steps: int) -> None:
@@ -96,11 +97,17 @@ class Shapes(torch.nn.Module):
 
 def test_describe_lists_flat_rows_and_attention_tuples_not_pooled_values_or_pairs():
     model = Shapes()
-    modules = {m.path: m for m in describe_modules(model, lambda seq, steps: _generate_like(model, seq, steps))}
+    listed, skipped = describe_modules(model, lambda seq, steps: _generate_like(model, seq, steps))
+    modules = {m.path: m for m in listed}
     assert modules["flat"].output_dim == 6 and modules["flat"].input_dim == 4 and modules["flat"].all_positions
     assert modules["attn"].output_dim == 4  # the first element of (out, weights)
     assert "pooled" not in modules  # [1, H] at every step is no row per position
     assert "rotary" not in modules  # (cos, sin): no one value
+    assert skipped["pooled"] == (
+        "output: shape [1, 4] then [1, 4]: not one row per position; input: shape [1, 4] then [1, 4]: "
+        "not one row per position"
+    )
+    assert "not one tensor" in skipped["rotary"]
 
 
 def test_flat_rows_are_captured_as_rows_of_the_sequence():
