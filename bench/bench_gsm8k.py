@@ -1,6 +1,7 @@
 """GSM8K at scale: how fast a whole split is queued, and what a run costs against plain generation.
 
-  enqueue  - all 1,319 test problems (zero-shot prompts, residual capture preset) through
+  enqueue  - all 1,319 test problems (zero-shot prompts, `actq gsm8k`'s default capture: the
+             model's residual preset at three blocks spread over the depth) through
              POST /jobs/batch, timed from the first byte sent to the last id received (target < 5 s).
              They go to a model name with no worker, so nothing runs; the queue is emptied after.
   run      - N problems (default 50) with the default model through `actq gsm8k`'s own code path:
@@ -22,13 +23,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 
-def enqueue(base: str, redis_url: str, problems, preset: list[str], model_info: dict) -> dict:
+def enqueue(base: str, redis_url: str, problems, capture: dict, model_info: dict) -> dict:
     import redis
 
     from shared import keys
@@ -47,7 +49,7 @@ def enqueue(base: str, redis_url: str, problems, preset: list[str], model_info: 
             "model": name,
             "messages": gsm8k.messages(p, "zero-shot"),
             "max_tokens": 256,
-            "capture": {"modules": preset, "positions": "generated", "dtype": "float16"},
+            "capture": capture,
         }
         for p in problems
     ]
@@ -82,12 +84,12 @@ def plain_generate(problems, max_tokens: int) -> dict:
     loaded = load(Settings())
     tokens, seconds = 0, 0.0
     for problem in problems:
-        encoded = loaded.tokenizer.apply_chat_template(
+        encoded: Any = loaded.tokenizer.apply_chat_template(  # a BatchEncoding with return_dict=True
             gsm8k.messages(problem, "zero-shot"), add_generation_prompt=True, return_dict=True, return_tensors="pt"
         )
         start = time.perf_counter()
         with torch.inference_mode():
-            ids = loaded.model.generate(
+            ids = loaded.model.generate(  # type: ignore[operator]  # generate is GenerationMixin's
                 **encoded, max_new_tokens=max_tokens, do_sample=False, pad_token_id=loaded.tokenizer.eos_token_id
             )
         seconds += time.perf_counter() - start
@@ -127,10 +129,11 @@ def main() -> int:
 
             from shared import keys
 
-            model_info = json.loads(redis.Redis.from_url(local.redis_url).get(keys.model(info["name"])))
-            results["enqueue"] = enqueue(
-                base, local.redis_url, problems, gsm8k.residual_preset(info["num_layers"]), model_info
-            )
+            published = redis.Redis.from_url(local.redis_url).get(keys.model(info["name"]))
+            assert published is not None, f"{info['name']} is live but its description is not in Redis"
+            model_info = json.loads(published)
+            capture = gsm8k.residual_capture(info, positions="generated", dtype="float16")
+            results["enqueue"] = enqueue(base, local.redis_url, problems, capture, model_info)
             print(
                 f"enqueue: {results['enqueue']['jobs']} jobs in {results['enqueue']['median_seconds']:.2f} s (median of 3)"
             )

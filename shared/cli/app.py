@@ -90,11 +90,19 @@ def gsm8k_command(
     sample: int | None = typer.Option(None, min=1, help="A random sample of this many problems instead of a slice."),
     seed: int = typer.Option(0, help="Seed for --sample."),
     style: str = typer.Option("zero-shot", help="zero-shot or cot-8shot."),
+    prompt_format: str = typer.Option(
+        "auto",
+        help="chat (`messages`, rendered with the model's chat template), plain (a raw 'Question: ... Answer:' "
+        "text prompt, for base models) or auto: chat when the model has a chat template, else plain.",
+    ),
     model: str | None = typer.Option(None, help="Model name (default: the one model live workers serve)."),
     max_tokens: int = typer.Option(256, min=1),
     temperature: float = typer.Option(0.0, min=0.0, max=2.0),
     module: list[str] | None = typer.Option(
-        None, "--module", help="Capture this module path (repeatable); default: the residual preset."
+        None,
+        "--module",
+        help="Capture this module path (repeatable); default: the model's residual preset (each decoder "
+        "block's output) at three blocks spread over the depth.",
     ),
     no_capture: bool = typer.Option(False, help="Plain completions, no activations."),
     positions: str = typer.Option("generated", help="all, prompt, generated or last."),
@@ -103,7 +111,9 @@ def gsm8k_command(
     api: str | None = typer.Option(None, help="API base URL (default ACTQ_API_URL)."),
     quiet: bool = typer.Option(False, help="No progress bar."),
 ) -> None:
-    """Run a model over GSM8K through the queue, capturing the residual stream, and score it."""
+    """Run a model over GSM8K through the queue, capturing the residual stream, and score it. Works
+    on any architecture (the capture is the model's `residual` preset) and on base models
+    (`--prompt-format auto` sends a plain prompt to a model without a chat template)."""
     try:
         summary = runner.run(**locals())
     except KeyboardInterrupt:

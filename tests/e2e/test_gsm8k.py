@@ -9,7 +9,10 @@ import subprocess
 import sys
 import time
 
+from shared import keys
+from shared.cli.gsm8k import data
 from shared.cli.gsm8k.scoring import score
+from shared.schemas import JobRecord
 from tests.support.stack import TINY, job_count
 
 
@@ -21,7 +24,13 @@ def run_env(live) -> dict:
     return {**os.environ, **live.env}
 
 
-def test_a_run_end_to_end_then_probes(live, tmp_path):
+def job_records(redis_client, out) -> dict[int, JobRecord]:
+    """Problem index -> the job's record as Redis holds it (the request as the API stored it)."""
+    jobs = json.loads((out / "jobs.json").read_text())
+    return {int(i): JobRecord.model_validate_json(redis_client.get(keys.job(job_id))) for i, job_id in jobs.items()}
+
+
+def test_a_run_end_to_end_then_probes(live, tmp_path, redis_client):
     out = tmp_path / "run"
     cmd = actq(
         live,
@@ -48,22 +57,38 @@ def test_a_run_end_to_end_then_probes(live, tmp_path):
     assert sample["gold"] == "6" and sample["completion"] and sample["completion_tokens"] == 8
     # the sample holds the scorer's verdict on this very completion (what the random model wrote varies)
     assert {k: sample[k] for k in ("extracted", "correct")} == score(sample["completion"], "6")
+    # the default capture: the residual preset (each decoder block's output) at blocks spread over
+    # the tiny model's 4: spread_layers(4) == [1, 2, 3]
+    settings = json.loads((out / "run.json").read_text())["settings"]
+    assert settings["capture"] == {
+        "preset": "residual",
+        "layers": [1, 2, 3],
+        "hook": "output",
+        "positions": "generated",
+        "dtype": "float16",
+    }
     names = [t["name"] for t in sample["activations"]["tensors"]]
-    assert names == [
-        f"model.layers.{i}.{kind}" for i in (1, 2, 3) for kind in ("input_layernorm", "post_attention_layernorm")
-    ]
+    assert names == ["model.layers.1", "model.layers.2", "model.layers.3"]
     assert all(
         t["shape"] == [8, 64] and t["dtype"] == "float16" and t["positions"] == "generated"
         for t in sample["activations"]["tensors"]
     )
     assert (out / sample["activations_file"]).is_file()
+    # auto picked chat (the tiny model has a chat template): messages as today, no stop
+    assert settings["prompt_format"] == "chat"
+    record = job_records(redis_client, out)[3]
+    assert record.request.prompt is None and record.request.stop == []
+    assert [m.model_dump() for m in record.request.messages or []] == data.messages(
+        data.load("samples")[3], "zero-shot"
+    )
 
     probe = subprocess.run(
         actq(live, "probe", str(out)), env=run_env(live), capture_output=True, text=True, timeout=300
     )
     assert probe.returncode == 0, probe.stderr
     report = json.loads((out / "probes.json").read_text())
-    assert report["n_samples"] == 12 and len(report["probes"]) == 12  # 6 points x 2 poolings
+    assert report["n_samples"] == 12 and len(report["probes"]) == 6  # 3 points x 2 poolings
+    assert {p["point"] for p in report["probes"]} == set(names)
     assert (out / "probes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -134,3 +159,46 @@ def test_ctrl_c_leaves_a_consistent_directory(live, tmp_path):
     assert not summary["complete"] and summary["finished"] == finished and 1 <= finished < 12
     resumed = subprocess.run(actq(live, *args), env=run_env(live), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and json.loads((out / "summary.json").read_text())["finished"] == 12
+
+
+def test_plain_prompt_format_sends_raw_question_answer_prompts(live, tmp_path, redis_client):
+    """--prompt-format plain on a model that has a chat template (auto would pick chat): every job
+    is a raw "Question: ...\nAnswer:" prompt with the stop string, and the run remembers the format."""
+    out = tmp_path / "run"
+    args = ["gsm8k", "--out", str(out), "--dataset", "samples", "--model", TINY, "--limit", "3", "--max-tokens", "6"]
+    done = subprocess.run(
+        actq(live, *args, "--prompt-format", "plain", "--quiet"),
+        env=run_env(live),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["complete"] and summary["problems"] == summary["succeeded"] == 3
+    assert summary["settings"]["prompt_format"] == "plain"
+    problems = data.load("samples")
+    records = job_records(redis_client, out)
+    assert sorted(records) == [0, 1, 2]
+    for index, record in records.items():
+        request = record.request
+        assert request.messages is None and request.prompt is not None
+        assert request.prompt.startswith("Question: ") and request.prompt.endswith("\nAnswer:")
+        assert request.prompt == data.plain_prompt(problems[index], "zero-shot")
+        assert request.stop == ["\n\nQuestion:"]
+        assert record.status == "succeeded" and record.result is not None and record.result.usage.completion_tokens <= 6
+        sample = json.loads((out / "samples" / f"{index}.json").read_text())
+        assert sample["job_id"] == record.id
+        assert [t["name"] for t in sample["activations"]["tensors"]] == [f"model.layers.{i}" for i in (1, 2, 3)]
+
+    # the same directory with another format is another run: refused before anything is queued
+    before = job_count(redis_client)
+    chat = subprocess.run(
+        actq(live, *args, "--prompt-format", "chat", "--quiet"),
+        env=run_env(live),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert chat.returncode == 2 and "holds a run with other settings (prompt_format)" in chat.stderr
+    assert job_count(redis_client) == before

@@ -4,6 +4,14 @@ Sources: a local JSONL file in GSM8K's format (`{"question", "answer"}` a line, 
 in `#### N`), the Hugging Face hub (`openai/gsm8k`, config `main`; needs `pip install datasets`),
 or `samples`: a dozen easy problems in the same format that ship with actq (written for it, not
 taken from GSM8K), for offline demos.
+
+Prompt formats: `chat` sends `messages` (the worker renders them with the model's chat template);
+`plain` sends one raw `prompt` in the classic base-model layout ("Question: ...\nAnswer:" blocks)
+with a stop string, so a model without a chat template can be run too; `auto` picks `chat` when
+the model has a chat template (GET /models `chat_template`), else `plain`.
+
+Capture: by default the model's `residual` preset (each decoder block's output, whatever the
+architecture names it) at three blocks spread over the depth.
 """
 
 from __future__ import annotations
@@ -19,6 +27,12 @@ from shared.errors import ToolError
 
 ZERO_SHOT_INSTRUCTION = "Solve the problem step by step. End your reply with: The answer is <number>."
 FEWSHOT_COUNT = 8
+STYLES = ("zero-shot", "cot-8shot")
+PROMPT_FORMATS = ("auto", "chat", "plain")
+# A base model given "Question: ...\nAnswer:" writes the next question after its answer: stop there.
+PLAIN_STOP = ("\n\nQuestion:",)
+
+Exemplar = tuple[str, str]  # a cot-8shot exemplar: (question, worked answer ending "The answer is N.")
 
 
 @dataclass(frozen=True)
@@ -83,27 +97,79 @@ def select(
     return problems[offset:end]
 
 
-def fewshot_exemplars(train: list[Problem]) -> list[dict[str, str]]:
-    """The first eight train problems as chat turns, answers ending "The answer is N."."""
+def fewshot_exemplars(train: list[Problem]) -> list[Exemplar]:
+    """The first eight train problems as (question, worked answer ending "The answer is N."), in order."""
     if len(train) < FEWSHOT_COUNT:
         raise DatasetUnavailable(f"cot-8shot needs {FEWSHOT_COUNT} train problems; got {len(train)}")
-    turns: list[dict[str, str]] = []
-    for problem in train[:FEWSHOT_COUNT]:
-        turns += [
-            {"role": "user", "content": problem.question},
-            {"role": "assistant", "content": fewshot_answer(problem.answer)},
-        ]
-    return turns
+    return [(problem.question, fewshot_answer(problem.answer)) for problem in train[:FEWSHOT_COUNT]]
 
 
-def messages(problem: Problem, style: str, exemplars: list[dict[str, str]] | None = None) -> list[dict[str, str]]:
+def _check_style(style: str, exemplars: list[Exemplar] | None) -> None:
+    if style not in STYLES:
+        raise ToolError(f"unknown prompt style {style!r} (zero-shot or cot-8shot)")
+    if style == "cot-8shot" and not exemplars:
+        raise DatasetUnavailable("cot-8shot needs exemplars from a train split")
+
+
+def messages(problem: Problem, style: str, exemplars: list[Exemplar] | None = None) -> list[dict[str, str]]:
+    """The chat format: zero-shot is one user turn (question, then the instruction); cot-8shot is
+    the exemplars as user/assistant turns, then the question."""
+    _check_style(style, exemplars)
     if style == "zero-shot":
         return [{"role": "user", "content": f"{problem.question}\n{ZERO_SHOT_INSTRUCTION}"}]
-    if style == "cot-8shot":
-        if not exemplars:
-            raise DatasetUnavailable("cot-8shot needs exemplars from a train split")
-        return [*exemplars, {"role": "user", "content": problem.question}]
-    raise ToolError(f"unknown prompt style {style!r} (zero-shot or cot-8shot)")
+    turns: list[dict[str, str]] = []
+    for question, answer in exemplars or []:
+        turns += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    return [*turns, {"role": "user", "content": problem.question}]
+
+
+def plain_prompt(problem: Problem, style: str, exemplars: list[Exemplar] | None = None) -> str:
+    """The plain (base-model) format, raw text ending in "Answer:" for the model to continue.
+    zero-shot: "Question: Q\n<instruction>\nAnswer:"; cot-8shot: "Question: Q_i\nAnswer: A_i"
+    for each exemplar, separated by a blank line, then "Question: Q\nAnswer:"."""
+    _check_style(style, exemplars)
+    if style == "zero-shot":
+        return f"Question: {problem.question}\n{ZERO_SHOT_INSTRUCTION}\nAnswer:"
+    shots = [f"Question: {question}\nAnswer: {answer}" for question, answer in exemplars or []]
+    return "\n\n".join([*shots, f"Question: {problem.question}\nAnswer:"])
+
+
+def request_fields(
+    problem: Problem, style: str, prompt_format: str, exemplars: list[Exemplar] | None = None
+) -> dict[str, object]:
+    """The prompt part of a job request: `messages` (chat) or `prompt` and `stop` (plain)."""
+    if prompt_format == "chat":
+        return {"messages": messages(problem, style, exemplars)}
+    if prompt_format == "plain":
+        return {"prompt": plain_prompt(problem, style, exemplars), "stop": list(PLAIN_STOP)}
+    raise ToolError(f"unknown prompt format {prompt_format!r} (chat or plain)")
+
+
+def resolve_prompt_format(requested: str, model: str, info: dict | None) -> str:
+    """`chat` or `plain` for --prompt-format `requested` and the model's GET /models entry
+    (`info`, None when no worker has published the model): `auto` is `chat` when the model has a
+    chat template, else `plain`; `chat` for a model without a template is refused here rather
+    than job by job by the API."""
+    if requested not in PROMPT_FORMATS:
+        raise ToolError(f"unknown prompt format {requested!r}: auto, chat or plain")
+    if requested == "plain":
+        return "plain"
+    if info is None:
+        if requested == "chat":
+            return "chat"
+        raise ToolError(
+            f"no worker has published model {model!r}, so whether it has a chat template is unknown; "
+            "give --prompt-format chat or plain"
+        )
+    has_template = bool(info.get("chat_template", True))  # an API from before the field: chat, as it was
+    if requested == "auto":
+        return "chat" if has_template else "plain"
+    if not has_template:
+        raise ToolError(
+            f"model {model!r} has no chat template, so --prompt-format chat cannot be used; "
+            "use --prompt-format plain (what auto picks for it)"
+        )
+    return "chat"
 
 
 def spread_layers(num_layers: int, count: int = 3) -> list[int]:
@@ -111,7 +177,22 @@ def spread_layers(num_layers: int, count: int = 3) -> list[int]:
     return sorted({max(0, min(num_layers - 1, round(num_layers * (i + 1) / (count + 1)))) for i in range(count)})
 
 
-def residual_preset(num_layers: int) -> list[str]:
-    """The residual stream entering attention and MLP at three layers spread over the model."""
-    layers = ",".join(map(str, spread_layers(num_layers)))
-    return [f"model.layers.{{{layers}}}.input_layernorm", f"model.layers.{{{layers}}}.post_attention_layernorm"]
+def residual_capture(info: dict, positions: str = "generated", dtype: str = "float16") -> dict:
+    """The default capture: the model's `residual` preset (each decoder block's output: the
+    residual stream after that block) at three blocks spread over the depth, from its GET /models
+    entry. A model that publishes no residual preset needs --module."""
+    blocks = (info.get("presets") or {}).get("residual")
+    if not blocks:
+        known = ", ".join(sorted(info.get("presets") or {})) or "none"
+        raise ToolError(
+            f"model {info['name']!r} publishes no `residual` preset (its presets: {known}), so the default "
+            "capture cannot be chosen; name what to capture with --module PATH (repeatable; GET /models "
+            "lists its modules), or run with --no-capture"
+        )
+    return {
+        "preset": "residual",
+        "layers": spread_layers(len(blocks)),
+        "hook": "output",
+        "positions": positions,
+        "dtype": dtype,
+    }

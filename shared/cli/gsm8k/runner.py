@@ -2,7 +2,8 @@
 a results directory that a second invocation resumes.
 
 Results directory:
-  run.json           the run's id and settings (a resumed run must use the same settings)
+  run.json           the run's id and settings, the resolved prompt format among them (a resumed
+                     run must use the same settings)
   jobs.json          problem index -> job id, written as soon as jobs are queued
   samples/<n>.json   one per finished problem: question, gold, completion, extracted answers,
                      correctness, job id, usage, activations manifest (and the local file with --download)
@@ -25,7 +26,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
@@ -47,6 +48,14 @@ class RunSettings:
     temperature: float = 0.0
     capture: dict | None = None
     indices: list[int] = field(default_factory=list)
+    # "chat" (messages) or "plain" (a raw prompt), resolved from --prompt-format. Runs written
+    # before the field existed were all chat: their run.json lacks it and reads as "chat".
+    prompt_format: str = "chat"
+
+    @classmethod
+    def defaults(cls) -> dict:
+        """The fields with a plain default, filled into a saved run's settings that lack them."""
+        return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
 def write_json(path: Path, data: object) -> None:
@@ -66,8 +75,10 @@ class Run:
         state_file = out / "run.json"
         if state_file.exists():
             state = json.loads(state_file.read_text())
-            if state["settings"] != asdict(settings):
-                changed = sorted(k for k in state["settings"] if state["settings"][k] != asdict(settings).get(k))
+            # a field added since the run was written takes its default (the behaviour of that time)
+            saved, current = {**RunSettings.defaults(), **state["settings"]}, asdict(settings)
+            if saved != current:
+                changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
                 raise ToolError(
                     f"{out} holds a run with other settings ({', '.join(changed)}); "
                     "use another --out to start a new run"
@@ -143,7 +154,12 @@ class Run:
 
 
 def execute(
-    client: Client, run: Run, problems: list[data.Problem], exemplars, download: bool, quiet: bool = False
+    client: Client,
+    run: Run,
+    problems: list[data.Problem],
+    exemplars: list[data.Exemplar] | None,
+    download: bool,
+    quiet: bool = False,
 ) -> dict:
     """Submit what is not finished, follow it to the end, and write the results. Ctrl-C leaves a
     consistent directory (every finished problem has its sample) and is re-raised.
@@ -173,7 +189,7 @@ def _execute(
     client: Client,
     run: Run,
     problems: list[data.Problem],
-    exemplars: list[dict[str, str]] | None,
+    exemplars: list[data.Exemplar] | None,
     download: bool,
     quiet: bool,
     interrupted: threading.Event,
@@ -189,7 +205,7 @@ def _execute(
         requests = [
             {
                 "model": s.model,
-                "messages": data.messages(p, s.style, exemplars),
+                **data.request_fields(p, s.style, s.prompt_format, exemplars),
                 "max_tokens": s.max_tokens,
                 "temperature": s.temperature,
                 "capture": s.capture,
@@ -250,6 +266,7 @@ def run(
     sample: int | None = None,
     seed: int = 0,
     style: str = "zero-shot",
+    prompt_format: str = "auto",
     model: str | None = None,
     max_tokens: int = 256,
     temperature: float = 0.0,
@@ -261,8 +278,13 @@ def run(
     api: str | None = None,
     quiet: bool = False,
 ) -> dict:
-    """`actq gsm8k`: load the problems, choose the capture, submit what is not done, follow it,
-    score it. Ctrl-C (KeyboardInterrupt) leaves a consistent directory and is re-raised."""
+    """`actq gsm8k`: load the problems, choose the prompt format and the capture, submit what is
+    not done, follow it, score it. Ctrl-C (KeyboardInterrupt) leaves a consistent directory and is
+    re-raised."""
+    if style not in data.STYLES:
+        raise ToolError(f"unknown --style {style!r}: zero-shot or cot-8shot")
+    if prompt_format not in data.PROMPT_FORMATS:
+        raise ToolError(f"unknown --prompt-format {prompt_format!r}: auto, chat or plain")
     problems = data.select(data.load(dataset, split), offset=offset, limit=limit, sample=sample, seed=seed)
     exemplars = None
     if style == "cot-8shot":
@@ -276,15 +298,19 @@ def run(
                 raise ToolError(f"name a --model; live models: {', '.join(m['name'] for m in served) or 'none'}")
             model = served[0]["name"]
         info = next((m for m in served if m["name"] == model), None)
+        if info is None:  # no live worker now; a model served before is still known (its jobs queue)
+            info = next((m for m in client.models(include_offline=True) if m["name"] == model), None)
+        resolved_format = data.resolve_prompt_format(prompt_format, model, info)
         capture = None
         if not no_capture:
             if module:
-                modules = list(module)
+                capture = {"modules": list(module), "hook": "output", "positions": positions, "dtype": dtype}
             elif info is not None:
-                modules = data.residual_preset(info["num_layers"])
+                capture = data.residual_capture(info, positions=positions, dtype=dtype)
             else:
-                raise ToolError(f"no live worker serves {model!r}, so its layer count is unknown; give --module")
-            capture = {"modules": modules, "hook": "output", "positions": positions, "dtype": dtype}
+                raise ToolError(
+                    f"no worker has published model {model!r}, so its residual preset is unknown; give --module"
+                )
         settings = RunSettings(
             model=model,
             dataset=dataset,
@@ -294,5 +320,6 @@ def run(
             temperature=temperature,
             capture=capture,
             indices=[p.index for p in problems],
+            prompt_format=resolved_format,
         )
         return execute(client, Run(Path(out), settings), problems, exemplars, download=download, quiet=quiet)
