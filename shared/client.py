@@ -378,8 +378,9 @@ class Client:
     def submit(
         self,
         model: str,
-        messages: list[dict],
+        messages: list[dict] | None = None,
         *,
+        prompt: str | None = None,
         max_tokens: int | None = None,
         temperature: float = 0.0,
         top_p: float = 1.0,
@@ -388,11 +389,15 @@ class Client:
         capture: dict | None = None,
         idempotency_key: str | None = None,
     ) -> Job:
-        """Queue a chat completion (`POST /jobs`); returns the queued `Job`. `capture` is the
-        capture spec, e.g. `{"modules": ["model.layers.*"], "positions": "all", "dtype": "float32"}`.
+        """Queue a completion (`POST /jobs`) of a chat (`messages`) or of raw text (`prompt`, for
+        base models); returns the queued `Job`. `capture` is the capture spec, e.g.
+        `{"modules": ["model.layers.*"], "positions": "all"}` or `{"preset": "residual", "layers": [8, 15]}`.
         With `idempotency_key`, a retry returns the job the first request created."""
-        body: dict[str, Any] = {"model": model, "messages": messages, "temperature": temperature, "top_p": top_p}
-        for key, value in (("max_tokens", max_tokens), ("seed", seed), ("stop", stop), ("capture", capture)):
+        if (messages is None) == (prompt is None):
+            raise ValueError("give exactly one of messages (a chat) or prompt (raw text)")
+        body: dict[str, Any] = {"model": model, "temperature": temperature, "top_p": top_p}
+        fields = (("messages", messages), ("prompt", prompt), ("max_tokens", max_tokens), ("seed", seed))
+        for key, value in (*fields, ("stop", stop), ("capture", capture)):
             if value is not None:
                 body[key] = value
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else None

@@ -29,10 +29,13 @@ from shared.schemas import CapturePoint, ModuleInfo
 
 def first_tensor(value: object) -> torch.Tensor | None:
     """A module's value: one tensor, or the first element of a tuple when that is a tensor (the
-    transformers convention: `(hidden_states, attention_weights, ...)`) and no other element is a
-    tensor of its shape (rotary embeddings return `(cos, sin)`: no one value)."""
+    transformers convention: `(hidden_states, attention_weights, ...)`; a `ModelOutput` counts as
+    the tuple of its fields, `last_hidden_state` first) and no other element is a tensor of its
+    shape (rotary embeddings return `(cos, sin)`: no one value)."""
     if isinstance(value, torch.Tensor):
         return value
+    if callable(getattr(value, "to_tuple", None)):  # a transformers ModelOutput: its fields in order
+        value = value.to_tuple()  # type: ignore[attr-defined]  # checked just above
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
         first = value[0]
         if not any(isinstance(v, torch.Tensor) and v.shape == first.shape for v in value[1:]):

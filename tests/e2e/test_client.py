@@ -129,14 +129,25 @@ def test_api_errors_are_typed_and_carry_the_detail(client):
     assert bad.value.status_code == 422 and bad.value.error_type == "invalid_request"
     assert "max_tokens 100000 exceeds the limit" in bad.value.detail and "exceeds the limit" in str(bad.value)
 
-    with pytest.raises(BadRequest, match="capture.modules"):
+    with pytest.raises(BadRequest, match="name what to capture"):
         client.submit(TINY, MESSAGES, capture={"modules": []})
+    with pytest.raises(ValueError, match="exactly one of messages"):
+        client.submit(TINY, MESSAGES, prompt="2+3=")
 
     with pytest.raises(NotFound) as unknown:
         client.job("00000000-0000-4000-8000-000000000000")
     assert unknown.value.status_code == 404 and "no job with id" in str(unknown.value)
     with pytest.raises(NotFound, match="not served here"):
         client.submit("no-such-model", MESSAGES)
+
+
+def test_a_raw_prompt_with_a_preset_capture(client):
+    job = client.submit(TINY, prompt="2 + 3 =", max_tokens=3, capture={"preset": "residual", "layers": [0, -1]})
+    job.wait(timeout=60)
+    assert job.status == "succeeded", job.error
+    tensors = job.activations()
+    assert [t["name"] for t in job.manifest["tensors"]] == ["model.layers.0", "model.layers.3"]
+    assert tensors["model.layers.3"].shape == (tensors["token_ids"].shape[0] - 1, 64)
 
 
 def test_a_failed_job_raises_job_failed_with_its_error(client):

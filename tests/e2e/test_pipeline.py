@@ -238,7 +238,10 @@ def test_models_and_health(live, http):
     models = http.get("/models").json()
     tiny = next(m for m in models if m["name"] == TINY)
     assert tiny["live_workers"] == 1 and tiny["num_layers"] == 4 and tiny["hidden_size"] == 64
-    assert tiny["modules"][0] == "model.embed_tokens" and tiny["modules"][-1] == "lm_head"
+    assert tiny["modules"][:2] == ["model", "model.embed_tokens"] and tiny["modules"][-1] == "lm_head"
+    assert tiny["chat_template"] is True and tiny["presets"]["residual"] == [f"model.layers.{i}" for i in range(4)]
+    assert tiny["presets"]["mlp"] == [f"model.layers.{i}.mlp" for i in range(4)]
+    assert tiny["not_capturable"] == {}  # every module it runs has a capturable side
     health = http.get("/health")
     assert health.status_code == 200 and health.json()["redis"] == "ok" and health.json()["workers"][TINY] == 1
 

@@ -7,6 +7,8 @@ import torch
 
 
 def _first(value):
+    if hasattr(value, "to_tuple"):  # a transformers ModelOutput
+        value = value.to_tuple()
     return value[0] if isinstance(value, (tuple, list)) else value
 
 

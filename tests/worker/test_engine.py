@@ -52,8 +52,8 @@ def test_a_run_leaves_no_hooks_behind(engine):
 
 def test_describe_lists_modules_in_forward_order(engine):
     paths = [m.path for m in engine.info.modules]
-    assert paths[0] == "model.embed_tokens"
-    assert paths[-1] == "lm_head"
+    assert paths[:2] == ["model", "model.embed_tokens"]  # `model` is entered first; its ModelOutput's
+    assert paths[-1] == "lm_head"  # first field, last_hidden_state, is what it captures
     for i in range(4):
         layer = paths.index(f"model.layers.{i}")
         assert layer < paths.index(f"model.layers.{i}.input_layernorm") < paths.index(f"model.layers.{i}.self_attn")
@@ -61,6 +61,7 @@ def test_describe_lists_modules_in_forward_order(engine):
         assert paths.index(f"model.layers.{i}.post_attention_layernorm") < paths.index(f"model.layers.{i}.mlp")
     by_path = {m.path: m for m in engine.info.modules}
     assert by_path["model.layers.0"].output_dim == 64 and by_path["model.layers.0"].all_positions
+    assert by_path["model"].output_dim == 64 and by_path["model"].input_dim is None  # its input is token ids
     assert by_path["model.layers.0.mlp.up_proj"].output_dim == 128
     assert by_path["lm_head"].output_dim == engine.info.vocab_size and not by_path["lm_head"].all_positions
     assert engine.info.num_layers == 4 and engine.info.hidden_size == 64 and engine.info.max_context == TINY_CONTEXT
