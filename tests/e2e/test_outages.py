@@ -172,7 +172,8 @@ def test_s3_server_stopped_mid_run(live, tiny_dir, tmp_path, outage_seconds):
             if outage_seconds == 60:
                 assert not failed, failed[0]
                 spanned = [j for j in jobs if datetime.fromisoformat(j["finished_at"]).timestamp() >= restarted]
-                assert spanned and datetime.fromisoformat(spanned[0]["started_at"]).timestamp() < restarted - 3
+                # a job that began while S3 was down (2 s or more before it was back) waited it out
+                assert spanned and datetime.fromisoformat(spanned[0]["started_at"]).timestamp() < restarted - 2
             else:
                 assert failed, "no job met the outage"
             after = s.wait(http, s.submit(http, tiny_body("tiny-s3o")))  # the worker goes on
