@@ -138,15 +138,13 @@ class Message(BaseModel):
     audio: Any = None
 
 
-class ChatCompletionRequest(BaseModel):
-    """OpenAI's chat completion request, plus `capture` and `actq_wait_seconds`. Value ranges are
-    JobRequest's (checked when the job request is built)."""
+class _GenerationRequest(BaseModel):
+    """The fields OpenAI's chat and legacy completion requests share, plus actq's `capture` and
+    `actq_wait_seconds`. Value ranges are JobRequest's (checked when the job request is built)."""
 
     model_config = ConfigDict(extra="forbid")
     model: str
-    messages: list[Message]
     max_tokens: int | None = None
-    max_completion_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
@@ -157,11 +155,21 @@ class ChatCompletionRequest(BaseModel):
     n: int | None = None
     stream: bool | None = None
     stream_options: Any = None
-    logprobs: bool | None = None
-    top_logprobs: Any = None
     frequency_penalty: Any = None
     presence_penalty: Any = None
     logit_bias: Any = None
+    # Accepted and ignored: no effect on what the model generates
+    user: Any = None
+
+
+class ChatCompletionRequest(_GenerationRequest):
+    """OpenAI's chat completion request (with the shared fields of `_GenerationRequest`)."""
+
+    messages: list[Message]
+    max_completion_tokens: int | None = None
+    # Accepted only with a value actq honours (see UNSUPPORTED)
+    logprobs: bool | None = None
+    top_logprobs: Any = None
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -176,7 +184,6 @@ class ChatCompletionRequest(BaseModel):
     web_search_options: Any = None
     moderation: Any = None
     # Accepted and ignored: no effect on what the model generates
-    user: Any = None
     metadata: Any = None
     store: Any = None
     safety_identifier: Any = None
@@ -325,34 +332,17 @@ def _job_request(fields: dict[str, Any]) -> JobRequest:
         raise from_validation(list(exc.errors())) from None
 
 
-class CompletionRequest(BaseModel):
-    """OpenAI's (legacy) completion request, plus `capture` and `actq_wait_seconds`. `prompt` is
-    typed loosely so that what actq cannot run (several prompts, token ids) gets a message saying
-    what to send (`_prompt_text`) rather than pydantic's union errors."""
+class CompletionRequest(_GenerationRequest):
+    """OpenAI's (legacy) completion request (with the shared fields of `_GenerationRequest`).
+    `prompt` is typed loosely so that what actq cannot run (several prompts, token ids) gets a
+    message saying what to send (`_prompt_text`) rather than pydantic's union errors."""
 
-    model_config = ConfigDict(extra="forbid")
-    model: str
     prompt: Annotated[Any, Field(description="the text to complete: a string, or a list holding exactly one string")]
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
-    capture: CaptureSpec | None = None
-    actq_wait_seconds: Annotated[float, Field(gt=0, le=WAIT_MAX_SECONDS)] = WAIT_DEFAULT_SECONDS
     # Accepted only with a value actq honours (see COMPLETION_UNSUPPORTED)
-    n: int | None = None
-    stream: bool | None = None
-    stream_options: Any = None
     echo: bool | None = None
     logprobs: int | None = None
     suffix: str | None = None
     best_of: int | None = None
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
-    # Accepted and ignored: no effect on what the model generates
-    user: Any = None
 
 
 # The chat refusals that mean the same here, plus the completion's own fields (legacy `logprobs`
