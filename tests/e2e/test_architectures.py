@@ -90,7 +90,7 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], names:
     return worst
 
 
-def test_presets_resolve_to_one_module_per_block(served: Served, http, record_property):
+def test_presets_resolve_to_one_module_per_block(served: Served, live, http, record_property):
     info = served.info
     presets = info["presets"]
     assert set(presets) == {"residual", "attention", "mlp"}, presets
@@ -111,21 +111,9 @@ def test_presets_resolve_to_one_module_per_block(served: Served, http, record_pr
         "max_tokens": 2,
         "capture": {"preset": "mlp", "layers": [-1, 0]},
     }
-    job = live_job(http, body)
+    job, _ = run_job(live, http, body)
     names = [t["name"] for t in job["activations"]["tensors"]]
     assert names == [presets["mlp"][0], presets["mlp"][-1]]
-
-
-def live_job(http: httpx.Client, body: dict) -> dict:
-    response = http.post("/jobs", json=body)
-    assert response.status_code == 202, response.text
-    job_id = response.json()["id"]
-    for _ in range(60):
-        job = http.get(f"/jobs/{job_id}", params={"wait": 5}).json()
-        if job["status"] not in ("queued", "running"):
-            assert job["status"] == "succeeded", job
-            return job
-    raise AssertionError(f"job {job_id} did not finish")
 
 
 def test_every_module_output_equals_forward_hooks(served: Served, live, http, record_property):
@@ -245,7 +233,7 @@ def test_a_chat_template_file_gives_a_base_model_messages(live, http, tmp_path, 
     try:
         info = next(m for m in http.get("/models").json() if m["name"] == "templated")
         assert info["chat_template"] is True
-        job = live_job(http, {"model": "templated", "messages": MESSAGES, "max_tokens": 2})
+        job, _ = run_job(live, http, {"model": "templated", "messages": MESSAGES, "max_tokens": 2})
         tokenizer = AutoTokenizer.from_pretrained(folder)
         expected = tokenizer.apply_chat_template(
             MESSAGES, chat_template=template.read_text(), add_generation_prompt=True, return_dict=True
