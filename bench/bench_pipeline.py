@@ -117,7 +117,8 @@ def setup(settings: Settings, tokens: int, layers: tuple[int, ...]) -> Setup:
     if len(points) != expected_points:
         raise BenchError(f"capture spec resolved to {len(points)} points, expected {expected_points}")
     prompt = engine.encode(request)
-    kwargs = engine.generation_kwargs(request, tokens, int(prompt["input_ids"].shape[1]))
+    pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else loaded.tokenizer.eos_token_id
+    kwargs = {"max_new_tokens": tokens, "pad_token_id": pad, **engine.sampling(request)}
     return Setup(tokens, request, engine, points, prompt, kwargs)
 
 

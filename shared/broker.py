@@ -52,8 +52,6 @@ def make_celery(settings: Settings) -> Celery:
         },
         broker_connection_retry_on_startup=True,
         task_default_queue=keys.queue(settings.served_model_name),
-        task_time_limit=settings.job_time_limit,
-        task_soft_time_limit=settings.job_soft_time_limit,
         worker_hijack_root_logger=False,
     )
     return app

@@ -54,6 +54,11 @@ def histogram(name: str, which: str) -> str:
     return f"{PREFIX}:stats:{name}:{which}"
 
 
+def throughput(name: str) -> str:
+    """Hash of a model's workers' tokens per second over their last heartbeat interval."""
+    return f"{PREFIX}:stats:{name}:throughput"
+
+
 def idempotency(key: str) -> str:
     """Maps a client's Idempotency-Key (hashed: it is user text) to a job id."""
     return f"{PREFIX}:idem:{hashlib.sha256(key.encode()).hexdigest()}"

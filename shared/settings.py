@@ -119,8 +119,24 @@ class Settings(BaseSettings):
     redis_max_connections: int = Field(
         64, ge=2, description="Redis connections per API process for its async work (requests wait for a free one)."
     )
+    max_batch: int = Field(
+        16,
+        ge=1,
+        le=256,
+        description="Jobs a worker runs together in one batch (1: one at a time, bit-exact with a solo run).",
+    )
+    batch_wait_ms: float = Field(
+        20.0, ge=0, description="How long an idle worker waits for more jobs to start a batch with the first."
+    )
+    batch_memory_budget_bytes: int = Field(
+        4 << 30,
+        ge=1,
+        description="Estimated KV cache and capture bytes of a batch; a job joins only while the batch stays under it.",
+    )
     job_soft_time_limit: float = Field(1800, gt=0, description="Seconds before a running job is failed as a timeout.")
-    job_time_limit: float = Field(1860, gt=0, description="Seconds before Celery kills the worker child (hard limit).")
+    job_time_limit: float = Field(
+        1860, gt=0, description="Seconds before a job that has not ended is failed and its stuck engine restarted."
+    )
     visibility_timeout: int = Field(
         7200, gt=0, description="Redis broker redelivery timeout for unacknowledged jobs; must exceed the hard limit."
     )
@@ -139,7 +155,7 @@ class Settings(BaseSettings):
     heartbeat_interval: float = Field(5.0, gt=0, description="Seconds between worker heartbeats.")
     heartbeat_ttl: float = Field(20.0, gt=0, description="A worker with no heartbeat for this long is not live.")
     worker_start_timeout: float = Field(
-        300.0, gt=0, description="Seconds the worker's child may take to load the model (Celery's proc alive timeout)."
+        300.0, gt=0, description="Seconds the worker's engine process may take to load the model."
     )
 
     @model_validator(mode="after")

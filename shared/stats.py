@@ -1,9 +1,12 @@
 """Job figures kept in Redis so that the API's /metrics can report what the workers saw.
 
 Per model, one hash of counters (`succeeded`, `failed`, `cancelled`, `submitted`,
-`generated_tokens`, `captured_bytes`) and one hash per histogram (`duration`: running time,
-`queue_wait`: created -> started), whose fields are cumulative bucket counts plus `sum` and
-`count`, in Prometheus' own layout.
+`generated_tokens`, `captured_bytes`, and the engine's `decode_steps`) and one hash per
+histogram (`duration`: running time, `queue_wait`: created -> started, `batch_size`: jobs in
+each decoding step, `batch_occupancy`: that over the worker's ACTQ_MAX_BATCH), whose fields are
+cumulative bucket counts plus `sum` and `count`, in Prometheus' own layout. A worker's engine
+adds its step figures once per heartbeat (not at every step), and keeps its tokens per second
+over the last heartbeat interval in the model's `throughput` hash, one field per worker.
 """
 
 from __future__ import annotations
@@ -16,8 +19,15 @@ import redis
 from shared import keys
 
 BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, math.inf)
-COUNTERS = ("submitted", "succeeded", "failed", "cancelled", "generated_tokens", "captured_bytes")
-HISTOGRAMS = ("duration", "queue_wait")
+SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, math.inf)
+OCCUPANCY_BUCKETS = (0.125, 0.25, 0.5, 0.75, 1.0, math.inf)
+COUNTERS = ("submitted", "succeeded", "failed", "cancelled", "generated_tokens", "captured_bytes", "decode_steps")
+HISTOGRAMS = {
+    "duration": BUCKETS,
+    "queue_wait": BUCKETS,
+    "batch_size": SIZE_BUCKETS,
+    "batch_occupancy": OCCUPANCY_BUCKETS,
+}
 
 
 def _bucket(value: float) -> str:
@@ -25,12 +35,42 @@ def _bucket(value: float) -> str:
 
 
 def observe(pipe: redis.client.Pipeline, model: str, histogram: str, seconds: float) -> None:
+    observe_many(pipe, model, histogram, [seconds])
+
+
+def observe_many(pipe: redis.client.Pipeline, model: str, histogram: str, values: list[float]) -> None:
+    """Add `values` to a histogram: one increment per bucket, however many values."""
+    if not values:
+        return
     name = keys.histogram(model, histogram)
-    for bound in BUCKETS:
-        if seconds <= bound:
-            pipe.hincrby(name, _bucket(bound), 1)
-    pipe.hincrbyfloat(name, "sum", seconds)
-    pipe.hincrby(name, "count", 1)
+    for bound in HISTOGRAMS[histogram]:
+        hits = sum(v <= bound for v in values)
+        if hits:
+            pipe.hincrby(name, _bucket(bound), hits)
+    pipe.hincrbyfloat(name, "sum", float(sum(values)))
+    pipe.hincrby(name, "count", len(values))
+
+
+def record_steps(
+    client: redis.Redis, model: str, worker: str, sizes: list[int], max_batch: int, tokens_per_second: float
+) -> None:
+    """An engine's decoding steps since its last heartbeat: batch sizes and occupancy, the step
+    count, and its current tokens per second."""
+    with client.pipeline(transaction=False) as pipe:
+        observe_many(pipe, model, "batch_size", [float(s) for s in sizes])
+        observe_many(pipe, model, "batch_occupancy", [s / max_batch for s in sizes])
+        if sizes:
+            pipe.hincrby(keys.counters(model), "decode_steps", len(sizes))
+        pipe.hset(keys.throughput(model), worker, f"{tokens_per_second:.3f}")
+        pipe.execute()
+
+
+def tokens_per_second(client: redis.Redis, model: str, live_workers: list[str]) -> float:
+    """The model's live workers' tokens per second (each over its last heartbeat interval)."""
+    if not live_workers:
+        return 0.0
+    found = cast("list[bytes | None]", client.hmget(keys.throughput(model), live_workers))
+    return sum(float(v) for v in found if v is not None)
 
 
 def count_submitted(client_or_pipe, model: str, n: int = 1) -> None:
@@ -42,11 +82,11 @@ def read(client: redis.Redis, model: str) -> dict:
     found = cast("dict[bytes, bytes]", client.hgetall(keys.counters(model)))
     counters = {k.decode(): float(v) for k, v in found.items()}
     histograms = {}
-    for histogram in HISTOGRAMS:
+    for histogram, bounds in HISTOGRAMS.items():
         found = cast("dict[bytes, bytes]", client.hgetall(keys.histogram(model, histogram)))
         raw = {k.decode(): float(v) for k, v in found.items()}
         histograms[histogram] = {
-            "buckets": [(_bucket(b), raw.get(_bucket(b), 0.0)) for b in BUCKETS],
+            "buckets": [(_bucket(b), raw.get(_bucket(b), 0.0)) for b in bounds],
             "sum": raw.get("sum", 0.0),
             "count": raw.get("count", 0.0),
         }

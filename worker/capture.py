@@ -18,7 +18,7 @@ last position, like `lm_head` in generate). See engine.py for what each `positio
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -173,60 +173,54 @@ def capacity(positions: str, prompt_tokens: int, max_tokens: int) -> int:
     return hi - lo
 
 
-@dataclass
-class StepCapture:
-    """Hooks that copy, at each step, the kept rows of every point into its buffer (on the CPU, in
-    the capture dtype; `copy_` casts and moves in one pass and never aliases the model's tensor).
+class JobCapture:
+    """One job's kept rows: a buffer per capture point, filled by `keep` with the rows of this job's
+    sequence at each forward step (on the CPU, in the capture dtype; `copy_` casts and moves in one
+    pass and never aliases the model's tensor). `BatchHooks` hands each job its own rows.
 
     Every buffer is a slice of one allocation per job: many allocations of a few megabytes would
     land between the forward pass's short-lived tensors on the malloc heap, and the holes those
     leave are memory the process keeps (measured: +45% over the kept bytes for a prompt capture).
-    One large allocation is mapped on its own and returned whole when the job's tensors are freed.
+    One large allocation is mapped on its own and returned whole when the job's tensors are freed."""
 
-    Use as a context manager around one generate of a single sequence."""
-
-    model: torch.nn.Module
-    points: list[CapturePoint]
-    widths: list[int]  # each point's last dimension, as the model description says
-    positions: str
-    prompt_tokens: int
-    max_tokens: int
-    dtype: torch.dtype
-    _buffers: list[_Buffer] = field(default_factory=list)
-    _handles: list = field(default_factory=list)
-
-    def __enter__(self) -> StepCapture:
-        rows = capacity(self.positions, self.prompt_tokens, self.max_tokens)
-        arena = torch.empty(rows * sum(self.widths), dtype=self.dtype, device="cpu")
+    def __init__(
+        self,
+        points: list[CapturePoint],
+        widths: list[int],  # each point's last dimension, as the model description says
+        positions: str,
+        prompt_tokens: int,
+        max_tokens: int,
+        dtype: torch.dtype,
+    ) -> None:
+        self.positions, self.prompt_tokens, self.max_tokens = positions, prompt_tokens, max_tokens
+        rows = capacity(positions, prompt_tokens, max_tokens)
+        arena = torch.empty(rows * sum(widths), dtype=dtype, device="cpu")
+        self.nbytes = arena.numel() * arena.element_size()
+        self.buffers: list[_Buffer] = []
+        self.wanted: dict[tuple[str, str], list[_Buffer]] = {}  # (module, hook) -> its points' buffers
         offset = 0
-        for point, width in zip(self.points, self.widths, strict=True):
+        for point, width in zip(points, widths, strict=True):
             buffer = _Buffer(point, arena[offset : offset + rows * width].view(rows, width))
             offset += rows * width
-            self._buffers.append(buffer)
-            module = self.model.get_submodule(point.module)
-            if point.hook == "output":
+            self.buffers.append(buffer)
+            self.wanted.setdefault((point.module, point.hook), []).append(buffer)
 
-                def on_output(_module, _args, output, buffer=buffer):
-                    self._keep(buffer, first_tensor(output))
+    def mark(self) -> list[tuple[int, int | None]]:
+        """Where every buffer stands, to undo a forward pass that failed half-way (`reset`)."""
+        return [(buffer.steps, buffer.first) for buffer in self.buffers]
 
-                self._handles.append(module.register_forward_hook(on_output))
-            else:
+    def reset(self, mark: list[tuple[int, int | None]]) -> None:
+        for buffer, (steps, first) in zip(self.buffers, mark, strict=True):
+            buffer.steps, buffer.first = steps, first
 
-                def on_input(_module, args, kwargs, buffer=buffer):
-                    self._keep(buffer, first_tensor(first_input(args, kwargs)))
+    def keep(self, key: tuple[str, str], rows: torch.Tensor | None) -> None:
+        """This job's value of one module at one step, as `[S, W]` rows (None: not rows at all)."""
+        for buffer in self.wanted.get(key, ()):
+            self._keep(buffer, rows)
 
-                self._handles.append(module.register_forward_pre_hook(on_input, with_kwargs=True))
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
-
-    def _keep(self, buffer: _Buffer, value: torch.Tensor | None) -> None:
+    def _keep(self, buffer: _Buffer, rows: torch.Tensor | None) -> None:
         name, width = buffer.point.name, buffer.rows.shape[1]
-        rows = None if value is None else rows_of(value)
-        if rows is None or rows.shape[1] != width:
+        if rows is None or rows.dim() != 2 or rows.shape[1] != width:
             raise JobFailure(f"{name}: expected [1, positions, {width}] or [positions, {width}] at step {buffer.steps}")
         step, seen = buffer.steps, int(rows.shape[0])
         buffer.steps += 1
@@ -248,7 +242,7 @@ class StepCapture:
         """(point, [rows, H], start, stop) per point once the generation ended after `new_tokens`."""
         start, stop = span(self.positions, self.prompt_tokens, new_tokens)
         out = []
-        for buffer in self._buffers:
+        for buffer in self.buffers:
             name = buffer.point.name
             if buffer.steps != new_tokens:
                 raise JobFailure(f"{name}: captured {buffer.steps} steps for {new_tokens} new tokens")
@@ -260,3 +254,72 @@ class StepCapture:
                 raise JobFailure(f"{name}: kept {rows.shape[0]} rows for positions [{start}, {stop})")
             out.append((buffer.point, rows, start, stop))
         return out
+
+
+def split_rows(value: torch.Tensor | None, batch: int) -> list[torch.Tensor | None]:
+    """A module's value for a batch of `batch` sequences, as each sequence's `[S, W]` rows:
+    `[B, S, H]` and `[B, S, heads, D]` split on the batch dim; a 2-D `[B * S, H]` (OPT's MLP and
+    per-layer norm flatten the batch) splits into B equal runs of rows."""
+    if value is None:
+        return [None] * batch
+    if value.dim() >= 3 and value.shape[0] == batch:
+        return [rows_of(value[b : b + 1]) for b in range(batch)]
+    if value.dim() == 2 and value.shape[0] % batch == 0:
+        return list(value.view(batch, value.shape[0] // batch, value.shape[1]).unbind(0))
+    return [None] * batch
+
+
+class BatchHooks:
+    """One forward hook per (module, hook) that any job of the running batch captures; at each
+    forward pass it splits the module's value into the batch's sequences and hands each job its
+    own rows. `rows` is the batch in order (None for a sequence that captures nothing); a job
+    whose rows do not fit gets its failure recorded in `failures` and the others go on.
+
+    Use as a context manager around the decoding of one batch (hooks are removed on exit)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.model = model
+        self.rows: list[JobCapture | None] = []
+        self.failures: dict[int, JobFailure] = {}  # index in `rows` -> why that job's capture failed
+        self._handles: dict[tuple[str, str], object] = {}
+
+    def __enter__(self) -> BatchHooks:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles.values():
+            handle.remove()  # type: ignore[attr-defined]  # a torch RemovableHandle
+        self._handles.clear()
+
+    def use(self, rows: list[JobCapture | None]) -> None:
+        """The sequences of the next forward pass, in batch order: hooks for what they capture."""
+        self.rows = rows
+        self.failures = {}
+        wanted = {key for capture in rows if capture is not None for key in capture.wanted}
+        for key in list(self._handles):
+            if key not in wanted:
+                self._handles.pop(key).remove()  # type: ignore[attr-defined]
+        for key in wanted - self._handles.keys():
+            module_path, hook = key
+            module = self.model.get_submodule(module_path)
+            if hook == "output":
+
+                def on_output(_module, _args, output, key=key):
+                    self._dispatch(key, first_tensor(output))
+
+                self._handles[key] = module.register_forward_hook(on_output)
+            else:
+
+                def on_input(_module, args, kwargs, key=key):
+                    self._dispatch(key, first_tensor(first_input(args, kwargs)))
+
+                self._handles[key] = module.register_forward_pre_hook(on_input, with_kwargs=True)
+
+    def _dispatch(self, key: tuple[str, str], value: torch.Tensor | None) -> None:
+        for index, (capture, rows) in enumerate(zip(self.rows, split_rows(value, len(self.rows)), strict=True)):
+            if capture is None or index in self.failures:
+                continue
+            try:
+                capture.keep(key, rows)
+            except JobFailure as exc:
+                self.failures[index] = exc

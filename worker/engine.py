@@ -17,24 +17,24 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
 
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
 
 from shared.capture_spec import check_prompt_fits
 from shared.errors import ContextLengthExceeded, JobFailure
 from shared.schemas import CapturePoint, JobRequest, ModelInfo
-from worker.capture import StepCapture, describe_modules
+from worker.capture import JobCapture, describe_modules
+from worker.decoding import Decoder, Sampler, Sequence, Watch
 from worker.footprint import footprint
+from worker.kvcache import check_supported, new_cache
 from worker.models import LoadedModel
 from worker.presets import resolve_presets
 from worker.prompts import PromptEncoder
 
 if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
+    pass
 
 log = logging.getLogger(__name__)
 
@@ -64,45 +64,6 @@ class Generation:
     token_ids: torch.Tensor  # int64 [P + N]
     captured: list[CapturedTensor] = field(default_factory=list)
     stopped_by: str | None = None  # what the watch answered when it ended generation early
-
-
-# Asked after each decoding step with the number of new tokens so far; a reason string stops.
-Watch = Callable[[int], str | None]
-
-
-class _StopWhen(StoppingCriteria):
-    """A transformers stopping criterion around a Watch: generate calls it after every step."""
-
-    def __init__(self, watch: Watch, prompt_tokens: int) -> None:
-        super().__init__()
-        self.watch, self.prompt_tokens = watch, prompt_tokens
-        self.reason: str | None = None
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: object) -> torch.Tensor:
-        if self.reason is None:
-            self.reason = self.watch(input_ids.shape[1] - self.prompt_tokens)
-        return torch.full((input_ids.shape[0],), self.reason is not None, dtype=torch.bool, device=input_ids.device)
-
-
-class _StopStrings(StoppingCriteria):
-    """Ends generation once the generated text contains one of `stops`.
-
-    transformers' own `stop_strings` criterion first walks the whole vocabulary in Python for each
-    new set of stop strings (seconds per job, cached per set: a job with unusual stops held a worker
-    for 17 s and its memory grew with every set). This one decodes only the tail of the generated
-    tokens that could hold a stop string, after each step: a few hundred microseconds."""
-
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, stops: list[str], prompt_tokens: int) -> None:
-        super().__init__()
-        self.tokenizer, self.stops, self.prompt_tokens = tokenizer, stops, prompt_tokens
-        # A token decodes to at least one character except for pieces of a multi-byte character
-        # (at most 4 bytes each): this many tokens always cover the longest stop string.
-        self.window = 4 * max(len(stop) for stop in stops) + 4
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **_: object) -> torch.Tensor:
-        start = max(self.prompt_tokens, input_ids.shape[1] - self.window)
-        done = [any(stop in self.tokenizer.decode(row[start:]) for stop in self.stops) for row in input_ids]
-        return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
 
 
 class CaptureEngine:
@@ -183,65 +144,100 @@ class CaptureEngine:
     def encode(self, request: JobRequest) -> dict[str, torch.Tensor]:
         return {k: v.to(self.loaded.device) for k, v in self.prompts.encode(request).items()}
 
-    def generation_kwargs(self, request: JobRequest, max_tokens: int, prompt_tokens: int) -> dict:
-        """What `generate` gets for this request (shared with benchmarks' plain arm)."""
-        kwargs: dict = {"max_new_tokens": max_tokens, **self._pad()}
+    def sampling(self, request: JobRequest) -> dict:
+        """The generation settings that pick tokens for this request (shared with benchmarks)."""
         if request.samples:
-            kwargs.update(do_sample=True, temperature=request.temperature, top_p=request.top_p)
-        else:
-            kwargs.update(do_sample=False, temperature=None, top_p=None, top_k=None)
-        criteria = StoppingCriteriaList()
-        if request.stop:
-            criteria.append(_StopStrings(self.tokenizer, list(request.stop), prompt_tokens))
-        kwargs["stopping_criteria"] = criteria
-        return kwargs
+            return {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
 
-    def run(
+    def prepare(
         self, request: JobRequest, points: list[CapturePoint], max_tokens: int, watch: Watch | None = None
-    ) -> Generation:
-        """Generate (and capture). `watch`, when given, is asked after every decoding step whether
-        to stop early (a cancel flag, a deadline); the generation then ends within one step and
-        `Generation.stopped_by` says why. What was generated and captured until then is kept."""
+    ) -> Sequence:
+        """A job's sequence, ready to join a batch: checked, tokenized, with its capture buffers.
+        Raises the job's failure (unknown module, context too long)."""
         unknown = [p.module for p in points if p.module not in self._module_paths]
         if unknown:
             raise JobFailure(f"modules not in this model's capturable list: {', '.join(unknown)}")
         check_prompt_fits(request, self.info, max_tokens)  # before tokenizing megabytes of text
-        prompt = self.encode(request)
-        prompt_tokens = int(prompt["input_ids"].shape[1])
+        prompt = self.encode(request)["input_ids"]
+        prompt_tokens = int(prompt.shape[1])
         limit = self.info.max_context
         if limit and prompt_tokens + max_tokens > limit:
             raise ContextLengthExceeded(
                 f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit}"
             )
-        kwargs = self.generation_kwargs(request, max_tokens, prompt_tokens)
-        criterion = None
-        if watch is not None:
-            criterion = _StopWhen(watch, prompt_tokens)
-            kwargs["stopping_criteria"].append(criterion)
-        dtype = getattr(torch, request.capture.dtype) if request.capture else torch.float32
-        positions = request.capture.positions if request.capture else "all"
-        widths = [self._width(p) for p in points]
-        capture = StepCapture(self.hf, points, widths, positions, prompt_tokens, max_tokens, dtype)
-        with self.lock, torch.inference_mode(), capture:
-            if request.seed is not None:
-                torch.manual_seed(request.seed)
-            ids = self.hf.generate(**prompt, **kwargs)  # type: ignore[operator]  # generate is GenerationMixin's
-        token_ids = ids[0].to("cpu", torch.int64)
-        generated = token_ids[prompt_tokens:]
-        text, finish_reason = self._finish(generated, request, max_tokens)
-        captured = [
-            CapturedTensor(point=point, tensor=rows, start=start, stop=stop)
-            for point, rows, start, stop in capture.tensors(len(generated))
-        ]
+        capture = None
+        if points:
+            dtype = getattr(torch, request.capture.dtype) if request.capture else torch.float32
+            positions = request.capture.positions if request.capture else "all"
+            widths = [self._width(p) for p in points]
+            capture = JobCapture(points, widths, positions, prompt_tokens, max_tokens, dtype)
+        return Sequence(
+            prompt_ids=prompt,
+            max_tokens=max_tokens,
+            sampler=Sampler(self.hf, self.sampling(request), prompt_tokens, request.seed),
+            capture=capture,
+            stops=list(request.stop),
+            watch=watch,
+        )
+
+    def max_batch(self, wanted: int) -> int:
+        """`wanted`, or 1 when this model's cache rows cannot move between batches."""
+        why = check_supported(new_cache(self.hf.config))
+        if why is not None and wanted > 1:
+            log.warning("%s runs one job at a time (ACTQ_MAX_BATCH=%d ignored): %s", self.info.name, wanted, why)
+            return 1
+        return wanted
+
+    def estimate(self, seq: Sequence) -> int:
+        """Bytes a sequence holds while it runs in a batch: its KV cache at full length and its
+        capture buffers (what the scheduler's memory budget counts)."""
+        kv = (self.info.kv_bytes_per_token or 0) * (seq.prompt_tokens + seq.max_tokens)
+        return kv + (seq.capture.nbytes if seq.capture is not None else 0)
+
+    def decoder(self) -> Decoder:
+        return Decoder(self.hf, self.tokenizer, self._pad()["pad_token_id"])
+
+    def finish(self, seq: Sequence, request: JobRequest) -> Generation:
+        """The job's result once its sequence left the batch (a failed one raises its failure)."""
+        if seq.failure is not None:
+            raise seq.failure
+        token_ids = seq.all_ids()[0].to("cpu", torch.int64)
+        generated = token_ids[seq.prompt_tokens :]
+        text, finish_reason = self._finish(generated, request, seq.max_tokens)
+        captured = []
+        if seq.capture is not None:
+            captured = [
+                CapturedTensor(point=point, tensor=rows, start=start, stop=stop)
+                for point, rows, start, stop in seq.capture.tensors(len(generated))
+            ]
         return Generation(
             text=text,
             finish_reason=finish_reason,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=seq.prompt_tokens,
             completion_tokens=len(generated),
             token_ids=token_ids,
             captured=captured,
-            stopped_by=criterion.reason if criterion else None,
+            stopped_by=seq.stopped_by,
         )
+
+    def run(
+        self, request: JobRequest, points: list[CapturePoint], max_tokens: int, watch: Watch | None = None
+    ) -> Generation:
+        """One job alone (a batch of one): generate and capture. `watch`, when given, is asked
+        after every decoding step whether to stop early (a cancel flag, a deadline); the
+        generation then ends within one step and `Generation.stopped_by` says why. What was
+        generated and captured until then is kept."""
+        seq = self.prepare(request, points, max_tokens, watch)
+        with self.lock, torch.inference_mode():
+            decoder = self.decoder()
+            try:
+                decoder.admit(seq)
+                while decoder.rows:
+                    decoder.step()
+            finally:
+                decoder.close()
+        return self.finish(seq, request)
 
     def _width(self, point: CapturePoint) -> int:
         info = self.info.modules[self.info.module_index[point.module]]

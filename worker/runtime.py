@@ -1,5 +1,6 @@
-"""What a worker child holds for its lifetime: the settings, the one model (in the capture engine),
-the stores, and a heartbeat thread that keeps the model listed as live."""
+"""What a worker's engine process holds for its lifetime: the settings, the one model (in the
+capture engine), the scheduler that batches its jobs, the stores, and a heartbeat thread that
+keeps the model listed as live."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,10 +17,12 @@ import redis
 from shared.jobs import JobStore
 from shared.registry import ModelRegistry
 from shared.settings import Settings
+from shared.stats import record_steps
 from shared.storage import ArtifactStore, open_store
 
 if TYPE_CHECKING:
     from worker.engine import CaptureEngine
+    from worker.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
@@ -32,16 +36,18 @@ class Runtime:
     registry: ModelRegistry
     worker_id: str
     stop: threading.Event
+    scheduler: Scheduler
 
 
 _runtime: Runtime | None = None
 
 
 def start(settings: Settings) -> Runtime:
-    """Load the model once, publish it, and start heartbeats. Runs in the pool child."""
+    """Load the model once, publish it, and start heartbeats. Runs in the engine process."""
     global _runtime
     from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.scheduler import Scheduler
 
     client = redis.Redis.from_url(settings.redis_url)
     loaded = load(settings)
@@ -60,6 +66,12 @@ def start(settings: Settings) -> Runtime:
         registry=registry,
         worker_id=worker_id,
         stop=stop,
+        scheduler=Scheduler(
+            engine,
+            max_batch=engine.max_batch(settings.max_batch),
+            wait_s=settings.batch_wait_ms / 1000,
+            budget_bytes=settings.batch_memory_budget_bytes,
+        ).start(),
     )
     registry.heartbeat(engine.info, worker_id)
     threading.Thread(target=_beat, args=(_runtime,), name="actq-heartbeat", daemon=True).start()
@@ -68,17 +80,30 @@ def start(settings: Settings) -> Runtime:
 
 
 def _beat(runtime: Runtime) -> None:
+    last = time.monotonic()
     while not runtime.stop.wait(runtime.settings.heartbeat_interval):
+        sizes, tokens = runtime.scheduler.stats.take()
+        now = time.monotonic()
         try:
             runtime.registry.heartbeat(runtime.engine.info, runtime.worker_id)
-        except redis.RedisError as exc:  # keep beating once Redis is back
+            record_steps(
+                runtime.registry.redis,
+                runtime.engine.info.name,
+                runtime.worker_id,
+                sizes,
+                runtime.scheduler.max_batch,
+                tokens / max(now - last, 1e-9),
+            )
+        except redis.RedisError as exc:  # keep beating once Redis is back (these steps' figures are lost)
             log.warning("heartbeat failed: %s", exc)
+        last = now
 
 
 def stop() -> None:
     if _runtime is None:
         return
     _runtime.stop.set()
+    _runtime.scheduler.stop()
     try:
         _runtime.registry.remove_worker(_runtime.engine.info.name, _runtime.worker_id)
     except redis.RedisError:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from shared.schemas import CapturePoint
-from worker.capture import StepCapture, describe_modules
+from worker.capture import BatchHooks, JobCapture, describe_modules
 
 
 class EditsInPlace(torch.nn.Module):
@@ -32,7 +32,9 @@ def test_a_capture_is_the_value_at_return_not_after_the_parent_edits_it():
         CapturePoint(name="mlp", module="mlp", hook="output"),
         CapturePoint(name="attn:input", module="attn", hook="input"),
     ]
-    with torch.no_grad(), StepCapture(model, points, [4, 4], "all", 5, 1, torch.float32) as capture:
+    capture = JobCapture(points, [4, 4], "all", 5, 1, torch.float32)
+    with torch.no_grad(), BatchHooks(model) as hooks:
+        hooks.use([capture])
         model(x)
     (_, mlp, start, stop), (_, attn_in, _, _) = capture.tensors(new_tokens=1)
     with torch.no_grad():
@@ -117,10 +119,37 @@ def test_flat_rows_are_captured_as_rows_of_the_sequence():
     model = torch.nn.Module()
     model.flat = layer
     prefill, step = torch.randn(5, 4), torch.randn(1, 4)
-    with torch.no_grad(), StepCapture(model, points, [6], "all", 5, 2, torch.float32) as capture:
+    capture = JobCapture(points, [6], "all", 5, 2, torch.float32)
+    with torch.no_grad(), BatchHooks(model) as hooks:
+        hooks.use([capture])
         layer(prefill)
         layer(step)
     ((_, rows, start, stop),) = capture.tensors(new_tokens=2)
     with torch.no_grad():
         expected = torch.cat([layer(prefill), layer(step)])
     assert (start, stop) == (0, 6) and torch.equal(rows, expected)
+
+
+def test_a_batch_hands_each_sequence_its_own_rows():
+    """[B, S, H] splits on the batch dim; a flattened [B * S, H] (OPT) into B runs of rows; a
+    sequence that captures nothing is skipped."""
+    torch.manual_seed(0)
+    model = torch.nn.Module()
+    model.deep, model.flat = torch.nn.Linear(4, 3), torch.nn.Linear(4, 3)
+    points = [
+        CapturePoint(name="deep", module="deep", hook="output"),
+        CapturePoint(name="flat", module="flat", hook="output"),
+    ]
+    first, second = (JobCapture(points, [3, 3], "generated", 2, 1, torch.float32) for _ in range(2))
+    x = torch.randn(3, 2, 4)  # three sequences of two positions
+    with torch.no_grad(), BatchHooks(model) as hooks:
+        hooks.use([first, None, second])
+        model.deep(x)
+        model.flat(x.reshape(6, 4))
+    with torch.no_grad():
+        deep_expected, flat_expected = model.deep(x), model.flat(x)
+    for capture, row in ((first, 0), (second, 2)):
+        (_, deep, start, stop), (_, flat, _, _) = capture.tensors(new_tokens=1)
+        assert (start, stop) == (1, 2)
+        assert torch.equal(deep, deep_expected[row, 1:]) and torch.equal(flat, flat_expected[row, 1:])
+    assert not model.deep._forward_hooks

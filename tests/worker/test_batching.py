@@ -1,0 +1,241 @@
+"""Batched decoding in this process: every job of a batch, joining at any step, gets its own
+result, checked against the same job run alone (which test_engine.py checks bit for bit against
+`generate` with forward hooks). Tolerance for activations: max |batched - solo| at most 1e-4 of
+the solo tensor's max |value| (float32; for a bfloat16 or float16 capture, the dtype's rounding
+step, since a float32 difference far below it can still round the other way); token ids must be
+equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared.capture_spec import resolve
+from shared.errors import OutOfMemory
+from shared.schemas import JobRequest
+from shared.settings import Settings
+from tests.support.architectures import BY_KEY, available, build
+from worker.decoding import Sequence
+
+pytestmark = pytest.mark.model
+
+RELATIVE_TOLERANCE = 1e-4
+QUESTIONS = [
+    "What is 2+3?",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many?",
+    "Name three colours.",
+    "Write a haiku about the sea.",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting. How much did she earn?",
+    "Count to five.",
+]
+CAPTURE = {"modules": ["model.layers.{0,2}", "model.layers.1.mlp", "model.norm"], "positions": "all"}
+
+
+def load_engine(folder):
+    from worker.engine import CaptureEngine
+    from worker.models import load
+
+    return CaptureEngine(load(Settings(model=str(folder), model_name="m")))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return load_engine(tiny_dir)
+
+
+def job(question: str, max_tokens: int, capture: dict | None = CAPTURE, **fields) -> tuple[JobRequest, int]:
+    body = {"model": "m", "messages": [{"role": "user", "content": question}], "capture": capture, **fields}
+    return JobRequest.model_validate(body), max_tokens
+
+
+def prepare(engine, req: JobRequest, max_tokens: int, watch=None) -> Sequence:
+    points = resolve(req.capture, engine.info) if req.capture else []
+    return engine.prepare(req, points, max_tokens, watch)
+
+
+def run_batched(engine, jobs, join_at: list[int], watches=None, wrap=None):
+    """Run `jobs` in one decoder, job i joining before step `join_at[i]`; returns each job's
+    Generation (or its failure) and the largest batch that ran."""
+    watches = watches or [None] * len(jobs)
+    seqs = [prepare(engine, req, n, w) for (req, n), w in zip(jobs, watches, strict=True)]
+    results: dict[int, object] = {}
+    largest = 0
+    with torch.inference_mode():
+        decoder = engine.decoder()
+        if wrap is not None:
+            wrap(decoder)
+        try:
+            step = 0
+            while len(results) < len(jobs):
+                for i, seq in enumerate(seqs):
+                    if join_at[i] == step:
+                        decoder.admit(seq)
+                        if seq.ended:
+                            results[i] = seq
+                largest = max(largest, len(decoder.rows))
+                for seq in decoder.step():
+                    results[seqs.index(seq)] = seq
+                step += 1
+        finally:
+            decoder.close()
+    out = []
+    for i, (req, _) in enumerate(jobs):
+        try:
+            out.append(engine.finish(results[i], req))
+        except Exception as exc:  # noqa: BLE001 - the job's failure is its result here
+            out.append(exc)
+    return out, largest
+
+
+def solo(engine, req: JobRequest, max_tokens: int):
+    return engine.run(req, resolve(req.capture, engine.info) if req.capture else [], max_tokens)
+
+
+def assert_same(batched, alone, name: str) -> float:
+    """Equal tokens and text; activations within the tolerance. Returns the largest relative diff."""
+    assert torch.equal(batched.token_ids, alone.token_ids), name
+    assert batched.text == alone.text and batched.finish_reason == alone.finish_reason
+    worst = 0.0
+    for got, want in zip(batched.captured, alone.captured, strict=True):
+        assert (got.start, got.stop, got.tensor.shape) == (want.start, want.stop, want.tensor.shape)
+        scale = float(want.tensor.abs().max())
+        diff = float((got.tensor.float() - want.tensor.float()).abs().max())
+        worst = max(worst, diff / scale)
+        # a half-precision capture is the float32 value rounded: one rounding step apart at most
+        tolerance = max(RELATIVE_TOLERANCE, torch.finfo(want.tensor.dtype).eps)
+        assert diff <= tolerance * scale, (name, got.point.name, diff, scale)
+    return worst
+
+
+def test_jobs_joining_at_different_steps_each_get_their_solo_result(engine):
+    """Different max_tokens, positions, stops and joining steps (iteration-level batching): a
+    finished job leaves and the rest, with their padding trimmed, go on."""
+    jobs = [
+        job(QUESTIONS[0], 12),
+        job(QUESTIONS[1], 20, {**CAPTURE, "positions": "generated"}),
+        job(QUESTIONS[2], 6, {**CAPTURE, "positions": "prompt"}),
+        job(QUESTIONS[3], 16, None),
+        job(QUESTIONS[4], 9, {"modules": ["lm_head", "model.layers.1"], "positions": "generated", "dtype": "bfloat16"}),
+        job(QUESTIONS[5], 14, stop=["e"]),
+    ]
+    batched, largest = run_batched(engine, jobs, join_at=[0, 0, 3, 3, 5, 11])
+    assert largest >= 4
+    for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
+        assert_same(got, solo(engine, req, n), f"job {i}")
+
+
+def test_a_seeded_sampled_job_draws_the_same_tokens_in_a_batch(engine):
+    sampled = job(QUESTIONS[3], 16, None, temperature=0.9, top_p=0.9, seed=7)
+    jobs = [job(QUESTIONS[0], 10, None), sampled, job(QUESTIONS[2], 16, None, temperature=1.0)]
+    batched, _ = run_batched(engine, jobs, join_at=[0, 2, 2])
+    assert torch.equal(batched[1].token_ids, solo(engine, *sampled).token_ids)
+
+
+def test_a_cancelled_row_stops_and_the_others_go_on(engine):
+    jobs = [job(QUESTIONS[0], 16), job(QUESTIONS[1], 16), job(QUESTIONS[2], 16)]
+    watch = [None, lambda tokens: "cancelled" if tokens >= 3 else None, None]
+    batched, _ = run_batched(engine, jobs, join_at=[0, 0, 0], watches=watch)
+    assert batched[1].stopped_by == "cancelled" and batched[1].completion_tokens == 3
+    for i in (0, 2):
+        assert_same(batched[i], solo(engine, *jobs[i]), f"job {i}")
+
+
+class FailAbove:
+    """Makes every forward pass of more than `limit` rows raise a CUDA-style out-of-memory error
+    (a GPU cannot run here) from inside the model, after the first layer has run."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.decoder = None
+
+    def __call__(self, decoder) -> None:
+        self.decoder = decoder
+        layer = decoder.model.model.layers[1]
+        self.forward = layer.forward
+
+        def failing(hidden_states, *args, **kwargs):
+            if hidden_states.shape[0] > self.limit:
+                raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            return self.forward(hidden_states, *args, **kwargs)
+
+        layer.forward = failing
+        self.layer = layer
+
+    def undo(self) -> None:
+        if self.decoder is not None:
+            self.layer.forward = self.forward
+
+
+def test_out_of_memory_splits_the_batch_and_every_job_still_gets_its_result(engine):
+    """An allocation failure in the middle of any forward pass of more than 2 rows (layer 0 has
+    already written its cache and captures): the step runs again in halves, what the failed pass
+    wrote undone, later batches stay at 2, and every result equals its solo run."""
+    jobs = [job(q, 10) for q in QUESTIONS[:5]]
+    inject = FailAbove(2)
+    try:
+        batched, largest = run_batched(engine, jobs, join_at=[0, 0, 0, 0, 2], wrap=inject)
+    finally:
+        inject.undo()
+    assert inject.decoder.most_rows == 2 and largest == 5  # the scheduler admits no more than most_rows
+    for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
+        assert_same(got, solo(engine, req, n), f"job {i}")
+
+
+def test_the_scheduler_fails_only_the_job_whose_prefill_runs_out_of_memory(engine):
+    """Through the engine thread: three jobs queued at once; the long prompt's prefill fails with
+    an injected allocation failure; the other two run together and equal their solo runs."""
+    import threading
+
+    from worker.scheduler import Entry, Scheduler
+
+    jobs = [job(QUESTIONS[0], 10), job(QUESTIONS[1], 10), job(QUESTIONS[2], 10)]
+    layer = engine.hf.model.layers[1]
+    forward = layer.forward
+
+    def failing(hidden_states, *args, **kwargs):
+        if hidden_states.shape[1] > 50:  # only the long question's prompt is this long
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+        return forward(hidden_states, *args, **kwargs)
+
+    outcomes: dict[int, object] = {}
+    finished = threading.Event()
+
+    def entry(i: int) -> Entry:
+        def done(outcome) -> None:
+            outcomes[i] = outcome
+            if len(outcomes) == len(jobs):
+                finished.set()
+
+        return Entry(prepare=lambda: prepare(engine, *jobs[i]), done=done)
+
+    scheduler = Scheduler(engine, max_batch=4, wait_s=0.2)
+    layer.forward = failing
+    try:
+        for i in range(len(jobs)):
+            scheduler.submit(entry(i))
+        scheduler.start()
+        assert finished.wait(120)
+    finally:
+        scheduler.stop()
+        layer.forward = forward
+    assert isinstance(outcomes[1], OutOfMemory)
+    assert scheduler.stats.largest == 2
+    for i in (0, 2):
+        assert_same(engine.finish(outcomes[i], jobs[i][0]), solo(engine, *jobs[i]), f"job {i}")
+
+
+@pytest.mark.parametrize("key", ["gemma2", "mistral", "opt", "gpt2"])
+def test_other_layouts_batch_exactly(key, tmp_path, smol_dir):
+    """Sliding-window caches (Gemma 2, Mistral: windows of 8, crossed by every job here), OPT's
+    flattened [B * S, H] modules and GPT-2's learned positions, batched against solo."""
+    arch = BY_KEY[key]
+    if reason := available(arch):
+        pytest.skip(reason)
+    eng = load_engine(build(arch, tmp_path / key, smol_dir, chat_template=True))
+    modules = [m.path for m in eng.info.modules if m.all_positions and m.output_dim]
+    capture = {"modules": modules, "positions": "all"}  # every module that sees every position
+    jobs = [job(q, 12, capture) for q in QUESTIONS[:4]]
+    batched, largest = run_batched(eng, jobs, join_at=[0, 0, 4, 7])
+    assert largest >= 3
+    for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
+        assert_same(got, solo(eng, req, n), f"{key} job {i}")
