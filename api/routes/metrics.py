@@ -33,6 +33,17 @@ class RedisCollector:
         wait = HistogramMetricFamily(
             "actq_job_queue_wait_seconds", "Time from submission to a worker starting the job.", labels=["model"]
         )
+        batch = HistogramMetricFamily(
+            "actq_batch_size", "Jobs in each decoding step of the workers' batches.", labels=["model"]
+        )
+        occupancy = HistogramMetricFamily(
+            "actq_batch_occupancy", "Jobs in each decoding step over the worker's ACTQ_MAX_BATCH.", labels=["model"]
+        )
+        speed = GaugeMetricFamily(
+            "actq_tokens_per_second",
+            "Tokens the model's live workers decode per second (each over its last heartbeat interval).",
+            labels=["model"],
+        )
         for model in services.registry.names():
             figures = stats.read(services.redis, model)
             for outcome in ("submitted", "succeeded", "failed", "cancelled"):
@@ -40,16 +51,24 @@ class RedisCollector:
             tokens.add_metric([model], figures["counters"].get("generated_tokens", 0.0))
             captured.add_metric([model], figures["counters"].get("captured_bytes", 0.0))
             depth.add_metric([model], services.jobs.queue_depth(model))
-            workers.add_metric([model], len(services.registry.live_workers(model)))
-            for family, name in ((duration, "duration"), (wait, "queue_wait")):
+            live = services.registry.live_workers(model)
+            workers.add_metric([model], len(live))
+            speed.add_metric([model], stats.tokens_per_second(services.redis, model, live))
+            for family, name in (
+                (duration, "duration"),
+                (wait, "queue_wait"),
+                (batch, "batch_size"),
+                (occupancy, "batch_occupancy"),
+            ):
                 h = figures["histograms"][name]
                 family.add_metric([model], h["buckets"], h["sum"])
-        yield from (jobs, tokens, captured, depth, workers, duration, wait)
+        yield from (jobs, tokens, captured, depth, workers, duration, wait, batch, occupancy, speed)
 
 
 @router.get("/metrics", response_class=Response)
 def metrics(services: ServicesDep) -> Response:
-    """Prometheus metrics: jobs by outcome, queue depth, live workers, durations, tokens, bytes."""
+    """Prometheus metrics: jobs by outcome, queue depth, live workers, durations, tokens, bytes,
+    batch sizes and occupancy, tokens per second."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RedisCollector(services))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE)
