@@ -4,7 +4,6 @@ client sees meanwhile (queue position, tokens so far). On SmolLM2, whose jobs la
 from __future__ import annotations
 
 import time
-from datetime import datetime
 
 import pytest
 
@@ -34,13 +33,15 @@ def wait_until(http, job_id: str, predicate, timeout: float = 60) -> dict:
     raise AssertionError(f"timed out; job is {job}")
 
 
-def test_cancelling_a_running_job_stops_it_and_the_next_starts_at_once(live_smol):
+def test_cancelling_one_running_job_of_a_batch_stops_that_row_and_the_others_go_on(live_smol):
+    """Three jobs run in one batch; DELETE of one stops it within a step or so, with what it had
+    generated; the other two finish all their tokens, and their results equal the same jobs run
+    again on their own afterwards (greedy)."""
     with live_smol.client() as http:
         long = live_smol.submit(http, body())
-        following = [live_smol.submit(http, body(max_tokens=4)) for _ in range(2)]
+        others = [live_smol.submit(http, body(max_tokens=60, capture=None)) for _ in range(2)]
         wait_until(http, long, lambda j: j["status"] == "running" and (j["generated_tokens"] or 0) >= 5)
-        queued = http.get(f"/jobs/{following[1]}").json()
-        assert queued["status"] == "queued" and queued["queue_position"] == 2  # FIFO behind following[0]
+        assert all(http.get(f"/jobs/{i}").json()["status"] == "running" for i in others), "not one batch"
         asked = time.monotonic()
         response = http.delete(f"/jobs/{long}")
         assert response.status_code == 202 and response.json()["status"] == "running"
@@ -50,11 +51,11 @@ def test_cancelling_a_running_job_stops_it_and_the_next_starts_at_once(live_smol
         assert job["result"]["finish_reason"] == "cancelled" and job["result"]["text"]
         assert 5 <= job["result"]["usage"]["completion_tokens"] < 200
         assert job["activations"] is None
-        assert stopped_in < 2.0, stopped_in  # one decoding step is ~60 ms here; allow for polling
-        nxt = live_smol.wait(http, following[0], timeout=60)
-        gap = datetime.fromisoformat(nxt["started_at"]) - datetime.fromisoformat(job["finished_at"])
-        assert nxt["status"] == "succeeded" and gap.total_seconds() < 1.0, gap
-        assert live_smol.wait(http, following[1], timeout=60)["status"] == "succeeded"
+        assert stopped_in < 2.0, stopped_in  # one batched decoding step is well under 0.1 s here
+        done = [live_smol.wait(http, i, timeout=60) for i in others]
+        assert all(d["status"] == "succeeded" and d["result"]["usage"]["completion_tokens"] == 60 for d in done)
+        again = live_smol.wait(http, live_smol.submit(http, body(max_tokens=60, capture=None)), timeout=60)
+        assert all(d["result"]["text"] == again["result"]["text"] for d in done)
 
 
 def test_a_job_over_its_time_limit_fails_as_timeout_and_the_worker_serves_on(live_smol):

@@ -92,9 +92,13 @@ def test_a_run_end_to_end_then_probes(live, tmp_path, redis_client):
     assert (out / "probes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_resume_after_a_kill_submits_nothing_twice(live, tmp_path, redis_client):
+def test_resume_after_a_kill_submits_nothing_twice(live, tmp_path, redis_client, tiny_dir):
+    """The run is killed once some problems have finished; the same command finishes the rest and
+    submits nothing twice. Its worker runs batches of 4, so the twelve problems end in three
+    waves (with larger batches the tiny model ends all twelve at the same step)."""
+    live.start_worker("tiny-b4", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-b4", "ACTQ_MAX_BATCH": "4"})
     out = tmp_path / "run"
-    args = ["gsm8k", "--out", str(out), "--dataset", "samples", "--model", TINY, "--max-tokens", "120", "--quiet"]
+    args = ["gsm8k", "--out", str(out), "--dataset", "samples", "--model", "tiny-b4", "--max-tokens", "120", "--quiet"]
     before = job_count(redis_client)
     first = subprocess.Popen(actq(live, *args), env=run_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
@@ -126,6 +130,7 @@ def test_resume_after_a_kill_submits_nothing_twice(live, tmp_path, redis_client)
         timeout=60,
     )
     assert changed.returncode != 0 and "holds a run with other settings (max_tokens)" in changed.stderr
+    live.stop_process("worker-tiny-b4")
 
 
 def test_ctrl_c_leaves_a_consistent_directory(live, tmp_path):

@@ -114,7 +114,12 @@ def test_kill_9_of_the_whole_worker_redelivers_its_jobs(live, tiny_dir, tmp_path
     """SIGKILL of a worker's parent and child together: nothing acknowledges its messages, so Redis
     hands them out again once the visibility timeout passes (8 s here; a job may not run longer
     than 5 s). A new worker finishes every job; the one that was generating has attempts 2."""
-    limits = {"ACTQ_JOB_SOFT_TIME_LIMIT": "4", "ACTQ_JOB_TIME_LIMIT": "5", "ACTQ_VISIBILITY_TIMEOUT": "8"}
+    limits = {
+        "ACTQ_JOB_SOFT_TIME_LIMIT": "4",
+        "ACTQ_JOB_TIME_LIMIT": "5",
+        "ACTQ_VISIBILITY_TIMEOUT": "8",
+        "ACTQ_MAX_BATCH": "1",
+    }
     model = {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-kw"}
     with own_stack(tmp_path / "stack", live.env, ACTQ_REDIS_URL=own_redis.url, **limits) as s, s.client() as http:
         worker = s.start_worker("w", model)

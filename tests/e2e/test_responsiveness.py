@@ -15,7 +15,7 @@ import httpx
 from tests.support.hostile import HOSTILE
 
 P99_LIMIT_S = 0.050
-ROUNDS = 100
+ROUNDS = 300  # about 320 probes: the p99 is the 4th-largest sample, not the 2nd (one scheduler hiccup)
 
 # The sender is a process of its own: its JSON and HTTP work must not hold this process's GIL
 # while it times the probes.
