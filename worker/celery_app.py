@@ -26,7 +26,11 @@ from worker.engine_client import EngineClient, EngineStartFailed
 settings = get_settings()
 check_timeouts(settings)
 app = make_celery(settings)
-app.conf.update(worker_pool="threads", worker_concurrency=settings.max_batch)
+app.conf.update(
+    worker_pool="threads",
+    worker_concurrency=settings.max_batch,
+    broker_transport="worker.broker_transport:Transport",  # survives Redis restarts mid-fetch
+)
 engine = EngineClient(start_timeout=settings.worker_start_timeout)
 log = logging.getLogger("actq.worker")
 
