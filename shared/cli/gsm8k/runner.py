@@ -37,6 +37,10 @@ from shared.client import Client, Job
 from shared.errors import ToolError
 from shared.settings import Settings
 
+# Unfinished jobs the progress loop looks at behind the oldest one: twice the default
+# ACTQ_MAX_BATCH, so the running count covers a full batch (one GET each per pass of the loop).
+LOOKAHEAD = 32
+
 
 @dataclass
 class RunSettings:
@@ -228,12 +232,13 @@ def _execute(
             if interrupted.is_set():
                 raise KeyboardInterrupt
             # Jobs finish roughly in queue order: long-poll the oldest, then look at the ones
-            # behind it until two unfinished ones are seen (those are running or next).
+            # behind it until LOOKAHEAD unfinished ones are seen (a worker runs a batch of jobs
+            # at once, and they end out of order within it).
             head = pending[0][1].refresh(wait=2)
             finished: list[tuple[data.Problem, Job]] = []
             unfinished: list[tuple[data.Problem, Job]] = []
             for problem, job in pending:
-                if len(unfinished) >= 2:
+                if len(unfinished) >= LOOKAHEAD:
                     break
                 if job is not head:
                     job.refresh()
