@@ -7,6 +7,11 @@ activations manifest exactly as `GET /jobs/{id}` renders it. What actq cannot ho
 with a 400 naming the field (see `UNSUPPORTED` and `COMPLETION_UNSUPPORTED`); routes/openai.py
 says what the endpoints do.
 
+Log-probabilities: chat `logprobs`/`top_logprobs` and the legacy completion's `logprobs` (a count)
+become the job's `logprobs`/`top_logprobs`; the job's entries (`result.logprobs` of GET /jobs/{id})
+are rendered in OpenAI's two shapes (`chat_logprobs`, `legacy_logprobs`). A legacy completion with
+`echo: true` and `max_tokens: 0` is a trace job over the prompt (scoring the text, no generation).
+
 Errors under /v1 use OpenAI's error shape, because that is where OpenAI's clients look for the
 message (`{"error": {"message", "type", "param", "code"}}`; `code` is actq's error type), plus
 `detail` (the same message, as in every actq error) and, when a job exists, `error.job_id`.
@@ -25,7 +30,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from api.errors import where
 from api.presenters import view
 from shared.errors import ActqError, BadRequest, Busy, CaptureSpecError, CaptureTooLarge, NotReady, UnknownModel
-from shared.schemas import ActivationsManifest, CaptureSpec, JobRecord, JobRequest, JobStatus, Usage
+from shared.schemas import (
+    MAX_TOP_LOGPROBS,
+    ActivationsManifest,
+    CaptureSpec,
+    JobRecord,
+    JobRequest,
+    JobStatus,
+    Logprobs,
+    Usage,
+)
 
 WAIT_DEFAULT_SECONDS = 300.0
 WAIT_MAX_SECONDS = 3600.0
@@ -167,9 +181,10 @@ class ChatCompletionRequest(_GenerationRequest):
 
     messages: list[Message]
     max_completion_tokens: int | None = None
-    # Accepted only with a value actq honours (see UNSUPPORTED)
+    # Each generated token's log-probability, and the `top_logprobs` (0 to 20) likeliest tokens at its place
     logprobs: bool | None = None
-    top_logprobs: Any = None
+    top_logprobs: int | None = None
+    # Accepted only with a value actq honours (see UNSUPPORTED)
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
@@ -194,7 +209,6 @@ class ChatCompletionRequest(_GenerationRequest):
 
 
 _NO_TOOLS = "actq runs plain chat generation: tools and function calling are not supported"
-_NO_LOGPROBS = "log probabilities are not returned (capture `lm_head` with positions 'generated' for the logits)"
 # field -> (is the value one actq honours?, the refusal; {value} is the value sent)
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "stream": (
@@ -207,8 +221,6 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         lambda v: v in (None, 1),
         "n={value} is not supported: actq generates one choice per request; send n=1 (or several requests)",
     ),
-    "logprobs": (lambda v: v in (None, False), f"logprobs={{value}} is not supported: {_NO_LOGPROBS}"),
-    "top_logprobs": (lambda v: v in (None, 0), f"top_logprobs={{value}} is not supported: {_NO_LOGPROBS}"),
     "frequency_penalty": (
         lambda v: v in (None, 0),
         "frequency_penalty={value} is not supported: no penalties; send 0 or leave it out",
@@ -296,9 +308,37 @@ def _message(index: int, message: Message) -> dict[str, str]:
     return {"role": role, "content": content}
 
 
+def _top_count(field: str, value: int, what: str) -> None:
+    """`value` alternatives per token must be 0 to MAX_TOP_LOGPROBS (as OpenAI's chat)."""
+    if not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise OpenAIError(
+            400,
+            f"{field}={value} is out of range: {what}, from 0 to {MAX_TOP_LOGPROBS}",
+            "invalid_request",
+            param=field,
+        )
+
+
+def _chat_logprobs(body: ChatCompletionRequest) -> dict[str, Any]:
+    """The job's `logprobs`/`top_logprobs` for chat's `logprobs` (bool) and `top_logprobs` (a count)."""
+    top = body.top_logprobs
+    if top is not None:
+        _top_count("top_logprobs", top, "it is how many of the likeliest tokens to return at each place")
+        if top > 0 and not body.logprobs:
+            raise OpenAIError(
+                400,
+                f"top_logprobs={top} needs logprobs=true: send logprobs=true to get each generated token's "
+                f"log-probability and the {top} likeliest tokens at its place (or leave top_logprobs out)",
+                "invalid_request",
+                param="top_logprobs",
+            )
+    return {"logprobs": bool(body.logprobs), "top_logprobs": top if body.logprobs else None}
+
+
 def to_job_request(body: ChatCompletionRequest) -> JobRequest:
     """The actq job an OpenAI chat completion request asks for (400 for what it cannot honour)."""
     _check_supported(body, UNSUPPORTED)
+    logprobs = _chat_logprobs(body)
     if (
         body.max_tokens is not None
         and body.max_completion_tokens is not None
@@ -319,6 +359,7 @@ def to_job_request(body: ChatCompletionRequest) -> JobRequest:
         "seed": body.seed,
         "stop": body.stop,
         "capture": body.capture,
+        **logprobs,
     }
     return _job_request(fields)
 
@@ -338,29 +379,22 @@ class CompletionRequest(_GenerationRequest):
     message saying what to send (`_prompt_text`) rather than pydantic's union errors."""
 
     prompt: Annotated[Any, Field(description="the text to complete: a string, or a list holding exactly one string")]
-    # Accepted only with a value actq honours (see COMPLETION_UNSUPPORTED)
+    # Legacy `logprobs` is a count: each token's log-probability and its `logprobs` (0 to 20) likeliest
+    # alternatives. `echo` (the prompt in the text) only with max_tokens 0: scoring the prompt.
     echo: bool | None = None
     logprobs: int | None = None
+    # Accepted only with a value actq honours (see COMPLETION_UNSUPPORTED)
     suffix: str | None = None
     best_of: int | None = None
 
 
-# The chat refusals that mean the same here, plus the completion's own fields (legacy `logprobs`
-# is a count of tokens, 0 asking for none).
+# The chat refusals that mean the same here, plus the completion's own fields (`echo` and
+# `max_tokens` are checked together in `completion_job_request`).
 COMPLETION_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     **{
         field: UNSUPPORTED[field]
         for field in ("stream", "stream_options", "n", "frequency_penalty", "presence_penalty", "logit_bias")
     },
-    "logprobs": (
-        lambda v: v in (None, 0),
-        f"logprobs={{value}} is not supported: {_NO_LOGPROBS}; send 0 or leave it out",
-    ),
-    "echo": (
-        lambda v: v in (None, False),
-        "echo=true is not supported: the text returned is the completion only; send echo=false and prepend "
-        "the prompt yourself (its activations: capture with positions 'prompt' or 'all')",
-    ),
     "suffix": (
         lambda v: v is None,
         "suffix is not supported (no fill-in-the-middle): the model continues the prompt; leave suffix out",
@@ -403,21 +437,45 @@ def _prompt_text(prompt: Any) -> str:
     )
 
 
+def _scores_prompt(body: CompletionRequest) -> bool:
+    """Whether the request scores its prompt (`echo: true` with `max_tokens: 0`, a trace job) rather
+    than generates; 400 for the combinations actq cannot run."""
+    if body.echo:
+        if body.max_tokens != 0:
+            asked = "no max_tokens (a default length)" if body.max_tokens is None else f"max_tokens={body.max_tokens}"
+            raise _unsupported(
+                "echo",
+                f"echo=true is supported with max_tokens=0 only (scoring the prompt: with logprobs, each prompt "
+                f"token's log-probability), not yet together with generation ({asked}): send max_tokens=0 to score "
+                "the prompt, or echo=false and prepend the prompt to the text yourself",
+            )
+        return True
+    if body.max_tokens == 0:
+        raise OpenAIError(
+            400,
+            "max_tokens=0 generates nothing, and without echo=true there is nothing to return: send max_tokens >= 1 "
+            "to generate, or echo=true with max_tokens=0 (and logprobs) to score the prompt",
+            "invalid_request",
+            param="max_tokens",
+        )
+    return False
+
+
 def completion_job_request(body: CompletionRequest) -> JobRequest:
     """The actq job an OpenAI completion request asks for: its prompt as raw text, tokenized as it
-    is with no chat template (400 for what it cannot honour)."""
+    is with no chat template (400 for what it cannot honour). With `echo: true` and `max_tokens: 0`
+    it is a trace job over the prompt: nothing is sampled, so temperature, top_p, seed and stop have
+    no effect and are left out (OpenAI and vLLM accept them there too)."""
     _check_supported(body, COMPLETION_UNSUPPORTED)
-    fields: dict[str, Any] = {
-        "model": body.model,
-        "prompt": _prompt_text(body.prompt),
-        "max_tokens": body.max_tokens,
-        "temperature": body.temperature,
-        "top_p": body.top_p,
-        "seed": body.seed,
-        "stop": body.stop,
-        "capture": body.capture,
-    }
-    return _job_request(fields)
+    if body.logprobs is not None:
+        what = "the legacy logprobs is how many of the likeliest tokens to return at each place"
+        _top_count("logprobs", body.logprobs, f"{what} (0: each token's own log-probability only)")
+    logprobs = {"logprobs": body.logprobs is not None, "top_logprobs": body.logprobs or None}
+    fields: dict[str, Any] = {"model": body.model, "prompt": _prompt_text(body.prompt), "capture": body.capture}
+    if _scores_prompt(body):
+        return _job_request({**fields, "mode": "trace", **logprobs})
+    sampling = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop}
+    return _job_request({**fields, "max_tokens": body.max_tokens, **sampling, **logprobs})
 
 
 # --- response -----------------------------------------------------------------------------------
@@ -429,11 +487,28 @@ class AssistantMessage(BaseModel):
     refusal: None = None
 
 
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]  # the UTF-8 bytes of `token`
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChoiceLogprobs(BaseModel):
+    """OpenAI's ChatCompletion `choices[].logprobs`."""
+
+    content: list[ChatTokenLogprob]
+    refusal: None = None
+
+
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
     finish_reason: Literal["stop", "length"]
-    logprobs: None = None
+    logprobs: ChoiceLogprobs | None = None
 
 
 class ActqExtra(BaseModel):
@@ -451,10 +526,20 @@ class ChatCompletion(BaseModel):
     actq: ActqExtra
 
 
+class CompletionLogprobs(BaseModel):
+    """OpenAI's legacy Completion `choices[].logprobs`: parallel lists, one place per token.
+    `top_logprobs` is null when no alternatives were asked for (logprobs 0)."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]  # None: the first token of a scored prompt (nothing predicts it)
+    top_logprobs: list[dict[str, float] | None] | None
+    text_offset: list[int]
+
+
 class TextChoice(BaseModel):
     text: str
     index: int
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
 
 
@@ -487,17 +572,112 @@ def _extra(record: JobRecord, request: Request) -> ActqExtra:
     return ActqExtra(job_id=record.id, activations=view(record, request).activations)
 
 
+LOGPROB_FLOOR = -9999.0  # what OpenAI (and vLLM) answer for a token with no probability at all
+
+
+def _openai_logprob(value: float | None) -> float:
+    """A log-probability JSON can carry: -inf (a token the model rules out; a result read back from
+    Redis holds it as null) and anything below the floor become LOGPROB_FLOOR, as OpenAI answers."""
+    if value is None or value != value:  # None or NaN
+        return LOGPROB_FLOOR
+    return max(value, LOGPROB_FLOOR)
+
+
+def _inline_logprobs(record: JobRecord) -> Logprobs | None:
+    """The job's log-probabilities when its request asked for them; a 400 naming the job when there
+    were too many to hold inline (they are in its activations file instead)."""
+    result = record.result
+    if result is None or not record.request.logprobs or result.logprobs is None:
+        return None
+    if result.logprobs.content is None:
+        tokens = result.usage.prompt_tokens if record.request.trace else result.usage.completion_tokens
+        raise OpenAIError(
+            400,
+            f"job {record.id} succeeded, but its {tokens} tokens of log-probabilities are more than a response "
+            f"holds (the worker's ACTQ_LOGPROBS_INLINE_TOKENS): read them from its activations file, GET "
+            f"/jobs/{record.id}/activations (tensors logprobs, logprob_token_ids, top_logprobs, top_logprob_ids), "
+            "or raise ACTQ_LOGPROBS_INLINE_TOKENS",
+            "logprobs_too_long",
+            param="logprobs",
+            job_id=record.id,
+            retry=False,
+        )
+    return result.logprobs
+
+
+def _utf8(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(record: JobRecord) -> ChoiceLogprobs | None:
+    """The job's generated tokens' log-probabilities in OpenAI's ChatCompletion shape (None when
+    not asked for). A token is its text decoded alone, so a piece of a multi-byte character is
+    U+FFFD, and `bytes` are that text's UTF-8 bytes (the token ids are in GET /jobs/{id})."""
+    logprobs = _inline_logprobs(record)
+    if logprobs is None:
+        return None
+    return ChoiceLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=entry.token,
+                logprob=_openai_logprob(entry.logprob),
+                bytes=_utf8(entry.token),
+                top_logprobs=[
+                    ChatTopLogprob(token=top.token, logprob=_openai_logprob(top.logprob), bytes=_utf8(top.token))
+                    for top in entry.top_logprobs
+                ],
+            )
+            for entry in logprobs.content or []
+        ]
+    )
+
+
+def legacy_logprobs(record: JobRecord) -> CompletionLogprobs | None:
+    """The job's log-probabilities in OpenAI's legacy Completion shape (None when not asked for):
+    generated tokens, or with echo (a trace job) every token of the prompt, whose first has no
+    log-probability (None, and None in `top_logprobs`). `top_logprobs[i]` maps the k likeliest
+    tokens' texts to their log-probabilities (tokens that decode to the same text share one key).
+    `text_offset[i]` is where token i starts in the returned text, counted over the tokens' texts
+    before it: exact when the tokens' texts join into the text, which they do but for a BOS the
+    tokenizer adds (its text, e.g. "<s>", is not in the prompt), a character split across tokens
+    (each piece is U+FFFD), and tokens past a stop string (the text ends before the stop string,
+    the tokens go on to the last one generated)."""
+    logprobs = _inline_logprobs(record)
+    if logprobs is None:
+        return None
+    entries = logprobs.content or []
+    trace = record.request.trace
+    offsets, offset = [], 0
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    values: list[float | None] = [
+        None if trace and i == 0 else _openai_logprob(entry.logprob) for i, entry in enumerate(entries)
+    ]
+    top: list[dict[str, float] | None] | None = None
+    if record.request.top_k:
+        top = [
+            None if trace and i == 0 else {t.token: _openai_logprob(t.logprob) for t in entry.top_logprobs}
+            for i, entry in enumerate(entries)
+        ]
+    return CompletionLogprobs(
+        tokens=[entry.token for entry in entries], token_logprobs=values, top_logprobs=top, text_offset=offsets
+    )
+
+
 def completion(record: JobRecord, request: Request) -> ChatCompletion:
     assert record.result is not None
+    choice = Choice(
+        index=0,
+        message=AssistantMessage(content=record.result.text),
+        finish_reason=record.result.finish_reason,
+        logprobs=chat_logprobs(record),
+    )
     return ChatCompletion(
         id=f"chatcmpl-{record.id}",
         created=int(record.created_at.timestamp()),
         model=record.model,
-        choices=[
-            Choice(
-                index=0, message=AssistantMessage(content=record.result.text), finish_reason=record.result.finish_reason
-            )
-        ],
+        choices=[choice],
         usage=record.result.usage,
         actq=_extra(record, request),
     )
@@ -505,14 +685,19 @@ def completion(record: JobRecord, request: Request) -> ChatCompletion:
 
 def text_completion(record: JobRecord, request: Request) -> Completion:
     """A succeeded job as OpenAI's Completion (finish_reason as for chat: a succeeded job stopped
-    or ran to its length; cancelled and timed-out jobs are errors, see `unfinished`)."""
-    assert record.result is not None
+    or ran to its length; cancelled and timed-out jobs are errors, see `unfinished`). A trace job
+    (echo with max_tokens 0) answers its prompt as the text, with finish_reason "length" (as
+    OpenAI: the 0 tokens asked for were generated)."""
+    result = record.result
+    assert result is not None
+    text = (record.request.prompt or "") + result.text if record.request.trace else result.text
+    choice = TextChoice(text=text, index=0, finish_reason=result.finish_reason, logprobs=legacy_logprobs(record))
     return Completion(
         id=f"cmpl-{record.id}",
         created=int(record.created_at.timestamp()),
         model=record.model,
-        choices=[TextChoice(text=record.result.text, index=0, finish_reason=record.result.finish_reason)],
-        usage=record.result.usage,
+        choices=[choice],
+        usage=result.usage,
         actq=_extra(record, request),
     )
 

@@ -44,7 +44,7 @@ def plan(services: Services, request: JobRequest, cache: dict[tuple[str, ...], o
             "(raw text; /v1/completions under the OpenAI API), or give its workers a template "
             "(ACTQ_CHAT_TEMPLATE=path/to/template.jinja)"
         )
-    max_tokens = request.max_tokens or settings.max_tokens_default
+    max_tokens = 0 if request.trace else request.max_tokens or settings.max_tokens_default
     if max_tokens > settings.max_tokens_limit:
         raise BadRequest(
             f"max_tokens {max_tokens} exceeds the limit of {settings.max_tokens_limit} (ACTQ_MAX_TOKENS_LIMIT)"

@@ -105,7 +105,7 @@ def main() -> int:
             local_times["raw"].append(timed(lambda raw_path=raw_path: raw_file_write(raw_path, data)))
             raw_path.unlink()  # outside the timing, as the actq side's clean-up below
             job = str(uuid.uuid4())
-            local_times["actq"].append(timed(lambda job=job: write_activations(local, job, "bench", "all", generation)))
+            local_times["actq"].append(timed(lambda job=job: write_activations(local, job, "bench", None, generation)))
             local.delete_prefix(f"jobs/{job}")
 
         server = SeaweedS3(root / "s3").start()
@@ -123,7 +123,7 @@ def main() -> int:
                 s3_times["raw"].append(timed(lambda key=key: raw_client.upload_file(str(source), BUCKET, key)))
                 raw_client.delete_object(Bucket=BUCKET, Key=key)
                 job = str(uuid.uuid4())
-                s3_times["actq"].append(timed(lambda job=job: write_activations(s3, job, "bench", "all", generation)))
+                s3_times["actq"].append(timed(lambda job=job: write_activations(s3, job, "bench", None, generation)))
                 last_job = job
             reads = []
             manifest = json.loads(s3.read_range(f"jobs/{last_job}/manifest.json", 0, 1 << 20))

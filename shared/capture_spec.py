@@ -133,6 +133,10 @@ def resolve(spec: CaptureSpec, model: ModelInfo) -> list[CapturePoint]:
                 f"module {info.path!r} only computes the last position of each step; "
                 "capture it with positions 'generated' or 'last'"
             )
+        try:
+            spec.feature_indices(dim)
+        except ValueError as exc:
+            raise CaptureSpecError(f"module {info.path!r} ({spec.hook} width {dim}): {exc}") from None
         name = info.path if spec.hook == "output" else f"{info.path}:input"
         points.append(CapturePoint(name=name, module=info.path, hook=spec.hook))
     return points
@@ -152,12 +156,28 @@ def prompt_tokens_upper_bound(request: JobRequest, model: ModelInfo) -> int:
     return content + model.template_tokens + per_message * (len(request.messages) - 1) + 8
 
 
-def span(positions: str, prompt_tokens: int, new_tokens: int) -> tuple[int, int]:
+def span(
+    positions: str, prompt_tokens: int, new_tokens: int, completion: tuple[int, int] | None = None
+) -> tuple[int, int]:
     """The token_ids range `[start, stop)` a positions choice keeps (README "Positions").
 
     A generation of N new tokens from a P-token prompt feeds P + N - 1 tokens to the model (the
     last new token is never fed back); row i of a capture is the activation at fed position i.
+
+    A trace job (`new_tokens` 0) feeds its P tokens once: `all` is [0, P), `last` [P - 1, P);
+    `completion` is the final assistant turn's range and `prompt` everything before it (all of
+    it when there is no such turn).
     """
+    if new_tokens == 0:
+        if positions == "all":
+            return 0, prompt_tokens
+        if positions == "last":
+            return prompt_tokens - 1, prompt_tokens
+        if positions == "prompt":
+            return 0, completion[0] if completion is not None else prompt_tokens
+        if positions == "completion" and completion is not None:
+            return completion
+        raise ValueError(f"positions {positions!r} selects nothing in a trace job")
     fed = prompt_tokens + new_tokens - 1
     if positions == "all":
         return 0, fed
@@ -214,27 +234,41 @@ def capture_bytes(
     """Bytes of a capture: rows x (sum of the points' widths) x dtype bytes."""
     if capture is None:
         return 0
-    rows = rows_for(capture.positions, prompt_tokens, max_tokens)
+    if capture.reduce != "none":
+        rows = 1
+    elif max_tokens == 0 and capture.positions in ("prompt", "completion"):
+        rows = prompt_tokens  # a trace's turn boundary is only known once tokenized: at most all
+    else:
+        rows = rows_for(capture.positions, prompt_tokens, max_tokens)
     width = 0
     for point in points:
         info = model.modules[model.module_index[point.module]]
-        width += info.width(point.hook) or 0
+        full = info.width(point.hook) or 0
+        kept = capture.feature_indices(full)
+        width += full if kept is None else len(kept)
     return rows * width * ITEM_BYTES[capture.dtype]
 
 
-def working_bytes(model: ModelInfo, prompt_tokens: int, max_tokens: int) -> int:
+def working_bytes(model: ModelInfo, prompt_tokens: int, max_tokens: int, all_logits: bool = False) -> int:
     """The KV cache of every token, plus the prefill's activations (one layer at a time, and the
-    attention scores where they are materialised)."""
+    attention scores where they are materialised); a trace with log-probabilities also holds the
+    logits of every position (float32)."""
     kv = (model.kv_bytes_per_token or 0) * (prompt_tokens + max_tokens)
     activations = (model.activation_bytes_per_token or 0) * prompt_tokens
-    return kv + activations + model.attention_bytes_per_token_pair * prompt_tokens * prompt_tokens
+    logits = 4 * model.vocab_size * prompt_tokens if all_logits else 0
+    return kv + activations + logits + model.attention_bytes_per_token_pair * prompt_tokens * prompt_tokens
 
 
 def job_memory(
-    capture: CaptureSpec | None, points: list[CapturePoint], model: ModelInfo, prompt_tokens: int, max_tokens: int
+    capture: CaptureSpec | None,
+    points: list[CapturePoint],
+    model: ModelInfo,
+    prompt_tokens: int,
+    max_tokens: int,
+    all_logits: bool = False,
 ) -> MemoryEstimate:
     captured = capture_bytes(capture, points, model, prompt_tokens, max_tokens)
-    return MemoryEstimate(captured, working_bytes(model, prompt_tokens, max_tokens))
+    return MemoryEstimate(captured, working_bytes(model, prompt_tokens, max_tokens, all_logits))
 
 
 def estimate(request: JobRequest, points: list[CapturePoint], model: ModelInfo, max_tokens: int) -> MemoryEstimate:
@@ -243,7 +277,8 @@ def estimate(request: JobRequest, points: list[CapturePoint], model: ModelInfo, 
     prompt_tokens = prompt_tokens_upper_bound(request, model)
     if model.max_context:
         prompt_tokens = max(1, min(prompt_tokens, model.max_context - max_tokens))
-    return job_memory(request.capture, points, model, prompt_tokens, max_tokens)
+    all_logits = request.trace and request.logprobs
+    return job_memory(request.capture, points, model, prompt_tokens, max_tokens, all_logits)
 
 
 def check_budget(estimate: MemoryEstimate, capture_budget: int, memory_budget: int) -> None:

@@ -136,15 +136,26 @@ class Usage:
 
 @dataclass(frozen=True)
 class Result:
-    """A finished job's completion: `text`, `finish_reason` (`stop` or `length`), `usage`."""
+    """A finished job's completion: `text`, `finish_reason` (`stop` or `length`), `usage`;
+    `logprobs` (the result's JSON: `content`, `total`, `completion_total`) when asked for, and a
+    trace's `completion_span` (the final assistant turn's token range)."""
 
     text: str
     finish_reason: str
     usage: Usage
+    logprobs: dict | None = None
+    completion_span: tuple[int, int] | None = None
 
     @classmethod
     def from_dict(cls, data: dict) -> Result:
-        return cls(text=data["text"], finish_reason=data["finish_reason"], usage=Usage(**data["usage"]))
+        span = data.get("completion_span")
+        return cls(
+            text=data["text"],
+            finish_reason=data["finish_reason"],
+            usage=Usage(**data["usage"]),
+            logprobs=data.get("logprobs"),
+            completion_span=(span[0], span[1]) if span else None,
+        )
 
 
 class Job:
@@ -388,14 +399,25 @@ class Client:
         stop: str | list[str] | None = None,
         capture: dict | None = None,
         idempotency_key: str | None = None,
+        mode: str = "generate",
+        logprobs: bool = False,
+        top_logprobs: int | None = None,
     ) -> Job:
         """Queue a completion (`POST /jobs`) of a chat (`messages`) or of raw text (`prompt`, for
         base models); returns the queued `Job`. `capture` is the capture spec, e.g.
         `{"modules": ["model.layers.*"], "positions": "all"}` or `{"preset": "residual", "layers": [8, 15]}`.
+        `mode="trace"` generates nothing: one forward pass over the text (messages may end with
+        the assistant turn to score). `logprobs`/`top_logprobs`: each token's log-probability.
         With `idempotency_key`, a retry returns the job the first request created."""
         if (messages is None) == (prompt is None):
             raise ValueError("give exactly one of messages (a chat) or prompt (raw text)")
         body: dict[str, Any] = {"model": model, "temperature": temperature, "top_p": top_p}
+        if mode != "generate":
+            body["mode"] = mode
+        if logprobs:
+            body["logprobs"] = True
+        if top_logprobs is not None:
+            body["top_logprobs"] = top_logprobs
         fields = (("messages", messages), ("prompt", prompt), ("max_tokens", max_tokens), ("seed", seed))
         for key, value in (*fields, ("stop", stop), ("capture", capture)):
             if value is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from datetime import datetime
 from functools import cached_property
 from typing import Annotated, Literal
@@ -12,8 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from shared.dtypes import CaptureDtype
 from shared.states import JobStatus as JobStatus  # re-exported: the states live in shared.states
 
-Positions = Literal["all", "prompt", "generated", "last"]
+Positions = Literal["all", "prompt", "generated", "last", "completion"]
 Hook = Literal["output", "input"]
+Reduce = Literal["none", "mean", "sum", "max", "last"]
+Mode = Literal["generate", "trace"]
 
 MAX_CAPTURE_PATTERNS = 256
 MAX_MESSAGES = 512
@@ -21,6 +24,9 @@ MAX_MESSAGE_CHARS = 1_000_000
 MAX_PROMPT_CHARS = 1_000_000
 MAX_STOP_STRINGS = 8
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as vLLM does)
+MAX_TOP_LOGPROBS = 20  # as OpenAI
+MAX_FEATURES = 65_536
+_SLICE = re.compile(r"^(\d{1,7}):(\d{1,7})$")
 
 
 class Strict(BaseModel):
@@ -49,6 +55,40 @@ class CaptureSpec(Strict):
     hook: Hook = "output"
     positions: Positions = "all"
     dtype: CaptureDtype = "float32"
+    # Server-side reduction over the selected positions: one row per capture point instead of one
+    # per position ("none" keeps every row). `features` keeps part of the last dimension: a slice
+    # "a:b" (a included, b excluded) or a list of indices, in the order given.
+    reduce: Reduce = "none"
+    features: (
+        Annotated[str, Field(max_length=20)]
+        | Annotated[list[Annotated[int, Field(ge=0, lt=10_000_000)]], Field(min_length=1, max_length=MAX_FEATURES)]
+        | None
+    ) = None
+
+    @field_validator("features")
+    @classmethod
+    def _feature_syntax(cls, value: str | list[int] | None) -> str | list[int] | None:
+        if isinstance(value, str):
+            match = _SLICE.match(value)
+            if match is None or int(match.group(1)) >= int(match.group(2)):
+                raise ValueError(f'a feature slice is "a:b" with 0 <= a < b (e.g. "0:64"), not {value!r}')
+        elif isinstance(value, list) and len(set(value)) != len(value):
+            raise ValueError("feature indices must not repeat")
+        return value
+
+    def feature_indices(self, width: int) -> list[int] | None:
+        """The kept indices of a `width`-wide value (None: all); raises ValueError when out of range."""
+        if self.features is None:
+            return None
+        if isinstance(self.features, str):
+            lo, hi = (int(x) for x in self.features.split(":"))
+            if hi > width:
+                raise ValueError(f'features "{self.features}" ends past the width {width} (at most "{lo}:{width}")')
+            return list(range(lo, hi))
+        over = [i for i in self.features if i >= width]
+        if over:
+            raise ValueError(f"feature indices {over[:5]} are out of range for the width {width} (0 to {width - 1})")
+        return list(self.features)
 
     @model_validator(mode="after")
     def _names_something(self) -> CaptureSpec:
@@ -62,9 +102,11 @@ class CaptureSpec(Strict):
 class JobRequest(Strict):
     """`POST /jobs`: an OpenAI-style chat request (`messages`, rendered with the model's chat
     template) or a raw text `prompt` (tokenized as it is, for base models), plus an optional
-    capture spec."""
+    capture spec. `mode: "trace"` generates nothing: one forward pass over the given text
+    (messages may end with the assistant turn to score), for its activations and log-probabilities."""
 
     model: Annotated[str, Field(min_length=1, max_length=200)]
+    mode: Mode = "generate"
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -76,6 +118,10 @@ class JobRequest(Strict):
     time_limit: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = (
         None  # seconds; at most ACTQ_JOB_SOFT_TIME_LIMIT
     )
+    # Log-probabilities of each generated token (trace: of each given token), and the `top_logprobs`
+    # most likely alternatives at each position (0 to 20; needs logprobs).
+    logprobs: bool = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobRequest:
@@ -84,7 +130,49 @@ class JobRequest(Strict):
                 "give exactly one of `messages` (a chat, rendered with the model's chat template) "
                 "or `prompt` (raw text, tokenized as it is, no template)"
             )
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        positions = self.capture.positions if self.capture is not None else None
+        if self.mode == "trace":
+            self._check_trace(positions)
+        elif positions == "completion":
+            raise ValueError(
+                "positions 'completion' selects the final assistant turn of a trace job (mode: trace); "
+                "a generation job's new tokens are positions 'generated'"
+            )
         return self
+
+    def _check_trace(self, positions: str | None) -> None:
+        given = self.model_fields_set
+        sampling: list[str] = [f for f in ("max_tokens", "seed") if f in given and getattr(self, f) is not None]
+        sampling += ["temperature"] if self.temperature != 0 else []
+        sampling += ["top_p"] if self.top_p != 1 else []
+        sampling += ["stop"] if self.stop else []
+        if sampling:
+            raise ValueError(
+                f"a trace job generates nothing, so {', '.join(sampling)} cannot apply; leave "
+                f"{'it' if len(sampling) == 1 else 'them'} out (or use mode: generate)"
+            )
+        if positions == "generated":
+            raise ValueError(
+                "a trace job generates nothing: positions 'generated' selects no token; use 'all', 'prompt', "
+                "'last', or 'completion' (the final assistant turn)"
+            )
+        if positions == "completion" and not (self.messages and self.messages[-1].role == "assistant"):
+            raise ValueError(
+                "positions 'completion' selects the final assistant turn, and these "
+                + ("messages do not end with one" if self.messages else "are raw `prompt` text with no turns")
+                + ": end the messages with the assistant turn to score, or use positions 'all' or 'last'"
+            )
+
+    @property
+    def trace(self) -> bool:
+        return self.mode == "trace"
+
+    @property
+    def top_k(self) -> int:
+        """Alternatives per position in the log-probabilities (0 when none were asked for)."""
+        return self.top_logprobs or 0
 
     @property
     def content_bytes(self) -> int:
@@ -159,10 +247,41 @@ class Usage(Strict):
     total_tokens: int
 
 
+class TopLogprob(Strict):
+    token_id: int
+    token: str  # the token decoded alone (a piece of a multi-byte character decodes to U+FFFD)
+    logprob: float
+
+
+class TokenLogprob(Strict):
+    """A token of the text and its log-probability given the tokens before it (None for a trace's
+    first token, which nothing predicts), with the most likely alternatives at its position."""
+
+    token_id: int
+    token: str
+    logprob: float | None  # None only for a trace's first token
+    top_logprobs: list[TopLogprob] = []
+
+
+class Logprobs(Strict):
+    """`content`: one entry per generated token (a trace: per token of the text), unless there are
+    more than ACTQ_LOGPROBS_INLINE_TOKENS; then `content` is None and the values are tensors in the
+    activations file (`in_file`: logprobs, top_logprobs, top_logprob_ids)."""
+
+    content: list[TokenLogprob] | None
+    in_file: bool = False
+    total: float  # the sum of the log-probabilities over the entries (the text's log-likelihood)
+    completion_total: float | None = None  # trace over a final assistant turn: the sum over that turn
+
+
 class JobResult(Strict):
     text: str
     finish_reason: Literal["stop", "length", "cancelled", "timeout"]
     usage: Usage
+    logprobs: Logprobs | None = None
+    # A trace over messages ending with an assistant turn: that turn's token_ids range
+    # [start, stop) (positions "completion"; README "Trace jobs").
+    completion_span: list[int] | None = None
 
 
 class TensorInfo(Strict):
@@ -175,6 +294,8 @@ class TensorInfo(Strict):
     start: int  # index into token_ids of the first row
     stop: int  # one past the last row's index into token_ids
     bytes: int
+    reduce: Reduce = "none"  # not "none": one row, this reduction of rows [start, stop)
+    features: list[int] | None = None  # the kept indices of the last dimension (None: all)
 
 
 class ActivationsManifest(Strict):
@@ -183,6 +304,8 @@ class ActivationsManifest(Strict):
     sha256: str
     bytes: int
     tensors: list[TensorInfo]
+    # Other tensors in the file besides token_ids (log-probabilities: logprobs, top_logprobs, ...).
+    extra: list[str] = []
     download_url: str | None = None  # filled in by the API when it renders a job
 
 

@@ -119,6 +119,13 @@ class Settings(BaseSettings):
     redis_max_connections: int = Field(
         64, ge=2, description="Redis connections per API process for its async work (requests wait for a free one)."
     )
+    logprobs_inline_tokens: int = Field(
+        4096,
+        ge=0,
+        le=1_000_000,
+        description="Most log-probability entries a job's result holds inline; a longer output's are tensors in "
+        "its activations file (logprobs, top_logprobs, top_logprob_ids).",
+    )
     max_batch: int = Field(
         16,
         ge=1,

@@ -60,3 +60,20 @@ def test_ci_runs_the_readme_test_command():
     readme = (ROOT / "README.md").read_text()
     assert "make test" in readme and "make run" in readme
     assert "make test" in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_readme_lists_every_error_type_a_job_can_carry():
+    from shared.errors import JobFailure
+
+    readme = (ROOT / "README.md").read_text()
+    listed = readme[readme.index('A failed job has `error: {"type"') :][:400]
+    missing = [t for t in JobFailure.stored_types() if f"`{t}`" not in listed]
+    assert not missing, missing
+
+
+def test_every_operation_in_the_openapi_schema_has_its_own_id():
+    """Generated clients name methods by operationId: a GET and a HEAD on one path need two."""
+    from api.main import app
+
+    ids = [op["operationId"] for path in app.openapi()["paths"].values() for op in path.values()]
+    assert len(ids) == len(set(ids)), sorted(i for i in ids if ids.count(i) > 1)

@@ -8,23 +8,46 @@ import os
 import tempfile
 from pathlib import Path
 
+import torch
+
 from shared.errors import StorageError
-from shared.schemas import ActivationsManifest, TensorInfo
+from shared.schemas import ActivationsManifest, CaptureSpec, TensorInfo
 from shared.storage import ArtifactStore, activations_key, job_prefix, manifest_key
 from shared.storage.tensors import write_file
+from worker.decoding import TokenScores
 from worker.engine import Generation
 
 FORMAT = "actq/1"
 log = logging.getLogger(__name__)
 
 
+def score_tensors(scores: TokenScores) -> dict[str, torch.Tensor]:
+    """Log-probabilities as tensors: `logprobs` [N] float32 (NaN where nothing predicted the token:
+    a trace's first), `logprob_token_ids` [N] int64 (the scored tokens) and, with top_logprobs k,
+    `top_logprobs` [N, k] float32 and `top_logprob_ids` [N, k] int64 (a trace's first row: NaN and -1)."""
+    values = [float("nan") if v is None else v for v in scores.values]
+    out = {
+        "logprobs": torch.tensor(values, dtype=torch.float32),
+        "logprob_token_ids": torch.tensor(scores.tokens, dtype=torch.int64),
+    }
+    if scores.k:
+        out["top_logprobs"] = torch.tensor(
+            [v or [float("nan")] * scores.k for v in scores.top_values], dtype=torch.float32
+        )
+        out["top_logprob_ids"] = torch.tensor([i or [-1] * scores.k for i in scores.top_ids], dtype=torch.int64)
+    return out
+
+
 def write_activations(
-    store: ArtifactStore, job_id: str, model: str, positions: str, generation: Generation
+    store: ArtifactStore, job_id: str, model: str, capture: CaptureSpec | None, generation: Generation
 ) -> ActivationsManifest:
     """Write the file, then the manifest; both are whole before this returns (the job is marked
     succeeded only afterwards). A re-run of the same job overwrites the same keys."""
+    positions = capture.positions if capture is not None else "all"
     tensors = {c.point.name: c.tensor for c in generation.captured}
     tensors["token_ids"] = generation.token_ids.contiguous()
+    extra = score_tensors(generation.scores) if generation.scores is not None else {}
+    tensors.update(extra)
     metadata = {
         "format": FORMAT,
         "job_id": job_id,
@@ -32,7 +55,10 @@ def write_activations(
         "prompt_tokens": str(generation.prompt_tokens),
         "completion_tokens": str(generation.completion_tokens),
         "positions": positions,
+        "reduce": capture.reduce if capture is not None else "none",
     }
+    if generation.completion is not None:
+        metadata["completion_span"] = f"{generation.completion[0]}:{generation.completion[1]}"
     try:
         fd, name = tempfile.mkstemp(dir=store.scratch_dir(), suffix=".safetensors")
         os.close(fd)
@@ -59,10 +85,12 @@ def write_activations(
             start=c.start,
             stop=c.stop,
             bytes=c.tensor.numel() * c.tensor.element_size(),
+            reduce=capture.reduce if capture is not None else "none",
+            features=c.features,
         )
         for c in generation.captured
     ]
-    manifest = ActivationsManifest(uri=uri, key=key, sha256=sha, bytes=size, tensors=infos)
+    manifest = ActivationsManifest(uri=uri, key=key, sha256=sha, bytes=size, tensors=infos, extra=list(extra))
     document = {"job_id": job_id, "model": model, "metadata": metadata, **manifest.model_dump(exclude_none=True)}
     try:
         store.put_bytes(manifest_key(job_id), json.dumps(document, indent=2).encode())

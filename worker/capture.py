@@ -18,6 +18,7 @@ last position, like `lm_head` in generate). See engine.py for what each `positio
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -157,19 +158,27 @@ def describe_modules(model: torch.nn.Module, run_forward) -> tuple[list[ModuleIn
 class _Buffer:
     """The rows one capture point keeps: a slice of the job's arena sized for the most the job can
     keep. Pages of a large CPU allocation are only backed once written, so a short answer costs
-    its own rows."""
+    its own rows. A reduced point keeps a float32 accumulator instead (`acc`, `count` rows in it)."""
 
     point: CapturePoint
-    rows: torch.Tensor  # [capacity, H]
+    rows: torch.Tensor  # [capacity, W] (W: the kept features); [0, W] when reduced
+    width: int  # the module's full last dimension
+    select: torch.Tensor | None = None  # kept feature indices (None: all)
     first: int | None = None  # token_ids index of row 0, set at the first kept row
     steps: int = 0
+    acc: torch.Tensor | None = None  # [W] float32: the running reduction
+    count: int = 0
+
+    @property
+    def features(self) -> list[int] | None:
+        return None if self.select is None else [int(i) for i in self.select.tolist()]
 
 
-def capacity(positions: str, prompt_tokens: int, max_tokens: int) -> int:
+def capacity(positions: str, prompt_tokens: int, max_tokens: int, completion: tuple[int, int] | None = None) -> int:
     """Rows a point may keep at most: `last` keeps one, replaced at every step."""
     if positions == "last":
         return 1
-    lo, hi = span(positions, prompt_tokens, max_tokens)
+    lo, hi = span(positions, prompt_tokens, max_tokens, completion)
     return hi - lo
 
 
@@ -181,7 +190,12 @@ class JobCapture:
     Every buffer is a slice of one allocation per job: many allocations of a few megabytes would
     land between the forward pass's short-lived tensors on the malloc heap, and the holes those
     leave are memory the process keeps (measured: +45% over the kept bytes for a prompt capture).
-    One large allocation is mapped on its own and returned whole when the job's tensors are freed."""
+    One large allocation is mapped on its own and returned whole when the job's tensors are freed.
+
+    `features` keeps those indices of each value's last dimension (taken before the copy), and
+    `reduce` ("mean", "sum", "max", "last") folds the kept positions into one float32 row as they
+    arrive, so a reduced capture never holds more than that row. A trace job (`max_tokens` 0) has
+    one forward step over its whole text; `completion` is its final assistant turn's range."""
 
     def __init__(
         self,
@@ -191,27 +205,38 @@ class JobCapture:
         prompt_tokens: int,
         max_tokens: int,
         dtype: torch.dtype,
+        reduce: str = "none",
+        features: Callable[[int], list[int] | None] = lambda _: None,
+        completion: tuple[int, int] | None = None,
     ) -> None:
         self.positions, self.prompt_tokens, self.max_tokens = positions, prompt_tokens, max_tokens
-        rows = capacity(positions, prompt_tokens, max_tokens)
-        arena = torch.empty(rows * sum(widths), dtype=dtype, device="cpu")
-        self.nbytes = arena.numel() * arena.element_size()
+        self.dtype, self.reduce, self.completion = dtype, reduce, completion
+        # positions "last" is one row: every reduction of it is that row, replaced at each step
+        self._fold_kind = "last" if positions == "last" else reduce
+        self.window = span(positions, prompt_tokens, max_tokens, completion)
+        rows = 0 if reduce != "none" else capacity(positions, prompt_tokens, max_tokens, completion)
+        kept = [features(width) for width in widths]
+        kept_widths = [width if k is None else len(k) for width, k in zip(widths, kept, strict=True)]
+        arena = torch.empty(rows * sum(kept_widths), dtype=dtype, device="cpu")
+        self.nbytes = arena.numel() * arena.element_size() + (4 * sum(kept_widths) if reduce != "none" else 0)
         self.buffers: list[_Buffer] = []
         self.wanted: dict[tuple[str, str], list[_Buffer]] = {}  # (module, hook) -> its points' buffers
         offset = 0
-        for point, width in zip(points, widths, strict=True):
-            buffer = _Buffer(point, arena[offset : offset + rows * width].view(rows, width))
-            offset += rows * width
+        for point, width, keep, kept_width in zip(points, widths, kept, kept_widths, strict=True):
+            buffer = _Buffer(point, arena[offset : offset + rows * kept_width].view(rows, kept_width), width)
+            if keep is not None:
+                buffer.select = torch.tensor(keep, dtype=torch.long)
+            offset += rows * kept_width
             self.buffers.append(buffer)
             self.wanted.setdefault((point.module, point.hook), []).append(buffer)
 
-    def mark(self) -> list[tuple[int, int | None]]:
+    def mark(self) -> list[tuple]:
         """Where every buffer stands, to undo a forward pass that failed half-way (`reset`)."""
-        return [(buffer.steps, buffer.first) for buffer in self.buffers]
+        return [(b.steps, b.first, b.count, None if b.acc is None else b.acc.clone()) for b in self.buffers]
 
-    def reset(self, mark: list[tuple[int, int | None]]) -> None:
-        for buffer, (steps, first) in zip(self.buffers, mark, strict=True):
-            buffer.steps, buffer.first = steps, first
+    def reset(self, mark: list[tuple]) -> None:
+        for buffer, (steps, first, count, acc) in zip(self.buffers, mark, strict=True):
+            buffer.steps, buffer.first, buffer.count, buffer.acc = steps, first, count, acc
 
     def keep(self, key: tuple[str, str], rows: torch.Tensor | None) -> None:
         """This job's value of one module at one step, as `[S, W]` rows (None: not rows at all)."""
@@ -219,7 +244,7 @@ class JobCapture:
             self._keep(buffer, rows)
 
     def _keep(self, buffer: _Buffer, rows: torch.Tensor | None) -> None:
-        name, width = buffer.point.name, buffer.rows.shape[1]
+        name, width = buffer.point.name, buffer.width
         if rows is None or rows.dim() != 2 or rows.shape[1] != width:
             raise JobFailure(f"{name}: expected [1, positions, {width}] or [positions, {width}] at step {buffer.steps}")
         step, seen = buffer.steps, int(rows.shape[0])
@@ -227,32 +252,60 @@ class JobCapture:
         end = self.prompt_tokens + step  # one past the last position fed so far
         if seen not in (1, end if step == 0 else 1):
             raise JobFailure(f"{name}: {seen} positions at step {step}, expected {end if step == 0 else 1} or 1")
-        lo, hi = span(self.positions, self.prompt_tokens, self.max_tokens)
+        lo, hi = self.window
         if self.positions == "last":
             lo = end - 1
         begin, stop = max(lo, end - seen), min(hi, end)
         if begin >= stop:
             return
+        chunk = rows[begin - (end - seen) : stop - (end - seen)]
+        if buffer.select is not None:
+            chunk = chunk.index_select(1, buffer.select.to(chunk.device))
         if buffer.first is None or self.positions == "last":
             buffer.first = begin
+        if self.reduce != "none":
+            self._fold(buffer, chunk)
+            return
         at = begin - buffer.first
-        buffer.rows[at : at + stop - begin].copy_(rows[begin - (end - seen) : stop - (end - seen)])
+        buffer.rows[at : at + stop - begin].copy_(chunk)
 
-    def tensors(self, new_tokens: int) -> list[tuple[CapturePoint, torch.Tensor, int, int]]:
-        """(point, [rows, H], start, stop) per point once the generation ended after `new_tokens`."""
-        start, stop = span(self.positions, self.prompt_tokens, new_tokens)
+    def _fold(self, buffer: _Buffer, chunk: torch.Tensor) -> None:
+        """Fold rows into the point's float32 accumulator (on the CPU)."""
+        values = chunk.to(device="cpu", dtype=torch.float32)
+        if self._fold_kind in ("mean", "sum"):
+            part = values.sum(dim=0)
+            buffer.acc = part if buffer.acc is None else buffer.acc + part
+        elif self._fold_kind == "max":
+            part = values.amax(dim=0)
+            buffer.acc = part if buffer.acc is None else torch.maximum(buffer.acc, part)
+        else:  # last
+            buffer.acc = values[-1].clone()
+        buffer.count = 1 if self.positions == "last" else buffer.count + int(chunk.shape[0])
+
+    def tensors(self, new_tokens: int) -> list[tuple[CapturePoint, torch.Tensor, int, int, list[int] | None]]:
+        """(point, [rows, W], start, stop) per point once the generation ended after `new_tokens`
+        (a trace: 0); a reduced point's tensor is one row, the reduction of rows [start, stop)."""
+        start, stop = span(self.positions, self.prompt_tokens, new_tokens, self.completion)
+        steps = new_tokens if self.max_tokens else 1
         out = []
         for buffer in self.buffers:
             name = buffer.point.name
-            if buffer.steps != new_tokens:
+            if buffer.steps != steps:
                 raise JobFailure(f"{name}: captured {buffer.steps} steps for {new_tokens} new tokens")
             if buffer.first is None or buffer.first > start:
                 first = buffer.first if buffer.first is not None else self.prompt_tokens - 1
                 raise JobFailure(f"{name} only has positions from {first}; use 'generated' or 'last'")
+            if self.reduce != "none":
+                expected = 1 if self.positions == "last" else stop - start
+                if buffer.acc is None or buffer.count != expected:
+                    raise JobFailure(f"{name}: reduced {buffer.count} rows for positions [{start}, {stop})")
+                value = buffer.acc / buffer.count if self._fold_kind == "mean" else buffer.acc
+                out.append((buffer.point, value.to(self.dtype).unsqueeze(0), start, stop, buffer.features))
+                continue
             rows = buffer.rows[start - buffer.first : stop - buffer.first]
             if rows.shape[0] != stop - start:
                 raise JobFailure(f"{name}: kept {rows.shape[0]} rows for positions [{start}, {stop})")
-            out.append((buffer.point, rows, start, stop))
+            out.append((buffer.point, rows, start, stop, buffer.features))
         return out
 
 
@@ -280,6 +333,7 @@ class BatchHooks:
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
         self.rows: list[JobCapture | None] = []
+        self.lengths: list[int] | None = None  # a left-padded pass: each row's real positions (the last ones)
         self.failures: dict[int, JobFailure] = {}  # index in `rows` -> why that job's capture failed
         self._handles: dict[tuple[str, str], object] = {}
 
@@ -291,9 +345,10 @@ class BatchHooks:
             handle.remove()  # type: ignore[attr-defined]  # a torch RemovableHandle
         self._handles.clear()
 
-    def use(self, rows: list[JobCapture | None]) -> None:
-        """The sequences of the next forward pass, in batch order: hooks for what they capture."""
-        self.rows = rows
+    def use(self, rows: list[JobCapture | None], lengths: list[int] | None = None) -> None:
+        """The sequences of the next forward pass, in batch order: hooks for what they capture.
+        `lengths`: the pass is left-padded and row b's own positions are its last `lengths[b]`."""
+        self.rows, self.lengths = rows, lengths
         self.failures = {}
         wanted = {key for capture in rows if capture is not None for key in capture.wanted}
         for key in list(self._handles):
@@ -319,6 +374,8 @@ class BatchHooks:
         for index, (capture, rows) in enumerate(zip(self.rows, split_rows(value, len(self.rows)), strict=True)):
             if capture is None or index in self.failures:
                 continue
+            if self.lengths is not None and rows is not None:
+                rows = rows[max(0, rows.shape[0] - self.lengths[index]) :]
             try:
                 capture.keep(key, rows)
             except JobFailure as exc:

@@ -16,7 +16,7 @@ import os
 
 from celery.exceptions import Reject
 from celery.platforms import EX_FAILURE
-from celery.signals import worker_init, worker_shutdown
+from celery.signals import worker_init, worker_shutdown, worker_shutting_down
 
 from shared import keys
 from shared.broker import check_timeouts, make_celery
@@ -70,6 +70,13 @@ def _start_engine(**_: object) -> None:
         # The engine process logged why. Stop with exit 1: a supervisor sees a failed worker.
         log.critical("cannot serve model %s; stopping the worker", settings.model, exc_info=True)
         os._exit(EX_FAILURE)
+
+
+@worker_shutting_down.connect
+def _shutting_down(**_: object) -> None:
+    # A SIGTERM or Ctrl-C sent to the worker's process group reaches the engine process too: it
+    # ends, its jobs go back to the queue, and it must not be restarted while the worker stops.
+    engine.closing()
 
 
 @worker_shutdown.connect

@@ -81,21 +81,57 @@ def stop_window(stops: list[str]) -> int:
     return 4 * max(len(stop) for stop in stops) + 4 if stops else 0
 
 
+@dataclass
+class TokenScores:
+    """Log-probabilities of scored tokens: `values[i]` is the log-probability of `tokens[i]` (None:
+    nothing predicted it, a trace's first token), `top_ids[i]`/`top_values[i]` the `k` likeliest
+    tokens at that position; from the raw logits (log_softmax in float32, before any sampling
+    setting)."""
+
+    k: int
+    tokens: list[int] = field(default_factory=list)
+    values: list[float | None] = field(default_factory=list)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_values: list[list[float]] = field(default_factory=list)
+
+    def add(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Score `tokens` `[n]` against the logits `[n, V]` of the positions that predicted them."""
+        # a token the model rules out (-inf) as the lowest finite float32: JSON has no infinity
+        logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).clamp(min=torch.finfo(torch.float32).min)
+        chosen = logprobs.gather(1, tokens.view(-1, 1).to(logprobs.device))[:, 0]
+        self.tokens += [int(t) for t in tokens.tolist()]
+        self.values += [float(v) for v in chosen.tolist()]
+        if self.k:
+            top = torch.topk(logprobs, self.k, dim=-1)
+            self.top_ids += top.indices.tolist()
+            self.top_values += top.values.tolist()
+        else:
+            self.top_ids += [[] for _ in range(len(tokens))]
+            self.top_values += [[] for _ in range(len(tokens))]
+
+
 @dataclass(eq=False)  # a sequence is itself: compared by identity
 class Sequence:
-    """One job's sequence. `ended` says why it left the batch: eos, length, stop, watch, failed."""
+    """One job's sequence. `ended` says why it left the batch: eos, length, stop, watch, failed,
+    trace (a trace job: one forward pass over its text, nothing generated)."""
 
     prompt_ids: torch.Tensor  # [1, P] on the model's device
-    max_tokens: int
-    sampler: Sampler
+    max_tokens: int  # 0 for a trace job
+    sampler: Sampler | None  # None for a trace job
     capture: JobCapture | None = None
     stops: list[str] = field(default_factory=list)
     watch: Watch | None = None
     tag: object = None  # the caller's handle
+    scores: TokenScores | None = None  # log-probabilities, when the job asked for them
+    completion: tuple[int, int] | None = None  # a trace's final assistant turn, [start, stop)
     generated: list[int] = field(default_factory=list)
     ended: str | None = None
     stopped_by: str | None = None  # what the watch answered
     failure: JobFailure | None = None
+
+    @property
+    def trace(self) -> bool:
+        return self.max_tokens == 0
 
     @property
     def prompt_tokens(self) -> int:
@@ -181,6 +217,40 @@ class Decoder:
             return tensor
         return torch.cat([tensor.new_full((tensor.shape[0], missing), value), tensor], dim=1)
 
+    # -- trace jobs ------------------------------------------------------------------------
+
+    def trace(self, seqs: list[Sequence]) -> None:
+        """One forward pass over the whole text of each trace sequence, left-padded to the longest
+        (position ids count each sequence's own tokens from 0, padding is masked): captures and
+        log-probabilities, no cache, nothing generated. A lone sequence is the plain forward pass
+        `model(input_ids)`. Each sequence ends "trace" (or "failed", with its failure)."""
+        lengths = [s.prompt_tokens for s in seqs]
+        width = max(lengths)
+        device = seqs[0].prompt_ids.device
+        ids = torch.cat([self._pad(s.prompt_ids, width, self.pad_id) for s in seqs])
+        inputs: dict[str, Any] = {"input_ids": ids}
+        if min(lengths) < width:
+            mask = torch.cat([self._pad(torch.ones_like(s.prompt_ids), width, 0) for s in seqs])
+            inputs["attention_mask"] = mask
+            inputs["position_ids"] = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        if self.logits_to_keep and not any(s.scores is not None for s in seqs):
+            inputs["logits_to_keep"] = 1  # no log-probabilities asked for: skip the vocabulary projection
+        self.hooks.use([s.capture for s in seqs], lengths)
+        try:
+            out = self.model(**inputs, use_cache=False, return_dict=True)
+        finally:
+            self.hooks.lengths = None
+        for index, seq in enumerate(seqs):
+            seq.failure = seq.failure or self.hooks.failures.get(index)
+            if seq.failure is None and seq.scores is not None:
+                first = width - lengths[index]
+                seq.scores.values.append(None)  # the first token: nothing predicts it
+                seq.scores.tokens.append(int(seq.prompt_ids[0, 0]))
+                seq.scores.top_ids.append([])
+                seq.scores.top_values.append([])
+                seq.scores.add(out.logits[index, first : width - 1], seq.prompt_ids[0, 1:].to(device))
+            seq.ended = "failed" if seq.failure is not None else "trace"
+
     # -- one decoding step -----------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
@@ -243,7 +313,10 @@ class Decoder:
         if row.failure is not None:
             row.ended = "failed"
             return
+        assert row.sampler is not None  # only trace sequences have none, and they never decode
         row.generated.append(row.sampler(row.all_ids if prompt is None else (lambda: prompt), logits))
+        if row.scores is not None:
+            row.scores.add(logits, torch.tensor(row.generated[-1:]))
         count = len(row.generated)
         if row.generated[-1] in self.eos_ids:
             row.ended = "eos"

@@ -24,9 +24,9 @@ import torch
 
 from shared.capture_spec import check_prompt_fits
 from shared.errors import ContextLengthExceeded, JobFailure
-from shared.schemas import CapturePoint, JobRequest, ModelInfo
+from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo
 from worker.capture import JobCapture, describe_modules
-from worker.decoding import Decoder, Sampler, Sequence, Watch
+from worker.decoding import Decoder, Sampler, Sequence, TokenScores, Watch
 from worker.footprint import footprint
 from worker.kvcache import check_supported, new_cache
 from worker.models import LoadedModel
@@ -53,6 +53,7 @@ class CapturedTensor:
     tensor: torch.Tensor  # [T, H] on the CPU, contiguous
     start: int
     stop: int
+    features: list[int] | None = None  # the kept indices of the last dimension (None: all)
 
 
 @dataclass
@@ -64,6 +65,8 @@ class Generation:
     token_ids: torch.Tensor  # int64 [P + N]
     captured: list[CapturedTensor] = field(default_factory=list)
     stopped_by: str | None = None  # what the watch answered when it ended generation early
+    scores: TokenScores | None = None  # log-probabilities, when asked for
+    completion: tuple[int, int] | None = None  # a trace's final assistant turn, [start, stop)
 
 
 class CaptureEngine:
@@ -158,28 +161,53 @@ class CaptureEngine:
         unknown = [p.module for p in points if p.module not in self._module_paths]
         if unknown:
             raise JobFailure(f"modules not in this model's capturable list: {', '.join(unknown)}")
+        if request.trace:
+            max_tokens = 0
         check_prompt_fits(request, self.info, max_tokens)  # before tokenizing megabytes of text
-        prompt = self.encode(request)["input_ids"]
+        completion = None
+        if request.trace:
+            prompt, completion = self.prompts.encode_trace(request, self.eos_ids)
+            prompt = prompt.to(self.loaded.device)
+        else:
+            prompt = self.encode(request)["input_ids"]
         prompt_tokens = int(prompt.shape[1])
         limit = self.info.max_context
         if limit and prompt_tokens + max_tokens > limit:
+            what = "the text" if request.trace else "prompt"
             raise ContextLengthExceeded(
-                f"prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit}"
+                f"{what} ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit}"
             )
         capture = None
         if points:
-            dtype = getattr(torch, request.capture.dtype) if request.capture else torch.float32
-            positions = request.capture.positions if request.capture else "all"
+            spec = request.capture or CaptureSpec(modules=[p.module for p in points])
             widths = [self._width(p) for p in points]
-            capture = JobCapture(points, widths, positions, prompt_tokens, max_tokens, dtype)
+            capture = JobCapture(
+                points,
+                widths,
+                spec.positions,
+                prompt_tokens,
+                max_tokens,
+                getattr(torch, spec.dtype),
+                reduce=spec.reduce,
+                features=spec.feature_indices,
+                completion=completion,
+            )
         return Sequence(
             prompt_ids=prompt,
             max_tokens=max_tokens,
-            sampler=Sampler(self.hf, self.sampling(request), prompt_tokens, request.seed),
+            sampler=None if request.trace else Sampler(self.hf, self.sampling(request), prompt_tokens, request.seed),
             capture=capture,
             stops=list(request.stop),
             watch=watch,
+            scores=TokenScores(request.top_k) if request.logprobs else None,
+            completion=completion,
         )
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """The model's end-of-sequence tokens (its generation config's), which end a turn."""
+        eos = self.hf.generation_config.eos_token_id
+        return set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
 
     def max_batch(self, wanted: int) -> int:
         """`wanted`, or 1 when this model's cache rows cannot move between batches."""
@@ -195,6 +223,15 @@ class CaptureEngine:
         kv = (self.info.kv_bytes_per_token or 0) * (seq.prompt_tokens + seq.max_tokens)
         return kv + (seq.capture.nbytes if seq.capture is not None else 0)
 
+    def trace_cost(self, seq: Sequence, padded_tokens: int) -> int:
+        """Bytes a trace sequence's forward pass holds when padded to `padded_tokens`: one layer's
+        activations and keys/values per position, the logits of every position when it asked
+        for log-probabilities, and its capture buffers."""
+        per_token = (self.info.activation_bytes_per_token or 0) + (self.info.kv_bytes_per_token or 0)
+        if seq.scores is not None:
+            per_token += 4 * self.info.vocab_size
+        return per_token * padded_tokens + (seq.capture.nbytes if seq.capture is not None else 0)
+
     def decoder(self) -> Decoder:
         return Decoder(self.hf, self.tokenizer, self._pad()["pad_token_id"])
 
@@ -208,8 +245,8 @@ class CaptureEngine:
         captured = []
         if seq.capture is not None:
             captured = [
-                CapturedTensor(point=point, tensor=rows, start=start, stop=stop)
-                for point, rows, start, stop in seq.capture.tensors(len(generated))
+                CapturedTensor(point=point, tensor=rows, start=start, stop=stop, features=features)
+                for point, rows, start, stop, features in seq.capture.tensors(len(generated))
             ]
         return Generation(
             text=text,
@@ -219,6 +256,8 @@ class CaptureEngine:
             token_ids=token_ids,
             captured=captured,
             stopped_by=seq.stopped_by,
+            scores=seq.scores,
+            completion=seq.completion,
         )
 
     def run(
@@ -232,7 +271,10 @@ class CaptureEngine:
         with self.lock, torch.inference_mode():
             decoder = self.decoder()
             try:
-                decoder.admit(seq)
+                if seq.trace:
+                    decoder.trace([seq])
+                else:
+                    decoder.admit(seq)
                 while decoder.rows:
                     decoder.step()
             finally:
@@ -247,6 +289,8 @@ class CaptureEngine:
         return width
 
     def _finish(self, generated: torch.Tensor, request: JobRequest, max_tokens: int) -> tuple[str, str]:
+        if request.trace:  # nothing generated, as a completion with max_tokens 0 ends
+            return "", "length"
         text = cast(str, self.tokenizer.decode(generated, skip_special_tokens=True))  # one sequence: one str
         eos = self.hf.generation_config.eos_token_id
         eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()

@@ -83,6 +83,11 @@ class EngineClient:
         self._up.set()
         log.info("engine process %d ready", proc.pid)
 
+    def closing(self) -> None:
+        """The worker is stopping: an engine that ends from now on is not restarted."""
+        with self._lock:
+            self._closing = True
+
     def close(self) -> None:
         """Stop the engine: closing its stdin lets it unpublish itself and exit."""
         with self._lock:

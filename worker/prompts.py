@@ -42,12 +42,53 @@ class PromptEncoder:
         """`input_ids` and `attention_mask`, `[1, P]`, on the CPU."""
         if request.prompt is not None:
             return self._raw(request.prompt)
+        messages = [m.model_dump() for m in request.messages or []]
+        tensor = torch.tensor([self._chat(messages, generation_prompt=True)], dtype=torch.long)
+        return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
+
+    def encode_trace(self, request: JobRequest, end_of_turn: set[int]) -> tuple[torch.Tensor, tuple[int, int] | None]:
+        """A trace job's tokens `[1, P]` and, for messages ending with an assistant turn, that
+        turn's range `[start, stop)` (README "Trace jobs"): the conversation is rendered whole,
+        with no generation prompt; `start` is where the reply begins (the length of the
+        conversation before it, rendered with the generation prompt: the tokens a generation job
+        would have been given), `stop` is one past the turn's first end-of-turn token (the
+        model's EOS, which a reply ends with); the template's tokens after it (a newline) are in
+        no turn. Other traces: the tokens a generation job would be given, and no range."""
+        if request.prompt is not None or not request.messages or request.messages[-1].role != "assistant":
+            return self.encode(request)["input_ids"], None
+        messages = [m.model_dump() for m in request.messages]
+        full = self._chat(messages, generation_prompt=False)
+        before = self._chat(messages[:-1], generation_prompt=True) if len(messages) > 1 else self._bare_prompt()
+        if full[: len(before)] != before:
+            raise JobFailure(
+                "this model's chat template does not render the conversation before the final assistant turn "
+                "as a prefix of the whole conversation, so that turn's tokens cannot be told apart; trace the "
+                "text as `prompt` instead"
+            )
+        start = len(before)
+        stop = next((i + 1 for i in range(start, len(full)) if full[i] in end_of_turn), len(full))
+        if stop <= start:
+            raise JobFailure("the final assistant turn renders to no tokens")
+        return torch.tensor([full], dtype=torch.long), (start, stop)
+
+    def _bare_prompt(self) -> list[int]:
+        """The generation prompt alone (a conversation that starts with the assistant's turn): what
+        the template renders for no messages, else the tokens before the reply of a lone
+        assistant message with empty content."""
+        try:
+            return self._chat([], generation_prompt=True)
+        except Exception:  # noqa: BLE001 - a template that needs a message
+            raise JobFailure(
+                "this model's chat template cannot render a conversation that starts with the assistant; "
+                "put a user turn before it"
+            ) from None
+
+    def _chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
         if not self.has_chat_template:
             raise JobFailure(
                 "this model has no chat template, so messages cannot be rendered; send the text as `prompt`, "
                 "or give the deployment a template (ACTQ_CHAT_TEMPLATE)"
             )
-        messages = [m.model_dump() for m in request.messages or []]
         if (
             self.allow_special_tokens
             or self._special is None
@@ -55,14 +96,10 @@ class PromptEncoder:
         ):
             encoded = cast(
                 "BatchEncoding",
-                self.tokenizer.apply_chat_template(
-                    messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-                ),
+                self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, return_dict=True),
             )
-            return {k: encoded[k] for k in ("input_ids", "attention_mask")}
-        ids = self._as_text(messages)
-        tensor = torch.tensor([ids], dtype=torch.long)
-        return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
+            return [int(i) for i in encoded["input_ids"]]
+        return self._as_text(messages, generation_prompt)
 
     def _raw(self, prompt: str) -> dict[str, torch.Tensor]:
         """A raw prompt: tokenized as `tokenizer(prompt)` does it (the tokenizer's own BOS
@@ -73,11 +110,13 @@ class PromptEncoder:
         tensor = torch.tensor([ids], dtype=torch.long)
         return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
 
-    def _as_text(self, messages: list[dict[str, str]]) -> list[int]:
+    def _as_text(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
         """The template rendered around placeholders; its own pieces tokenized as usual, each
         message's content with special tokens split into text."""
         marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
-        rendered = cast(str, self.tokenizer.apply_chat_template(marked, add_generation_prompt=True, tokenize=False))
+        rendered = cast(
+            str, self.tokenizer.apply_chat_template(marked, add_generation_prompt=generation_prompt, tokenize=False)
+        )
         pieces = re.split("(" + re.escape(_SENTINEL).replace(r"\{\}", r"(\d+)") + ")", rendered)
         found = [int(pieces[k + 1]) for k in range(1, len(pieces), 3)] if len(pieces) > 1 else []
         if sorted(found) != list(range(len(messages))):

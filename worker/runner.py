@@ -7,24 +7,28 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import redis
 from celery.utils.log import get_task_logger
 
 from shared.errors import InternalError, JobCancelled, JobFailure, JobTimeout, OutOfMemory
-from shared.schemas import JobRecord, JobResult, Usage
+from shared.schemas import JobRecord, JobResult, Logprobs, TokenLogprob, TopLogprob, Usage
 from worker import runtime
 from worker.scheduler import Entry
 
 if TYPE_CHECKING:
-    from worker.decoding import Sequence, Watch
+    from worker.decoding import Sequence, TokenScores, Watch
     from worker.engine import Generation
 
 log = get_task_logger(__name__)
+# One INFO line per job even when the worker runs at Celery's default WARNING (`celery worker`
+# without --loglevel): a record at this logger's level reaches the task log's handler.
+log.setLevel(logging.INFO)
 WATCH_INTERVAL = 0.05  # seconds between cancel-flag reads (and progress writes) while generating
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
 _finisher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actq-finish")
@@ -99,21 +103,21 @@ def _record(rt: runtime.Runtime, record: JobRecord, started: float, outcome: Seq
             return
         generated = time.perf_counter()
         manifest = None
-        if record.capture_points:
+        inline = generation.scores is None or len(generation.scores.values) <= rt.settings.logprobs_inline_tokens
+        if record.capture_points or not inline:
             from worker.artifacts import write_activations
 
-            assert record.request.capture is not None  # capture points come from a capture spec
-            positions = record.request.capture.positions
-            manifest = write_activations(rt.store, record.id, record.model, positions, generation)
-        rt.jobs.succeed(
-            record.id, _result(generation).model_dump(), manifest.model_dump() if manifest is not None else None
-        )
+            manifest = write_activations(rt.store, record.id, record.model, record.request.capture, generation)
+        result = _result(generation, tokenizer=rt.engine.tokenizer, inline=inline)
+        rt.jobs.succeed(record.id, result.model_dump(), manifest.model_dump() if manifest is not None else None)
         log.info(
-            "job %s succeeded: %d tokens, generate %.1f ms, store %.1f ms",
+            "job %s succeeded: %d prompt + %d new tokens, run %.1f ms, store %.1f ms, %d bytes stored",
             record.id,
+            generation.prompt_tokens,
             generation.completion_tokens,
             (generated - started) * 1e3,
             (time.perf_counter() - generated) * 1e3,
+            manifest.bytes if manifest is not None else 0,
         )
     except JobFailure as exc:
         _fail(rt, job_id, exc)
@@ -123,13 +127,50 @@ def _record(rt: runtime.Runtime, record: JobRecord, started: float, outcome: Seq
         _fail(rt, job_id, _classify(exc))
 
 
-def _result(generation: Generation, finish_reason: str | None = None) -> JobResult:
+def _result(
+    generation: Generation, finish_reason: str | None = None, tokenizer: object = None, inline: bool = True
+) -> JobResult:
     usage = Usage(
         prompt_tokens=generation.prompt_tokens,
         completion_tokens=generation.completion_tokens,
         total_tokens=generation.prompt_tokens + generation.completion_tokens,
     )
-    return JobResult(text=generation.text, finish_reason=finish_reason or generation.finish_reason, usage=usage)
+    logprobs = None
+    if generation.scores is not None and tokenizer is not None:
+        logprobs = logprobs_result(generation.scores, tokenizer, inline, generation.completion)
+    return JobResult(
+        text=generation.text,
+        finish_reason=finish_reason or generation.finish_reason,
+        usage=usage,
+        logprobs=logprobs,
+        completion_span=list(generation.completion) if generation.completion is not None else None,
+    )
+
+
+def logprobs_result(
+    scores: TokenScores, tokenizer: Any, inline: bool, completion: tuple[int, int] | None = None
+) -> Logprobs:
+    """The result's `logprobs`: an entry per scored token with its text (each token decoded
+    alone), or, past the inline limit, only the totals (the values are in the activations file)."""
+    values = scores.values
+    total = float(sum(v for v in values if v is not None))
+    turn = None
+    if completion is not None:  # trace entries are indexed like token_ids
+        turn = float(sum(v for v in values[completion[0] : completion[1]] if v is not None))
+    if not inline:
+        return Logprobs(content=None, in_file=True, total=total, completion_total=turn)
+    wanted = set(scores.tokens) | {i for ids in scores.top_ids for i in ids}
+    text = dict(zip(wanted, tokenizer.batch_decode([[i] for i in wanted]), strict=True))
+    content = [
+        TokenLogprob(
+            token_id=token,
+            token=text[token],
+            logprob=value,
+            top_logprobs=[TopLogprob(token_id=i, token=text[i], logprob=v) for i, v in zip(ids, vals, strict=True)],
+        )
+        for token, value, ids, vals in zip(scores.tokens, values, scores.top_ids, scores.top_values, strict=True)
+    ]
+    return Logprobs(content=content, total=total, completion_total=turn)
 
 
 def time_limit(settings_limit: float, record: JobRecord) -> float:

@@ -24,6 +24,7 @@ from worker.decoding import OUT_OF_MEMORY, Decoder, Sequence, is_oom
 from worker.engine import CaptureEngine
 
 log = logging.getLogger(__name__)
+TRACE_PADDING = 0.1  # the most of a trace pass's positions that may be padding
 
 
 @dataclass
@@ -75,6 +76,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="actq-engine", daemon=True)
         self._active: dict[int, tuple[Entry, int]] = {}  # id(sequence) -> (entry, estimated bytes)
+        self._traces: list[tuple[Entry, Sequence]] = []  # trace jobs taken in by this `_fill`
 
     def start(self) -> Scheduler:
         self._thread.start()
@@ -102,10 +104,20 @@ class Scheduler:
 
     def _room(self, decoder: Decoder) -> int:
         most = self.max_batch if decoder.most_rows is None else min(self.max_batch, decoder.most_rows)
-        return most - len(decoder.rows)
+        return most - len(decoder.rows) - len(self._traces)
 
     def _fill(self, decoder: Decoder) -> None:
-        """Let queued jobs join; when nothing runs, wait for one (then `wait_s` for company)."""
+        """Let queued jobs join, then run the trace jobs taken in."""
+        try:
+            self._take_in(decoder)
+        finally:
+            traces, self._traces = self._traces, []
+            if traces:
+                self._run_traces(decoder, traces)
+
+    def _take_in(self, decoder: Decoder) -> None:
+        """Let queued jobs join; when nothing runs, wait for one (then `wait_s` for company). Trace
+        jobs count against `max_batch` here too, so at most a batch of them is taken in at once."""
         if not decoder.rows:
             try:
                 first = self.inbox.get(timeout=0.5)  # wakes only to notice `stop`
@@ -127,11 +139,15 @@ class Scheduler:
                 return
 
     def _join(self, decoder: Decoder, entry: Entry) -> bool:
-        """Prefill `entry` into the batch; False when it must wait for room (memory budget)."""
+        """Prefill `entry` into the batch; False when it must wait for room (memory budget). A
+        trace job waits in `_traces` for the trace pass at the end of `_fill`."""
         try:
             seq = entry.prepare()
         except Exception as exc:  # noqa: BLE001 - the job's failure, handed back
             entry.done(exc)
+            return True
+        if seq.trace:
+            self._traces.append((entry, seq))
             return True
         cost = entry.estimate(seq)
         used = sum(c for _, c in self._active.values())
@@ -149,6 +165,55 @@ class Scheduler:
         else:
             self._active[id(seq)] = (entry, cost)
         return True
+
+    def _run_traces(self, decoder: Decoder, traces: list[tuple[Entry, Sequence]]) -> None:
+        """The trace jobs in passes of similar lengths: sorted, and a pass ends before padding
+        would exceed TRACE_PADDING of its positions (padding is computed and thrown away: on a
+        CPU, where a batch computes no faster per position, it is pure loss) or its padded size
+        the memory budget (a job alone always runs)."""
+        traces.sort(key=lambda item: item[1].prompt_tokens)
+        group: list[tuple[Entry, Sequence]] = []
+        for item in traces:
+            padded = item[1].prompt_tokens  # sorted: the newest is the longest
+            cost = sum(self.engine.trace_cost(seq, padded) for _, seq in [*group, item])
+            positions = padded * (len(group) + 1)
+            real = padded + sum(seq.prompt_tokens for _, seq in group)
+            if group and (positions - real > TRACE_PADDING * positions or (self.budget and cost > self.budget)):
+                self._trace_pass(decoder, group)
+                group = []
+            group.append(item)
+        if group:
+            self._trace_pass(decoder, group)
+
+    def _trace_pass(self, decoder: Decoder, group: list[tuple[Entry, Sequence]]) -> None:
+        """One forward pass over `group`; out of memory, it runs in halves, down to one job, which
+        then fails alone."""
+        seqs = [seq for _, seq in group]
+        marks = [seq.capture.mark() if seq.capture else None for seq in seqs]
+        try:
+            decoder.trace(seqs)
+        except Exception as exc:
+            if is_oom(exc) and len(group) > 1:
+                for seq, mark in zip(seqs, marks, strict=True):
+                    if seq.capture is not None and mark is not None:
+                        seq.capture.reset(mark)
+                    if seq.scores is not None:
+                        seq.scores = type(seq.scores)(seq.scores.k)
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                half = len(group) // 2
+                self._trace_pass(decoder, group[:half])
+                self._trace_pass(decoder, group[half:])
+                return
+            failure: Exception = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc
+            if not is_oom(exc):
+                log.exception("a trace pass failed; failing the %d jobs in it", len(group))
+            for entry, _ in group:
+                entry.done(failure)
+            return
+        self.stats.add(len(group), 0)
+        for entry, seq in group:
+            entry.done(seq)
 
     def _requeue(self, entry: Entry, seq: Sequence) -> None:
         """Over budget: back to the head of the line with its sequence already prepared."""

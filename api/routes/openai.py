@@ -11,14 +11,24 @@ text is tokenized as it is (the tokenizer's own BOS included), with no chat temp
 what base models and probing on exact text need. The answer is OpenAI's Completion (`id`
 "cmpl-" + job id, `object: "text_completion"`, `choices[0].text`), with the same `actq` field.
 `prompt` is a string or a list holding exactly one string; several prompts or token ids are a 400.
-Refused as for chat: `n` > 1, streaming, penalties, logit bias, `logprobs` (other than 0); and the
-completion's own `echo: true`, `suffix` and `best_of` > 1. `user` is accepted and ignored.
+Refused as for chat: `n` > 1, streaming, penalties, logit bias; and the completion's own `suffix`
+and `best_of` > 1. `user` is accepted and ignored. `echo: true` works with `max_tokens: 0` only:
+that scores the prompt (a trace job, one forward pass, nothing generated) and answers the prompt
+as the text; `echo` with generation is a 400, and so is `max_tokens: 0` without `echo`.
+
+Log-probabilities: chat's `logprobs: true` and `top_logprobs` (0 to 20; without logprobs a 400)
+answer `choices[0].logprobs` in OpenAI's chat shape (`content`: token, logprob, bytes,
+top_logprobs); the legacy `logprobs: k` (0 to 20) answers OpenAI's legacy shape (`tokens`,
+`token_logprobs`, `top_logprobs` of k entries per place or null for 0, `text_offset`). They are
+the job's own (`result.logprobs` of GET /jobs/{id}): log_softmax of the raw logits, before
+temperature and top_p. More entries than the worker holds inline (ACTQ_LOGPROBS_INLINE_TOKENS)
+answer a 400 `logprobs_too_long` naming the job, whose activations file has them.
 
 Differences from OpenAI, each refused with a 400 naming the field rather than silently ignored:
-no streaming, one choice (`n` = 1), no tools or function calls, no logprobs, no penalties or
-logit bias, text only (content parts other than `text`, audio, images), `response_format` text
-only. `user`, `metadata`, `store`, `safety_identifier` and the prompt-cache hints are accepted and
-ignored. A `developer` message is a `system` message; list content (`[{"type": "text", "text":
+no streaming, one choice (`n` = 1), no tools or function calls, no penalties or logit bias, text
+only (content parts other than `text`, audio, images), `response_format` text only. `user`,
+`metadata`, `store`, `safety_identifier` and the prompt-cache hints are accepted and ignored. A
+`developer` message is a `system` message; list content (`[{"type": "text", "text":
 ...}]`) is the concatenation of its text parts, with no separator. Two extra request fields:
 `capture` (as in `POST /jobs`) and `actq_wait_seconds` (how long to wait for the job, default 300,
 at most 3600; past it the answer is a 504 naming the job, which keeps running: poll

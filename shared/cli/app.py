@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from shared.cli import local_stack, probes
+from shared.cli import local_stack, probes, serve
 from shared.cli.gsm8k import data, runner
 from shared.settings import Settings
 
@@ -23,28 +23,39 @@ cli = typer.Typer(add_completion=False, no_args_is_help=True, help=__doc__, pret
 
 @cli.command()
 def run(
-    problems: int = typer.Option(8, min=1, help="How many GSM8K problems."),
+    problems: int = typer.Option(8, min=1, help="How many GSM8K problems the model answers."),
     max_tokens: int = typer.Option(160, min=1, help="Tokens to generate per problem."),
+    probe_problems: int = typer.Option(
+        48, min=4, help="Problems whose gold and corrupted solutions are traced for the probes."
+    ),
     out: Path | None = typer.Option(None, help="Results directory (default actq-results/demo-<time>)."),
     start_timeout: float = typer.Option(
         900.0, help="Seconds to wait for the worker (the first run converts the model)."
     ),
 ) -> None:
     """The main job on one machine: start Redis (embedded unless ACTQ_REDIS_URL is set), a worker
-    with the default model and the API; run a handful of GSM8K problems capturing the residual
-    stream; score them; train probes; print where everything is; stop everything."""
+    with the default model and the API; the model answers a handful of GSM8K problems with its
+    residual stream captured (OUT/answers); then trace jobs read gold solutions and the same
+    solutions with a wrong final answer (OUT/gold-vs-corrupted: every layer's residual stream at
+    the end of the answer, reduced by the worker to one row) and a probe per layer learns to tell
+    them apart; print where everything is; stop everything."""
     settings = Settings()
     out = out or Path("actq-results") / time.strftime("demo-%Y%m%d-%H%M%S")
     try:
         data.load("hub")
-        dataset = "hub"
+        dataset, probe_dataset = "hub", "hub"
     except data.DatasetUnavailable as exc:
-        dataset = "samples"
-        typer.echo(f"GSM8K from the hub is not available here ({exc}); using actq's own sample problems")
-    with local_stack.local_stack(settings, start_timeout, say=typer.echo) as local:
+        dataset, probe_dataset = "samples", "synthetic"
+        typer.echo(
+            f"GSM8K from the hub is not available here ({exc}); the model answers actq's own sample problems "
+            "and the probes read templated arithmetic problems in GSM8K's format"
+        )
+    # The jobs' own store is temporary (unless ACTQ_STORAGE_URL is set): every file is downloaded into OUT.
+    with local_stack.local_stack(settings, start_timeout, say=typer.echo, temporary_store=True) as local:
         base = local.base_url
+        typer.echo(f"1/2: {problems} problems answered by {settings.served_model_name}")
         summary = runner.run(
-            out=out,
+            out=out / "answers",
             dataset=dataset,
             limit=problems,
             model=settings.served_model_name,
@@ -52,7 +63,20 @@ def run(
             download=True,
             api=base,
         )
-        report = probes.run_with_api(out, api=base)
+        typer.echo(f"2/2: gold and corrupted solutions of {probe_problems} problems, traced")
+        runner.run(
+            out=out / "gold-vs-corrupted",
+            dataset=probe_dataset,
+            limit=probe_problems,
+            model=settings.served_model_name,
+            capture_on="gold,corrupted",
+            layers="all",
+            reduce="last",
+            dtype="float32",
+            download=True,
+            api=base,
+        )
+        report = probes.run_with_api(out / "gold-vs-corrupted", api=base, source="all")
         typer.echo("stopping worker, API and Redis")
     accuracy = summary["accuracy"]
     typer.echo(
@@ -60,26 +84,65 @@ def run(
         f"({summary['tokens_per_second_this_invocation']} generated tokens/s)"
     )
     typer.echo(f"accuracy: strict {accuracy['strict']:.3f}, flexible {accuracy['flexible']:.3f}")
-    typer.echo(f"results: {out / 'results.jsonl'} (one sample per problem: {out / 'samples'})")
-    typer.echo(f"activations: {out / 'activations'} (one safetensors file per problem)")
+    typer.echo(f"answers: {out / 'answers' / 'results.jsonl'} (activations in {out / 'answers' / 'activations'})")
     trained = [p for p in report["probes"] if "skipped" not in p]
     if trained:
         best = max(trained, key=lambda p: p["balanced_accuracy_mean"])
+        first = min(trained, key=lambda p: p["layer"] if p["layer"] is not None else -1)
         typer.echo(
-            f"best probe for correctness: {best['point']} ({best['pooling']}), "
-            f"balanced accuracy {best['balanced_accuracy_mean']:.3f}"
+            f"probes for 'is this solution's final answer right?' ({report['n_samples']} traces, chance "
+            f"{best['majority_balanced_accuracy']:.2f}): {first['point']} {first['balanced_accuracy_mean']:.3f}, "
+            f"best {best['point']} {best['balanced_accuracy_mean']:.3f} ± {best['balanced_accuracy_std']:.3f}"
         )
     else:
         reason = report["probes"][0]["skipped"] if report["probes"] else "no capture points"
         typer.echo(f"probes: not trained ({reason})")
-    typer.echo(f"probe plot: {out / 'probes.png'}")
+    typer.echo(f"probe plot: {out / 'gold-vs-corrupted' / 'probes.png'}")
+
+
+@cli.command("serve")
+def serve_command(
+    port: int = typer.Option(8000, help="Port for the API."),
+    host: str = typer.Option("127.0.0.1", help="Address the API listens on (0.0.0.0: every interface)."),
+    model: str | None = typer.Option(
+        None, help="The model: the built-in smollm2-135m, a Hugging Face id or a local folder (default ACTQ_MODEL)."
+    ),
+    data_dir: Path = typer.Option(
+        serve.DEFAULT_DATA_DIR, help="Where Redis keeps its data, activations are stored and logs go."
+    ),
+    storage: str | None = typer.Option(
+        None, help="Where activations go instead of DATA_DIR/store: file:///abs/dir or s3://bucket/prefix."
+    ),
+    redis_url: str | None = typer.Option(
+        None, help="Use this Redis instead of starting one (actq serve never uses ACTQ_REDIS_URL unasked)."
+    ),
+    start_timeout: float = typer.Option(900.0, help="Seconds to wait for the worker to load its model."),
+) -> None:
+    """A local stack that stays up: Redis, a worker and the API on 127.0.0.1:8000, in the
+    foreground with their logs; Ctrl-C stops all of it. Jobs and files are kept in DATA_DIR for
+    the next start."""
+    try:
+        serve.serve(
+            port=port,
+            host=host,
+            model=model,
+            data_dir=data_dir,
+            storage=storage,
+            redis_url=redis_url,
+            start_timeout=start_timeout,
+            say=typer.echo,
+        )
+    except KeyboardInterrupt:
+        typer.echo("stopped: worker, API and Redis (jobs and files are kept in the data directory)")
 
 
 @cli.command("gsm8k")
 def gsm8k_command(
     out: Path = typer.Option(..., "--out", "-o", help="Results directory; run again with the same one to resume."),
     dataset: str = typer.Option(
-        "hub", help="`hub` (openai/gsm8k, needs `datasets`), `samples` (a dozen built-in problems) or a JSONL path."
+        "hub",
+        help="`hub` (openai/gsm8k, needs `datasets`), `samples` (a dozen built-in problems), `synthetic` "
+        "(templated arithmetic problems in GSM8K's format) or a JSONL path.",
     ),
     split: str = typer.Option("test", help="Hub split."),
     train: str | None = typer.Option(
@@ -104,9 +167,20 @@ def gsm8k_command(
         help="Capture this module path (repeatable); default: the model's residual preset (each decoder "
         "block's output) at three blocks spread over the depth.",
     ),
-    no_capture: bool = typer.Option(False, help="Plain completions, no activations."),
-    positions: str = typer.Option("generated", help="all, prompt, generated or last."),
+    no_capture: bool = typer.Option(False, "--no-capture", help="Plain completions, no activations."),
+    positions: str = typer.Option(
+        "generated", help="all, prompt, generated or last (trace jobs capture `completion` for generated)."
+    ),
     dtype: str = typer.Option("float16", help="float32, float16 or bfloat16."),
+    layers: str = typer.Option(
+        "spread", help="Residual blocks to capture: spread (three), all, or indices like 0,6,-1."
+    ),
+    reduce: str = typer.Option("none", help="none, or reduce each capture server-side: mean, sum, max or last."),
+    capture_on: str = typer.Option(
+        "generated",
+        help="What to run and capture, comma-separated: generated (the model's answer), gold (a trace job over "
+        "the gold solution), corrupted (a trace over it with a wrong final answer).",
+    ),
     download: bool = typer.Option(False, help="Also download each problem's activations into OUT/activations/."),
     api: str | None = typer.Option(None, help="API base URL (default ACTQ_API_URL)."),
     quiet: bool = typer.Option(False, help="No progress bar."),
@@ -125,12 +199,19 @@ def gsm8k_command(
 @cli.command("probe")
 def probe_command(
     results: Path = typer.Argument(..., help="A results directory from `actq gsm8k`."),
-    label: str = typer.Option("correct.flexible", help="What to predict: a dotted path into each sample's JSON."),
+    label: str = typer.Option(
+        probes.LABEL_DEFAULT,
+        help="What to predict: answer_correct (is the answer's final number right), or a dotted path into each "
+        "sample's JSON (a trace's own fields first).",
+    ),
+    source: str = typer.Option(
+        "generated", help="Which captures: generated (the model's answers), gold, corrupted, or all (one row each)."
+    ),
     folds: int = typer.Option(5, min=2),
     api: str | None = typer.Option(None, help="API base URL for activations not downloaded (default ACTQ_API_URL)."),
 ) -> None:
     """Train a logistic-regression probe per capture point and pooling; write probes.json and probes.png."""
-    report = probes.run_with_api(results, label=label, folds=folds, api=api)
+    report = probes.run_with_api(results, label=label, folds=folds, api=api, source=source)
     for probe in report["probes"]:
         score = (
             probe.get("skipped")
@@ -138,6 +219,23 @@ def probe_command(
         )
         typer.echo(f"{probe['point']:<44} {probe['pooling']:<15} {score}")
     typer.echo(f"wrote {results / 'probes.json'} and {results / 'probes.png'}")
+
+
+@cli.command("export")
+def export_command(
+    results: Path = typer.Argument(..., help="A results directory from `actq gsm8k` (or `actq run`)."),
+    format: str = typer.Option("parquet", "--format", help="parquet (one file) or hf-dataset (datasets.save_to_disk)."),
+    out: Path | None = typer.Option(
+        None, help="Where to write (default: RESULTS/export.parquet or RESULTS/hf-dataset)."
+    ),
+    api: str | None = typer.Option(None, help="API base URL for activations not downloaded (default ACTQ_API_URL)."),
+) -> None:
+    """One row per problem, capture source and capture point, the tensor as an array and the sample's
+    fields as columns; loadable with `datasets` or pandas, without actq installed."""
+    from shared.cli import export
+
+    written = export.run(results, format=format, out=out, api=api)
+    typer.echo(f"wrote {written}")
 
 
 @cli.command("flower")

@@ -29,8 +29,7 @@ def worker_command(name: str) -> list[str]:
         "-A",
         "worker.celery_app",
         "worker",
-        "--loglevel=INFO",
-        "-E",
+        "-E",  # no --loglevel: Celery's default, WARNING, still logs one INFO line per job (tested)
         "-n",
         f"{name}-{os.getpid()}-{free_port()}@%h",
         "--without-mingle",
@@ -38,8 +37,8 @@ def worker_command(name: str) -> list[str]:
     ]
 
 
-def api_command(port: int, processes: int = 1) -> list[str]:
-    cmd = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", "127.0.0.1", "--port", str(port)]
+def api_command(port: int, processes: int = 1, host: str = "127.0.0.1") -> list[str]:
+    cmd = [sys.executable, "-m", "uvicorn", "api.main:app", "--host", host, "--port", str(port)]
     cmd += ["--log-level", "warning"]
     return cmd + (["--workers", str(processes)] if processes > 1 else [])
 
@@ -87,6 +86,8 @@ class Stack:
     processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     logs: dict[str, Path] = field(default_factory=dict)
     models: dict[str, str] = field(default_factory=dict)  # worker process name -> the model it serves
+    host: str = "127.0.0.1"  # where the API listens
+    console: bool = False  # the processes' output on this process's own, not in log files under `root`
 
     @property
     def base_url(self) -> str:
@@ -99,11 +100,11 @@ class Stack:
     def _start(self, name: str, cmd: list[str], env: Mapping[str, str]) -> subprocess.Popen[bytes]:
         self.root.mkdir(parents=True, exist_ok=True)
         log = self.logs.setdefault(name, self.root / f"{name}.log")
-        process = self.processes[name] = spawn(cmd, log, {**self.env, **env})
+        process = self.processes[name] = spawn(cmd, None if self.console else log, {**self.env, **env})
         return process
 
     def start_api(self, processes: int = 1, wait: bool = True) -> subprocess.Popen[bytes]:
-        process = self._start("api", api_command(self.port, processes), {})
+        process = self._start("api", api_command(self.port, processes, self.host), {})
         if wait:
             wait_http(self.base_url, process)
         return process
@@ -141,15 +142,21 @@ class Stack:
 
 
 @contextmanager
-def local_stack(settings: Settings, start_timeout: float, say: Callable[[str], None] = print) -> Iterator[Stack]:
+def local_stack(
+    settings: Settings, start_timeout: float, say: Callable[[str], None] = print, temporary_store: bool = False
+) -> Iterator[Stack]:
     """Redis (embedded unless ACTQ_REDIS_URL is set), a worker and the API on this machine; yields
-    the stack and stops all of it on the way out, whatever happens."""
+    the stack and stops all of it on the way out, whatever happens. `temporary_store`: unless
+    ACTQ_STORAGE_URL is set, the jobs' files go to a directory removed at the end (for a caller
+    that downloads what it keeps)."""
     with ExitStack() as cleanup, tempfile.TemporaryDirectory(prefix="actq-run-") as tmp:
         env: dict[str, str] = {}
         if "redis_url" not in settings.model_fields_set:
             server = cleanup.enter_context(RedisServer(Path(tmp) / "redis"))
             env["ACTQ_REDIS_URL"] = server.url
             say(f"embedded Redis on {server.url}")
+        if temporary_store and "storage_url" not in settings.model_fields_set:
+            env["ACTQ_STORAGE_URL"] = (Path(tmp) / "store").as_uri()
         stack = cleanup.enter_context(Stack(Path(tmp), env))
         stack.start_api(wait=False)  # it starts while the worker loads its model
         say(f"worker loading {settings.model} (the first run converts it once, ~30 s); API on {stack.base_url}")

@@ -19,9 +19,12 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def spawn(cmd: Sequence[str], log: Path, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
-    """Start `cmd` in a new session, its stdout and stderr appended to `log`, with `env` added to
-    this process's environment."""
+def spawn(cmd: Sequence[str], log: Path | None, env: Mapping[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """Start `cmd` in a new session, its stdout and stderr appended to `log` (None: this process's
+    own output, for a stack in the foreground), with `env` added to this process's environment.
+    A new session: Ctrl-C in a terminal reaches this process only, which then stops the children."""
+    if log is None:
+        return subprocess.Popen(list(cmd), env={**os.environ, **(env or {})}, start_new_session=True)
     with open(log, "ab") as handle:
         return subprocess.Popen(
             list(cmd),

@@ -150,6 +150,24 @@ def test_a_raw_prompt_with_a_preset_capture(client):
     assert tensors["model.layers.3"].shape == (tensors["token_ids"].shape[0] - 1, 64)
 
 
+def test_a_trace_job_scores_an_answer(client):
+    turns = [{"role": "user", "content": "What is 2 + 3?"}, {"role": "assistant", "content": "5"}]
+    job = client.submit(
+        TINY,
+        turns,
+        mode="trace",
+        logprobs=True,
+        capture={"preset": "residual", "layers": [-1], "positions": "completion", "reduce": "mean"},
+    )
+    job.wait(timeout=60)
+    result = job.result
+    assert job.status == "succeeded" and result is not None, job.error
+    start, stop = result.completion_span
+    assert result.text == "" and result.usage.completion_tokens == 0 and stop == result.usage.prompt_tokens - 1
+    assert result.logprobs is not None and len(result.logprobs["content"]) == result.usage.prompt_tokens
+    assert job.activations()["model.layers.3"].shape == (1, 64)
+
+
 def test_a_failed_job_raises_job_failed_with_its_error(client):
     job = client.submit(TINY, [{"role": "user", "content": "word " * 400}], max_tokens=4)
     with pytest.raises(JobFailed) as failed:

@@ -122,8 +122,8 @@ def test_a_list_of_one_prompt_is_that_prompt(client):
 REFUSED = [
     ("n", dict(n=2), "n", "n=2 is not supported: actq generates one choice per request"),
     ("stream", dict(stream=True), "stream", "streaming is not supported; send stream=false"),
-    ("echo", dict(echo=True), "echo", "echo=true is not supported"),
-    ("logprobs", dict(logprobs=2), "logprobs", "logprobs=2 is not supported: log probabilities are not returned"),
+    ("echo", dict(echo=True), "echo", "echo=true is supported with max_tokens=0 only (scoring the prompt"),
+    ("logprobs", dict(logprobs=25), "logprobs", "logprobs=25 is out of range"),
     ("suffix", dict(suffix=" and that is all."), "suffix", "suffix is not supported (no fill-in-the-middle)"),
     ("best_of", dict(best_of=3), "best_of", "best_of=3 is not supported"),
     ("frequency_penalty", dict(frequency_penalty=0.5), "frequency_penalty", "frequency_penalty=0.5 is not supported"),

@@ -98,10 +98,14 @@ def _our_processes() -> set[str]:
 def test_actq_run_does_the_main_job_and_leaves_nothing_behind(smol_dir, tmp_path):
     before = _our_processes()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACTQ_")}
-    env.update(ACTQ_MODEL_CACHE_DIR=str(smol_dir.parent), ACTQ_STORAGE_URL=(tmp_path / "data").as_uri())
+    home = tmp_path / "home"  # where the default store (~/.local/share/actq) would be
+    env.update(ACTQ_MODEL_CACHE_DIR=str(smol_dir.parent), HOME=str(home))
     out = tmp_path / "demo"
     done = subprocess.run(
-        [sys.executable, "-m", "shared.cli", "run", "--problems", "3", "--max-tokens", "24", "--out", str(out)],
+        [
+            *[sys.executable, "-m", "shared.cli", "run", "--problems", "3", "--max-tokens", "24"],
+            *["--probe-problems", "12", "--out", str(out)],
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -110,14 +114,23 @@ def test_actq_run_does_the_main_job_and_leaves_nothing_behind(smol_dir, tmp_path
     )
     assert done.returncode == 0, done.stdout + done.stderr
     text = done.stdout
-    assert "embedded Redis on redis://127.0.0.1:" in text and "using actq's own sample problems" in text
+    assert "embedded Redis on redis://127.0.0.1:" in text and "the model answers actq's own sample problems" in text
     assert "3/3 problems answered by smollm2-135m" in text and "accuracy: strict " in text
-    assert f"activations: {out / 'activations'}" in text and f"probe plot: {out / 'probes.png'}" in text
-    summary = json.loads((out / "summary.json").read_text())
+    answers, traced = out / "answers", out / "gold-vs-corrupted"
+    assert f"activations in {answers / 'activations'}" in text and f"probe plot: {traced / 'probes.png'}" in text
+    summary = json.loads((answers / "summary.json").read_text())
     assert summary["complete"] and summary["succeeded"] == 3 and summary["generated_tokens"] <= 3 * 24
-    assert len(list((out / "activations").glob("*.safetensors"))) == 3
-    sample = json.loads((out / "samples" / "0.json").read_text())
+    assert len(list((answers / "activations").glob("*.safetensors"))) == 3
+    sample = json.loads((answers / "samples" / "0.json").read_text())
     # The residual preset on SmolLM2's 30 layers: layers 8, 15, 22.
     assert [t["name"] for t in sample["activations"]["tensors"]] == [f"model.layers.{i}" for i in (8, 15, 22)]
-    assert (out / "probes.png").read_bytes()[:4] == b"\x89PNG"
+    # The probes: gold vs corrupted solutions of 12 synthetic problems, every layer's residual stream
+    # at the end of the answer (reduced by the worker to its last row), one probe per layer.
+    report = json.loads((traced / "probes.json").read_text())
+    assert report["n_samples"] == 24 and report["sources"] == {"corrupted": 12, "gold": 12}
+    assert [p["layer"] for p in report["probes"]] == list(range(30)) and "skipped" not in report["probes"][0]
+    assert {p["pooling"] for p in report["probes"]} == {"reduced_last"}
+    assert "probes for 'is this solution's final answer right?' (24 traces, chance 0.50)" in text
+    assert (traced / "probes.png").read_bytes()[:4] == b"\x89PNG"
+    assert not (home / ".local" / "share" / "actq").exists()  # no second copy of the demo's files
     assert _our_processes() - before == set()  # no worker, API or Redis left running

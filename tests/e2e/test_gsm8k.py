@@ -207,3 +207,56 @@ def test_plain_prompt_format_sends_raw_question_answer_prompts(live, tmp_path, r
     )
     assert chat.returncode == 2 and "holds a run with other settings (prompt_format)" in chat.stderr
     assert job_count(redis_client) == before
+
+
+def test_gold_and_corrupted_traces_then_probes_and_export(live, tmp_path, redis_client):
+    """`--capture-on generated,gold,corrupted`: three jobs per problem (one generation, two trace
+    jobs over the gold solution and its wrong-answer copy), each problem's sample written once
+    all three ended; then `actq probe --source all` on one row per capture, and `actq export` to
+    Parquet, read back with pandas."""
+    out = tmp_path / "traced"
+    cmd = actq(
+        live, "gsm8k", "--out", str(out), "--dataset", "synthetic", "--limit", "10", "--model", TINY,
+        "--max-tokens", "4", "--capture-on", "generated,gold,corrupted", "--reduce", "mean", "--download", "--quiet",
+    )  # fmt: skip
+    done = subprocess.run(cmd, env=run_env(live), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    jobs = json.loads((out / "jobs.json").read_text())
+    assert sorted(jobs) == sorted(
+        [str(i) for i in range(10)] + [f"{i}:{s}" for i in range(10) for s in ("corrupted", "gold")]
+    )
+    problem = data.load("synthetic")[4]
+    sample = json.loads((out / "samples" / "4.json").read_text())
+    assert sample["status"] == "succeeded" and sample["completion_tokens"] == 4
+    gold, corrupted = sample["traces"]["gold"], sample["traces"]["corrupted"]
+    assert gold["correct"] is True and corrupted["correct"] is False and gold["answer"] == problem.gold
+    assert gold["text"].endswith(f"The answer is {problem.gold}.") and corrupted["answer"] != problem.gold
+    record = JobRecord.model_validate_json(redis_client.get(keys.job(jobs["4:gold"])))
+    assert record.request.mode == "trace" and record.request.logprobs and record.request.max_tokens is None
+    messages = [m.model_dump() for m in record.request.messages or []]
+    assert messages == [*data.messages(problem, "zero-shot"), {"role": "assistant", "content": gold["text"]}]
+    start, stop = gold["completion_span"]
+    for entry in gold["activations"]["tensors"]:
+        assert entry["positions"] == "completion" and entry["reduce"] == "mean" and entry["shape"] == [1, 64]
+        assert (entry["start"], entry["stop"]) == (start, stop)
+    assert gold["completion_logprob"] < 0 and gold["logprob_total"] < gold["completion_logprob"]
+    assert (out / gold["activations_file"]).is_file() and gold["activations_file"].endswith("4.gold.safetensors")
+
+    probe = subprocess.run(
+        actq(live, "probe", str(out), "--source", "all"), env=run_env(live), capture_output=True, text=True, timeout=300
+    )
+    assert probe.returncode == 0, probe.stderr
+    report = json.loads((out / "probes.json").read_text())
+    assert report["n_samples"] == 30 and report["sources"] == {"generated": 10, "gold": 10, "corrupted": 10}
+    assert {p["pooling"] for p in report["probes"]} == {"reduced_mean"} and len(report["probes"]) == 3
+
+    exported = subprocess.run(
+        actq(live, "export", str(out), "--format", "parquet"), env=run_env(live), capture_output=True, text=True
+    )
+    assert exported.returncode == 0, exported.stderr
+    import pandas as pd
+
+    table = pd.read_parquet(out / "export.parquet")
+    assert len(table) == 10 * 3 * 3  # problems x sources x capture points
+    row = table[(table["index"] == 4) & (table["source"] == "gold") & (table["point"] == "model.layers.2")].iloc[0]
+    assert bool(row["correct"]) is True and list(row["shape"]) == [1, 64] and row["reduce"] == "mean"

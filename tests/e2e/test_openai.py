@@ -139,7 +139,13 @@ REFUSED = [
         "tool_choice",
         "tool_choice='required' is not supported",
     ),
-    ("logprobs", dict(logprobs=True), openai.BadRequestError, "logprobs", "logprobs=True is not supported"),
+    (
+        "top_logprobs without logprobs",
+        dict(top_logprobs=2),
+        openai.BadRequestError,
+        "top_logprobs",
+        "top_logprobs=2 needs logprobs=true",
+    ),
     (
         "response_format",
         dict(response_format={"type": "json_object"}),

@@ -57,12 +57,23 @@ def test_lifecycle_and_activations_equal_forward_hooks(live, http, reference_mod
     assert usage["completion_tokens"] == 10 and usage["total_tokens"] == usage["prompt_tokens"] + 10
     assert job["result"]["finish_reason"] == "length"
 
+    # one INFO line per job, though the worker runs at Celery's default log level (WARNING)
+    line = next(x for x in live.log_tail(chars=200_000).splitlines() if f"job {queued['id']} succeeded" in x)
+    assert f"{usage['prompt_tokens']} prompt + 10 new tokens" in line and "bytes stored" in line
+
     manifest = job["activations"]
     download = http.get(manifest["download_url"])
     assert download.status_code == 200 and download.headers["content-type"] == "application/octet-stream"
     data = download.content
     assert int(download.headers["content-length"]) == len(data) == manifest["bytes"]
     assert hashlib.sha256(data).hexdigest() == manifest["sha256"]
+    head = http.head(manifest["download_url"])  # the headers alone
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["content-length"]) == len(data) and head.headers["etag"] == f'"{manifest["sha256"]}"'
+    one = http.get(f"/jobs/{queued['id']}/activations/token_ids")
+    head = http.head(f"/jobs/{queued['id']}/activations/token_ids")
+    assert head.status_code == 200 and head.content == b"" and head.headers["etag"] == one.headers["etag"]
+    assert int(head.headers["content-length"]) == len(one.content)
     tensors = load_safetensors(data)
 
     model, tokenizer = reference_model

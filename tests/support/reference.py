@@ -71,3 +71,32 @@ def select(rows: torch.Tensor, positions: str, prompt_tokens: int, new_tokens: i
         "generated": rows[prompt_tokens - 1 :],
         "last": rows[fed - 1 :],
     }[positions]
+
+
+def hooked_forward(model, input_ids: torch.Tensor, modules: list[str]):
+    """One plain forward pass `model(input_ids)` with forward hooks (cloning in the hook); returns
+    ({path: [P, W] float32}, logits [P, V] float32)."""
+    kept: dict[str, torch.Tensor] = {}
+    handles = []
+    for path in modules:
+
+        def on_output(_module, _args, output, path=path):
+            kept[path] = _rows(_first(output)).detach().float().clone()
+
+        handles.append(model.get_submodule(path).register_forward_hook(on_output))
+    try:
+        with torch.inference_mode():
+            logits = model(input_ids=input_ids).logits[0].float()
+    finally:
+        for handle in handles:
+            handle.remove()
+    return kept, logits
+
+
+def reference_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, first: int, k: int = 0):
+    """log_softmax of `logits` [P, V] scoring token_ids[first:] (each by the position before it):
+    (values [n], top-k values [n, k], top-k ids [n, k])."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)[first - 1 : len(token_ids) - 1]
+    chosen = logprobs.gather(1, token_ids[first:].view(-1, 1))[:, 0]
+    top = torch.topk(logprobs, k, dim=-1) if k else None
+    return chosen, (top.values if top else None), (top.indices if top else None)

@@ -36,7 +36,7 @@ def test_a_capture_is_the_value_at_return_not_after_the_parent_edits_it():
     with torch.no_grad(), BatchHooks(model) as hooks:
         hooks.use([capture])
         model(x)
-    (_, mlp, start, stop), (_, attn_in, _, _) = capture.tensors(new_tokens=1)
+    (_, mlp, start, stop, _), (_, attn_in, _, _, _) = capture.tensors(new_tokens=1)
     with torch.no_grad():
         expected = model.mlp(x)[0]
     assert (start, stop) == (0, 5)
@@ -124,7 +124,7 @@ def test_flat_rows_are_captured_as_rows_of_the_sequence():
         hooks.use([capture])
         layer(prefill)
         layer(step)
-    ((_, rows, start, stop),) = capture.tensors(new_tokens=2)
+    ((_, rows, start, stop, _),) = capture.tensors(new_tokens=2)
     with torch.no_grad():
         expected = torch.cat([layer(prefill), layer(step)])
     assert (start, stop) == (0, 6) and torch.equal(rows, expected)
@@ -149,7 +149,7 @@ def test_a_batch_hands_each_sequence_its_own_rows():
     with torch.no_grad():
         deep_expected, flat_expected = model.deep(x), model.flat(x)
     for capture, row in ((first, 0), (second, 2)):
-        (_, deep, start, stop), (_, flat, _, _) = capture.tensors(new_tokens=1)
+        (_, deep, start, stop, _), (_, flat, _, _, _) = capture.tensors(new_tokens=1)
         assert (start, stop) == (1, 2)
         assert torch.equal(deep, deep_expected[row, 1:]) and torch.equal(flat, flat_expected[row, 1:])
     assert not model.deep._forward_hooks

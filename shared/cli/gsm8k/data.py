@@ -17,17 +17,23 @@ architecture names it) at three blocks spread over the depth.
 from __future__ import annotations
 
 import json
+import os
 import random
+import socket
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from urllib.parse import urlparse
 
+from shared.cli.gsm8k import synthetic
 from shared.cli.gsm8k.scoring import fewshot_answer, gold_answer
 from shared.errors import ToolError
 
 ZERO_SHOT_INSTRUCTION = "Solve the problem step by step. End your reply with: The answer is <number>."
 FEWSHOT_COUNT = 8
 STYLES = ("zero-shot", "cot-8shot")
+SOURCES = ("generated", "gold", "corrupted")  # what --capture-on can name
+SYNTHETIC_PROBLEMS = 2000
 PROMPT_FORMATS = ("auto", "chat", "plain")
 # A base model given "Question: ...\nAnswer:" writes the next question after its answer: stop there.
 PLAIN_STOP = ("\n\nQuestion:",)
@@ -64,17 +70,21 @@ def _read_jsonl(lines: list[str], source: str) -> list[Problem]:
 
 
 def load(source: str, split: str = "test") -> list[Problem]:
-    """`samples`, `hub`, or a path to a JSONL file."""
+    """`samples`, `synthetic`, `hub`, or a path to a JSONL file."""
+    if source == "synthetic":
+        rows = synthetic.problems(SYNTHETIC_PROBLEMS, seed=0 if split == "test" else 1)
+        return [Problem(index=i, question=r["question"], answer=r["answer"]) for i, r in enumerate(rows)]
     if source == "samples":
         text = resources.files("shared.cli.gsm8k").joinpath("samples.jsonl").read_text()
         return _read_jsonl(text.splitlines(), "samples")
     if source == "hub":
         try:
-            import datasets  # type: ignore[import-not-found]  # optional, for `hub` only; not installed here
+            import datasets  # type: ignore[import-untyped]  # optional (the hub and export extras)
         except ImportError as exc:
             raise DatasetUnavailable(
                 "loading GSM8K from the hub needs `pip install datasets`; or pass a JSONL path"
             ) from exc
+        _check_hub_reachable()
         try:
             rows = datasets.load_dataset("openai/gsm8k", "main", split=split)
         except Exception as exc:
@@ -84,6 +94,20 @@ def load(source: str, split: str = "test") -> list[Problem]:
     if not path.is_file():
         raise DatasetUnavailable(f"{source}: no such file (give a GSM8K JSONL path, `hub` or `samples`)")
     return _read_jsonl(path.read_text().splitlines(), str(path))
+
+
+def _check_hub_reachable(timeout: float = 3.0) -> None:
+    """Fail at once where the hub cannot be reached: offline, `datasets` retries for ~25 s first.
+    (A copy in the local cache is still used when HF_HUB_OFFLINE=1 is set.)"""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes"):
+        return
+    host = urlparse(os.environ.get("HF_ENDPOINT", "https://huggingface.co")).hostname or "huggingface.co"
+    try:
+        socket.create_connection((host, 443), timeout=timeout).close()
+    except OSError as exc:
+        raise DatasetUnavailable(
+            f"the Hugging Face hub ({host}) cannot be reached ({exc}); pass a JSONL path, `samples` or `synthetic`"
+        ) from None
 
 
 def select(
@@ -172,15 +196,37 @@ def resolve_prompt_format(requested: str, model: str, info: dict | None) -> str:
     return "chat"
 
 
+def capture_sources(text: str) -> list[str]:
+    """`--capture-on`: comma-separated sources, each once, in SOURCES order."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in SOURCES]
+    if unknown or not names:
+        raise ToolError(f"--capture-on {text!r}: name one or more of {', '.join(SOURCES)}, comma-separated")
+    return [source for source in SOURCES if source in names]
+
+
+def trace_text(problem: Problem, source: str) -> str:
+    """The assistant turn a trace job scores: GSM8K's worked answer (calculator notes removed,
+    ending "The answer is N."), with N replaced by a wrong number for `corrupted`."""
+    text = fewshot_answer(problem.answer)
+    if source == "gold":
+        return text
+    if source == "corrupted":
+        head, _, _ = text.rpartition("The answer is ")
+        return f"{head}The answer is {synthetic.corrupt(problem.gold, problem.index)}."
+    raise ToolError(f"no trace text for source {source!r}")
+
+
 def spread_layers(num_layers: int, count: int = 3) -> list[int]:
     """`count` layer indices spread over the depth (quarter, half, three quarters for 3)."""
     return sorted({max(0, min(num_layers - 1, round(num_layers * (i + 1) / (count + 1)))) for i in range(count)})
 
 
-def residual_capture(info: dict, positions: str = "generated", dtype: str = "float16") -> dict:
+def residual_capture(info: dict, positions: str = "generated", dtype: str = "float16", layers: str = "spread") -> dict:
     """The default capture: the model's `residual` preset (each decoder block's output: the
-    residual stream after that block) at three blocks spread over the depth, from its GET /models
-    entry. A model that publishes no residual preset needs --module."""
+    residual stream after that block) at three blocks spread over the depth (`layers` "spread"),
+    every block ("all") or the listed ones ("0,4,-1"), from its GET /models entry. A model that
+    publishes no residual preset needs --module."""
     blocks = (info.get("presets") or {}).get("residual")
     if not blocks:
         known = ", ".join(sorted(info.get("presets") or {})) or "none"
@@ -189,9 +235,18 @@ def residual_capture(info: dict, positions: str = "generated", dtype: str = "flo
             "capture cannot be chosen; name what to capture with --module PATH (repeatable; GET /models "
             "lists its modules), or run with --no-capture"
         )
+    if layers == "spread":
+        picked: list[int] | None = spread_layers(len(blocks))
+    elif layers == "all":
+        picked = None
+    else:
+        try:
+            picked = [int(x) for x in layers.split(",")]
+        except ValueError:
+            raise ToolError(f"--layers {layers!r}: spread, all, or block indices like 0,6,-1") from None
     return {
         "preset": "residual",
-        "layers": spread_layers(len(blocks)),
+        **({"layers": picked} if picked is not None else {}),
         "hook": "output",
         "positions": positions,
         "dtype": dtype,

@@ -1,18 +1,28 @@
 """`actq gsm8k`: submit a GSM8K run in bulk, follow it with a live progress bar, score it, and keep
 a results directory that a second invocation resumes.
 
+What is captured (`--capture-on`, comma-separated): `generated`, the model's own answer (a
+generation job, as ever); `gold`, a trace job over the gold solution (the question as the user
+turn, GSM8K's worked answer, calculator notes removed and ending "The answer is N.", as the
+assistant turn); `corrupted`, a trace job over the same solution with a wrong final number. Trace
+jobs capture the assistant turn (positions `completion` where the generation captures
+`generated`) and score it (`logprob_total`, `completion_logprob`).
+
 Results directory:
   run.json           the run's id and settings, the resolved prompt format among them (a resumed
                      run must use the same settings)
-  jobs.json          problem index -> job id, written as soon as jobs are queued
-  samples/<n>.json   one per finished problem: question, gold, completion, extracted answers,
-                     correctness, job id, usage, activations manifest (and the local file with --download)
-  activations/<n>.safetensors   with --download
+  jobs.json          "<index>" (generation) or "<index>:<source>" (trace) -> job id, written as
+                     soon as jobs are queued
+  samples/<n>.json   one per finished problem (all its jobs ended): question, gold, completion,
+                     extracted answers, correctness, job id, usage, activations manifest (and the
+                     local file with --download); `traces`: source -> the trace job's text,
+                     answer, whether it is right, log-probabilities, activations
+  activations/<n>.safetensors, activations/<n>.<source>.safetensors   with --download
   results.jsonl      every sample, in index order; summary.json: counts, accuracies, time, tokens/s
 
 Resuming: problems with a sample are skipped; the others are submitted again with idempotency keys
-derived from the run id and the problem index, so a job queued before an interruption is returned,
-not duplicated, and followed to its end.
+derived from the run id, the problem index and the source, so a job queued before an interruption
+is returned, not duplicated, and followed to its end.
 """
 
 from __future__ import annotations
@@ -32,7 +42,7 @@ from pathlib import Path
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
 
 from shared.cli.gsm8k import data
-from shared.cli.gsm8k.scoring import accuracy, score
+from shared.cli.gsm8k.scoring import accuracy, flexible_match, is_correct, score
 from shared.client import Client, Job
 from shared.errors import ToolError
 from shared.settings import Settings
@@ -55,6 +65,13 @@ class RunSettings:
     # "chat" (messages) or "plain" (a raw prompt), resolved from --prompt-format. Runs written
     # before the field existed were all chat: their run.json lacks it and reads as "chat".
     prompt_format: str = "chat"
+    # What is captured: "generated", "gold", "corrupted", comma-separated (SOURCES); runs from
+    # before the field generated only.
+    capture_on: str = "generated"
+
+    @property
+    def sources(self) -> list[str]:
+        return self.capture_on.split(",")
 
     @classmethod
     def defaults(cls) -> dict:
@@ -92,41 +109,71 @@ class Run:
             self.run_id = uuid.uuid4().hex
             write_json(state_file, {"run_id": self.run_id, "settings": asdict(settings)})
         jobs_file = out / "jobs.json"
-        self.jobs: dict[int, str] = (
-            {int(k): v for k, v in json.loads(jobs_file.read_text()).items()} if jobs_file.exists() else {}
-        )
+        # "<index>" (generation) or "<index>:<source>" (trace) -> job id
+        self.jobs: dict[str, str] = json.loads(jobs_file.read_text()) if jobs_file.exists() else {}
 
-    def key(self, index: int) -> str:
-        return f"actq-gsm8k:{self.run_id}:{index}"
+    def key(self, index: int, source: str = "generated") -> str:
+        return f"actq-gsm8k:{self.run_id}:{index}" + ("" if source == "generated" else f":{source}")
 
     def done(self) -> set[int]:
         return {int(p.stem) for p in self.samples.glob("*.json")} if self.samples.exists() else set()
 
-    def record(self, problem: data.Problem, job: Job, download: bool) -> dict:
-        data = job.data
-        result = data.get("result") or {}
-        completion = result.get("text", "")
-        sample = {
-            "index": problem.index,
-            "question": problem.question,
-            "gold": problem.gold,
-            "completion": completion,
-            **score(completion, problem.gold),
-            "job_id": job.id,
-            "status": data["status"],
-            "error": data.get("error"),
-            "finish_reason": result.get("finish_reason"),
-            "prompt_tokens": (result.get("usage") or {}).get("prompt_tokens"),
-            "completion_tokens": (result.get("usage") or {}).get("completion_tokens"),
-            "activations": data.get("activations"),
-            "activations_file": None,
-        }
-        if download and data.get("activations"):
-            target = self.out / "activations" / f"{problem.index}.safetensors"
-            job.download(target)
-            sample["activations_file"] = str(target.relative_to(self.out))
+    def record(self, problem: data.Problem, jobs: dict[str, Job], download: bool) -> dict:
+        """Write the sample of a problem whose jobs (source -> job) have all ended."""
+        sample: dict = {"index": problem.index, "question": problem.question, "gold": problem.gold}
+        generated = jobs.get("generated")
+        if generated is not None:
+            result = generated.data.get("result") or {}
+            completion = result.get("text", "")
+            sample |= {
+                "completion": completion,
+                **score(completion, problem.gold),
+                "job_id": generated.id,
+                "status": generated.data["status"],
+                "error": generated.data.get("error"),
+                "finish_reason": result.get("finish_reason"),
+                "prompt_tokens": (result.get("usage") or {}).get("prompt_tokens"),
+                "completion_tokens": (result.get("usage") or {}).get("completion_tokens"),
+                **self._activations(generated, f"{problem.index}.safetensors", download),
+            }
+        else:  # a trace-only run: the problem succeeded when its traces did
+            ok = all(job.data["status"] == "succeeded" for job in jobs.values())
+            sample |= {"completion": None, "correct": None, "job_id": None, "completion_tokens": None}
+            sample |= {"status": "succeeded" if ok else "failed", "activations": None, "activations_file": None}
+        traces = {source: job for source, job in jobs.items() if source != "generated"}
+        if traces:
+            sample["traces"] = {
+                source: self._trace(problem, source, job, download) for source, job in sorted(traces.items())
+            }
         write_json(self.samples / f"{problem.index}.json", sample)
         return sample
+
+    def _activations(self, job: Job, filename: str, download: bool) -> dict:
+        entry = {"activations": job.data.get("activations"), "activations_file": None}
+        if download and entry["activations"]:
+            target = self.out / "activations" / filename
+            job.download(target)
+            entry["activations_file"] = str(target.relative_to(self.out))
+        return entry
+
+    def _trace(self, problem: data.Problem, source: str, job: Job, download: bool) -> dict:
+        result = job.data.get("result") or {}
+        logprobs = result.get("logprobs") or {}
+        text = data.trace_text(problem, source)
+        answer = flexible_match(text)
+        return {
+            "job_id": job.id,
+            "status": job.data["status"],
+            "error": job.data.get("error"),
+            "text": text,
+            "answer": answer,
+            "correct": is_correct(answer, problem.gold),
+            "prompt_tokens": (result.get("usage") or {}).get("prompt_tokens"),
+            "completion_span": result.get("completion_span"),
+            "logprob_total": logprobs.get("total"),
+            "completion_logprob": logprobs.get("completion_total"),
+            **self._activations(job, f"{problem.index}.{source}.safetensors", download),
+        }
 
     def finish(self, wall: float, complete: bool) -> dict:
         samples = (
@@ -137,7 +184,7 @@ class Run:
         with open(self.out / "results.jsonl", "w") as handle:
             for sample in samples:
                 handle.write(json.dumps(sample) + "\n")
-        scored = accuracy(s for s in samples if s["status"] == "succeeded")
+        scored = accuracy(s for s in samples if s["status"] == "succeeded" and s.get("correct"))
         tokens = sum(s["completion_tokens"] or 0 for s in samples)
         summary = {
             "run_id": self.run_id,
@@ -205,51 +252,51 @@ def _execute(
         total=len(problems), initial=len(problems) - len(todo), unit="problem", disable=quiet, dynamic_ncols=True
     )
     counts = {"submitted": 0, "queued": 0, "running": 0, "succeeded": 0, "failed": 0}
+    units = [(p, source) for p in todo for source in s.sources]  # one job each
     try:
-        requests = [
-            {
-                "model": s.model,
-                **data.request_fields(p, s.style, s.prompt_format, exemplars),
-                "max_tokens": s.max_tokens,
-                "temperature": s.temperature,
-                "capture": s.capture,
-            }
-            for p in todo
-        ]
+        requests = [job_request(s, p, source, exemplars) for p, source in units]
         jobs: list[Job] = []
-        for start in range(0, len(todo), 500):
-            chunk = todo[start : start + 500]
+        for start in range(0, len(units), 500):
+            chunk = units[start : start + 500]
             jobs += client.submit_many(
-                requests[start : start + 500], idempotency_keys=[run.key(p.index) for p in chunk]
+                requests[start : start + 500], idempotency_keys=[run.key(p.index, source) for p, source in chunk]
             )
-            run.jobs.update({p.index: j.id for p, j in zip(chunk, jobs[start:], strict=True)})
-            write_json(run.out / "jobs.json", {str(k): v for k, v in sorted(run.jobs.items())})
+            run.jobs.update(
+                {job_key(p.index, source): j.id for (p, source), j in zip(chunk, jobs[start:], strict=True)}
+            )
+            write_json(run.out / "jobs.json", dict(sorted(run.jobs.items())))
             counts["submitted"] = len(jobs)
             if interrupted.is_set():
                 raise KeyboardInterrupt
-        pending = list(zip(todo, jobs, strict=True))
+        pending = [(p, source, job) for (p, source), job in zip(units, jobs, strict=True)]
+        ended: dict[int, dict[str, Job]] = {}  # problem index -> its ended jobs, until all have
         while pending:
             if interrupted.is_set():
                 raise KeyboardInterrupt
             # Jobs finish roughly in queue order: long-poll the oldest, then look at the ones
             # behind it until LOOKAHEAD unfinished ones are seen (a worker runs a batch of jobs
             # at once, and they end out of order within it).
-            head = pending[0][1].refresh(wait=2)
-            finished: list[tuple[data.Problem, Job]] = []
-            unfinished: list[tuple[data.Problem, Job]] = []
-            for problem, job in pending:
+            head = pending[0][2].refresh(wait=2)
+            finished: list[tuple[data.Problem, str, Job]] = []
+            unfinished: list[Job] = []
+            for problem, source, job in pending:
                 if len(unfinished) >= LOOKAHEAD:
                     break
                 if job is not head:
                     job.refresh()
-                (finished if job.done else unfinished).append((problem, job))
-            for problem, job in finished:
-                sample = run.record(problem, job, download)
-                counts["succeeded" if sample["status"] == "succeeded" else "failed"] += 1
-                bar.update(1)
-            done_ids = {job.id for _, job in finished}
-            pending = [(p, j) for p, j in pending if j.id not in done_ids]
-            counts["running"] = sum(1 for _, job in unfinished if job.status == "running")
+                if job.done:
+                    finished.append((problem, source, job))
+                else:
+                    unfinished.append(job)
+            for problem, source, job in finished:
+                ended.setdefault(problem.index, {})[source] = job
+                if len(ended[problem.index]) == len(s.sources):
+                    sample = run.record(problem, ended.pop(problem.index), download)
+                    counts["succeeded" if sample["status"] == "succeeded" else "failed"] += 1
+                    bar.update(1)
+            done_ids = {job.id for _, _, job in finished}
+            pending = [(p, source, j) for p, source, j in pending if j.id not in done_ids]
+            counts["running"] = sum(1 for job in unfinished if job.status == "running")
             counts["queued"] = len(pending) - counts["running"]
             bar.set_postfix(counts, refresh=True)
     except KeyboardInterrupt:
@@ -258,6 +305,34 @@ def _execute(
         raise
     bar.close()
     return run.finish(time.monotonic() - started, complete=True)
+
+
+def job_key(index: int, source: str) -> str:
+    """A job's key in jobs.json: the index for the generation, "<index>:<source>" for a trace."""
+    return str(index) if source == "generated" else f"{index}:{source}"
+
+
+def job_request(
+    s: RunSettings, problem: data.Problem, source: str, exemplars: list[data.Exemplar] | None
+) -> dict[str, object]:
+    """The job for one problem and source: its generation, or a trace over its gold (or
+    corrupted) solution as the assistant's reply to the same prompt, scored and captured on that
+    reply (positions "completion" where the generation captures "generated")."""
+    if source == "generated":
+        return {
+            "model": s.model,
+            **data.request_fields(problem, s.style, s.prompt_format, exemplars),
+            "max_tokens": s.max_tokens,
+            "temperature": s.temperature,
+            "capture": s.capture,
+        }
+    turns = data.messages(problem, s.style, exemplars)
+    turns.append({"role": "assistant", "content": data.trace_text(problem, source)})
+    capture = None
+    if s.capture is not None:
+        positions = s.capture.get("positions", "all")
+        capture = {**s.capture, "positions": "completion" if positions == "generated" else positions}
+    return {"model": s.model, "mode": "trace", "messages": turns, "capture": capture, "logprobs": True}
 
 
 def run(
@@ -279,6 +354,9 @@ def run(
     no_capture: bool = False,
     positions: str = "generated",
     dtype: str = "float16",
+    layers: str = "spread",
+    reduce: str = "none",
+    capture_on: str = "generated",
     download: bool = False,
     api: str | None = None,
     quiet: bool = False,
@@ -290,6 +368,7 @@ def run(
         raise ToolError(f"unknown --style {style!r}: zero-shot or cot-8shot")
     if prompt_format not in data.PROMPT_FORMATS:
         raise ToolError(f"unknown --prompt-format {prompt_format!r}: auto, chat or plain")
+    sources = data.capture_sources(capture_on)
     problems = data.select(data.load(dataset, split), offset=offset, limit=limit, sample=sample, seed=seed)
     exemplars = None
     if style == "cot-8shot":
@@ -306,16 +385,23 @@ def run(
         if info is None:  # no live worker now; a model served before is still known (its jobs queue)
             info = next((m for m in client.models(include_offline=True) if m["name"] == model), None)
         resolved_format = data.resolve_prompt_format(prompt_format, model, info)
+        if resolved_format == "plain" and sources != ["generated"]:
+            raise ToolError(
+                "--capture-on gold/corrupted traces the solution as the assistant's turn of a chat, and this run "
+                "uses plain prompts (a model without a chat template); capture on generated only"
+            )
         capture = None
         if not no_capture:
             if module:
                 capture = {"modules": list(module), "hook": "output", "positions": positions, "dtype": dtype}
             elif info is not None:
-                capture = data.residual_capture(info, positions=positions, dtype=dtype)
+                capture = data.residual_capture(info, positions=positions, dtype=dtype, layers=layers)
             else:
                 raise ToolError(
                     f"no worker has published model {model!r}, so its residual preset is unknown; give --module"
                 )
+            if reduce != "none":
+                capture["reduce"] = reduce
         settings = RunSettings(
             model=model,
             dataset=dataset,
@@ -326,5 +412,6 @@ def run(
             capture=capture,
             indices=[p.index for p in problems],
             prompt_format=resolved_format,
+            capture_on=",".join(sources),
         )
         return execute(client, Run(Path(out), settings), problems, exemplars, download=download, quiet=quiet)

@@ -109,7 +109,7 @@ def test_signal_layer_is_found_and_noise_is_chance(separable):
         else:
             assert p["balanced_accuracy_mean"] < 0.7, p
     on_disk = json.loads((separable / "probes.json").read_text())
-    assert on_disk["label"] == "correct.flexible" and on_disk["probes"] == report["probes"]
+    assert on_disk["label"] == "answer_correct" and on_disk["probes"] == report["probes"]
     assert (separable / "probes.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
@@ -153,12 +153,12 @@ def test_prompt_positions_have_no_mean_generated(tmp_path):
 
 def test_pooling_uses_generated_rows():
     rows = np.arange(30, dtype=np.float16)[:, None].repeat(2, axis=1)  # row i holds position start + i
-    pooled = probes._pool(rows, start=0, prompt_tokens=12)  # generated: positions 11..29
+    pooled = probes._pool(rows, start=0, answer_from=11)  # generated: positions 11..29
     assert pooled["mean_generated"] == pytest.approx([20.0, 20.0]) and pooled["last"].tolist() == [29.0, 29.0]
-    pooled = probes._pool(rows[11:], start=11, prompt_tokens=12)  # positions "generated"
+    pooled = probes._pool(rows[11:], start=11, answer_from=11)  # positions "generated"
     assert pooled["mean_generated"] == pytest.approx([20.0, 20.0])
-    assert "mean_generated" not in probes._pool(rows[:5], start=0, prompt_tokens=12)
-    assert "mean_generated" not in probes._pool(rows[:12], start=0, prompt_tokens=12, positions="prompt")
+    assert "mean_generated" not in probes._pool(rows[:5], start=0, answer_from=11)
+    assert "mean_generated" not in probes._pool(rows[:12], start=0, answer_from=11, positions="prompt")
 
 
 def test_one_class_is_skipped_but_written(tmp_path):
@@ -190,7 +190,9 @@ def test_fetch_is_used_when_files_are_absent(tmp_path):
 
     report = probes.run(tmp_path, fetch=fetch, folds=3)
     assert len(calls) == 30 * len(NAMES) and ("token_ids" not in {n for _, n in calls})
-    assert report["n_samples"] == 30 and by_key(report)[(6, "input_layernorm", "last")]["balanced_accuracy_mean"] > 0.9
+    assert (
+        report["n_samples"] == 30 and by_key(report)[(6, "input_layernorm", "last")]["balanced_accuracy_mean"] >= 0.85
+    )
 
 
 def test_bfloat16_files(tmp_path):
@@ -210,3 +212,45 @@ def test_point_layer():
     )
     assert probes.point_layer("model.layers.3") == (3, "model.layers.*")
     assert probes.point_layer("model.norm") == (None, "model.norm")
+
+
+def test_a_reduced_capture_is_pooled_as_its_one_row():
+    row = np.arange(4, dtype=np.float32)[None, :]
+    assert list(probes._pool(row, start=3, answer_from=3, reduce="mean")) == ["reduced_mean"]
+
+
+def test_traces_of_one_problem_stay_in_one_fold_and_are_probed_together(tmp_path):
+    """Gold and corrupted traces of 40 problems: labels from each trace's `correct`, one row per
+    trace, grouped by problem (a probe that only memorised problems would be at chance)."""
+    rng = np.random.default_rng(1)
+    (tmp_path / "samples").mkdir()
+    (tmp_path / "activations").mkdir()
+    direction = rng.normal(size=H)
+    direction *= 4 / np.linalg.norm(direction)
+    for i in range(40):
+        sample = {"index": i, "question": f"q{i}", "gold": "1", "status": "succeeded", "job_id": None, "traces": {}}
+        base = rng.normal(size=(6, H))  # the problem's own rows, shared by its two traces
+        for source, right in (("gold", True), ("corrupted", False)):
+            rows = (base + rng.normal(size=(6, H)) * 0.1 + direction * (1.0 if right else -1.0)).astype(np.float32)
+            save_file({"model.layers.2": rows}, str(tmp_path / "activations" / f"{i}.{source}.safetensors"))
+            entry = {"name": "model.layers.2", "module": "model.layers.2", "hook": "output", "shape": [6, H]}
+            entry |= {"dtype": "float32", "positions": "completion", "start": 10, "stop": 16, "bytes": 6 * H * 4}
+            sample["traces"][source] = {
+                "job_id": f"{i}-{source}",
+                "status": "succeeded",
+                "correct": right,
+                "completion_span": [10, 16],
+                "activations": {"tensors": [entry]},
+                "activations_file": f"activations/{i}.{source}.safetensors",
+            }
+        (tmp_path / "samples" / f"{i}.json").write_text(json.dumps(sample))
+    features, labels, meta = probes.load_dataset(tmp_path, source="all")
+    assert meta["n_samples"] == 80 and meta["sources"] == {"gold": 40, "corrupted": 40}
+    assert sorted(set(labels)) == ["false", "true"] and meta["indices"][:2] == [0, 0]
+    assert set(features) == {("model.layers.2", "last"), ("model.layers.2", "mean_generated")}
+    report = probes.run(tmp_path, source="all", folds=5)
+    assert report["source"] == "all" and all(p["balanced_accuracy_mean"] > 0.9 for p in report["probes"])
+    only_gold = probes.load_dataset(tmp_path, source="gold")[2]
+    assert only_gold["n_samples"] == 40 and only_gold["sources"] == {"gold": 40}
+    nothing = probes.load_dataset(tmp_path)[2]  # no generation jobs in this run
+    assert nothing["n_samples"] == 0 and nothing["skipped"] == {"no_generated_capture": 40}

@@ -1,0 +1,322 @@
+"""Export a results directory's activations as a table (`actq export`).
+
+Reads a results directory written by `actq gsm8k` (`samples/<n>.json`; with `--download` also
+`activations/<n>.safetensors` and `activations/<n>.<trace>.safetensors`) and writes one row per
+(problem, source, capture point):
+
+    index, source, question, gold, text, correct, status, job_id, prompt_tokens, completion_span,
+    point, module, hook, layer, positions, reduce, start, stop, features, shape, dtype, activations
+
+`source` is "generated" (the sample's own generation job) or a trace's name ("gold",
+"corrupted", ...); `text` is the completion or the traced assistant text; `correct` is
+`correct.flexible` for "generated" and the trace's own `correct` otherwise. `activations` is the
+captured tensor as float32 rows, `list<list<float32>>` of shape [rows, width] (bfloat16 and
+float16 captures are widened exactly); `shape` and `dtype` are the stored tensor's. Sources that
+did not succeed or have no activations are skipped and counted on stderr.
+
+Formats: `parquet`, one file (default RESULTS/export.parquet) written a row group per sample, so
+that only one sample's tensors are in memory at a time; `hf-dataset`, a `datasets` directory
+(default RESULTS/hf-dataset) for `datasets.load_from_disk`. Both read without actq installed.
+Activations come from the downloaded files when present, else one tensor at a time through the API.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from shared.errors import ToolError
+
+try:  # the `export` extra (numpy comes with datasets); pyarrow ships no type hints
+    import numpy as np
+    import pyarrow as pa  # type: ignore[import-untyped]
+    import pyarrow.parquet as pq  # type: ignore[import-untyped]
+except ImportError as exc:
+    raise ToolError("actq export needs pyarrow and datasets: pip install 'actq[export]'") from exc
+
+from shared.cli.probes import point_layer
+
+FORMATS = ("parquet", "hf-dataset")
+DEFAULT_OUT = {"parquet": "export.parquet", "hf-dataset": "hf-dataset"}
+GENERATED = "generated"
+NOT_CAPTURES = ("token_ids",)  # in the file, but not a capture point
+
+
+def _schema() -> Any:
+    return pa.schema(
+        [
+            ("index", pa.int64()),
+            ("source", pa.string()),
+            ("question", pa.string()),
+            ("gold", pa.string()),
+            ("text", pa.string()),
+            ("correct", pa.bool_()),
+            ("status", pa.string()),
+            ("job_id", pa.string()),
+            ("prompt_tokens", pa.int64()),
+            ("completion_span", pa.list_(pa.int64())),
+            ("point", pa.string()),
+            ("module", pa.string()),
+            ("hook", pa.string()),
+            ("layer", pa.int64()),
+            ("positions", pa.string()),
+            ("reduce", pa.string()),
+            ("start", pa.int64()),
+            ("stop", pa.int64()),
+            ("features", pa.list_(pa.int64())),
+            ("shape", pa.list_(pa.int64())),
+            ("dtype", pa.string()),
+            ("activations", pa.list_(pa.list_(pa.float32()))),
+        ]
+    )
+
+
+def _sample_paths(results: Path) -> list[Path]:
+    paths = sorted(
+        (results / "samples").glob("*.json"), key=lambda p: (0, int(p.stem), "") if p.stem.isdigit() else (1, 0, p.stem)
+    )
+    if not paths:
+        raise ToolError(f"{results}/samples holds no sample files: is this an `actq gsm8k` results directory?")
+    return paths
+
+
+def _sources(sample: dict, skipped: Counter) -> Iterator[tuple[str, dict]]:
+    """(source name, fields) for each source of a sample that has activations to export; counts
+    the others in `skipped` under "<source>: <reason>". A sample that never generated (a run of
+    traces only: no job_id) has no "generated" source at all."""
+    correct = sample.get("correct")
+    generation = {
+        "job_id": sample.get("job_id"),
+        "status": sample.get("status"),
+        "text": sample.get("completion"),
+        "correct": correct.get("flexible") if isinstance(correct, dict) else None,
+        "prompt_tokens": sample.get("prompt_tokens"),
+        "completion_span": None,
+        "activations": sample.get("activations"),
+        "activations_file": sample.get("activations_file"),
+    }
+    candidates: list[tuple[str, dict]] = []
+    if generation["job_id"] is not None or generation["activations"]:
+        candidates.append((GENERATED, generation))
+    for name, trace in (sample.get("traces") or {}).items():
+        if isinstance(trace, dict):
+            candidates.append((str(name), trace))
+    for name, fields in candidates:
+        if fields.get("status") != "succeeded":
+            skipped[f"{name}: {fields.get('status') or 'no status'}"] += 1
+        elif not (fields.get("activations") or {}).get("tensors"):
+            skipped[f"{name}: no activations"] += 1
+        else:
+            yield name, fields
+
+
+class _Reader:
+    """Tensors of one source as float32 numpy arrays: from its downloaded file, else through the
+    API (one client for the whole export, opened at the first tensor that needs it)."""
+
+    def __init__(self, results: Path, api: str | None) -> None:
+        self.results = results
+        self.api = api
+        self._client: Any = None
+        self._url = ""
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def read(self, sample: dict, source: str, fields: dict, names: list[str]) -> dict[str, np.ndarray]:
+        file = fields.get("activations_file")
+        if file and (self.results / file).is_file():
+            return self._read_file(self.results / file, names)
+        return self._fetch(sample, source, fields, names)
+
+    def _read_file(self, path: Path, names: list[str]) -> dict[str, np.ndarray]:
+        from safetensors import safe_open
+
+        out: dict[str, np.ndarray] = {}
+        bf16: list[str] = []
+        with safe_open(str(path), framework="np") as f:
+            present = set(f.keys())
+            for name in names:
+                if name not in present:
+                    raise ToolError(f"{path}: no tensor {name!r}, which its manifest lists")
+                if f.get_slice(name).get_dtype() == "BF16":
+                    bf16.append(name)  # numpy has no bfloat16: read through torch below
+                else:
+                    out[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+        if bf16:
+            with safe_open(str(path), framework="pt") as f:
+                for name in bf16:
+                    out[name] = f.get_tensor(name).float().numpy()
+        return out
+
+    def _fetch(self, sample: dict, source: str, fields: dict, names: list[str]) -> dict[str, np.ndarray]:
+        import httpx
+
+        from shared.client import ActqClientError, Client
+        from shared.settings import Settings
+
+        job_id = fields.get("job_id")
+        where = f"sample {sample.get('index')} ({source})"
+        fix = "run `actq gsm8k` with --download, or give --api with the API that ran it"
+        if not job_id:
+            raise ToolError(f"{where}: its activations are not in {self.results} and it has no job id; {fix}")
+        try:
+            if self._client is None:
+                self._url = self.api or Settings().api_url
+                self._client = Client(self._url, timeout=60)
+            job = self._client.job(job_id)
+            return {name: job.tensor(name).float().numpy() for name in names}
+        except (httpx.HTTPError, ActqClientError) as exc:
+            raise ToolError(
+                f"{where}: its activations are not in {self.results} and could not be fetched from "
+                f"{self._url} ({type(exc).__name__}: {exc}); {fix}"
+            ) from exc
+
+
+def _rows_array(matrix: np.ndarray) -> Any:
+    """One `list<list<float32>>` value: the tensor as [rows, width] (one row for a 0-/1-d tensor),
+    built on the numpy buffer without a Python list."""
+    shape = matrix.shape
+    rows = shape[0] if matrix.ndim >= 2 else 1
+    width = int(np.prod(shape[1:])) if matrix.ndim >= 2 else int(matrix.size)
+    values = pa.array(np.ascontiguousarray(matrix, dtype=np.float32).reshape(-1), type=pa.float32())
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(rows + 1, dtype=np.int32) * width, type=pa.int32()), values)
+    return pa.ListArray.from_arrays(pa.array(np.array([0, rows], dtype=np.int32), type=pa.int32()), inner)
+
+
+def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader, counts: Counter) -> Any:
+    """One sample's rows as a pyarrow Table (None when it has none)."""
+    schema = _schema()
+    columns: dict[str, list] = {field.name: [] for field in schema if field.name != "activations"}
+    arrays: list[Any] = []
+    for source, fields in sources:
+        entries = [t for t in fields["activations"]["tensors"] if t["name"] not in NOT_CAPTURES]
+        tensors = reader.read(sample, source, fields, [t["name"] for t in entries])
+        for entry in entries:
+            tensor = tensors[entry["name"]]
+            module = entry.get("module") or entry["name"]
+            correct = fields.get("correct")
+            row = {
+                "index": sample.get("index"),
+                "source": source,
+                "question": sample.get("question"),
+                "gold": None if sample.get("gold") is None else str(sample["gold"]),
+                "text": fields.get("text"),
+                "correct": correct if isinstance(correct, bool) else None,
+                "status": fields.get("status"),
+                "job_id": fields.get("job_id"),
+                "prompt_tokens": fields.get("prompt_tokens"),
+                "completion_span": fields.get("completion_span"),
+                "point": entry["name"],
+                "module": module,
+                "hook": entry.get("hook"),
+                "layer": point_layer(module)[0],
+                "positions": entry.get("positions"),
+                "reduce": entry.get("reduce") or "none",
+                "start": entry.get("start"),
+                "stop": entry.get("stop"),
+                "features": entry.get("features"),
+                "shape": [int(n) for n in tensor.shape],
+                "dtype": entry.get("dtype"),
+            }
+            for name, value in row.items():
+                columns[name].append(value)
+            arrays.append(_rows_array(tensor))
+            counts[source] += 1
+    if not arrays:
+        return None
+    data = [pa.array(columns[f.name], type=f.type) for f in schema if f.name != "activations"]
+    data.append(pa.chunked_array(arrays, type=schema.field("activations").type))
+    return pa.Table.from_arrays(data, schema=schema)
+
+
+def _write_parquet(results: Path, target: Path, api: str | None) -> tuple[int, Counter, Counter]:
+    """Write every exportable row to `target`, a row group per sample; (samples, rows by source,
+    skipped by reason)."""
+    from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
+
+    paths = _sample_paths(results)
+    skipped: Counter = Counter()
+    counts: Counter = Counter()
+    exported = 0
+    reader = _Reader(results, api)
+    writer = None
+    try:
+        for path in tqdm(paths, desc="export", unit="sample", disable=None, file=sys.stderr):
+            sample = json.loads(path.read_text())
+            sample.setdefault("index", int(path.stem) if path.stem.isdigit() else None)
+            table = _sample_table(sample, list(_sources(sample, skipped)), reader, counts)
+            if table is None:
+                continue
+            if writer is None:
+                writer = pq.ParquetWriter(str(target), table.schema)
+            writer.write_table(table)
+            exported += 1
+    finally:
+        reader.close()
+        if writer is not None:
+            writer.close()
+    if writer is None:
+        detail = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items())) or "none"
+        raise ToolError(f"{results}: no sample has activations to export (skipped: {detail})")
+    return exported, counts, skipped
+
+
+def _report(exported: int, counts: Counter, skipped: Counter) -> None:
+    by_source = ", ".join(f"{source} {n}" for source, n in counts.items())
+    line = f"exported {sum(counts.values())} rows from {exported} samples ({by_source})"
+    if skipped:
+        line += "; skipped sources: " + ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()))
+    print(line, file=sys.stderr)
+
+
+def _replace(staged: Path, out: Path) -> None:
+    """Move a finished export into place, replacing an earlier export there."""
+    if out.is_dir():
+        if any(out.iterdir()) and not (out / "state.json").is_file():
+            raise ToolError(f"{out} exists and is not a dataset directory: give another --out")
+        shutil.rmtree(out)
+    os.replace(staged, out)
+
+
+def run(results: Path, format: str = "parquet", out: Path | None = None, api: str | None = None) -> Path:
+    """Export `results` as `format` to `out` (default inside `results`); returns the path written.
+    Activations not downloaded are fetched from `api` (default ACTQ_API_URL)."""
+    results = Path(results)
+    if format not in FORMATS:
+        raise ToolError(f"unknown export format {format!r} (one of: {', '.join(FORMATS)})")
+    if not results.is_dir():
+        raise ToolError(f"{results}: no such results directory")
+    out = Path(out) if out is not None else results / DEFAULT_OUT[format]
+    if format == "parquet" and out.is_dir():
+        raise ToolError(f"{out} is a directory: give a file name for the parquet export")
+    if format == "hf-dataset" and out.exists() and not out.is_dir():
+        raise ToolError(f"{out} exists and is not a directory: give another --out")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
+        staged_parquet = Path(tmp) / "export.parquet"
+        exported, counts, skipped = _write_parquet(results, staged_parquet, api)
+        if format == "parquet":
+            os.replace(staged_parquet, out)
+        else:
+            try:
+                import datasets  # type: ignore[import-untyped]
+            except ImportError as exc:
+                raise ToolError("--format hf-dataset needs datasets: pip install 'actq[export]'") from exc
+
+            dataset = datasets.Dataset.from_parquet(str(staged_parquet), cache_dir=str(Path(tmp) / "cache"))
+            staged = Path(tmp) / "dataset"
+            dataset.save_to_disk(str(staged))
+            del dataset
+            _replace(staged, out)
+    _report(exported, counts, skipped)
+    return out
