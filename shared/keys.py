@@ -74,6 +74,21 @@ def workers(name: str) -> str:
     return f"{PREFIX}:workers:{name}"
 
 
+def lost_sweep(name: str) -> str:
+    """Lock: the one worker checking a model's queue for lost broker messages this round."""
+    return f"{PREFIX}:lost-sweep:{name}"
+
+
+def lost_suspects(name: str) -> str:
+    """Hash of a model's queued jobs seen without a broker message: job id -> first seen (unix s)."""
+    return f"{PREFIX}:lost-suspects:{name}"
+
+
+def held(name: str, worker_id: str) -> str:
+    """Set of the job ids a worker's tasks hold (expires unless the worker renews it)."""
+    return f"{PREFIX}:held:{name}:{worker_id}"
+
+
 def queue(name: str) -> str:
     """The Celery queue (a Redis list) that a model's workers consume."""
     return f"{PREFIX}.{name}"

@@ -157,6 +157,12 @@ class Settings(BaseSettings):
         ge=0,
         description="How long a worker retries an upload while the S3 endpoint is unreachable (0: not at all).",
     )
+    lost_message_check_seconds: float = Field(
+        30.0,
+        gt=0,
+        description="Seconds between a worker's checks for queued jobs whose broker message was lost; "
+        "one missing at two checks is sent again.",
+    )
     max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it is failed as `worker_lost`.")
     job_retention_seconds: int = Field(7 * 24 * 3600, gt=0, description="How long job records are kept.")
     heartbeat_interval: float = Field(5.0, gt=0, description="Seconds between worker heartbeats.")

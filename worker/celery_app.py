@@ -13,15 +13,17 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 
 from celery.exceptions import Reject
 from celery.platforms import EX_FAILURE
-from celery.signals import worker_init, worker_shutdown, worker_shutting_down
+from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
 from shared import keys
 from shared.broker import check_timeouts, make_celery
 from shared.settings import get_settings
 from worker.engine_client import EngineClient, EngineStartFailed
+from worker.lost_messages import LostMessageSweeper
 
 settings = get_settings()
 check_timeouts(settings)
@@ -30,15 +32,25 @@ app.conf.update(
     worker_pool="threads",
     worker_concurrency=settings.max_batch,
     broker_transport="worker.broker_transport:Transport",  # survives Redis restarts mid-fetch
+    broker_transport_options={
+        **app.conf.broker_transport_options,
+        "ack_outage_seconds": settings.redis_outage_seconds,  # acks wait an outage out like records
+    },
 )
 engine = EngineClient(start_timeout=settings.worker_start_timeout)
 log = logging.getLogger("actq.worker")
+_sweepers: list[LostMessageSweeper] = []
+_holding: set[str] = set()  # job ids whose task is running in this worker
 
 
 @app.task(name=keys.TASK_NAME, ignore_result=True)
 def run_job(job_id: str) -> None:
     """The task: its message carries only the job id; the request lives in the job's record."""
-    outcome = engine.run(job_id, time_limit=settings.job_time_limit)
+    _holding.add(job_id)  # published for the lost-message check: this message is not stranded
+    try:
+        outcome = engine.run(job_id, time_limit=settings.job_time_limit)
+    finally:
+        _holding.discard(job_id)
     if outcome == "lost":  # the engine died with the job: back to the queue (the next attempt counts)
         raise Reject("the engine process was lost", requeue=True)
     if outcome == "redis":
@@ -72,11 +84,38 @@ def _start_engine(**_: object) -> None:
         os._exit(EX_FAILURE)
 
 
+def _start_lost_message_checks() -> LostMessageSweeper:
+    import redis
+
+    from shared.broker import task_message
+
+    queue = keys.queue(settings.served_model_name)
+    sweeper = LostMessageSweeper(
+        redis.Redis.from_url(settings.redis_url),
+        settings.served_model_name,
+        queue,
+        lambda job_id: task_message(app, job_id, queue),
+        interval=settings.lost_message_check_seconds,
+        confirm=settings.lost_message_check_seconds,
+        worker_id=f"{socket.gethostname()}:{os.getpid()}",
+        holding=lambda: set(_holding),
+    )
+    sweeper.start()
+    return sweeper
+
+
+@worker_ready.connect
+def _checks(**_: object) -> None:
+    _sweepers.append(_start_lost_message_checks())
+
+
 @worker_shutting_down.connect
 def _shutting_down(**_: object) -> None:
     # A SIGTERM or Ctrl-C sent to the worker's process group reaches the engine process too: it
     # ends, its jobs go back to the queue, and it must not be restarted while the worker stops.
     engine.closing()
+    for sweeper in _sweepers:
+        sweeper.stop.set()
 
 
 @worker_shutdown.connect

@@ -110,6 +110,37 @@ def test_redis_restart_with_200_jobs_queued(live, tiny_dir, tmp_path, own_redis)
             client.close()
 
 
+def test_jobs_whose_broker_message_was_lost_or_stranded_still_run(live, tiny_dir, tmp_path, own_redis):
+    """A Redis outage can take a job's message with it (a BRPOP that Redis never answered) or leave
+    it in `unacked` with no task holding it (delivered just before the consumer lost Redis; both
+    seen in the restart test above). The job stays queued in the store. A worker notices at two
+    checks in a row and sends the message again; each job runs once, like the others."""
+    with own_stack(tmp_path / "stack", live.env, ACTQ_REDIS_URL=own_redis.url) as s:
+        worker = {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-lost", "ACTQ_LOST_MESSAGE_CHECK_SECONDS": "1"}
+        s.start_worker("w", worker)
+        s.wait_workers()
+        s.stop_process("worker-w")  # the model is known; its jobs wait for a worker
+        queue = keys.queue("tiny-lost")
+        with s.client() as http:
+            ids = submit_batch(http, tiny_body("tiny-lost"), 4)
+            client = redis.Redis.from_url(own_redis.url)
+            lost = json.loads(client.rpop(queue))
+            stranded = json.loads(client.rpop(queue))
+            tag = stranded["properties"]["delivery_tag"]
+            client.hset("unacked", tag, json.dumps([stranded, "", queue]))
+            client.zadd("unacked_index", {tag: time.time()})
+            assert [lost["headers"]["id"], stranded["headers"]["id"]] == ids[:2]
+            s.start_worker("w", worker)
+            jobs = wait_all(s, http, ids, timeout=120)
+        assert [(j["status"], j["attempts"]) for j in jobs] == [("succeeded", 1)] * 4
+        assert_one_artifact_each(s, jobs)
+        log = s.log_tail("worker-w", chars=100_000)
+        assert f"job {ids[0]} was queued with no broker message" in log
+        assert f"job {ids[1]} was queued with its message stranded in unacked" in log
+        assert client.llen(queue) == 0 and client.hlen("unacked") == 0
+        client.close()
+
+
 def test_kill_9_of_the_whole_worker_redelivers_its_jobs(live, tiny_dir, tmp_path, own_redis):
     """SIGKILL of a worker's parent and child together: nothing acknowledges its messages, so Redis
     hands them out again once the visibility timeout passes (8 s here; a job may not run longer
