@@ -1,11 +1,16 @@
 """`actq`, the command line, and what only it uses.
 
-    app.py           the commands (typer): run, gsm8k, probe, flower, prepare-model, env-example
+    app.py           the commands (typer): run, serve, run-file, gsm8k, probe, export, flower, ...
     local_stack.py   Redis, a worker and the API as child processes on this machine
     redis_server.py  an embedded redis-server on a free loopback port
     processes.py     starting and stopping child processes
+    serve.py         a local stack that stays up (`actq serve`)
+    batch.py         bulk runs: batch submission, progress, resume, the results directory
+    captures.py      the model and the default capture of a bulk run
+    run_file.py      any JSONL prompt file as a bulk run (`actq run-file`)
     probes.py        linear probes on captured activations (`actq probe`)
-    gsm8k/           GSM8K problems and prompts, bulk runs, harness-style scoring (`actq gsm8k`)
+    export.py        a results directory as Parquet or a Hugging Face dataset (`actq export`)
+    gsm8k/           GSM8K problems and prompts, harness-style scoring (`actq gsm8k`, on batch.py)
 
 Nothing here is imported by the API or the worker, and nothing here imports them.
 """

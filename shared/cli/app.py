@@ -136,6 +136,48 @@ def serve_command(
         typer.echo("stopped: worker, API and Redis (jobs and files are kept in the data directory)")
 
 
+@cli.command("run-file")
+def run_file_command(
+    prompts: Path = typer.Argument(
+        ...,
+        help="A JSONL file: one object a line with `prompt` or `messages`, optionally `id` and job fields "
+        "(mode, max_tokens, temperature, top_p, seed, stop, logprobs, top_logprobs); other fields are labels.",
+    ),
+    out: Path = typer.Option(..., "--out", "-o", help="Results directory; run again with the same one to resume."),
+    model: str | None = typer.Option(None, help="Model name (default: the one model live workers serve)."),
+    max_tokens: int = typer.Option(256, min=1, help="For lines that do not set their own."),
+    temperature: float = typer.Option(0.0, min=0.0, max=2.0, help="For lines that do not set their own."),
+    module: list[str] | None = typer.Option(
+        None,
+        "--module",
+        help="Capture this module path (repeatable); default: the model's residual preset at three blocks.",
+    ),
+    no_capture: bool = typer.Option(False, "--no-capture", help="Plain completions, no activations."),
+    positions: str = typer.Option(
+        "generated", help="all, prompt, generated or last (a trace line captures `completion` for generated)."
+    ),
+    dtype: str = typer.Option("float16", help="float32, float16 or bfloat16."),
+    layers: str = typer.Option(
+        "spread", help="Residual blocks to capture: spread (three), all, or indices like 0,6,-1."
+    ),
+    reduce: str = typer.Option("none", help="none, or reduce each capture server-side: mean, sum, max or last."),
+    download: bool = typer.Option(False, help="Also download each line's activations into OUT/activations/."),
+    api: str | None = typer.Option(None, help="API base URL (default ACTQ_API_URL)."),
+    quiet: bool = typer.Option(False, help="No progress bar."),
+) -> None:
+    """Run every prompt of a JSONL file through the queue, capturing activations, with live progress;
+    run it again with the same --out to resume (finished lines are kept, queued jobs are not sent twice)."""
+    options = dict(locals())
+    from shared.cli import run_file
+
+    try:
+        summary = run_file.run(**options)
+    except KeyboardInterrupt:
+        typer.echo(f"\ninterrupted: finished prompts are saved in {out}; run the same command to resume", err=True)
+        raise typer.Exit(130) from None
+    typer.echo(json.dumps({k: summary[k] for k in ("prompts", "finished", "succeeded", "failed")}))
+
+
 @cli.command("gsm8k")
 def gsm8k_command(
     out: Path = typer.Option(..., "--out", "-o", help="Results directory; run again with the same one to resume."),
@@ -198,11 +240,11 @@ def gsm8k_command(
 
 @cli.command("probe")
 def probe_command(
-    results: Path = typer.Argument(..., help="A results directory from `actq gsm8k`."),
+    results: Path = typer.Argument(..., help="A results directory from `actq gsm8k` or `actq run-file`."),
     label: str = typer.Option(
         probes.LABEL_DEFAULT,
-        help="What to predict: answer_correct (is the answer's final number right), or a dotted path into each "
-        "sample's JSON (a trace's own fields first).",
+        help="What to predict: answer_correct (is the answer's final number right), a label column of a "
+        "prompt file (a line's extra field), or a dotted path into each sample's JSON (a trace's own fields first).",
     ),
     source: str = typer.Option(
         "generated", help="Which captures: generated (the model's answers), gold, corrupted, or all (one row each)."

@@ -35,7 +35,15 @@ Fetch = Callable[[dict, str], np.ndarray]
 
 
 def _lookup(sample: dict, path: str):
-    """The value at a dotted path (`correct.flexible`, `meta.difficulty`), or None when absent."""
+    """The value at a dotted path (`correct.flexible`, `meta.difficulty`), or None when absent; a
+    name that is not a field is looked up among the sample's `labels` (a prompt file's columns)."""
+    value = _walk(sample, path)
+    if value is None and isinstance(sample.get("labels"), dict):
+        value = _walk(sample["labels"], path)
+    return value
+
+
+def _walk(sample: dict, path: str):
     value = sample
     for part in path.split("."):
         if not isinstance(value, dict) or part not in value:
@@ -92,7 +100,8 @@ def _views(sample: dict, source: str) -> list[tuple[str, dict]]:
     `answer_correct` is correct.flexible for a generation, and the trace's `correct`."""
     views = []
     if source in ("generated", "all") and sample.get("job_id"):
-        answer = (sample.get("prompt_tokens") or 1) - 1
+        span = sample.get("completion_span")  # a prompt file's trace line: where its scored reply starts
+        answer = span[0] if span else (sample.get("prompt_tokens") or 1) - 1
         correct = (sample.get("correct") or {}).get("flexible")
         views.append(("generated", {**sample, "answer_from": answer, "answer_correct": correct}))
     for name, trace in sorted((sample.get("traces") or {}).items()):
@@ -114,7 +123,10 @@ def load_dataset(results_dir, label: str = LABEL_DEFAULT, fetch: Fetch | None = 
     results_dir = Path(results_dir)
     paths = sorted((results_dir / "samples").glob("*.json"), key=lambda p: int(p.stem) if p.stem.isdigit() else p.stem)
     if not paths:
-        raise ToolError(f"{results_dir}/samples holds no sample files: is this an `actq gsm8k` results directory?")
+        raise ToolError(
+            f"{results_dir}/samples holds no sample files: "
+            "is this a results directory of `actq gsm8k` or `actq run-file`?"
+        )
     skipped: Counter = Counter()
     per_sample: list[dict] = []
     labels: list[str] = []
@@ -146,7 +158,7 @@ def load_dataset(results_dir, label: str = LABEL_DEFAULT, fetch: Fetch | None = 
             else:
                 raise ToolError(
                     f"sample {sample.get('index')} ({name}): its activations are not in {results_dir}; "
-                    "run `actq gsm8k` with --download, or give --api so they can be fetched"
+                    "run `actq gsm8k` or `actq run-file` with --download, or give --api so they can be fetched"
                 )
             pooled = {}
             for t in entries:

@@ -25,6 +25,7 @@ from importlib import resources
 from pathlib import Path
 from urllib.parse import urlparse
 
+from shared.cli.captures import residual_capture, spread_layers  # noqa: F401  (part of this module's API)
 from shared.cli.gsm8k import synthetic
 from shared.cli.gsm8k.scoring import fewshot_answer, gold_answer
 from shared.errors import ToolError
@@ -215,39 +216,3 @@ def trace_text(problem: Problem, source: str) -> str:
         head, _, _ = text.rpartition("The answer is ")
         return f"{head}The answer is {synthetic.corrupt(problem.gold, problem.index)}."
     raise ToolError(f"no trace text for source {source!r}")
-
-
-def spread_layers(num_layers: int, count: int = 3) -> list[int]:
-    """`count` layer indices spread over the depth (quarter, half, three quarters for 3)."""
-    return sorted({max(0, min(num_layers - 1, round(num_layers * (i + 1) / (count + 1)))) for i in range(count)})
-
-
-def residual_capture(info: dict, positions: str = "generated", dtype: str = "float16", layers: str = "spread") -> dict:
-    """The default capture: the model's `residual` preset (each decoder block's output: the
-    residual stream after that block) at three blocks spread over the depth (`layers` "spread"),
-    every block ("all") or the listed ones ("0,4,-1"), from its GET /models entry. A model that
-    publishes no residual preset needs --module."""
-    blocks = (info.get("presets") or {}).get("residual")
-    if not blocks:
-        known = ", ".join(sorted(info.get("presets") or {})) or "none"
-        raise ToolError(
-            f"model {info['name']!r} publishes no `residual` preset (its presets: {known}), so the default "
-            "capture cannot be chosen; name what to capture with --module PATH (repeatable; GET /models "
-            "lists its modules), or run with --no-capture"
-        )
-    if layers == "spread":
-        picked: list[int] | None = spread_layers(len(blocks))
-    elif layers == "all":
-        picked = None
-    else:
-        try:
-            picked = [int(x) for x in layers.split(",")]
-        except ValueError:
-            raise ToolError(f"--layers {layers!r}: spread, all, or block indices like 0,6,-1") from None
-    return {
-        "preset": "residual",
-        **({"layers": picked} if picked is not None else {}),
-        "hook": "output",
-        "positions": positions,
-        "dtype": dtype,
-    }

@@ -1,5 +1,6 @@
-"""`actq gsm8k`: submit a GSM8K run in bulk, follow it with a live progress bar, score it, and keep
-a results directory that a second invocation resumes.
+"""`actq gsm8k`: GSM8K's prompt styles, gold and corrupted traces and scoring, on the generic bulk
+runner (shared/cli/batch.py: batch submission, live progress, resume without duplicates, the
+results directory).
 
 What is captured (`--capture-on`, comma-separated): `generated`, the model's own answer (a
 generation job, as ever); `gold`, a trace job over the gold solution (the question as the user
@@ -27,29 +28,16 @@ is returned, not duplicated, and followed to its end.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import tempfile
-import threading
-import time
-import uuid
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
-from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
-
+from shared.cli import batch, captures
+from shared.cli.batch import Item
 from shared.cli.gsm8k import data
 from shared.cli.gsm8k.scoring import accuracy, flexible_match, is_correct, score
 from shared.client import Client, Job
 from shared.errors import ToolError
 from shared.settings import Settings
-
-# Unfinished jobs the progress loop looks at behind the oldest one: twice the default
-# ACTQ_MAX_BATCH, so the running count covers a full batch (one GET each per pass of the loop).
-LOOKAHEAD = 32
 
 
 @dataclass
@@ -79,44 +67,16 @@ class RunSettings:
         return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
 
 
-def write_json(path: Path, data: object) -> None:
-    """Whole or not at all: a temp file in the same directory, then a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=2)
-    os.replace(tmp, path)
+class Run(batch.BatchRun):
+    """A GSM8K results directory: items are problems (samples/<index>.json), parts are sources."""
 
-
-class Run:
     def __init__(self, out: Path, settings: RunSettings) -> None:
-        self.out = out
-        self.settings = settings
-        self.samples = out / "samples"
-        state_file = out / "run.json"
-        if state_file.exists():
-            state = json.loads(state_file.read_text())
-            # a field added since the run was written takes its default (the behaviour of that time)
-            saved, current = {**RunSettings.defaults(), **state["settings"]}, asdict(settings)
-            if saved != current:
-                changed = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
-                raise ToolError(
-                    f"{out} holds a run with other settings ({', '.join(changed)}); "
-                    "use another --out to start a new run"
-                )
-            self.run_id = state["run_id"]
-        else:
-            self.run_id = uuid.uuid4().hex
-            write_json(state_file, {"run_id": self.run_id, "settings": asdict(settings)})
-        jobs_file = out / "jobs.json"
-        # "<index>" (generation) or "<index>:<source>" (trace) -> job id
-        self.jobs: dict[str, str] = json.loads(jobs_file.read_text()) if jobs_file.exists() else {}
+        # a field added since the run was written takes its default (the behaviour of that time)
+        super().__init__(out, "gsm8k", asdict(settings), main="generated", defaults=RunSettings.defaults())
+        self.run_settings = settings
 
     def key(self, index: int, source: str = "generated") -> str:
-        return f"actq-gsm8k:{self.run_id}:{index}" + ("" if source == "generated" else f":{source}")
-
-    def done(self) -> set[int]:
-        return {int(p.stem) for p in self.samples.glob("*.json")} if self.samples.exists() else set()
+        return self.idempotency_key(index, source)
 
     def record(self, problem: data.Problem, jobs: dict[str, Job], download: bool) -> dict:
         """Write the sample of a problem whose jobs (source -> job) have all ended."""
@@ -145,16 +105,10 @@ class Run:
             sample["traces"] = {
                 source: self._trace(problem, source, job, download) for source, job in sorted(traces.items())
             }
-        write_json(self.samples / f"{problem.index}.json", sample)
         return sample
 
     def _activations(self, job: Job, filename: str, download: bool) -> dict:
-        entry = {"activations": job.data.get("activations"), "activations_file": None}
-        if download and entry["activations"]:
-            target = self.out / "activations" / filename
-            job.download(target)
-            entry["activations_file"] = str(target.relative_to(self.out))
-        return entry
+        return self.download(job, filename, download)
 
     def _trace(self, problem: data.Problem, source: str, job: Job, download: bool) -> dict:
         result = job.data.get("result") or {}
@@ -175,33 +129,10 @@ class Run:
             **self._activations(job, f"{problem.index}.{source}.safetensors", download),
         }
 
-    def finish(self, wall: float, complete: bool) -> dict:
-        samples = (
-            [json.loads(p.read_text()) for p in sorted(self.samples.glob("*.json"), key=lambda p: int(p.stem))]
-            if self.samples.exists()
-            else []
-        )
-        with open(self.out / "results.jsonl", "w") as handle:
-            for sample in samples:
-                handle.write(json.dumps(sample) + "\n")
-        scored = accuracy(s for s in samples if s["status"] == "succeeded" and s.get("correct"))
-        tokens = sum(s["completion_tokens"] or 0 for s in samples)
-        summary = {
-            "run_id": self.run_id,
-            "model": self.settings.model,
-            "settings": asdict(self.settings),
-            "complete": complete,
-            "problems": len(self.settings.indices),
-            "finished": len(samples),
-            "succeeded": sum(s["status"] == "succeeded" for s in samples),
-            "failed": sum(s["status"] != "succeeded" for s in samples),
-            "accuracy": {"strict": scored["strict"], "flexible": scored["flexible"]},
-            "wall_seconds_this_invocation": round(wall, 3),
-            "generated_tokens": tokens,
-            "tokens_per_second_this_invocation": round(tokens / wall, 3) if wall > 0 else None,
-        }
-        write_json(self.out / "summary.json", summary)
-        return summary
+
+def summarize(samples: list[dict]) -> dict:
+    scored = accuracy(s for s in samples if s["status"] == "succeeded" and s.get("correct"))
+    return {"accuracy": {"strict": scored["strict"], "flexible": scored["flexible"]}}
 
 
 def execute(
@@ -212,99 +143,21 @@ def execute(
     download: bool,
     quiet: bool = False,
 ) -> dict:
-    """Submit what is not finished, follow it to the end, and write the results. Ctrl-C leaves a
-    consistent directory (every finished problem has its sample) and is re-raised.
-
-    Ctrl-C only sets a flag, read between requests: a KeyboardInterrupt raised in the middle of
-    an HTTP call can leave the client's connection pool locked, and closing it then hangs (seen
-    once in sixty seconds of waiting). Long polls are short (2 s) so that the flag is read soon."""
-    with _interrupt_flag() as interrupted:
-        return _execute(client, run, problems, exemplars, download, quiet, interrupted)
-
-
-@contextmanager
-def _interrupt_flag() -> Iterator[threading.Event]:
-    """An event set by SIGINT while the block runs (in the main thread; elsewhere never set)."""
-    interrupted = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield interrupted
-        return
-    previous = signal.signal(signal.SIGINT, lambda *_: interrupted.set())
-    try:
-        yield interrupted
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _execute(
-    client: Client,
-    run: Run,
-    problems: list[data.Problem],
-    exemplars: list[data.Exemplar] | None,
-    download: bool,
-    quiet: bool,
-    interrupted: threading.Event,
-) -> dict:
-    started = time.monotonic()
-    s = run.settings
-    todo = [p for p in problems if p.index not in run.done()]
-    bar = tqdm(
-        total=len(problems), initial=len(problems) - len(todo), unit="problem", disable=quiet, dynamic_ncols=True
+    """Submit what is not finished, follow it to the end, score it and write the results."""
+    s = run.run_settings
+    items = [
+        Item(key=p.index, requests={source: job_request(s, p, source, exemplars) for source in s.sources}, data=p)
+        for p in problems
+    ]
+    return batch.execute(
+        client,
+        run,
+        items,
+        lambda item, jobs: run.record(item.data, jobs, download),
+        unit="problem",
+        summarize=summarize,
+        quiet=quiet,
     )
-    counts = {"submitted": 0, "queued": 0, "running": 0, "succeeded": 0, "failed": 0}
-    units = [(p, source) for p in todo for source in s.sources]  # one job each
-    try:
-        requests = [job_request(s, p, source, exemplars) for p, source in units]
-        jobs: list[Job] = []
-        for start in range(0, len(units), 500):
-            chunk = units[start : start + 500]
-            jobs += client.submit_many(
-                requests[start : start + 500], idempotency_keys=[run.key(p.index, source) for p, source in chunk]
-            )
-            run.jobs.update(
-                {job_key(p.index, source): j.id for (p, source), j in zip(chunk, jobs[start:], strict=True)}
-            )
-            write_json(run.out / "jobs.json", dict(sorted(run.jobs.items())))
-            counts["submitted"] = len(jobs)
-            if interrupted.is_set():
-                raise KeyboardInterrupt
-        pending = [(p, source, job) for (p, source), job in zip(units, jobs, strict=True)]
-        ended: dict[int, dict[str, Job]] = {}  # problem index -> its ended jobs, until all have
-        while pending:
-            if interrupted.is_set():
-                raise KeyboardInterrupt
-            # Jobs finish roughly in queue order: long-poll the oldest, then look at the ones
-            # behind it until LOOKAHEAD unfinished ones are seen (a worker runs a batch of jobs
-            # at once, and they end out of order within it).
-            head = pending[0][2].refresh(wait=2)
-            finished: list[tuple[data.Problem, str, Job]] = []
-            unfinished: list[Job] = []
-            for problem, source, job in pending:
-                if len(unfinished) >= LOOKAHEAD:
-                    break
-                if job is not head:
-                    job.refresh()
-                if job.done:
-                    finished.append((problem, source, job))
-                else:
-                    unfinished.append(job)
-            for problem, source, job in finished:
-                ended.setdefault(problem.index, {})[source] = job
-                if len(ended[problem.index]) == len(s.sources):
-                    sample = run.record(problem, ended.pop(problem.index), download)
-                    counts["succeeded" if sample["status"] == "succeeded" else "failed"] += 1
-                    bar.update(1)
-            done_ids = {job.id for _, _, job in finished}
-            pending = [(p, source, j) for p, source, j in pending if j.id not in done_ids]
-            counts["running"] = sum(1 for job in unfinished if job.status == "running")
-            counts["queued"] = len(pending) - counts["running"]
-            bar.set_postfix(counts, refresh=True)
-    except KeyboardInterrupt:
-        bar.close()
-        run.finish(time.monotonic() - started, complete=False)
-        raise
-    bar.close()
-    return run.finish(time.monotonic() - started, complete=True)
 
 
 def job_key(index: int, source: str) -> str:
@@ -376,32 +229,14 @@ def run(
             train = str(Path(dataset).expanduser().with_name("train.jsonl"))
         exemplars = data.fewshot_exemplars(data.load(train or dataset, "train"))
     with Client(api or Settings().api_url, timeout=60) as client:
-        served = client.models()
-        if model is None:
-            if len(served) != 1:
-                raise ToolError(f"name a --model; live models: {', '.join(m['name'] for m in served) or 'none'}")
-            model = served[0]["name"]
-        info = next((m for m in served if m["name"] == model), None)
-        if info is None:  # no live worker now; a model served before is still known (its jobs queue)
-            info = next((m for m in client.models(include_offline=True) if m["name"] == model), None)
+        model, info = captures.choose_model(client, model)
         resolved_format = data.resolve_prompt_format(prompt_format, model, info)
         if resolved_format == "plain" and sources != ["generated"]:
             raise ToolError(
                 "--capture-on gold/corrupted traces the solution as the assistant's turn of a chat, and this run "
                 "uses plain prompts (a model without a chat template); capture on generated only"
             )
-        capture = None
-        if not no_capture:
-            if module:
-                capture = {"modules": list(module), "hook": "output", "positions": positions, "dtype": dtype}
-            elif info is not None:
-                capture = data.residual_capture(info, positions=positions, dtype=dtype, layers=layers)
-            else:
-                raise ToolError(
-                    f"no worker has published model {model!r}, so its residual preset is unknown; give --module"
-                )
-            if reduce != "none":
-                capture["reduce"] = reduce
+        capture = captures.choose_capture(model, info, module, no_capture, positions, dtype, layers, reduce)
         settings = RunSettings(
             model=model,
             dataset=dataset,
