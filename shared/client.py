@@ -271,11 +271,15 @@ class Job:
         return data
 
     def activations(self, *, proxy: bool = False) -> dict[str, torch.Tensor]:
-        """Every tensor of the job's file, `{name: tensor}` (including `token_ids`), after
-        checking the download's sha256 against the manifest. Needs torch and safetensors."""
+        """Every tensor of the job's file, `{name: tensor}`, after checking the download's sha256
+        against the manifest: the captures in the manifest's order, then `token_ids` and any
+        others (log-probabilities) by name. Needs torch and safetensors."""
         from safetensors.torch import load
 
-        return load(self.activations_bytes(proxy=proxy))
+        tensors = load(self.activations_bytes(proxy=proxy))
+        listed = [t["name"] for t in (self.data.get("activations") or {}).get("tensors", []) if t["name"] in tensors]
+        order = listed + sorted(set(tensors) - set(listed))
+        return {name: tensors[name] for name in order}
 
     def download(self, path: str | os.PathLike, *, proxy: bool = False) -> Path:
         """Stream the safetensors file to `path` (written to a temporary file beside it, checked

@@ -18,7 +18,9 @@ class Settings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="ACTQ_", env_file=".env", extra="ignore")
 
-    api_url: str = Field("http://127.0.0.1:8000", description="Where `actq gsm8k` and `actq probe` reach the API.")
+    api_url: str = Field(
+        "http://127.0.0.1:8000", description="Where `actq run-file`, `actq gsm8k` and `actq probe` reach the API."
+    )
     api_keys: str | None = Field(
         None,
         description=(
