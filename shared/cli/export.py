@@ -1,11 +1,15 @@
 """Export a results directory's activations as a table (`actq export`).
 
-Reads a results directory written by `actq gsm8k` (`samples/<n>.json`; with `--download` also
-`activations/<n>.safetensors` and `activations/<n>.<trace>.safetensors`) and writes one row per
-(problem, source, capture point):
+Reads a results directory written by `actq gsm8k` or `actq run-file` (`samples/<n>.json`; with
+`--download` also `activations/<n>.safetensors` and `activations/<n>.<trace>.safetensors`) and
+writes one row per (problem or prompt line, source, capture point):
 
-    index, source, question, gold, text, correct, status, job_id, prompt_tokens, completion_span,
-    point, module, hook, layer, positions, reduce, start, stop, features, shape, dtype, activations
+    index, id, labels, source, question, gold, text, correct, status, job_id, prompt_tokens,
+    completion_span, point, module, hook, layer, positions, reduce, start, stop, features, shape,
+    dtype, activations
+
+`id` is a prompt line's id (as text) and `labels` its label fields as a JSON object (text), both
+null for GSM8K; `question` and `gold` are null for a prompt file.
 
 `source` is "generated" (the sample's own generation job) or a trace's name ("gold",
 "corrupted", ...); `text` is the completion or the traced assistant text; `correct` is
@@ -53,6 +57,8 @@ def _schema() -> Any:
     return pa.schema(
         [
             ("index", pa.int64()),
+            ("id", pa.string()),
+            ("labels", pa.string()),
             ("source", pa.string()),
             ("question", pa.string()),
             ("gold", pa.string()),
@@ -83,7 +89,9 @@ def _sample_paths(results: Path) -> list[Path]:
         (results / "samples").glob("*.json"), key=lambda p: (0, int(p.stem), "") if p.stem.isdigit() else (1, 0, p.stem)
     )
     if not paths:
-        raise ToolError(f"{results}/samples holds no sample files: is this an `actq gsm8k` results directory?")
+        raise ToolError(
+            f"{results}/samples holds no sample files: is this a results directory of `actq gsm8k` or `actq run-file`?"
+        )
     return paths
 
 
@@ -95,10 +103,10 @@ def _sources(sample: dict, skipped: Counter) -> Iterator[tuple[str, dict]]:
     generation = {
         "job_id": sample.get("job_id"),
         "status": sample.get("status"),
-        "text": sample.get("completion"),
+        "text": sample.get("completion", sample.get("text")),  # gsm8k: completion; run-file: text
         "correct": correct.get("flexible") if isinstance(correct, dict) else None,
         "prompt_tokens": sample.get("prompt_tokens"),
-        "completion_span": None,
+        "completion_span": sample.get("completion_span"),  # a run-file trace line's
         "activations": sample.get("activations"),
         "activations_file": sample.get("activations_file"),
     }
@@ -207,6 +215,8 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader
             correct = fields.get("correct")
             row = {
                 "index": sample.get("index"),
+                "id": None if sample.get("id") is None else str(sample["id"]),
+                "labels": None if sample.get("labels") is None else json.dumps(sample["labels"]),
                 "source": source,
                 "question": sample.get("question"),
                 "gold": None if sample.get("gold") is None else str(sample["gold"]),

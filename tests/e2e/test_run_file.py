@@ -8,6 +8,7 @@ import signal
 import subprocess
 import time
 
+import pyarrow.parquet as pq
 from safetensors.numpy import load_file
 
 from shared import keys
@@ -109,6 +110,22 @@ def test_a_prompt_file_killed_mid_run_resumes_without_duplicates_then_probes(liv
     assert report["label"] == "topic" and report["n_samples"] == 12
     trained = [p for p in report["probes"] if "balanced_accuracy_mean" in p]
     assert trained and all(0.0 <= p["balanced_accuracy_mean"] <= 1.0 for p in trained)
+
+    exported = subprocess.run(
+        actq(live, "export", str(out)), env=run_env(live), capture_output=True, text=True, timeout=300
+    )
+    assert exported.returncode == 0, exported.stderr
+    table = pq.read_table(out / "export.parquet").to_pylist()
+    assert len(table) == 12 * 3  # every line x the three residual blocks
+    by_line = {row["index"]: row for row in table}
+    for number, sample in enumerate(samples):
+        row = by_line[number]
+        assert (row["id"], json.loads(row["labels"]), row["text"]) == (
+            str(sample["id"]),
+            sample["labels"],
+            sample["text"],
+        )
+    assert by_line[11]["completion_span"] == samples[11]["completion_span"] and by_line[11]["question"] is None
 
     changed = prompts.read_text().replace("fact number 2.", "fact number two.")
     prompts.write_text(changed)

@@ -21,6 +21,8 @@ from shared.errors import ToolError
 W = 6
 COLUMNS = [
     "index",
+    "id",
+    "labels",
     "source",
     "question",
     "gold",
