@@ -136,6 +136,25 @@ def serve_command(
         typer.echo("stopped: worker, API and Redis (jobs and files are kept in the data directory)")
 
 
+# Options `actq run-file` and `actq gsm8k` share (what to capture, where the API is).
+MODEL_OPTION = typer.Option(None, help="Model name (default: the one model live workers serve).")
+MODULE_OPTION = typer.Option(
+    None,
+    "--module",
+    help="Capture this module path (repeatable); default: the model's residual preset (each decoder "
+    "block's output) at three blocks spread over the depth.",
+)
+NO_CAPTURE_OPTION = typer.Option(False, "--no-capture", help="Plain completions, no activations.")
+POSITIONS_OPTION = typer.Option(
+    "generated", help="all, prompt, generated or last (trace jobs capture `completion` for generated)."
+)
+DTYPE_OPTION = typer.Option("float16", help="float32, float16 or bfloat16.")
+LAYERS_OPTION = typer.Option("spread", help="Residual blocks to capture: spread (three), all, or indices like 0,6,-1.")
+REDUCE_OPTION = typer.Option("none", help="none, or reduce each capture server-side: mean, sum, max or last.")
+API_OPTION = typer.Option(None, help="API base URL (default ACTQ_API_URL).")
+QUIET_OPTION = typer.Option(False, help="No progress bar.")
+
+
 @cli.command("run-file")
 def run_file_command(
     prompts: Path = typer.Argument(
@@ -144,26 +163,18 @@ def run_file_command(
         "(mode, max_tokens, temperature, top_p, seed, stop, logprobs, top_logprobs); other fields are labels.",
     ),
     out: Path = typer.Option(..., "--out", "-o", help="Results directory; run again with the same one to resume."),
-    model: str | None = typer.Option(None, help="Model name (default: the one model live workers serve)."),
+    model: str | None = MODEL_OPTION,
     max_tokens: int = typer.Option(256, min=1, help="For lines that do not set their own."),
     temperature: float = typer.Option(0.0, min=0.0, max=2.0, help="For lines that do not set their own."),
-    module: list[str] | None = typer.Option(
-        None,
-        "--module",
-        help="Capture this module path (repeatable); default: the model's residual preset at three blocks.",
-    ),
-    no_capture: bool = typer.Option(False, "--no-capture", help="Plain completions, no activations."),
-    positions: str = typer.Option(
-        "generated", help="all, prompt, generated or last (a trace line captures `completion` for generated)."
-    ),
-    dtype: str = typer.Option("float16", help="float32, float16 or bfloat16."),
-    layers: str = typer.Option(
-        "spread", help="Residual blocks to capture: spread (three), all, or indices like 0,6,-1."
-    ),
-    reduce: str = typer.Option("none", help="none, or reduce each capture server-side: mean, sum, max or last."),
+    module: list[str] | None = MODULE_OPTION,
+    no_capture: bool = NO_CAPTURE_OPTION,
+    positions: str = POSITIONS_OPTION,
+    dtype: str = DTYPE_OPTION,
+    layers: str = LAYERS_OPTION,
+    reduce: str = REDUCE_OPTION,
     download: bool = typer.Option(False, help="Also download each line's activations into OUT/activations/."),
-    api: str | None = typer.Option(None, help="API base URL (default ACTQ_API_URL)."),
-    quiet: bool = typer.Option(False, help="No progress bar."),
+    api: str | None = API_OPTION,
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Run every prompt of a JSONL file through the queue, capturing activations, with live progress;
     run it again with the same --out to resume (finished lines are kept, queued jobs are not sent twice)."""
@@ -200,32 +211,23 @@ def gsm8k_command(
         help="chat (`messages`, rendered with the model's chat template), plain (a raw 'Question: ... Answer:' "
         "text prompt, for base models) or auto: chat when the model has a chat template, else plain.",
     ),
-    model: str | None = typer.Option(None, help="Model name (default: the one model live workers serve)."),
+    model: str | None = MODEL_OPTION,
     max_tokens: int = typer.Option(256, min=1),
     temperature: float = typer.Option(0.0, min=0.0, max=2.0),
-    module: list[str] | None = typer.Option(
-        None,
-        "--module",
-        help="Capture this module path (repeatable); default: the model's residual preset (each decoder "
-        "block's output) at three blocks spread over the depth.",
-    ),
-    no_capture: bool = typer.Option(False, "--no-capture", help="Plain completions, no activations."),
-    positions: str = typer.Option(
-        "generated", help="all, prompt, generated or last (trace jobs capture `completion` for generated)."
-    ),
-    dtype: str = typer.Option("float16", help="float32, float16 or bfloat16."),
-    layers: str = typer.Option(
-        "spread", help="Residual blocks to capture: spread (three), all, or indices like 0,6,-1."
-    ),
-    reduce: str = typer.Option("none", help="none, or reduce each capture server-side: mean, sum, max or last."),
+    module: list[str] | None = MODULE_OPTION,
+    no_capture: bool = NO_CAPTURE_OPTION,
+    positions: str = POSITIONS_OPTION,
+    dtype: str = DTYPE_OPTION,
+    layers: str = LAYERS_OPTION,
+    reduce: str = REDUCE_OPTION,
     capture_on: str = typer.Option(
         "generated",
         help="What to run and capture, comma-separated: generated (the model's answer), gold (a trace job over "
         "the gold solution), corrupted (a trace over it with a wrong final answer).",
     ),
     download: bool = typer.Option(False, help="Also download each problem's activations into OUT/activations/."),
-    api: str | None = typer.Option(None, help="API base URL (default ACTQ_API_URL)."),
-    quiet: bool = typer.Option(False, help="No progress bar."),
+    api: str | None = API_OPTION,
+    quiet: bool = QUIET_OPTION,
 ) -> None:
     """Run a model over GSM8K through the queue, capturing the residual stream, and score it. Works
     on any architecture (the capture is the model's `residual` preset) and on base models
