@@ -24,6 +24,19 @@ def run_env(live) -> dict:
     return {**os.environ, **live.env}
 
 
+def kill_after_samples(cmd: list[str], env: dict, out, count: int, timeout: float = 120) -> None:
+    """Start a bulk run and SIGKILL it once OUT/samples holds `count` samples."""
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + timeout
+    while len(list((out / "samples").glob("*.json"))) < count if (out / "samples").exists() else True:
+        assert time.monotonic() < deadline and process.poll() is None, (
+            process.stderr.read() if process.poll() is not None and process.stderr else "slow"
+        )
+        time.sleep(0.02)
+    process.send_signal(signal.SIGKILL)
+    process.communicate()  # reaps it and closes its pipes
+
+
 def job_records(redis_client, out) -> dict[int, JobRecord]:
     """Problem index -> the job's record as Redis holds it (the request as the API stored it)."""
     jobs = json.loads((out / "jobs.json").read_text())
@@ -100,15 +113,7 @@ def test_resume_after_a_kill_submits_nothing_twice(live, tmp_path, redis_client,
     out = tmp_path / "run"
     args = ["gsm8k", "--out", str(out), "--dataset", "samples", "--model", "tiny-b4", "--max-tokens", "120", "--quiet"]
     before = job_count(redis_client)
-    first = subprocess.Popen(actq(live, *args), env=run_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while len(list((out / "samples").glob("*.json"))) < 3 if (out / "samples").exists() else True:
-        assert time.monotonic() < deadline and first.poll() is None, (
-            first.stderr.read() if first.poll() is not None else "slow"
-        )
-        time.sleep(0.05)
-    first.send_signal(signal.SIGKILL)
-    first.wait()
+    kill_after_samples(actq(live, *args), run_env(live), out, 3)
     finished_before = len(list((out / "samples").glob("*.json")))
     assert 3 <= finished_before < 12
     assert len(json.loads((out / "jobs.json").read_text())) == 12  # all were queued before the kill

@@ -4,16 +4,14 @@ killed mid-run and resumed with nothing submitted twice, then a probe on one of 
 from __future__ import annotations
 
 import json
-import signal
 import subprocess
-import time
 
 import pyarrow.parquet as pq
 from safetensors.numpy import load_file
 
 from shared import keys
 from shared.schemas import JobRecord
-from tests.e2e.test_gsm8k import actq, run_env
+from tests.e2e.test_gsm8k import actq, kill_after_samples, run_env
 from tests.support.stack import TINY, job_count
 
 
@@ -51,15 +49,7 @@ def test_a_prompt_file_killed_mid_run_resumes_without_duplicates_then_probes(liv
     out = tmp_path / "run"
     args = ["run-file", str(prompts), "--out", str(out), "--model", TINY, "--download", "--quiet"]
     before = job_count(redis_client)
-    first = subprocess.Popen(actq(live, *args), env=run_env(live), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while len(list((out / "samples").glob("*.json"))) < 3 if (out / "samples").exists() else True:
-        assert time.monotonic() < deadline and first.poll() is None, (
-            first.stderr.read() if first.poll() is not None else "slow"
-        )
-        time.sleep(0.02)
-    first.send_signal(signal.SIGKILL)
-    first.wait()
+    kill_after_samples(actq(live, *args), run_env(live), out, 3)
     finished_before = len(list((out / "samples").glob("*.json")))
     assert 3 <= finished_before < 12, finished_before
     queued = json.loads((out / "jobs.json").read_text())
