@@ -13,6 +13,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import HTTPExceptionHandler
 
 from shared.errors import ActqError, Busy
+from shared.redis_faults import refusal
 
 log = logging.getLogger("actq.api")
 
@@ -48,12 +49,23 @@ async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
     return JSONResponse(_body(kind, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
 
+def redis_trouble(exc: Exception) -> str:
+    """What is wrong with Redis, for a 503: it refuses writes (naming why: MISCONF, OOM, READONLY),
+    it cannot be reached, or it answered an error."""
+    refused = refusal(exc)
+    if refused is not None:
+        return (
+            f"Redis (the job store and broker) refuses writes: {refused}; nothing was changed, "
+            "try again once it accepts writes"
+        )
+    if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
+        return "Redis (the job store and broker) cannot be reached; try again shortly"
+    return f"Redis (the job store and broker) answered an error: {exc}"
+
+
 async def unavailable(_: Request, exc: Exception) -> JSONResponse:
     log.warning("backend unavailable: %s", exc)
-    return JSONResponse(
-        _body("service_unavailable", "Redis (the job store and broker) cannot be reached; try again shortly"),
-        status_code=503,
-    )
+    return JSONResponse(_body("service_unavailable", redis_trouble(exc)), status_code=503)
 
 
 def install(app: FastAPI) -> None:

@@ -1,11 +1,14 @@
 """A limit on request bodies, enforced before anything parses them: a declared Content-Length over
-the limit is refused at once, and a body without one is counted as it streams in."""
+the limit is refused at once, and a body without one is counted as it streams in. And the 429 of
+the per-key limits on queued jobs and bytes (kept by the job store, atomically with enqueueing)."""
 
 from __future__ import annotations
 
 import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from shared.errors import Busy
 
 
 class BodyTooLarge(Exception):
@@ -56,3 +59,13 @@ class BodyLimit:
             }
         )
         await send({"type": "http.response.body", "body": body})
+
+
+class QuotaExceeded(Busy):
+    """An API key's queued jobs or bytes at their limit (ACTQ_MAX_QUEUED_*_PER_KEY): 429, nothing
+    queued; retrying makes sense once some of its jobs have finished."""
+
+    error_type = "quota_exceeded"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after=5)

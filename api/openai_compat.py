@@ -20,9 +20,10 @@ message (`{"error": {"message", "type", "param", "code"}}`; `code` is actq's err
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import redis
+from anyio import to_thread
 from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -36,10 +37,14 @@ from shared.schemas import (
     CaptureSpec,
     JobRecord,
     JobRequest,
+    JobResult,
     JobStatus,
     Logprobs,
     Usage,
 )
+
+if TYPE_CHECKING:
+    from shared.jobs import JobStore
 
 WAIT_DEFAULT_SECONDS = 300.0
 WAIT_MAX_SECONDS = 3600.0
@@ -581,6 +586,21 @@ def _openai_logprob(value: float | None) -> float:
     if value is None or value != value:  # None or NaN
         return LOGPROB_FLOOR
     return max(value, LOGPROB_FLOOR)
+
+
+async def whole_result(jobs: JobStore, record: JobRecord) -> JobRecord:
+    """The record with its whole result: a result stored apart from the record (its text past the
+    first characters, its log-probability entries) is read from its own key and parsed on a thread."""
+    result = record.result
+    if result is None or result.stored is None:
+        return record
+    raw = await jobs.stored_result_async(record.id)
+    if raw is None:
+        raise OpenAIError(
+            404, f"job {record.id} succeeded, but its result is no longer stored", "job_not_found", job_id=record.id
+        )
+    whole = await to_thread.run_sync(JobResult.model_validate_json, raw)
+    return record.model_copy(update={"result": whole})
 
 
 def _inline_logprobs(record: JobRecord) -> Logprobs | None:

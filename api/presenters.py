@@ -13,4 +13,6 @@ def view(record: JobRecord, request: Request, live: dict[str, int | None] | None
     data.update(live or {})
     if record.activations is not None:
         data["activations"]["download_url"] = str(request.url_for("download_activations", job_id=record.id))
+    if record.result is not None and record.result.stored is not None:
+        data["result"]["stored"]["url"] = str(request.url_for("get_job_result", job_id=record.id))
     return JobView.model_validate(data)

@@ -1,6 +1,8 @@
 """Turning a valid-looking request into a queued job: checks against the served model and the
 capture budget (`plan`), then the record and its Celery message (carrying only the job id)
-written in one Redis transaction by the job store."""
+written in one atomic step by the job store, which also holds the job's estimated capture bytes
+against its API key's limits (ACTQ_MAX_QUEUED_JOBS_PER_KEY, ACTQ_MAX_QUEUED_BYTES_PER_KEY): 429
+beyond them, nothing queued."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from datetime import datetime
 import redis
 
 from api.deps import Services
+from api.limits import QuotaExceeded
 from shared import capture_spec, keys
 from shared.errors import (
     ActqError,
@@ -21,14 +24,15 @@ from shared.errors import (
     UnknownModel,
 )
 from shared.idempotency import scoped
-from shared.jobs import now
+from shared.jobs import OverQuota, now
 from shared.schemas import BatchEntry, CapturePoint, JobRecord, JobRequest, JobStatus, ModelInfo
 
-Plan = tuple[int, list[CapturePoint]]
+Plan = tuple[int, list[CapturePoint], int]  # max_tokens, capture points, estimated capture bytes
 
 
 def plan(services: Services, request: JobRequest, cache: dict[tuple[str, ...], object] | None = None) -> Plan:
-    """Everything that can be refused before a job exists. Returns max_tokens and the capture points.
+    """Everything that can be refused before a job exists. Returns max_tokens, the capture points
+    and the estimated capture bytes.
     `cache` (one per batch) keeps model descriptions and resolved specs across entries."""
     settings = services.settings
     cache = {} if cache is None else cache
@@ -70,7 +74,11 @@ def plan(services: Services, request: JobRequest, cache: dict[tuple[str, ...], o
         points = cache[spec_key]  # type: ignore[assignment]
     estimate = capture_spec.estimate(request, points, info, max_tokens)
     capture_spec.check_budget(estimate, settings.capture_budget_bytes, settings.job_memory_budget_bytes)
-    return max_tokens, points
+    return max_tokens, points, estimate.capture
+
+
+def _limits(services: Services) -> tuple[int, int]:
+    return services.settings.max_queued_jobs_per_key, services.settings.max_queued_bytes_per_key
 
 
 def queued_record(
@@ -82,7 +90,7 @@ def queued_record(
     idempotency_key: str | None = None,
 ) -> JobRecord:
     """A new job's record, as every submission path creates it (`idempotency_key`: scoped)."""
-    max_tokens, points = plan
+    max_tokens, points, _ = plan
     return JobRecord(
         idempotency=None if idempotency_key is None else keys.idempotency(idempotency_key),
         id=job_id,
@@ -103,8 +111,12 @@ async def submit_now(services: Services, request: JobRequest, owner: str | None 
     info = await services.registry.get_async(request.model)
     if info is not None:
         cache[("model", request.model)] = info
-    record = queued_record(str(uuid.uuid4()), request, plan(services, request, cache), owner)
-    await services.jobs.enqueue_async(record, services.celery)
+    job_plan = plan(services, request, cache)
+    record = queued_record(str(uuid.uuid4()), request, job_plan, owner)
+    try:
+        await services.jobs.enqueue_async(record, services.celery, job_plan[2], _limits(services))
+    except OverQuota as exc:
+        raise QuotaExceeded(exc.message) from None
     return record
 
 
@@ -124,7 +136,10 @@ def submit(
             return existing, False
     record = queued_record(job_id, request, job_plan, owner, idempotency_key=key)
     try:
-        services.jobs.enqueue([record], services.celery)
+        services.jobs.enqueue([record], services.celery, [job_plan[2]], _limits(services))
+    except OverQuota as exc:
+        services.idempotency.release([key])
+        raise QuotaExceeded(exc.message) from None
     except redis.RedisError:
         services.idempotency.release([key])
         raise
@@ -165,8 +180,12 @@ def submit_batch(
         else (queued_record(job_id, entry.request, job_plan, owner, created_at, key), True)
         for entry, job_id, job_plan, old, key in zip(entries, ids, plans, existing, scoped_keys, strict=True)
     ]
+    new = [(record, job_plan[2]) for (record, created), job_plan in zip(out, plans, strict=True) if created]
     try:
-        services.jobs.enqueue([record for record, created in out if created], services.celery)
+        services.jobs.enqueue([r for r, _ in new], services.celery, [size for _, size in new], _limits(services))
+    except OverQuota as exc:
+        services.idempotency.release(claimed)
+        raise QuotaExceeded(exc.message) from None
     except redis.RedisError:
         services.idempotency.release(claimed)
         raise

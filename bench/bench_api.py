@@ -90,6 +90,7 @@ def main() -> int:
             "ACTQ_STORAGE_URL": (tmp_path / "data").as_uri(),
             "ACTQ_MODEL_NAME": MODEL,
             "ACTQ_MAX_TOKENS_LIMIT": "256",
+            "ACTQ_MAX_QUEUED_JOBS_PER_KEY": "0",  # no worker runs them: tens of thousands stay queued
         }
         # One worker publishes the model's description, then goes: the jobs below stay queued.
         with Stack(tmp_path / "setup", env) as setup:

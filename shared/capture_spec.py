@@ -17,12 +17,13 @@ from __future__ import annotations
 import difflib
 import itertools
 import math
+import os
 import re
 from typing import NamedTuple
 
 from shared.dtypes import ITEM_BYTES
 from shared.errors import CaptureSpecError, CaptureTooLarge, ContextLengthExceeded, JobTooLarge
-from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo, ModuleInfo, path_shape
+from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo, ModuleInfo
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 _INDEX = re.compile(r"[0-9]{1,6}")
@@ -33,30 +34,38 @@ MAX_EXPANSION = 4096
 TEMPLATE_TOKENS_PER_MESSAGE = 16
 
 
-def _choices(pattern: str) -> list[list[str]]:
-    """The options for each segment of a pattern (one for a name, an index or `*`; a set's indices)."""
-    choices: list[list[str]] = []
-    for segment in pattern.split("."):
-        if _NAME.fullmatch(segment) or _INDEX.fullmatch(segment) or segment == WILDCARD:
-            choices.append([segment])
-        elif match := _SET.fullmatch(segment):
-            choices.append(list(dict.fromkeys(str(int(i)) for i in match.group(1).split(","))))
-        else:
+def _segments(pattern: str) -> list[str]:
+    """A pattern's segments, each checked against the grammar (no set is expanded yet)."""
+    segments = pattern.split(".")
+    for segment in segments:
+        if not (
+            _NAME.fullmatch(segment) or _INDEX.fullmatch(segment) or segment == WILDCARD or _SET.fullmatch(segment)
+        ):
             raise CaptureSpecError(
                 f"capture path {pattern!r}: segment {segment!r} is not a name, an index, '*' or "
                 "an index list like {8,12,16}"
             )
-    return choices
+    return segments
 
 
-def parse_all(patterns: list[str]) -> list[list[str]]:
-    """Expand every pattern's `{a,b}` sets: one list of segments per concrete pattern (`*` kept).
-    The expansion is counted before any path is built: over MAX_EXPANSION is refused at once, so
-    no request can make the API build millions of paths."""
-    parsed = [(pattern, _choices(pattern)) for pattern in patterns]
+def _options(segment: str) -> list[str]:
+    """One segment's choices: a set's distinct indices, or the segment itself."""
+    if segment.startswith("{"):
+        return list(dict.fromkeys(str(int(i)) for i in segment[1:-1].split(",")))
+    return [segment]
+
+
+def check_patterns(patterns: list[str]) -> list[list[str]]:
+    """Each distinct pattern's segments, checked against the grammar, with nothing expanded.
+
+    A pattern's expansion is counted from its text (a set of n indices counts n) as it is
+    checked, and the first pattern, or running total, over MAX_EXPANSION concrete paths is refused
+    at once: no request makes the API look at more than its own text once before refusing it."""
+    checked: list[list[str]] = []
     total = 0
-    for pattern, choices in parsed:
-        count = math.prod(len(options) for options in choices)
+    for pattern in dict.fromkeys(patterns):  # a repeated pattern names nothing more
+        segments = _segments(pattern)
+        count = math.prod(s.count(",") + 1 for s in segments)
         if count > MAX_EXPANSION:
             raise CaptureSpecError(f"capture path {pattern!r} expands to {count} paths (at most {MAX_EXPANSION})")
         total += count
@@ -65,18 +74,72 @@ def parse_all(patterns: list[str]) -> list[list[str]]:
                 f"the capture spec expands to more than {MAX_EXPANSION} concrete paths; "
                 "use '*' for every layer instead of long index lists"
             )
-    return [list(combo) for _, choices in parsed for combo in itertools.product(*choices)]
+        checked.append(segments)
+    return checked
 
 
-def _matches(segments: list[str], path: list[str]) -> bool:
-    if len(segments) != len(path):
-        return False
-    return all(s == p or (s == WILDCARD and p.isdigit()) for s, p in zip(segments, path, strict=True))
+def parse_all(patterns: list[str]) -> list[list[str]]:
+    """Every concrete pattern the patterns spell (`{a,b}` sets expanded, `*` kept), at most
+    MAX_EXPANSION of them (check_patterns counts them first)."""
+    return [
+        list(combo) for segments in check_patterns(patterns) for combo in itertools.product(*map(_options, segments))
+    ]
+
+
+def names(segments: list[str], model: ModelInfo) -> list[str]:
+    """The module paths one checked pattern names, found without expanding its index sets.
+
+    The model's paths of the pattern's shape (indices, sets and `*` alike) are compared segment
+    by segment: a set is a membership test, `*` any index. Every concrete path the sets spell
+    must name a module (with `*`, at least one); otherwise CaptureSpecError names the first that
+    does not. The work is the number of the model's paths of that shape, whatever the sets hold."""
+    if not any(s == WILDCARD or s.startswith("{") for s in segments):  # a plain path: one lookup
+        concrete = ".".join(segments)
+        if concrete in model.module_index:
+            return [concrete]
+        raise CaptureSpecError(
+            f"capture path {concrete!r} names no module of model {model.name!r}"
+            f"{_closest(concrete, list(model.module_index))}"
+        )
+    options = [_options(s) for s in segments]
+    allowed = [None if s == WILDCARD else frozenset(o) for s, o in zip(segments, options, strict=True)]
+    sets = [i for i, s in enumerate(segments) if s.startswith("{")]
+    shape = ".".join("*" if s == WILDCARD or s.isdigit() or s.startswith("{") else s for s in segments)
+    hits: list[str] = []
+    spelled: set[tuple[str, ...]] = set()
+    for path in model.shape_index.get(shape, []):
+        parts = path.split(".")
+        if all(ok is None or part in ok for part, ok in zip(parts, allowed, strict=True)):
+            hits.append(path)
+            spelled.add(tuple(parts[i] for i in sets))
+    if len(spelled) < math.prod(len(options[i]) for i in sets) or not hits:
+        for combo in itertools.product(*(options[i] for i in sets)):  # stops at the first missing one
+            if combo not in spelled:
+                spelt = list(segments)
+                for i, value in zip(sets, combo, strict=True):
+                    spelt[i] = value
+                missing = ".".join(spelt)
+                raise CaptureSpecError(
+                    f"capture path {missing!r} names no module of model {model.name!r}"
+                    f"{_closest(missing, list(model.module_index))}"
+                )
+    return hits
+
+
+CLOSEST_CANDIDATES = 512  # bounds the fuzzy match's cost on a model with thousands of modules
 
 
 def _closest(concrete: str, paths: list[str]) -> str:
+    """Up to three published paths close to a path that names nothing. Compared against paths
+    with about as many segments (at most CLOSEST_CANDIDATES of them), so a typo costs the API a
+    bounded moment whatever the model's size."""
     probe = concrete.replace(WILDCARD, "0")
-    near = difflib.get_close_matches(probe, paths, n=3, cutoff=0.5)
+    depth = probe.count(".")
+    near_depth = [p for p in paths if abs(p.count(".") - depth) <= 1]
+    if len(near_depth) > CLOSEST_CANDIDATES:  # keep the paths that share the longest prefix
+        near_depth.sort(key=lambda p: -len(os.path.commonprefix([p, probe])))
+        near_depth = near_depth[:CLOSEST_CANDIDATES]
+    near = difflib.get_close_matches(probe, near_depth, n=3, cutoff=0.5)
     return f"; closest valid names: {', '.join(near)}" if near else ""
 
 
@@ -108,18 +171,8 @@ def resolve(spec: CaptureSpec, model: ModelInfo) -> list[CapturePoint]:
     modules: list[ModuleInfo] = model.modules
     index = model.module_index
     selected: set[str] = set(preset_paths(spec, model))
-    for segments in dict.fromkeys(tuple(s) for s in parse_all(spec.modules)):
-        concrete = ".".join(segments)
-        if WILDCARD in segments:  # only the modules of the same shape (numbers as '*') can match
-            candidates = model.shape_index.get(path_shape(segments), [])
-            hits = [p for p in candidates if _matches(list(segments), p.split("."))]
-        else:  # a plain path: one lookup
-            hits = [concrete] if concrete in index else []
-        if not hits:
-            raise CaptureSpecError(
-                f"capture path {concrete!r} names no module of model {model.name!r}{_closest(concrete, list(index))}"
-            )
-        selected.update(hits)
+    for segments in check_patterns(spec.modules):
+        selected.update(names(segments, model))
 
     points: list[CapturePoint] = []
     for info in (modules[i] for i in sorted(index[path] for path in selected)):

@@ -185,9 +185,31 @@ class Job:
 
     @property
     def result(self) -> Result | None:
-        """The completion once the job has succeeded, else None."""
+        """The completion once the job has succeeded, else None. A large result (long text, many
+        log-probabilities) is kept apart from the job by the API: it is fetched whole here
+        (`GET /jobs/{id}/result`, once), so `text` and `logprobs` are always complete."""
         raw = self.data.get("result")
-        return None if raw is None else Result.from_dict(raw)
+        if raw is None:
+            return None
+        if raw.get("stored") is not None:
+            raw = self.result_data()
+        return Result.from_dict(raw)
+
+    @property
+    def logprobs(self) -> dict | None:
+        """The result's `logprobs` (`content`: one entry per token, `total`, `completion_total`),
+        fetched whole when the API keeps them apart; None when not asked for or not finished."""
+        result = self.result
+        return None if result is None else result.logprobs
+
+    def result_data(self) -> dict:
+        """The whole result's JSON (`GET /jobs/{id}/result`), fetched once per finished job."""
+        cached = getattr(self, "_whole", None)
+        if cached is None or cached[0] is not self.data:
+            whole = self._client._request("GET", f"/jobs/{quote(self.id, safe='')}/result").json()
+            self._whole = (self.data, whole)
+            return whole
+        return cached[1]
 
     @property
     def manifest(self) -> dict | None:
@@ -314,6 +336,16 @@ class Job:
             "GET", f"/jobs/{self.id}/activations/{quote(name, safe='')}", params=params
         ) as response:
             data = response.read()
+            expected = response.headers.get("x-actq-tensor-sha256") if rows is None else None
+        if expected is not None:  # the tensor's bytes follow the small file's header
+            start = 8 + int.from_bytes(data[:8], "little")
+            got = hashlib.sha256(memoryview(data)[start:]).hexdigest()
+            if got != expected:
+                raise ChecksumMismatch(
+                    None,
+                    "checksum_mismatch",
+                    f"tensor {name} of job {self.id}: sha256 {got}, the manifest says {expected}",
+                )
         return load(data)[name]
 
     def _rows(self, name: str, rows: slice | tuple[int, int]) -> str:

@@ -11,20 +11,83 @@ progress (reading the cancel flag), and finishes.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar, cast
 
 import redis
 import redis.asyncio as aioredis
 import stamina
+from anyio import to_thread
 from celery import Celery
 
 from shared import broker, keys, stats
 from shared.errors import JobCancelled, JobFailure, WorkerLost
-from shared.schemas import JobRecord, JobStatus
+from shared.redis_faults import refuses_writes
+from shared.schemas import RESULT_PREVIEW_CHARS, RESULT_TEXT_INLINE_CHARS, JobRecord, JobStatus, JobSummary
 
 T = TypeVar("T")
+RESULT_INLINE_BYTES = 16 << 10  # a result's JSON above this is stored apart (ACTQ_RESULT_INLINE_BYTES)
+PARSE_ON_LOOP_BYTES = 64 << 10  # a record larger than this is parsed on a thread, off the event loop
+PREVIEW_CHARS = 200  # of a job's prompt, in GET /jobs
+LIST_CHUNK = 32  # records fetched per MGET while listing: bounds the memory one listing holds
+
+# A new job (or a batch) in one atomic step: refused whole when a job exists already or when the
+# owner's queued jobs or bytes would pass their limits; otherwise every write of every job and the
+# owner's quota counters. KEYS: quota hash, its held hash. ARGV: max jobs, max bytes (0: none),
+# retention, n, total bytes, then per job: record key, record JSON, queued set, score, id, owner's
+# index, owner's status index, model counters, queue, broker message, estimated bytes.
+_ENQUEUE = """
+local n, per = tonumber(ARGV[4]), 11
+for i = 0, n - 1 do
+  if redis.call('EXISTS', ARGV[6 + i * per]) == 1 then return {'exists', ARGV[10 + i * per]} end
+end
+local held = redis.call('HMGET', KEYS[1], 'jobs', 'bytes')
+local jobs, bytes = tonumber(held[1] or '0'), tonumber(held[2] or '0')
+if tonumber(ARGV[1]) > 0 and jobs + n > tonumber(ARGV[1]) then return {'jobs', tostring(jobs)} end
+if tonumber(ARGV[2]) > 0 and bytes + tonumber(ARGV[5]) > tonumber(ARGV[2]) then return {'bytes', tostring(bytes)} end
+for i = 0, n - 1 do
+  local a = 5 + i * per
+  redis.call('SET', ARGV[a + 1], ARGV[a + 2], 'EX', ARGV[3])
+  redis.call('ZADD', ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
+  redis.call('ZADD', ARGV[a + 6], ARGV[a + 4], ARGV[a + 5])
+  redis.call('ZADD', ARGV[a + 7], ARGV[a + 4], ARGV[a + 5])
+  redis.call('HINCRBY', ARGV[a + 8], 'submitted', 1)
+  redis.call('LPUSH', ARGV[a + 9], ARGV[a + 10])
+  redis.call('HSET', KEYS[2], ARGV[a + 5], ARGV[a + 11])
+end
+redis.call('HINCRBY', KEYS[1], 'jobs', n)
+redis.call('HINCRBY', KEYS[1], 'bytes', ARGV[5])
+return {'ok'}
+"""
+
+# A job leaves the queued/running states (or its record expired): its share of the owner's quota
+# is given back, once (HDEL says whether it still held one). KEYS: held hash, quota hash. ARGV: id.
+_RELEASE = """
+local b = redis.call('HGET', KEYS[1], ARGV[1])
+if b then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+  redis.call('HINCRBY', KEYS[2], 'jobs', -1)
+  if b ~= '0' then redis.call('HINCRBY', KEYS[2], 'bytes', '-' .. b) end
+end
+return b
+"""
+
+
+class OverQuota(Exception):
+    """Enqueueing would pass an owner's limit; nothing was written. `setting` names the limit."""
+
+    def __init__(self, message: str, setting: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.setting = setting
+
+
+def _outage_or_refusal(exc: Exception) -> bool:
+    """What the worker's store waits out: Redis away, or Redis refusing writes (MISCONF, OOM,
+    READONLY); any other error reply is a bug and surfaces at once."""
+    return isinstance(exc, (redis.ConnectionError, redis.TimeoutError)) or refuses_writes(exc)
 
 
 def now() -> datetime:
@@ -43,6 +106,43 @@ def _record_stats(pipe: Any, record: JobRecord) -> None:
         stats.observe(pipe, record.model, "queue_wait", (record.started_at - record.created_at).total_seconds())
         if record.finished_at is not None:
             stats.observe(pipe, record.model, "duration", (record.finished_at - record.started_at).total_seconds())
+
+
+def split_result(result: dict[str, Any], inline_bytes: int) -> tuple[dict[str, Any], bytes | None]:
+    """A result for the record, and the whole result's JSON when it is larger than `inline_bytes`
+    (None: it stays whole in the record). The record's copy of a larger one keeps the totals, the
+    text unless it is longer than RESULT_TEXT_INLINE_CHARS (then its first RESULT_PREVIEW_CHARS),
+    and says where the rest is (`stored`)."""
+    from shared.schemas import JobResult
+
+    whole = JobResult.model_validate(result).model_dump_json().encode()
+    if len(whole) <= inline_bytes:
+        return result, None
+    text = result["text"]
+    cut = len(text) > RESULT_TEXT_INLINE_CHARS
+    summary = {**result, "text": text[:RESULT_PREVIEW_CHARS] if cut else text}
+    if result.get("logprobs") is not None:
+        summary["logprobs"] = {**result["logprobs"], "content": None}
+    summary["stored"] = {"bytes": len(whole), "text_truncated": cut}
+    return summary, whole
+
+
+def summarize(record: JobRecord) -> JobSummary:
+    """A job as GET /jobs lists it."""
+    request = record.request
+    prompt = request.prompt if request.prompt is not None else (request.messages or [])[-1].content
+    return JobSummary(
+        id=record.id,
+        status=record.status,
+        model=record.model,
+        mode=request.mode,
+        created_at=record.created_at,
+        finished_at=record.finished_at,
+        prompt_preview=prompt[:PREVIEW_CHARS],
+        error_type=record.error.type if record.error is not None else None,
+        finish_reason=record.result.finish_reason if record.result is not None else None,
+        activations=record.activations is not None,
+    )
 
 
 def _live_fields(record: JobRecord, rank: int | None, tokens: bytes | str | None) -> dict[str, int | None]:
@@ -78,7 +178,7 @@ class JobStore:
         if not self.outage_seconds:
             return call()
         retrying = stamina.retry_context(
-            on=(redis.ConnectionError, redis.TimeoutError),
+            on=_outage_or_refusal,
             attempts=None,
             timeout=self.outage_seconds,
             wait_initial=0.1,
@@ -91,40 +191,112 @@ class JobStore:
 
     # -- creating ---------------------------------------------------------------------------
 
-    def _queue_writes(self, pipe: Any, record: JobRecord, celery: Celery) -> int:
-        """A new job's writes: its record (SET NX), its place in the model's queue and in its
-        owner's indexes, the submitted counter, and its broker message (job id only). Returns the
-        position of the SET's reply among the pipeline's replies."""
-        created = record.created_at.timestamp()
-        position = len(pipe.command_stack)
-        pipe.set(keys.job(record.id), record.model_dump_json(), nx=True, ex=self.retention)
-        pipe.zadd(keys.queued(record.model), {record.id: created})
-        pipe.zadd(keys.jobs_index(record.owner), {record.id: created})
-        pipe.zadd(keys.jobs_status_index(record.owner, record.status.value), {record.id: created})
-        stats.count_submitted(pipe, record.model)
-        queue = keys.queue(record.model)
-        pipe.lpush(queue, broker.task_message(celery, record.id, queue))
-        return position
+    def _enqueue_args(
+        self, records: Sequence[JobRecord], celery: Celery, sizes: Sequence[int] | None, limits: tuple[int, int]
+    ) -> tuple[list[str], list[Any]]:
+        """KEYS and ARGV of `_ENQUEUE` (every record has the same owner)."""
+        owner = records[0].owner
+        assert all(r.owner == owner for r in records), "one owner per enqueue"
+        sizes = list(sizes) if sizes is not None else [0] * len(records)
+        argv: list[Any] = [limits[0], limits[1], self.retention, len(records), sum(sizes)]
+        for record, size in zip(records, sizes, strict=True):
+            queue = keys.queue(record.model)
+            argv += [
+                keys.job(record.id),
+                record.model_dump_json(),
+                keys.queued(record.model),
+                repr(record.created_at.timestamp()),
+                record.id,
+                keys.jobs_index(owner),
+                keys.jobs_status_index(owner, record.status.value),
+                keys.counters(record.model),
+                queue,
+                broker.task_message(celery, record.id, queue),
+                int(size),
+            ]
+        return [keys.quota(owner), keys.quota_held(owner)], argv
 
-    def enqueue(self, records: Sequence[JobRecord], celery: Celery) -> None:
-        """Record and queue new jobs in one transaction: all of them or none."""
+    def _enqueued(self, reply: list[Any]) -> bool:
+        """True when `_ENQUEUE` wrote; False when over a limit (worth one retry after releasing
+        expired jobs); raises for a job that exists already."""
+        what = reply[0].decode() if isinstance(reply[0], bytes) else reply[0]
+        if what == "ok":
+            return True
+        if what == "exists":
+            job_id = reply[1].decode() if isinstance(reply[1], bytes) else reply[1]
+            raise RuntimeError(f"job {job_id} already exists")
+        return False
+
+    def _over_quota(self, reply: list[Any], count: int, total: int, limits: tuple[int, int]) -> OverQuota:
+        held = int(reply[1])
+        if (reply[0].decode() if isinstance(reply[0], bytes) else reply[0]) == "jobs":
+            return OverQuota(
+                f"this API key has {held:,} jobs queued or running; {count:,} more would pass its limit of "
+                f"{limits[0]:,} (ACTQ_MAX_QUEUED_JOBS_PER_KEY); nothing was queued: wait for some to finish",
+                "ACTQ_MAX_QUEUED_JOBS_PER_KEY",
+            )
+        return OverQuota(
+            f"this API key's queued or running jobs hold an estimated {held:,} capture bytes; {total:,} more would "
+            f"pass its limit of {limits[1]:,} (ACTQ_MAX_QUEUED_BYTES_PER_KEY); nothing was queued: wait for some "
+            "to finish",
+            "ACTQ_MAX_QUEUED_BYTES_PER_KEY",
+        )
+
+    def enqueue(
+        self,
+        records: Sequence[JobRecord],
+        celery: Celery,
+        sizes: Sequence[int] | None = None,
+        limits: tuple[int, int] = (0, 0),
+    ) -> None:
+        """Record and queue new jobs (one owner's) in one atomic step: all of them or none.
+        `sizes`: their estimated capture bytes, held against the owner's quota until each job
+        ends; `limits` (max jobs, max bytes; 0: none): beyond them OverQuota and nothing written."""
         if not records:
             return
-        with self.redis.pipeline(transaction=True) as pipe:
-            positions = [self._queue_writes(pipe, record, celery) for record in records]
-            self._check_created(records, positions, pipe.execute())
+        keys_, argv = self._enqueue_args(records, celery, sizes, limits)
+        for attempt in range(2):
+            reply = cast("list[Any]", self.redis.eval(_ENQUEUE, 2, *keys_, *argv))
+            if self._enqueued(reply):
+                return
+            if attempt == 0 and not self.release_expired(records[0].owner):
+                break
+        raise self._over_quota(reply, len(records), int(argv[4]), limits)
 
-    async def enqueue_async(self, record: JobRecord, celery: Celery) -> None:
+    async def enqueue_async(
+        self, record: JobRecord, celery: Celery, size: int = 0, limits: tuple[int, int] = (0, 0)
+    ) -> None:
         """`enqueue` of one job on the event loop (the API's hot path)."""
         assert self.aredis is not None, "JobStore was built without an async client"
-        async with self.aredis.pipeline(transaction=True) as pipe:
-            position = self._queue_writes(pipe, record, celery)
-            self._check_created([record], [position], await pipe.execute())
+        keys_, argv = self._enqueue_args([record], celery, [size], limits)
+        for attempt in range(2):
+            reply = cast("list[Any]", await self.aredis.eval(_ENQUEUE, 2, *keys_, *argv))
+            if self._enqueued(reply):
+                return
+            if attempt == 0 and not await asyncio.to_thread(self.release_expired, record.owner):
+                break
+        raise self._over_quota(reply, 1, size, limits)
 
-    def _check_created(self, records: Sequence[JobRecord], positions: list[int], replies: list[Any]) -> None:
-        for record, position in zip(records, positions, strict=True):
-            if not replies[position]:
-                raise RuntimeError(f"job {record.id} already exists")
+    def release_expired(self, owner: str | None) -> int:
+        """Give back the quota of an owner's jobs whose records are gone (expired while queued,
+        never ending). Run only when a limit is reached. Returns how many were released."""
+        held = [i.decode() for i in cast("list[bytes]", self.redis.hkeys(keys.quota_held(owner)))]
+        released = 0
+        for start in range(0, len(held), 1000):
+            chunk = held[start : start + 1000]
+            with self.redis.pipeline(transaction=False) as pipe:
+                for job_id in chunk:
+                    pipe.exists(keys.job(job_id))
+                found = pipe.execute()
+            for job_id, exists in zip(chunk, found, strict=True):
+                if not exists and self.redis.eval(_RELEASE, 2, keys.quota_held(owner), keys.quota(owner), job_id):
+                    released += 1
+        return released
+
+    def quota_used(self, owner: str | None) -> tuple[int, int]:
+        """(jobs, estimated capture bytes) the owner has queued or running."""
+        jobs, size = cast("list[bytes | None]", self.redis.hmget(keys.quota(owner), ["jobs", "bytes"]))
+        return int(jobs or 0), int(size or 0)
 
     # -- reading ----------------------------------------------------------------------------
 
@@ -133,9 +305,38 @@ class JobStore:
         return None if raw is None else JobRecord.model_validate_json(raw)
 
     async def get_async(self, job_id: str) -> JobRecord | None:
+        """`get` on the event loop; a large record (a long prompt) is parsed on a thread."""
         assert self.aredis is not None, "JobStore was built without an async client"
         raw = await self.aredis.get(keys.job(job_id))
-        return None if raw is None else JobRecord.model_validate_json(raw)
+        if raw is None:
+            return None
+        if len(raw) > PARSE_ON_LOOP_BYTES:
+            return await to_thread.run_sync(JobRecord.model_validate_json, raw)
+        return JobRecord.model_validate_json(raw)
+
+    async def stored_result_async(self, job_id: str) -> bytes | None:
+        """The whole JSON of a result stored apart (split_result), as stored: never parsed here."""
+        assert self.aredis is not None, "JobStore was built without an async client"
+        return cast("bytes | None", await self.aredis.get(keys.result(job_id)))
+
+    async def stored_result_exists_async(self, job_id: str) -> bool:
+        assert self.aredis is not None, "JobStore was built without an async client"
+        return bool(await self.aredis.exists(keys.result(job_id)))
+
+    def stored_result(self, job_id: str) -> bytes | None:
+        return cast("bytes | None", self.redis.get(keys.result(job_id)))
+
+    async def stream_stored_result(self, job_id: str, size: int, chunk: int = 64 << 10) -> AsyncIterator[bytes]:
+        """A result stored apart, `size` bytes, read `chunk` bytes at a time (GETRANGE): a request
+        holds one chunk, never the whole. The key is written once, with the terminal record, and
+        never changed; should it vanish meanwhile (deleted, expired) the stream ends short."""
+        assert self.aredis is not None, "JobStore was built without an async client"
+        key = keys.result(job_id)
+        for start in range(0, size, chunk):
+            data = cast("bytes", await self.aredis.getrange(key, start, min(start + chunk, size) - 1))
+            if not data:
+                raise RuntimeError(f"the stored result of job {job_id} vanished while it was read")
+            yield data
 
     def live_fields(self, record: JobRecord) -> dict[str, int | None]:
         """Where a queued job stands in its model's queue (1 = next); how far a running job has got."""
@@ -164,15 +365,17 @@ class JobStore:
                 pipe.zcard(keys.queued(model))
             return {model: int(n) for model, n in zip(models, await pipe.execute(), strict=True)}
 
-    def list(self, owner: str | None, status: JobStatus | None, limit: int) -> list[JobRecord]:
-        """An owner's jobs (all jobs when keys are off), newest first, all or in one state (read
-        from that state's index, not filtered from all); records past their retention leave the
-        index on the way."""
+    def list(self, owner: str | None, status: JobStatus | None, limit: int) -> list[JobSummary]:
+        """An owner's jobs (all jobs when keys are off) as summaries, newest first, all or in one
+        state (read from that state's index, not filtered from all); records past their retention
+        leave the index on the way. Records are fetched LIST_CHUNK at a time and only their
+        summaries kept (results stored apart are never read here)."""
         index = keys.jobs_index(owner) if status is None else keys.jobs_status_index(owner, status.value)
-        found: list[JobRecord] = []
+        found: list[JobSummary] = []
         start = 0
         while len(found) < limit:
-            ids = [i.decode() for i in cast("list[bytes]", self.redis.zrevrange(index, start, start + 4 * limit - 1))]
+            chunk = min(LIST_CHUNK, 2 * (limit - len(found)))
+            ids = [i.decode() for i in cast("list[bytes]", self.redis.zrevrange(index, start, start + chunk - 1))]
             if not ids:
                 break
             start += len(ids)
@@ -185,13 +388,20 @@ class JobStore:
                 if raw is not None:
                     record = JobRecord.model_validate_json(raw)
                     if status is None or record.status is status:
-                        found.append(record)
+                        found.append(summarize(record))
         return found[:limit]
 
     # -- changing ---------------------------------------------------------------------------
 
-    def update(self, job_id: str, change: Callable[[JobRecord], JobRecord | None]) -> JobRecord | None:
+    def update(
+        self,
+        job_id: str,
+        change: Callable[[JobRecord], JobRecord | None],
+        stored_result: bytes | None = None,
+    ) -> JobRecord | None:
         """Apply `change` atomically. It returns the new record, or None to leave the job as it is.
+        `stored_result` (a result kept apart, see split_result) is written in the same transaction,
+        with the record's TTL, only when the change is.
 
         Returns what was written, or None when nothing was (unknown job, or `change` declined).
         """
@@ -209,8 +419,11 @@ class JobStore:
                     if new is None:
                         pipe.unwatch()
                         return None
+                    ttl = int(pipe.pttl(key)) if stored_result is not None else 0
                     pipe.multi()
                     pipe.set(key, new.model_dump_json(), keepttl=True)
+                    if stored_result is not None:
+                        pipe.set(keys.result(job_id), stored_result, px=ttl if ttl > 0 else self.retention * 1000)
                     pipe.publish(keys.job_events(job_id), new.status.value)
                     if new.status is not old.status:
                         created = new.created_at.timestamp()
@@ -220,6 +433,8 @@ class JobStore:
                         pipe.zrem(keys.queued(new.model), job_id)
                     if new.status.terminal and not old.status.terminal:
                         _record_stats(pipe, new)
+                        # the owner's quota: given back once, at the one terminal transition
+                        pipe.eval(_RELEASE, 2, keys.quota_held(new.owner), keys.quota(new.owner), job_id)
                     pipe.execute()
                     return new
                 except redis.WatchError:
@@ -257,23 +472,39 @@ class JobStore:
             return None, outcome["why"]
         return record, outcome["why"]
 
-    def succeed(self, job_id: str, result: dict[str, Any], activations: dict[str, Any] | None) -> JobRecord | None:
-        """A running job's result (and manifest). A terminal job is left alone."""
+    def succeed(
+        self,
+        job_id: str,
+        result: dict[str, Any],
+        activations: dict[str, Any] | None,
+        inline_bytes: int = RESULT_INLINE_BYTES,
+    ) -> JobRecord | None:
+        """A running job's result (and manifest). A terminal job is left alone. A result larger
+        than `inline_bytes` is stored apart from the record (split_result)."""
+        shown, whole = split_result(result, inline_bytes)
 
         def change(record: JobRecord) -> JobRecord | None:
             if record.status.terminal:
                 return None
             data = record.model_dump()
-            data.update(status=JobStatus.succeeded, result=result, activations=activations, finished_at=now())
+            data.update(status=JobStatus.succeeded, result=shown, activations=activations, finished_at=now())
             return JobRecord.model_validate(data)
 
-        return self._through_outage(lambda: self.update(job_id, change))
+        return self._through_outage(lambda: self.update(job_id, change, whole))
 
-    def fail(self, job_id: str, failure: JobFailure, result: dict[str, Any] | None = None) -> JobRecord | None:
+    def fail(
+        self,
+        job_id: str,
+        failure: JobFailure,
+        result: dict[str, Any] | None = None,
+        inline_bytes: int = RESULT_INLINE_BYTES,
+    ) -> JobRecord | None:
         """End a job with `failure` (a JobCancelled ends it `cancelled`, anything else `failed`),
-        keeping a partial `result` when given. A terminal job is left alone."""
+        keeping a partial `result` when given (stored apart when larger than `inline_bytes`). A
+        terminal job is left alone."""
+        shown, whole = split_result(result, inline_bytes) if result is not None else (None, None)
         return self._through_outage(
-            lambda: self.update(job_id, lambda r: None if r.status.terminal else _ended(r, failure, result))
+            lambda: self.update(job_id, lambda r: None if r.status.terminal else _ended(r, failure, shown), whole)
         )
 
     def cancel_queued(self, job_id: str, failure: JobCancelled) -> JobRecord | None:
@@ -286,11 +517,17 @@ class JobStore:
 
     def report_progress(self, job_id: str, generated_tokens: int) -> bool:
         """The worker's word while it generates: store the progress; True when a cancel was asked."""
+        return job_id in self.report_progress_many({job_id: generated_tokens})
+
+    def report_progress_many(self, generated_tokens: dict[str, int]) -> set[str]:
+        """Store the progress of every running job of a batch and read their cancel flags, in one
+        round trip; returns the ids whose cancel was asked."""
         with self.redis.pipeline(transaction=False) as pipe:
-            pipe.exists(keys.cancel(job_id))
-            pipe.set(keys.progress(job_id), generated_tokens, ex=self.retention)
-            cancelled, _ = pipe.execute()
-        return bool(cancelled)
+            for job_id, tokens in generated_tokens.items():
+                pipe.exists(keys.cancel(job_id))
+                pipe.set(keys.progress(job_id), tokens, ex=self.retention)
+            replies = pipe.execute()
+        return {job_id for job_id, flag in zip(generated_tokens, replies[::2], strict=True) if flag}
 
     def delete(self, record: JobRecord) -> None:
         """Remove a finished job's record, flags, index entry and Idempotency-Key (a retry with the
@@ -298,7 +535,7 @@ class JobStore:
         are the store's to remove."""
         job_id = record.id
         with self.redis.pipeline(transaction=True) as pipe:
-            pipe.delete(keys.job(job_id), keys.cancel(job_id), keys.progress(job_id))
+            pipe.delete(keys.job(job_id), keys.cancel(job_id), keys.progress(job_id), keys.result(job_id))
             if record.idempotency is not None:
                 pipe.delete(record.idempotency)
             pipe.zrem(keys.jobs_index(record.owner), job_id)

@@ -14,6 +14,11 @@ def job(job_id: str) -> str:
     return f"{PREFIX}:job:{job_id}"
 
 
+def result(job_id: str) -> str:
+    """A large result's whole JSON, stored apart from the record (same TTL): GET /jobs/{id}/result."""
+    return f"{PREFIX}:result:{job_id}"
+
+
 def job_events(job_id: str) -> str:
     """Pub/sub channel announcing a job's state changes (for GET /jobs/{id}?wait=)."""
     return f"{PREFIX}:job-events:{job_id}"
@@ -92,3 +97,14 @@ def held(name: str, worker_id: str) -> str:
 def queue(name: str) -> str:
     """The Celery queue (a Redis list) that a model's workers consume."""
     return f"{PREFIX}.{name}"
+
+
+def quota(owner: str | None) -> str:
+    """Hash of what one API key (`_`: callers without keys) has queued or running: `jobs` and
+    `bytes` (their estimated capture bytes), checked against ACTQ_MAX_QUEUED_*_PER_KEY."""
+    return f"{PREFIX}:quota:{owner or '_'}"
+
+
+def quota_held(owner: str | None) -> str:
+    """Hash of those jobs' ids -> estimated capture bytes: each is released exactly once."""
+    return f"{PREFIX}:quota:{owner or '_'}:held"

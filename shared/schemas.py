@@ -274,6 +274,19 @@ class Logprobs(Strict):
     completion_total: float | None = None  # trace over a final assistant turn: the sum over that turn
 
 
+RESULT_TEXT_INLINE_CHARS = 4096  # a result stored apart keeps its text in the record up to this long
+RESULT_PREVIEW_CHARS = 200  # and of a longer text, its first this many characters
+
+
+class StoredResult(Strict):
+    """Where the rest of a result is: one larger than ACTQ_RESULT_INLINE_BYTES is stored apart from
+    the job's record (a Redis key with the record's TTL) and read by `GET /jobs/{id}/result`."""
+
+    bytes: int  # the whole result's JSON
+    text_truncated: bool  # the text was longer than RESULT_TEXT_INLINE_CHARS: `text` holds its first 200 characters
+    url: str | None = None  # filled in by the API when it renders a job
+
+
 class JobResult(Strict):
     text: str
     finish_reason: Literal["stop", "length", "cancelled", "timeout"]
@@ -282,6 +295,9 @@ class JobResult(Strict):
     # A trace over messages ending with an assistant turn: that turn's token_ids range
     # [start, stop) (positions "completion"; README "Trace jobs").
     completion_span: list[int] | None = None
+    # Set when the result is stored apart: here `logprobs.content` is null (the totals stay) and
+    # `text` may be cut (`stored.text_truncated`); GET /jobs/{id}/result answers the whole result.
+    stored: StoredResult | None = None
 
 
 class TensorInfo(Strict):
@@ -296,6 +312,7 @@ class TensorInfo(Strict):
     bytes: int
     reduce: Reduce = "none"  # not "none": one row, this reduction of rows [start, stop)
     features: list[int] | None = None  # the kept indices of the last dimension (None: all)
+    sha256: str | None = None  # of the tensor's bytes in the file (None: a file written before actq recorded it)
 
 
 class ActivationsManifest(Strict):
@@ -306,7 +323,16 @@ class ActivationsManifest(Strict):
     tensors: list[TensorInfo]
     # Other tensors in the file besides token_ids (log-probabilities: logprobs, top_logprobs, ...).
     extra: list[str] = []
+    # sha256 of the bytes of token_ids and of each `extra` tensor (the captures' are in `tensors`)
+    extra_sha256: dict[str, str] = {}
     download_url: str | None = None  # filled in by the API when it renders a job
+
+    def tensor_sha256(self, name: str) -> str | None:
+        """The sha256 of one tensor's bytes as written, from the manifest; None when not recorded."""
+        for info in self.tensors:
+            if info.name == name:
+                return info.sha256
+        return self.extra_sha256.get(name)
 
 
 class JobError(Strict):
@@ -352,6 +378,21 @@ class JobView(Strict):
     generated_tokens: int | None = None
 
 
+class JobSummary(Strict):
+    """`GET /jobs` entry: what a listing needs, never the result (read that with GET /jobs/{id})."""
+
+    id: str
+    status: JobStatus
+    model: str
+    mode: Mode
+    created_at: datetime
+    finished_at: datetime | None
+    prompt_preview: str  # the first 200 characters of the prompt (a chat: of its last message)
+    error_type: str | None  # a failed or cancelled job's `error.type`
+    finish_reason: str | None  # a finished job's `result.finish_reason`
+    activations: bool  # the job stored an activations file
+
+
 def path_shape(segments: list[str] | tuple[str, ...]) -> str:
     """A module path with every index (or `*`) as `*`: `model.layers.3.mlp` -> `model.layers.*.mlp`."""
     return ".".join("*" if s == "*" or s.isdigit() else s for s in segments)
@@ -368,6 +409,15 @@ class ModuleInfo(Strict):
     def width(self, hook: str) -> int | None:
         """The last dimension captured on `hook` ("output" or "input"); None: not capturable."""
         return self.output_dim if hook == "output" else self.input_dim
+
+    def hooks(self) -> dict[Hook, int]:
+        """The hooks a capture of this module may name, with their widths (`width` is not None)."""
+        found: dict[Hook, int] = {}
+        for hook in ("output", "input"):
+            width = self.width(hook)
+            if width is not None:
+                found[hook] = width
+        return found
 
 
 class ModelInfo(Strict):
@@ -430,4 +480,8 @@ class ModelView(Strict):
     chat_template: bool  # False: a base model, send `prompt` (raw text) rather than `messages`
     presets: dict[str, list[str]]  # preset -> one module path per decoder block
     modules: list[str]  # forward-execution order
+    # Per module, the hooks a capture may name ("output", "input") and the width each captures; a
+    # hook missing here is refused. Modules in `last_position_only` take positions generated/last only.
+    hooks: dict[str, dict[Hook, int]]
+    last_position_only: list[str]
     not_capturable: dict[str, str]  # modules the forward pass runs that cannot be captured, and why

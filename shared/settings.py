@@ -21,6 +21,9 @@ class Settings(BaseSettings):
     api_url: str = Field(
         "http://127.0.0.1:8000", description="Where `actq run-file`, `actq gsm8k` and `actq probe` reach the API."
     )
+    api_key: str | None = Field(
+        None, description="The key `actq run-file`, `gsm8k`, `probe` and `export` send (`Authorization: Bearer`)."
+    )
     api_keys: str | None = Field(
         None,
         description=(
@@ -118,6 +121,18 @@ class Settings(BaseSettings):
         ge=1,
         description="Long polls (GET /jobs/{id}?wait=, /v1/chat/completions) one API process holds; 429 beyond.",
     )
+    max_queued_jobs_per_key: int = Field(
+        10_000,
+        ge=0,
+        description="Jobs one API key (all callers together when keys are off) may have queued or running; "
+        "429 beyond, nothing queued (0: no limit).",
+    )
+    max_queued_bytes_per_key: int = Field(
+        256 << 30,
+        ge=0,
+        description="Estimated capture bytes of the jobs one API key may have queued or running; 429 beyond, "
+        "nothing queued (0: no limit).",
+    )
     redis_max_connections: int = Field(
         64, ge=2, description="Redis connections per API process for its async work (requests wait for a free one)."
     )
@@ -127,6 +142,12 @@ class Settings(BaseSettings):
         le=1_000_000,
         description="Most log-probability entries a job's result holds inline; a longer output's are tensors in "
         "its activations file (logprobs, top_logprobs, top_logprob_ids).",
+    )
+    result_inline_bytes: int = Field(
+        16 << 10,
+        ge=1024,
+        description="A job result whose JSON is larger (log-probabilities, a long text) is stored apart from the "
+        "job's record, so GET /jobs/{id} stays small; GET /jobs/{id}/result reads the whole result.",
     )
     max_batch: int = Field(
         16,
@@ -160,10 +181,11 @@ class Settings(BaseSettings):
         description="How long a worker retries an upload while the S3 endpoint is unreachable (0: not at all).",
     )
     lost_message_check_seconds: float = Field(
-        30.0,
+        10.0,
         gt=0,
-        description="Seconds between a worker's checks for queued jobs whose broker message was lost; "
-        "one missing at two checks is sent again.",
+        description="Seconds between a worker's checks for jobs whose broker message no live worker will run "
+        "(lost in a Redis outage, or held by a worker whose heartbeat expired); one found at two checks this "
+        "far apart is sent again.",
     )
     max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it is failed as `worker_lost`.")
     job_retention_seconds: int = Field(7 * 24 * 3600, gt=0, description="How long job records are kept.")

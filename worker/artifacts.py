@@ -59,6 +59,7 @@ def write_activations(
     }
     if generation.completion is not None:
         metadata["completion_span"] = f"{generation.completion[0]}:{generation.completion[1]}"
+    checksums: dict[str, str] = {}  # each tensor's sha256, filled while the file is written
     try:
         fd, name = tempfile.mkstemp(dir=store.scratch_dir(), suffix=".safetensors")
         os.close(fd)
@@ -67,7 +68,7 @@ def write_activations(
         raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
     try:
         try:
-            size, sha = write_file(tmp, tensors, metadata, fsync=store.durable_scratch)
+            size, sha = write_file(tmp, tensors, metadata, fsync=store.durable_scratch, tensor_sha256=checksums)
         except OSError as exc:
             raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
         key = activations_key(job_id)
@@ -87,10 +88,14 @@ def write_activations(
             bytes=c.tensor.numel() * c.tensor.element_size(),
             reduce=capture.reduce if capture is not None else "none",
             features=c.features,
+            sha256=checksums[c.point.name],
         )
         for c in generation.captured
     ]
-    manifest = ActivationsManifest(uri=uri, key=key, sha256=sha, bytes=size, tensors=infos, extra=list(extra))
+    others = {name: checksums[name] for name in ("token_ids", *extra)}
+    manifest = ActivationsManifest(
+        uri=uri, key=key, sha256=sha, bytes=size, tensors=infos, extra=list(extra), extra_sha256=others
+    )
     document = {"job_id": job_id, "model": model, "metadata": metadata, **manifest.model_dump(exclude_none=True)}
     try:
         store.put_bytes(manifest_key(job_id), json.dumps(document, indent=2).encode())

@@ -25,6 +25,18 @@ ack retries through an outage of up to `ack_outage_seconds` (the worker's ACTQ_R
 acks run on the task's own thread, which would wait that long to record its outcome anyway) and
 frees the slot whatever happens; an ack that still fails leaves the message to be redelivered after
 the visibility timeout, when its job's record says it has finished.
+
+The third: Redis refusing writes while it runs (MISCONF: it cannot write its append-only file,
+e.g. a full disk; OOM: `maxmemory` under noeviction; READONLY: it became a replica). kombu sees
+these as plain ResponseErrors, which Celery does not count as connection errors: the worker died
+with "Unrecoverable error: ... MISCONF" on the ZADD that records a delivered message in
+`unacked_index` (issue 22). Here every broker connection raises a refusal as `WritesRefused`, a
+redis ConnectionError: kombu and Celery then handle it as they handle Redis going away (the
+consumer reconnects, retrying until Redis accepts writes again, and the worker stays up). The
+record of a message just delivered (BRPOP, which OOM does not refuse, then ZADD + HSET into
+`unacked`) is retried through the refusal like an ack, so the message is not dropped; if the
+refusal outlasts `ack_outage_seconds` the message is lost from Redis and its job, still queued,
+is sent again by the lost-message check (worker/lost_messages.py).
 """
 
 from __future__ import annotations
@@ -36,6 +48,29 @@ import stamina
 from kombu.transport import redis as kombu_redis
 from kombu.transport import virtual
 
+from shared.redis_faults import WritesRefused, refusal
+
+_REFUSING: dict[type, type] = {}
+
+
+def refusals_as_connection_errors(connection_class: type) -> type:
+    """`connection_class` whose replies raise a write refusal as WritesRefused (a ConnectionError)."""
+    if connection_class not in _REFUSING:
+
+        class Refusing(connection_class):
+            def read_response(self, *args: Any, **kwargs: Any) -> Any:
+                try:
+                    return super().read_response(*args, **kwargs)
+                except redis.ResponseError as exc:
+                    why = refusal(exc)
+                    if why is None:
+                        raise
+                    raise WritesRefused(f"Redis refuses writes: {why}") from exc
+
+        Refusing.__name__ = Refusing.__qualname__ = f"Refusing{connection_class.__name__}"
+        _REFUSING[connection_class] = Refusing
+    return _REFUSING[connection_class]
+
 
 class QoS(kombu_redis.QoS):
     def _retrying(self) -> Any:
@@ -46,6 +81,18 @@ class QoS(kombu_redis.QoS):
             wait_initial=0.1,
             wait_max=2.0,
         )
+
+    def append(self, message: Any, delivery_tag: str) -> None:
+        """Record a delivered message in `unacked`; a write refusal is waited out (see above)."""
+        if not self.channel.ack_outage_seconds:
+            super().append(message, delivery_tag)
+            return
+        retrying = stamina.retry_context(
+            on=WritesRefused, attempts=None, timeout=self.channel.ack_outage_seconds, wait_initial=0.1, wait_max=2.0
+        )
+        for attempt in retrying:
+            with attempt:
+                super().append(message, delivery_tag)
 
     def ack(self, delivery_tag: str) -> None:
         try:
@@ -77,10 +124,15 @@ class Channel(kombu_redis.Channel):
     def _connparams(self, asynchronous: bool = False) -> dict[str, Any]:
         saved = self.__dict__.setdefault("_saved_connparams", {})
         if self.connection.client is not None:
-            saved[asynchronous] = super()._connparams(asynchronous=asynchronous)
+            saved[asynchronous] = self._refusing(super()._connparams(asynchronous=asynchronous))
         elif asynchronous not in saved:  # never connected: nothing to remember
-            return super()._connparams(asynchronous=asynchronous)
+            return self._refusing(super()._connparams(asynchronous=asynchronous))
         return dict(saved[asynchronous])
+
+    @staticmethod
+    def _refusing(params: dict[str, Any]) -> dict[str, Any]:
+        params["connection_class"] = refusals_as_connection_errors(params["connection_class"])
+        return params
 
 
 class Transport(kombu_redis.Transport):

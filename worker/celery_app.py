@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 
 from celery.exceptions import Reject
 from celery.platforms import EX_FAILURE
@@ -41,12 +42,21 @@ engine = EngineClient(start_timeout=settings.worker_start_timeout)
 log = logging.getLogger("actq.worker")
 _sweepers: list[LostMessageSweeper] = []
 _holding: set[str] = set()  # job ids whose task is running in this worker
+_holding_lock = threading.Lock()  # the pool's task threads check and add together
 
 
 @app.task(name=keys.TASK_NAME, ignore_result=True)
 def run_job(job_id: str) -> None:
     """The task: its message carries only the job id; the request lives in the job's record."""
-    _holding.add(job_id)  # published for the lost-message check: this message is not stranded
+    with _holding_lock:
+        if job_id in _holding:  # a second delivery while a task of ours runs it: drop (ack) this copy
+            log.warning(
+                "job %s: its message was delivered again while this worker runs it (kombu restores a channel's "
+                "unacknowledged messages when it reconnects); this copy is dropped, the first one goes on",
+                job_id,
+            )
+            return
+        _holding.add(job_id)  # published for the lost-message check: this message is not stranded
     try:
         outcome = engine.run(job_id, time_limit=settings.job_time_limit)
     finally:
@@ -88,17 +98,24 @@ def _start_lost_message_checks() -> LostMessageSweeper:
     import redis
 
     from shared.broker import task_message
+    from shared.registry import ModelRegistry
 
-    queue = keys.queue(settings.served_model_name)
+    model = settings.served_model_name
+    queue = keys.queue(model)
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
+    registry = ModelRegistry(client, settings.heartbeat_ttl)
     sweeper = LostMessageSweeper(
-        redis.Redis.from_url(settings.redis_url),
-        settings.served_model_name,
+        client,
+        model,
         queue,
         lambda job_id: task_message(app, job_id, queue),
         interval=settings.lost_message_check_seconds,
         confirm=settings.lost_message_check_seconds,
         worker_id=f"{socket.gethostname()}:{os.getpid()}",
         holding=lambda: set(_holding),
+        publish_every=settings.heartbeat_interval,  # this worker's holdings live as long as a heartbeat
+        held_ttl=settings.heartbeat_ttl,
+        live_engines=lambda: set(registry.live_workers(model)),
     )
     sweeper.start()
     return sweeper

@@ -1,24 +1,29 @@
-"""Find queued jobs whose broker message is lost or stranded, and send it again.
+"""Find jobs whose broker message no live worker will run, and send it again.
 
 kombu's Redis transport takes a message with BRPOP, which removes it from the queue's list, and
-then copies it into the `unacked` hash. Two ways a Redis outage strands a job that way:
+then copies it into the `unacked` hash, where it stays until the task acknowledges it (late ack:
+when its job ends). Three ways a job is stranded so:
 
 - Redis stops between the two: its reply to BRPOP is never sent, the message is gone.
 - The message reached `unacked` just before the consumer lost its connection, but never reached a
   task: Celery drops what it had not started when the connection goes, and kombu's restore of the
-  old channel's messages fails while Redis is down. The message waits in `unacked` for the
-  visibility timeout (2 hours by default). A test of this project saw it: 199 of 200 jobs ran after
-  a Redis restart, one was delivered 4 ms before the connection loss and never started.
+  old channel's messages fails while Redis is down. A test of this project saw it: 199 of 200 jobs
+  ran after a Redis restart, one was delivered 4 ms before the connection loss and never started.
+- The whole worker is lost (killed, its spot machine gone) while its jobs run: their messages stay
+  in `unacked` and their records say `running`; nothing rejects them.
 
-Either way the job stays `queued` in the store, where every queued job is in its model's queued
-set. Every `interval` seconds each worker publishes the jobs its tasks hold (key with a TTL), and
-one of the model's workers (a lock in Redis) looks for queued jobs older than `confirm` seconds
-whose message is in neither the queue's list nor `unacked`, or is in `unacked` but held by no live
-worker. A job found so at two checks at least `confirm` apart is sent again to the front of the
-queue (a stranded `unacked` entry is moved back, as kombu's own restore does). A message is in
-flight between BRPOP and `unacked`, or between delivery and its task, for microseconds; a worker
-publishes what it holds within `interval` <= `confirm` seconds; so a job that is running or about
-to run is never sent twice. A job that did run meanwhile has left the queued set.
+kombu would redeliver an `unacked` message after the visibility timeout (2 hours by default, and
+it must exceed the hard time limit). This check does better: every `publish_every` seconds (the
+heartbeat interval) each worker publishes the jobs its tasks hold, kept for the heartbeat TTL;
+every `interval` seconds one of the model's workers (a lock in Redis) looks for queued jobs older
+than `confirm` seconds whose message is in neither the queue's list nor `unacked`, and for
+messages in `unacked` held by no live worker whose job is queued, or running on an engine whose
+heartbeat has expired. A job found so at two checks at least `confirm` apart is sent again to the
+front of the queue (a stranded `unacked` entry is moved back, as kombu's own restore does); its
+next claim counts one more attempt. A message is in flight between BRPOP and `unacked`, or
+between delivery and its task, for microseconds; a live worker publishes what it holds within
+`publish_every` <= `confirm` seconds; so a job that is running or about to run on a live worker is
+never sent twice. A job that did run meanwhile has left the queued set or ended.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ from typing import Any, cast
 import redis
 
 from shared import keys
+from shared.states import TERMINAL_NAMES
 
 log = logging.getLogger("actq.worker")
 UNACKED = "unacked"  # kombu's Redis transport: delivery tag -> [message, exchange, routing key]
@@ -68,33 +74,99 @@ def held_by_live_workers(client: redis.Redis, model: str) -> set[str]:
     return held
 
 
-def find_stranded(client: redis.Redis, model: str, queue: str, min_age: float) -> dict[str, str | None]:
-    """Queued jobs older than `min_age` s whose message is lost (-> None) or stranded in
-    `unacked` with no live worker holding it (-> its delivery tag)."""
-    waiting = cast("list[bytes]", client.zrangebyscore(keys.queued(model), "-inf", time.time() - min_age))
-    if not waiting:
-        return {}
+def _record(client: redis.Redis, job_id: str) -> dict[str, Any] | None:
+    raw = client.get(keys.job(job_id))
+    try:
+        return None if raw is None else cast("dict[str, Any]", json.loads(raw))
+    except ValueError:
+        return None
+
+
+def find_stranded(
+    client: redis.Redis,
+    model: str,
+    queue: str,
+    min_age: float,
+    live_engines: Callable[[], set[str]] = set,
+    now: float | None = None,
+) -> dict[str, str | None]:
+    """Jobs of `model` whose message no live worker will run, each -> where its message is (None:
+    lost; a delivery tag: stranded in `unacked`):
+
+    - queued jobs older than `min_age` s whose message is in neither the queue nor `unacked`, or
+      is in `unacked` held by no live worker;
+    - running jobs whose message was delivered more than `min_age` s ago and sits in `unacked`
+      held by no live worker, whose engine (the record's `worker`) has no live heartbeat either:
+      their whole worker was lost (killed, its machine gone).
+
+    Messages in `unacked` of jobs that already ended, held by nobody (their worker died between
+    recording the outcome and acknowledging), are dropped on the way: their job is done."""
+    now = time.time() if now is None else now
+    waiting = cast("list[bytes]", client.zrangebyscore(keys.queued(model), "-inf", now - min_age))
     missing = {_decode(w) for w in waiting}
-    for raw in _messages(client, queue):
-        missing.discard(_task_id(raw) or "")
-        if not missing:
-            return {}
+    if missing:
+        for raw in _messages(client, queue):
+            missing.discard(_task_id(raw) or "")
+            if not missing:
+                break
     stranded: dict[str, str | None] = dict.fromkeys(missing)
     held = held_by_live_workers(client, model)
+    engines: set[str] | None = None  # read once, when a running job needs it
     for tag, raw in client.hscan_iter(UNACKED, count=SCAN_CHUNK):
-        job_id = _task_id(raw)
-        if job_id in stranded:
+        job_id, tag = _task_id(raw), _decode(tag)
+        if job_id is None or _queue_of(raw) != queue:
+            continue
+        if job_id in missing:  # queued, and its message was delivered: stranded unless a worker holds it
             if job_id in held:
                 del stranded[job_id]
             else:
-                stranded[job_id] = _decode(tag)
-    # A job may have left the queued set while we looked (claimed, cancelled): check again.
-    return {j: tag for j, tag in stranded.items() if client.zscore(keys.queued(model), j) is not None}
+                stranded[job_id] = tag
+            continue
+        if job_id in held:
+            continue
+        delivered = client.zscore(UNACKED_INDEX, tag)
+        if delivered is None or now - delivered < min_age:
+            continue  # just delivered: its task may not have published that it holds it yet
+        record = _record(client, job_id)
+        if record is None:
+            continue
+        status = record.get("status")
+        if status in TERMINAL_NAMES:
+            with client.pipeline(transaction=True) as pipe:  # nothing left to run: drop it
+                pipe.hdel(UNACKED, tag)
+                pipe.zrem(UNACKED_INDEX, tag)
+                pipe.execute()
+        elif status == "running":
+            if engines is None:
+                engines = live_engines()
+            if record.get("worker") not in engines:
+                stranded[job_id] = tag
+    # A job may have moved on while we looked (claimed, finished, cancelled): check again.
+    return {j: tag for j, tag in stranded.items() if _still_stranded(client, model, j, tag)}
+
+
+def _queue_of(raw: bytes | str) -> str | None:
+    try:
+        entry = json.loads(raw)
+        return str(entry[2]) if isinstance(entry, list) and len(entry) > 2 else None
+    except (ValueError, TypeError):
+        return None
+
+
+def _still_stranded(client: redis.Redis, model: str, job_id: str, tag: str | None) -> bool:
+    if client.zscore(keys.queued(model), job_id) is not None:
+        return True
+    record = _record(client, job_id)
+    return tag is not None and record is not None and record.get("status") == "running"
 
 
 class LostMessageSweeper:
-    """Every `interval` s: publish what this worker holds; then, if this worker has the round,
-    send again the message of each job found stranded at two checks `confirm` s apart."""
+    """Every `publish_every` s: publish what this worker holds (kept `held_ttl` s); every
+    `interval` s (one of the model's workers a round, a lock in Redis): send again the message of
+    each job found stranded at two checks at least `confirm` s apart.
+
+    `live_engines` lists the model's engines with a live heartbeat (the `worker` a running job's
+    record names). `clock` is the wall clock (Redis holds wall-clock times); tests pass their own."""
 
     def __init__(
         self,
@@ -107,13 +179,17 @@ class LostMessageSweeper:
         worker_id: str = "",
         holding: Callable[[], set[str]] = set,
         held_ttl: float | None = None,
+        publish_every: float | None = None,
+        live_engines: Callable[[], set[str]] = set,
+        clock: Callable[[], float] = time.time,
     ) -> None:
-        if confirm < interval:
-            raise ValueError("confirm must be at least interval: a worker publishes what it holds once per interval")
+        self.publish_every = interval if publish_every is None else min(publish_every, interval)
+        self.held_ttl = held_ttl if held_ttl is not None else 3 * self.publish_every
+        if confirm < self.publish_every:
+            raise ValueError("confirm must be at least publish_every: a worker publishes what it holds that often")
         self.client, self.model, self.queue, self.message = client, model, queue, message
         self.interval, self.confirm = interval, confirm
-        self.worker_id, self.holding = worker_id, holding
-        self.held_ttl = held_ttl if held_ttl is not None else 3 * interval
+        self.worker_id, self.holding, self.live_engines, self.clock = worker_id, holding, live_engines, clock
         self.stop = threading.Event()
 
     def publish_held(self) -> None:
@@ -130,8 +206,8 @@ class LostMessageSweeper:
         first seen stranded) live in Redis, so any of the model's workers can confirm them."""
         if not self.client.set(keys.lost_sweep(self.model), "1", nx=True, px=max(1, int(self.interval * 900))):
             return []  # another worker checks this round
-        stranded = find_stranded(self.client, self.model, self.queue, min_age=self.confirm)
-        now = time.time()
+        now = self.clock()
+        stranded = find_stranded(self.client, self.model, self.queue, self.confirm, self.live_engines, now)
         seen = {_decode(k): float(v) for k, v in self.client.hgetall(keys.lost_suspects(self.model)).items()}
         resent = sorted(j for j in stranded if j in seen and now - seen[j] >= self.confirm)  # a second sighting
         suspects = {j: seen.get(j, now) for j in stranded if j not in resent}
@@ -147,18 +223,24 @@ class LostMessageSweeper:
                 pipe.hset(keys.lost_suspects(self.model), mapping=cast("Any", suspects))
             pipe.execute()
         for job_id in resent:
-            where = "no broker message" if stranded[job_id] is None else "its message stranded in unacked"
-            log.warning("job %s was queued with %s (a Redis outage?): sent it again", job_id, where)
+            if stranded[job_id] is None:
+                log.warning("job %s was queued with no broker message (a Redis outage?): sent it again", job_id)
+            else:
+                log.warning(
+                    "job %s: its message is stranded in unacked, held by no live worker (a Redis outage, or its "
+                    "worker was lost): sent it again",
+                    job_id,
+                )
         return resent
 
-    def round(self) -> None:
-        self.publish_held()
-        self.sweep()
-
     def run(self) -> None:
-        while not self.stop.wait(self.interval):
+        next_sweep = time.monotonic() + self.interval
+        while not self.stop.wait(self.publish_every):
             try:
-                self.round()
+                self.publish_held()
+                if time.monotonic() >= next_sweep:
+                    next_sweep = time.monotonic() + self.interval
+                    self.sweep()
             except redis.RedisError as exc:  # an outage: the next round tries again
                 log.debug("lost-message check skipped: %s", exc)
 

@@ -6,13 +6,14 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.concurrency import run_in_threadpool
+from fastapi.responses import StreamingResponse
 
 from api.deps import CallerDep, SeesAllDep, ServicesDep, get_caller
 from api.presenters import view
 from api.submit import submit, submit_batch, submit_now
 from api.visibility import load, load_async
-from shared.errors import JobCancelled
-from shared.schemas import BatchItem, BatchRequest, BatchResponse, JobRequest, JobStatus, JobView
+from shared.errors import JobCancelled, JobNotFound, NotReady
+from shared.schemas import BatchItem, BatchRequest, BatchResponse, JobRequest, JobStatus, JobSummary, JobView
 from shared.storage import job_prefix
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(get_caller)])
@@ -54,16 +55,17 @@ def create_jobs(body: BatchRequest, services: ServicesDep, caller: CallerDep) ->
     return BatchResponse(jobs=[BatchItem(id=r.id, status=r.status.value, created=created) for r, created in results])
 
 
-@router.get("", response_model=list[JobView])
+@router.get("", response_model=list[JobSummary])
 def list_jobs(
     services: ServicesDep,
     caller: CallerDep,
-    request: Request,
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
-) -> list[JobView]:
-    """The caller's jobs, newest first (with API keys, only the jobs made with the caller's key)."""
-    return [view(record, request) for record in services.jobs.list(caller, status, limit)]
+) -> list[JobSummary]:
+    """The caller's jobs as summaries, newest first (with API keys, only the jobs made with the
+    caller's key): id, status, model, times, a prompt preview, the error type. Results and
+    manifests are read with GET /jobs/{id}."""
+    return services.jobs.list(caller, status, limit)
 
 
 @router.get("/{job_id}", response_model=JobView, responses=ERRORS)
@@ -82,6 +84,28 @@ async def get_job(
         async with services.waiters.slot():
             record = await services.waiters.wait(job_id, wait) or record
     return view(record, request, _shown(await services.jobs.live_fields_async(record), operator))
+
+
+@router.get("/{job_id}/result", responses={**ERRORS, 409: {"description": "No result yet"}})
+async def get_job_result(job_id: str, services: ServicesDep, caller: CallerDep) -> Response:
+    """A job's whole result (the `result` of GET /jobs/{id} with all its text and every
+    log-probability entry). A result stored apart from the job's record is answered as the bytes
+    stored, never parsed by the API."""
+    record = await load_async(services, job_id, caller)
+    if record.result is None:
+        if not record.status.terminal:
+            raise NotReady(f"job {job_id} is {record.status.value}; its result exists once it has finished")
+        raise JobNotFound(f"job {job_id} ended {record.status.value} without a result")
+    stored = record.result.stored
+    if stored is None:
+        return Response(record.result.model_dump_json(), media_type="application/json")
+    if not await services.jobs.stored_result_exists_async(job_id):  # expired a moment before its record
+        raise JobNotFound(f"the result of job {job_id} is no longer stored")
+    return StreamingResponse(
+        services.jobs.stream_stored_result(job_id, stored.bytes),
+        media_type="application/json",
+        headers={"content-length": str(stored.bytes)},
+    )
 
 
 @router.delete(

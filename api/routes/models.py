@@ -12,7 +12,8 @@ router = APIRouter(tags=["models"], dependencies=[Depends(get_caller)])
 
 @router.get("/models", response_model=list[ModelView])
 def list_models(services: ServicesDep, include_offline: bool = False) -> list[ModelView]:
-    """Models with live workers (all known models with include_offline=true), modules in forward order."""
+    """Models with live workers (all known models with include_offline=true), modules in forward
+    order, each with the hooks a capture may name and their widths (what capture validation accepts)."""
     views = []
     for name in services.registry.names():
         info = services.registry.get(name)
@@ -31,6 +32,8 @@ def list_models(services: ServicesDep, include_offline: bool = False) -> list[Mo
                 chat_template=info.chat_template,
                 presets=info.presets,
                 modules=[m.path for m in info.modules],
+                hooks={m.path: m.hooks() for m in info.modules},
+                last_position_only=[m.path for m in info.modules if not m.all_positions],
                 not_capturable=info.not_capturable,
             )
         )

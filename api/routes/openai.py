@@ -58,6 +58,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from api.deps import CallerDep, Services, ServicesDep, get_caller
+from api.errors import redis_trouble
 from api.openai_compat import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -74,6 +75,7 @@ from api.openai_compat import (
     text_completion,
     to_job_request,
     unfinished,
+    whole_result,
 )
 from api.submit import submit
 from shared.errors import ActqError
@@ -97,9 +99,8 @@ class OpenAIRoute(APIRoute):
                 return from_actq(exc).response()
             except HTTPException as exc:
                 return OpenAIError(exc.status_code, str(exc.detail), "http_error").response()
-            except redis.RedisError:
-                message = "Redis (the job store and broker) cannot be reached; try again shortly"
-                return OpenAIError(503, message, "service_unavailable").response()
+            except redis.RedisError as exc:
+                return OpenAIError(503, redis_trouble(exc), "service_unavailable").response()
 
         return route
 
@@ -137,7 +138,7 @@ async def _finished(
                 raise after_queued(record.id, exc) from exc
     if record.status is not JobStatus.succeeded:
         raise unfinished(record, wait_seconds, idempotency_key)
-    return record
+    return await whole_result(services.jobs, record)  # a result stored apart: its logprobs, its whole text
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)

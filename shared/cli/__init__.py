@@ -7,6 +7,7 @@
     serve.py         a local stack that stays up (`actq serve`)
     batch.py         bulk runs: batch submission, progress, resume, the results directory
     captures.py      the model and the default capture of a bulk run
+    remote.py        the API's URL and key for the bulk commands, and their errors in one line
     run_file.py      any JSONL prompt file as a bulk run (`actq run-file`)
     probes.py        linear probes on captured activations (`actq probe`)
     export.py        a results directory as Parquet or a Hugging Face dataset (`actq export`)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from shared.cli import local_stack, probes, serve
+from shared.cli import local_stack, probes, remote, serve
 from shared.cli.gsm8k import data, runner
 from shared.settings import Settings
 
@@ -152,6 +152,9 @@ DTYPE_OPTION = typer.Option("float16", help="float32, float16 or bfloat16.")
 LAYERS_OPTION = typer.Option("spread", help="Residual blocks to capture: spread (three), all, or indices like 0,6,-1.")
 REDUCE_OPTION = typer.Option("none", help="none, or reduce each capture server-side: mean, sum, max or last.")
 API_OPTION = typer.Option(None, help="API base URL (default ACTQ_API_URL).")
+API_KEY_OPTION = typer.Option(
+    None, "--api-key", help="API key sent as `Authorization: Bearer` (default ACTQ_API_KEY).", show_default=False
+)
 QUIET_OPTION = typer.Option(False, help="No progress bar.")
 
 
@@ -174,7 +177,9 @@ def run_file_command(
     reduce: str = REDUCE_OPTION,
     download: bool = typer.Option(False, help="Also download each line's activations into OUT/activations/."),
     api: str | None = API_OPTION,
+    api_key: str | None = API_KEY_OPTION,
     quiet: bool = QUIET_OPTION,
+    mode: str = typer.Option("generate", help="generate or trace: the mode of lines that do not set their own `mode`."),
 ) -> None:
     """Run every prompt of a JSONL file through the queue, capturing activations, with live progress;
     run it again with the same --out to resume (finished lines are kept, queued jobs are not sent twice)."""
@@ -227,6 +232,7 @@ def gsm8k_command(
     ),
     download: bool = typer.Option(False, help="Also download each problem's activations into OUT/activations/."),
     api: str | None = API_OPTION,
+    api_key: str | None = API_KEY_OPTION,
     quiet: bool = QUIET_OPTION,
 ) -> None:
     """Run a model over GSM8K through the queue, capturing the residual stream, and score it. Works
@@ -249,36 +255,55 @@ def probe_command(
         "prompt file (a line's extra field), or a dotted path into each sample's JSON (a trace's own fields first).",
     ),
     source: str = typer.Option(
-        "generated", help="Which captures: generated (the model's answers), gold, corrupted, or all (one row each)."
+        probes.SOURCE_DEFAULT,
+        help="Which captures: sample (each sample's own job: a problem's answer, a prompt line's job), generated "
+        "or trace (own jobs of that kind), gold, corrupted (GSM8K traces), or all (every job, one row each).",
+    ),
+    group_by: str | None = typer.Option(
+        None,
+        "--group-by",
+        help="Keep samples with the same value of this field (a label column or a dotted path) in one fold "
+        "(default: each problem or prompt line is its own group).",
     ),
     folds: int = typer.Option(5, min=2),
     api: str | None = typer.Option(None, help="API base URL for activations not downloaded (default ACTQ_API_URL)."),
+    api_key: str | None = API_KEY_OPTION,
 ) -> None:
     """Train a logistic-regression probe per capture point and pooling; write probes.json and probes.png."""
-    report = probes.run_with_api(results, label=label, folds=folds, api=api, source=source)
+    with remote.reaching(api):
+        report = probes.run_with_api(
+            results, label=label, folds=folds, api=api, source=source, group_by=group_by, api_key=api_key
+        )
     for probe in report["probes"]:
         score = (
             probe.get("skipped")
             or f"balanced accuracy {probe['balanced_accuracy_mean']:.3f} ± {probe['balanced_accuracy_std']:.3f}"
         )
         typer.echo(f"{probe['point']:<44} {probe['pooling']:<15} {score}")
+    for note in report["notes"]:  # a pooling left out for some rows says so: nothing is substituted
+        typer.echo(f"note: {note}", err=True)
     typer.echo(f"wrote {results / 'probes.json'} and {results / 'probes.png'}")
 
 
 @cli.command("export")
 def export_command(
-    results: Path = typer.Argument(..., help="A results directory from `actq gsm8k` (or `actq run`)."),
+    results: Path = typer.Argument(
+        ..., help="A results directory from `actq run-file` or `actq gsm8k` (or `actq run`'s answers/)."
+    ),
     format: str = typer.Option("parquet", "--format", help="parquet (one file) or hf-dataset (datasets.save_to_disk)."),
     out: Path | None = typer.Option(
         None, help="Where to write (default: RESULTS/export.parquet or RESULTS/hf-dataset)."
     ),
     api: str | None = typer.Option(None, help="API base URL for activations not downloaded (default ACTQ_API_URL)."),
+    api_key: str | None = API_KEY_OPTION,
 ) -> None:
-    """One row per problem, capture source and capture point, the tensor as an array and the sample's
-    fields as columns; loadable with `datasets` or pandas, without actq installed."""
+    """A results directory of `actq run-file` (one row per prompt line) or `actq gsm8k` (one row per
+    problem and capture source), a row per capture point: the tensor as an array, the prompt, token
+    ids, positions and the sample's fields as columns; loadable with `datasets` or pandas, without
+    actq installed."""
     from shared.cli import export
 
-    written = export.run(results, format=format, out=out, api=api)
+    written = export.run(results, format=format, out=out, api=api, api_key=api_key)
     typer.echo(f"wrote {written}")
 
 

@@ -13,6 +13,10 @@ Results directory:
   activations/...    with --download
   results.jsonl      every sample, in item order; summary.json: counts, time, tokens/s
 
+Nothing is written before the API has accepted the first jobs: a new run's directory (run.json
+first) is created once the first batch is queued, so a request the API refuses (a typo'd module,
+a layer the model lacks) leaves no --out behind, and the corrected command starts afresh.
+
 Resuming: items with a sample are skipped; the others are submitted again with the same
 idempotency keys, so a job queued before an interruption is returned, not duplicated, and
 followed to its end. Ctrl-C only sets a flag read between requests and leaves a consistent
@@ -50,7 +54,7 @@ def write_json(path: Path, data: object) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=2)
+        json.dump(data, handle, indent=2, allow_nan=False)
     os.replace(tmp, path)
 
 
@@ -90,11 +94,19 @@ class BatchRun:
                     "use another --out to start a new run"
                 )
             self.run_id = state["run_id"]
-        else:
+            self.saved = True
+        else:  # written by save(), once the API has accepted the first jobs
             self.run_id = uuid.uuid4().hex
-            write_json(state_file, {"run_id": self.run_id, "settings": self.settings})
+            self.saved = False
         jobs_file = out / "jobs.json"
         self.jobs: dict[str, str] = json.loads(jobs_file.read_text()) if jobs_file.exists() else {}
+
+    def save(self) -> None:
+        """Create the directory with its run.json (the run id, so that a resumed run finds its jobs
+        again by their idempotency keys); nothing when it exists."""
+        if not self.saved:
+            write_json(self.out / "run.json", {"run_id": self.run_id, "settings": self.settings})
+            self.saved = True
 
     def job_key(self, key: int, part: str) -> str:
         return str(key) if part == self.main else f"{key}:{part}"
@@ -124,10 +136,11 @@ class BatchRun:
 
     def finish(self, wall: float, complete: bool, total: int, unit: str, extra: Callable[[list[dict]], dict]) -> dict:
         """results.jsonl and summary.json from every sample written so far."""
+        self.save()
         samples = self.read_samples()
         with open(self.out / "results.jsonl", "w") as handle:
             for sample in samples:
-                handle.write(json.dumps(sample) + "\n")
+                handle.write(json.dumps(sample, allow_nan=False) + "\n")
         tokens = sum(s.get("completion_tokens") or 0 for s in samples)
         summary = {
             "run_id": self.run_id,
@@ -145,6 +158,16 @@ class BatchRun:
         }
         write_json(self.out / "summary.json", summary)
         return summary
+
+
+def job_result(job: Job) -> dict[str, Any]:
+    """A finished job's result as a sample records it: the record's copy, or the whole result
+    (`GET /jobs/{id}/result`) when the API kept a long one apart and cut the record's text to its
+    first characters (`stored.text_truncated`). {} when there is none."""
+    result = job.data.get("result") or {}
+    if (result.get("stored") or {}).get("text_truncated"):
+        return job.result_data()
+    return result
 
 
 Record = Callable[[Item, dict[str, Job]], dict]
@@ -172,7 +195,8 @@ def execute(
         try:
             _follow(client, run, items, record, unit, quiet, interrupted)
         except KeyboardInterrupt:
-            run.finish(time.monotonic() - started, False, len(items), unit, summarize)
+            if run.saved:  # interrupted before any job was queued: nothing to keep
+                run.finish(time.monotonic() - started, False, len(items), unit, summarize)
             raise
         return run.finish(time.monotonic() - started, True, len(items), unit, summarize)
 
@@ -213,6 +237,7 @@ def _follow(
                 [item.requests[part] for item, part in chunk],
                 idempotency_keys=[run.idempotency_key(item.key, part) for item, part in chunk],
             )
+            run.save()  # the API accepted them: from now on the run is resumable
             run.jobs.update(
                 {run.job_key(item.key, part): j.id for (item, part), j in zip(chunk, jobs[start:], strict=True)}
             )

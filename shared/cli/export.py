@@ -4,15 +4,21 @@ Reads a results directory written by `actq gsm8k` or `actq run-file` (`samples/<
 `--download` also `activations/<n>.safetensors` and `activations/<n>.<trace>.safetensors`) and
 writes one row per (problem or prompt line, source, capture point):
 
-    index, id, labels, source, question, gold, text, correct, status, job_id, prompt_tokens,
-    completion_span, point, module, hook, layer, positions, reduce, start, stop, features, shape,
-    dtype, activations
+    index, id, labels, source, prompt, messages, question, gold, text, correct, status, job_id,
+    prompt_tokens, completion_span, token_ids, point, module, hook, layer, positions, reduce,
+    start, stop, row_positions, features, shape, dtype, activations
 
 `id` is a prompt line's id (as text) and `labels` its label fields as a JSON object (text), both
-null for GSM8K; `question` and `gold` are null for a prompt file.
+null for GSM8K; `question` and `gold` are null for a prompt file. `prompt` is the prompt's text:
+a prompt line's `prompt`, the last user message of a `messages` line (the whole conversation is
+`messages`, as JSON text; the chat template's rendering is the worker's and is not repeated here),
+a GSM8K problem's question. `token_ids` are the job's tokens (prompt and generated), from the
+file's `token_ids` tensor; each row of `activations` is the token `row_positions[i]` of them
+(`start` to `stop`; null for a reduced capture, whose one row reduces [start, stop)).
 
 `source` is "generated" (the sample's own generation job) or a trace's name ("gold",
-"corrupted", ...); `text` is the completion or the traced assistant text; `correct` is
+"corrupted", ...); `text` is the completion or the traced assistant text (a prompt file's trace
+line: its final assistant turn, null when it has none); `correct` is
 `correct.flexible` for "generated" and the trace's own `correct` otherwise. `activations` is the
 captured tensor as float32 rows, `list<list<float32>>` of shape [rows, width] (bfloat16 and
 float16 captures are widened exactly); `shape` and `dtype` are the stored tensor's. Sources that
@@ -50,7 +56,8 @@ from shared.cli.probes import point_layer
 FORMATS = ("parquet", "hf-dataset")
 DEFAULT_OUT = {"parquet": "export.parquet", "hf-dataset": "hf-dataset"}
 GENERATED = "generated"
-NOT_CAPTURES = ("token_ids",)  # in the file, but not a capture point
+TOKEN_IDS = "token_ids"
+NOT_CAPTURES = (TOKEN_IDS,)  # in the file, but not a capture point
 
 
 def _schema() -> Any:
@@ -60,6 +67,8 @@ def _schema() -> Any:
             ("id", pa.string()),
             ("labels", pa.string()),
             ("source", pa.string()),
+            ("prompt", pa.string()),
+            ("messages", pa.string()),
             ("question", pa.string()),
             ("gold", pa.string()),
             ("text", pa.string()),
@@ -68,6 +77,7 @@ def _schema() -> Any:
             ("job_id", pa.string()),
             ("prompt_tokens", pa.int64()),
             ("completion_span", pa.list_(pa.int64())),
+            ("token_ids", pa.list_(pa.int64())),
             ("point", pa.string()),
             ("module", pa.string()),
             ("hook", pa.string()),
@@ -76,6 +86,7 @@ def _schema() -> Any:
             ("reduce", pa.string()),
             ("start", pa.int64()),
             ("stop", pa.int64()),
+            ("row_positions", pa.list_(pa.int64())),
             ("features", pa.list_(pa.int64())),
             ("shape", pa.list_(pa.int64())),
             ("dtype", pa.string()),
@@ -100,10 +111,13 @@ def _sources(sample: dict, skipped: Counter) -> Iterator[tuple[str, dict]]:
     the others in `skipped` under "<source>: <reason>". A sample that never generated (a run of
     traces only: no job_id) has no "generated" source at all."""
     correct = sample.get("correct")
+    text = sample.get("completion", sample.get("text"))  # gsm8k: completion; run-file: text
+    if sample.get("mode") == "trace":  # a prompt file's trace line generated nothing: what it scored
+        text = _traced_reply(sample)
     generation = {
         "job_id": sample.get("job_id"),
         "status": sample.get("status"),
-        "text": sample.get("completion", sample.get("text")),  # gsm8k: completion; run-file: text
+        "text": text,
         "correct": correct.get("flexible") if isinstance(correct, dict) else None,
         "prompt_tokens": sample.get("prompt_tokens"),
         "completion_span": sample.get("completion_span"),  # a run-file trace line's
@@ -125,13 +139,46 @@ def _sources(sample: dict, skipped: Counter) -> Iterator[tuple[str, dict]]:
             yield name, fields
 
 
+def _traced_reply(sample: dict) -> str | None:
+    messages = sample.get("messages")
+    if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
+        if messages[-1].get("role") == "assistant":
+            return _content_text(messages[-1].get("content"))
+    return None
+
+
+def _content_text(content: Any) -> str | None:
+    """A message's text: its string, or the text parts of a list of parts."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts: list[str] = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        return "".join(parts) if parts else None
+    return None
+
+
+def _prompt(sample: dict) -> tuple[str | None, str | None]:
+    """(prompt, messages as JSON) of a sample: a prompt line's prompt, a messages line's last user
+    message (and the whole conversation), a GSM8K problem's question."""
+    if isinstance(sample.get("prompt"), str):
+        return sample["prompt"], None
+    messages = sample.get("messages")
+    if isinstance(messages, list):
+        users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
+        prompt = _content_text(users[-1].get("content")) if users else None
+        return prompt, json.dumps(messages, ensure_ascii=False, allow_nan=False)
+    question = sample.get("question")
+    return (question if isinstance(question, str) else None), None
+
+
 class _Reader:
     """Tensors of one source as float32 numpy arrays: from its downloaded file, else through the
     API (one client for the whole export, opened at the first tensor that needs it)."""
 
-    def __init__(self, results: Path, api: str | None) -> None:
+    def __init__(self, results: Path, api: str | None, api_key: str | None = None) -> None:
         self.results = results
         self.api = api
+        self.api_key = api_key
         self._client: Any = None
         self._url = ""
 
@@ -153,6 +200,8 @@ class _Reader:
         bf16: list[str] = []
         with safe_open(str(path), framework="np") as f:
             present = set(f.keys())
+            if TOKEN_IDS in present:
+                out[TOKEN_IDS] = np.asarray(f.get_tensor(TOKEN_IDS), dtype=np.int64)
             for name in names:
                 if name not in present:
                     raise ToolError(f"{path}: no tensor {name!r}, which its manifest lists")
@@ -169,25 +218,40 @@ class _Reader:
     def _fetch(self, sample: dict, source: str, fields: dict, names: list[str]) -> dict[str, np.ndarray]:
         import httpx
 
-        from shared.client import ActqClientError, Client
-        from shared.settings import Settings
+        from shared.cli import remote
+        from shared.client import ActqClientError, NotFound
 
         job_id = fields.get("job_id")
         where = f"sample {sample.get('index')} ({source})"
-        fix = "run `actq gsm8k` with --download, or give --api with the API that ran it"
+        fix = "run the command with --download, or give --api (and --api-key) for the API that ran it"
         if not job_id:
             raise ToolError(f"{where}: its activations are not in {self.results} and it has no job id; {fix}")
         try:
             if self._client is None:
-                self._url = self.api or Settings().api_url
-                self._client = Client(self._url, timeout=60)
+                self._url, key = remote.resolve(self.api, self.api_key)
+                self._client = remote.client(self._url, key)
             job = self._client.job(job_id)
-            return {name: job.tensor(name).float().numpy() for name in names}
+            tensors = {name: job.tensor(name).float().numpy() for name in names}
+            try:
+                tensors[TOKEN_IDS] = job.tensor(TOKEN_IDS).numpy().astype(np.int64)
+            except NotFound:  # a file written without them
+                pass
+            return tensors
         except (httpx.HTTPError, ActqClientError) as exc:
             raise ToolError(
-                f"{where}: its activations are not in {self.results} and could not be fetched from "
-                f"{self._url} ({type(exc).__name__}: {exc}); {fix}"
-            ) from exc
+                f"{where}: its activations are not in {self.results} ({fix}), and fetching them failed: "
+                f"{remote.explain(exc, self._url)}"
+            ) from None
+
+
+def _row_positions(entry: dict, tensor: np.ndarray) -> list[int] | None:
+    """The token index (into token_ids) of each row: start, start+1, ... (None when reduced, or
+    when the manifest does not say)."""
+    start, stop = entry.get("start"), entry.get("stop")
+    if (entry.get("reduce") or "none") != "none" or start is None or stop is None:
+        return None
+    rows = tensor.shape[0] if tensor.ndim >= 2 else 1
+    return list(range(start, start + rows)) if stop - start == rows else None
 
 
 def _rows_array(matrix: np.ndarray) -> Any:
@@ -209,6 +273,9 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader
     for source, fields in sources:
         entries = [t for t in fields["activations"]["tensors"] if t["name"] not in NOT_CAPTURES]
         tensors = reader.read(sample, source, fields, [t["name"] for t in entries])
+        token_ids = tensors.get(TOKEN_IDS)
+        token_list = None if token_ids is None else [int(t) for t in token_ids.reshape(-1)]
+        prompt, messages = _prompt(sample)
         for entry in entries:
             tensor = tensors[entry["name"]]
             module = entry.get("module") or entry["name"]
@@ -216,8 +283,10 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader
             row = {
                 "index": sample.get("index"),
                 "id": None if sample.get("id") is None else str(sample["id"]),
-                "labels": None if sample.get("labels") is None else json.dumps(sample["labels"]),
+                "labels": None if sample.get("labels") is None else json.dumps(sample["labels"], allow_nan=False),
                 "source": source,
+                "prompt": prompt,
+                "messages": messages,
                 "question": sample.get("question"),
                 "gold": None if sample.get("gold") is None else str(sample["gold"]),
                 "text": fields.get("text"),
@@ -226,6 +295,7 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader
                 "job_id": fields.get("job_id"),
                 "prompt_tokens": fields.get("prompt_tokens"),
                 "completion_span": fields.get("completion_span"),
+                "token_ids": token_list,
                 "point": entry["name"],
                 "module": module,
                 "hook": entry.get("hook"),
@@ -234,6 +304,7 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader
                 "reduce": entry.get("reduce") or "none",
                 "start": entry.get("start"),
                 "stop": entry.get("stop"),
+                "row_positions": _row_positions(entry, tensor),
                 "features": entry.get("features"),
                 "shape": [int(n) for n in tensor.shape],
                 "dtype": entry.get("dtype"),
@@ -249,7 +320,9 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader
     return pa.Table.from_arrays(data, schema=schema)
 
 
-def _write_parquet(results: Path, target: Path, api: str | None) -> tuple[int, Counter, Counter]:
+def _write_parquet(
+    results: Path, target: Path, api: str | None, api_key: str | None = None
+) -> tuple[int, Counter, Counter]:
     """Write every exportable row to `target`, a row group per sample; (samples, rows by source,
     skipped by reason)."""
     from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
@@ -258,7 +331,7 @@ def _write_parquet(results: Path, target: Path, api: str | None) -> tuple[int, C
     skipped: Counter = Counter()
     counts: Counter = Counter()
     exported = 0
-    reader = _Reader(results, api)
+    reader = _Reader(results, api, api_key)
     writer = None
     try:
         for path in tqdm(paths, desc="export", unit="sample", disable=None, file=sys.stderr):
@@ -298,9 +371,17 @@ def _replace(staged: Path, out: Path) -> None:
     os.replace(staged, out)
 
 
-def run(results: Path, format: str = "parquet", out: Path | None = None, api: str | None = None) -> Path:
+def run(
+    results: Path,
+    format: str = "parquet",
+    out: Path | None = None,
+    api: str | None = None,
+    api_key: str | None = None,
+) -> Path:
     """Export `results` as `format` to `out` (default inside `results`); returns the path written.
-    Activations not downloaded are fetched from `api` (default ACTQ_API_URL)."""
+    Activations not downloaded are fetched from `api` (default ACTQ_API_URL) with `api_key`
+    (default ACTQ_API_KEY). Nothing is left on disk when it fails: folders made for `out` are
+    removed again."""
     results = Path(results)
     if format not in FORMATS:
         raise ToolError(f"unknown export format {format!r} (one of: {', '.join(FORMATS)})")
@@ -311,10 +392,29 @@ def run(results: Path, format: str = "parquet", out: Path | None = None, api: st
         raise ToolError(f"{out} is a directory: give a file name for the parquet export")
     if format == "hf-dataset" and out.exists() and not out.is_dir():
         raise ToolError(f"{out} exists and is not a directory: give another --out")
+    _sample_paths(results)  # a directory without samples is refused before anything is made
+    made = [p for p in reversed(out.parent.absolute().parents) if not p.exists()]
+    made += [out.parent.absolute()] if not out.parent.exists() else []
     out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        exported, counts, skipped = _export(results, format, out, api, api_key)
+    except BaseException:
+        for folder in reversed(made):  # the folders made for `out`, deepest first, when still empty
+            try:
+                folder.rmdir()
+            except OSError:
+                break
+        raise
+    _report(exported, counts, skipped)
+    return out
+
+
+def _export(
+    results: Path, format: str, out: Path, api: str | None, api_key: str | None
+) -> tuple[int, Counter, Counter]:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         staged_parquet = Path(tmp) / "export.parquet"
-        exported, counts, skipped = _write_parquet(results, staged_parquet, api)
+        exported, counts, skipped = _write_parquet(results, staged_parquet, api, api_key)
         if format == "parquet":
             os.replace(staged_parquet, out)
         else:
@@ -328,5 +428,4 @@ def run(results: Path, format: str = "parquet", out: Path | None = None, api: st
             dataset.save_to_disk(str(staged))
             del dataset
             _replace(staged, out)
-    _report(exported, counts, skipped)
-    return out
+    return exported, counts, skipped

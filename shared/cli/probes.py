@@ -1,18 +1,23 @@
 """Linear probes on captured activations (`actq probe`).
 
-Reads a results directory written by `actq gsm8k` (`samples/<n>.json`, `activations/*.safetensors`),
-pools each capture point per problem and source into vectors ("mean_generated": the mean over the
-rows of the answer, i.e. the generated tokens of a generation job or the assistant turn of a trace
-job; "last": the last row; a capture reduced by the worker is its one row, pooled as
-"reduced_<reduction>"), and fits a standardized, class-balanced logistic regression per (capture
-point, pooling) predicting a label (default `answer_correct`: whether the answer's final number is
-right, for the model's own answer and for a traced gold or corrupted solution alike), scored by
-cross-validated balanced accuracy against a majority-class baseline. Folds are stratified and
-grouped by problem: the rows of one problem (its gold and corrupted traces, say) are never split
-between training and testing.
+Reads a results directory written by `actq gsm8k` or `actq run-file` (`samples/<n>.json`,
+`activations/*.safetensors`), pools each capture point of each selected job into vectors, and fits
+a standardized, class-balanced logistic regression per (capture point, pooling) predicting a label
+(default `answer_correct`: whether the answer's final number is right, for the model's own answer
+and for a traced gold or corrupted solution alike), scored by cross-validated balanced accuracy
+against a majority-class baseline. Folds are stratified and grouped by problem (or by
+`--group-by FIELD`): the rows of one group are never split between training and testing.
 
-Sources (`--source`): `generated` (the generation jobs; the default), a trace name (`gold`,
-`corrupted`), or `all` (every source, one row each).
+Every pooling is computed from exactly the rows its name says, and a job that has no such rows
+(or whose capture does not hold all of them) is left out of that pooling's probes with a note,
+never given another pooling's vector: `last` (the last captured row), `mean_all` (every position
+the job ran), `mean_generated` (a generation: the positions that predicted each generated token),
+`mean_completion` (a trace: its final assistant turn, `completion_span`); a capture the worker
+reduced is its one row, `reduced_<reduction>`.
+
+Sources (`--source`): `sample` (each sample's own job: a problem's answer, a prompt line's job; the
+default), `generated` or `trace` (own jobs of that kind), a GSM8K trace name (`gold`,
+`corrupted`), or `all` (every job, one row each).
 """
 
 from __future__ import annotations
@@ -22,13 +27,14 @@ import re
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
 from shared.errors import ToolError
 
-POOLINGS = ("mean_generated", "last")
 LABEL_DEFAULT = "answer_correct"
+SOURCE_DEFAULT = "sample"
 LAYER_RE = re.compile(r"\.(\d+)(?=\.|$)")
 
 Fetch = Callable[[dict, str], np.ndarray]
@@ -72,54 +78,109 @@ def _read_file(path: Path, names: list[str]) -> dict[str, np.ndarray]:
     return out
 
 
-def _pool(
-    rows: np.ndarray, start: int, answer_from: int | None, positions: str = "all", reduce: str = "none"
-) -> dict[str, np.ndarray]:
-    """Pooled vectors of one [T, H] capture whose row i is token position start + i.
+class Job(NamedTuple):
+    """What pooling needs to know of one job: its kind ("generated" or "trace"), the prompt tokens
+    it read, the tokens it generated, and a trace's final assistant turn `[start, stop)`."""
 
-    "mean_generated" averages the rows at positions >= `answer_from` (a generation: prompt_tokens
-    - 1, where completion token 1 was predicted; a trace: where the assistant turn starts); it is
-    left out for positions "prompt" and whenever there are no such rows. A reduced capture (one
-    row) is pooled as "reduced_<reduction>" only."""
+    kind: str
+    prompt_tokens: int
+    completion_tokens: int = 0
+    completion_span: tuple[int, int] | None = None
+
+    @property
+    def fed(self) -> int:
+        """Positions the model ran: a generation never feeds back its last token."""
+        return (
+            self.prompt_tokens + max(self.completion_tokens - 1, 0) if self.kind == "generated" else self.prompt_tokens
+        )
+
+
+def _mean(rows: np.ndarray, start: int, first: int, stop: int, what: str, positions: str) -> np.ndarray | str:
+    """The mean of the rows at positions [first, stop) (row i is position start + i), or why not."""
+    if first >= stop:
+        return f"no {what}"
+    if first < start or stop > start + len(rows):
+        return f"the capture (positions {positions!r}) does not hold every position of the {what}"
+    return rows[first - start : stop - start].mean(axis=0)
+
+
+def pool(
+    rows: np.ndarray, start: int, job: Job, positions: str = "all", reduce: str = "none"
+) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+    """Pooled vectors of one [T, H] capture whose row i is position start + i, and for each pooling
+    this job's kind has but this capture cannot give, why (it is never substituted).
+
+    `last`: the last captured row. `mean_all`: the mean over every position the job ran (all of a
+    trace, prompt and generated tokens of a generation). `mean_generated` (generations): the mean
+    over the positions that predicted each generated token, [prompt_tokens - 1, fed).
+    `mean_completion` (traces): the mean over the final assistant turn, `completion_span`. A
+    reduced capture (one row) is `reduced_<reduction>` only."""
     rows = np.asarray(rows, dtype=np.float32)
     if reduce != "none":
-        return {f"reduced_{reduce}": rows[0]}
-    pooled = {"last": rows[-1]}
-    if answer_from is None:
-        return pooled
-    first_generated = max(0, answer_from - start)
-    if positions != "prompt" and first_generated < len(rows):
-        pooled["mean_generated"] = rows[first_generated:].mean(axis=0)
-    return pooled
+        return {f"reduced_{reduce}": rows[0]}, {}
+    wanted: dict[str, np.ndarray | str] = {"mean_all": _mean(rows, start, 0, job.fed, "job's positions", positions)}
+    if job.kind == "generated":
+        first = job.prompt_tokens - 1
+        wanted["mean_generated"] = _mean(rows, start, first, job.fed, "generated tokens", positions)
+    elif job.completion_span is None:
+        wanted["mean_completion"] = "no completion (the trace has no final assistant turn)"
+    else:
+        span = job.completion_span
+        wanted["mean_completion"] = _mean(rows, start, span[0], span[1], "completion", positions)
+    pooled = {"last": rows[-1]} if len(rows) else {}
+    pooled |= {k: v for k, v in wanted.items() if not isinstance(v, str)}
+    return pooled, {k: v for k, v in wanted.items() if isinstance(v, str)}
 
 
-def _views(sample: dict, source: str) -> list[tuple[str, dict]]:
-    """(source, view) for each capture of a sample that `source` selects. A view has `status`,
-    `job_id`, `activations`, `activations_file`, `answer_from` and the label fields: the
-    generation's are the sample's own; a trace's are its entry in `traces`, then the sample's.
-    `answer_correct` is correct.flexible for a generation, and the trace's `correct`."""
+def _job(view: dict, kind: str) -> Job:
+    span = view.get("completion_span")
+    return Job(
+        kind=kind,
+        prompt_tokens=int(view.get("prompt_tokens") or 0),
+        completion_tokens=int(view.get("completion_tokens") or 0) if kind == "generated" else 0,
+        completion_span=(int(span[0]), int(span[1])) if span else None,
+    )
+
+
+def _views(sample: dict, source: str) -> list[tuple[str, dict, Job]]:
+    """(source, view, job) for each capture of a sample that `source` selects.
+
+    A sample's own job (a GSM8K problem's answer, a prompt line's job) is the source `generated`
+    when it generated and `trace` when it traced (a prompt file's `mode: trace` line); a GSM8K
+    run's traces are named by their kind (`gold`, `corrupted`). `source`: `sample` (each sample's
+    own job), `generated`, `trace`, a trace name, or `all`. A view has `status`, `job_id`,
+    `activations`, `activations_file` and the label fields: the own job's are the sample's; a
+    trace's are its entry in `traces`, then the sample's. `answer_correct` is correct.flexible for
+    a generation, and the trace's `correct`."""
     views = []
-    if source in ("generated", "all") and sample.get("job_id"):
-        span = sample.get("completion_span")  # a prompt file's trace line: where its scored reply starts
-        answer = span[0] if span else (sample.get("prompt_tokens") or 1) - 1
-        correct = (sample.get("correct") or {}).get("flexible")
-        views.append(("generated", {**sample, "answer_from": answer, "answer_correct": correct}))
+    if sample.get("job_id"):
+        kind = "trace" if sample.get("mode") == "trace" else "generated"
+        if source in ("sample", kind, "all"):
+            correct = (sample.get("correct") or {}).get("flexible") if kind == "generated" else sample.get("correct")
+            views.append((kind, {**sample, "answer_correct": correct}, _job(sample, kind)))
     for name, trace in sorted((sample.get("traces") or {}).items()):
         if source in (name, "all"):
-            span = trace.get("completion_span")
-            view = {**sample, **trace, "answer_from": span[0] if span else None, "answer_correct": trace.get("correct")}
-            views.append((name, view))
+            view = {**sample, **trace, "answer_correct": trace.get("correct")}
+            views.append((name, view, _job(view, "trace")))
     return views
 
 
-def load_dataset(results_dir, label: str = LABEL_DEFAULT, fetch: Fetch | None = None, source: str = "generated"):
+def load_dataset(
+    results_dir,
+    label: str = LABEL_DEFAULT,
+    fetch: Fetch | None = None,
+    source: str = SOURCE_DEFAULT,
+    group_by: str | None = None,
+):
     """Pooled features and labels for every succeeded capture of the chosen source with activations.
 
     Returns `(features, labels, meta)`: `features` maps `(capture point, pooling)` to an
-    `[n_rows, H]` float32 array, `labels` is an array of class-label strings, and `meta` holds
-    `n_samples` (rows), `indices` (each row's problem index: the CV groups), `sources`, `skipped`
-    (counts by reason) and `notes`. Activations are read from `activations_file` when it exists,
-    else through `fetch(view, tensor_name)`; with neither, raises ToolError."""
+    `[n, H]` float32 array over the rows that have that pooling (`meta["members"][key]`: their
+    indices into `labels`), `labels` is an array of class-label strings, and `meta` holds
+    `n_samples` (rows), `groups` (each row's CV group: its problem, or its `group_by` value),
+    `sources`, `skipped` (counts by reason) and `notes` (each pooling refused for some rows, with
+    why). Activations are read from `activations_file` when it exists, else through
+    `fetch(view, tensor_name)`; with neither, raises ToolError."""
     results_dir = Path(results_dir)
     paths = sorted((results_dir / "samples").glob("*.json"), key=lambda p: int(p.stem) if p.stem.isdigit() else p.stem)
     if not paths:
@@ -128,16 +189,19 @@ def load_dataset(results_dir, label: str = LABEL_DEFAULT, fetch: Fetch | None = 
             "is this a results directory of `actq gsm8k` or `actq run-file`?"
         )
     skipped: Counter = Counter()
-    per_sample: list[dict] = []
+    refused: dict[tuple[str, str], set[int]] = {}  # (pooling, why) -> the rows it was refused for
+    captured: dict[str, set[int]] = {}  # capture point -> the rows that have it
+    features: dict[tuple[str, str], list[np.ndarray]] = {}
+    members: dict[tuple[str, str], list[int]] = {}
     labels: list[str] = []
-    indices: list = []
+    groups: list = []
     sources: list[str] = []
     for path in paths:
         sample = json.loads(path.read_text())
         views = _views(sample, source)
         if not views:
             skipped[f"no_{source}_capture"] += 1
-        for name, view in views:
+        for name, view, job in views:
             value = _lookup(view, label)
             if view.get("status") != "succeeded":
                 skipped["failed"] += 1
@@ -149,6 +213,12 @@ def load_dataset(results_dir, label: str = LABEL_DEFAULT, fetch: Fetch | None = 
             if not manifest or not manifest.get("tensors"):
                 skipped["no_activations"] += 1
                 continue
+            group = sample.get("index", path.stem)
+            if group_by is not None:
+                group = _lookup(view, group_by)
+                if group is None:
+                    raise ToolError(f"--group-by {group_by}: sample {sample.get('index', path.stem)} has no such field")
+                group = json.dumps(group, sort_keys=True)
             entries = [t for t in manifest["tensors"] if t["name"] != "token_ids"]
             file = view.get("activations_file")
             if file and (results_dir / file).exists():
@@ -160,36 +230,37 @@ def load_dataset(results_dir, label: str = LABEL_DEFAULT, fetch: Fetch | None = 
                     f"sample {sample.get('index')} ({name}): its activations are not in {results_dir}; "
                     "run `actq gsm8k` or `actq run-file` with --download, or give --api so they can be fetched"
                 )
-            pooled = {}
+            row = len(labels)
             for t in entries:
-                vectors = _pool(
-                    tensors[t["name"]],
-                    t.get("start", 0),
-                    view["answer_from"],
-                    t.get("positions", "all"),
-                    t.get("reduce", "none"),
-                )
-                pooled.update({(t["name"], pooling): v for pooling, v in vectors.items()})
-            per_sample.append(pooled)
+                positions = t.get("positions", "all")
+                vectors, why = pool(tensors[t["name"]], t.get("start", 0), job, positions, t.get("reduce", "none"))
+                for pooling, vector in vectors.items():
+                    features.setdefault((t["name"], pooling), []).append(vector)
+                    members.setdefault((t["name"], pooling), []).append(row)
+                for pooling, reason in why.items():
+                    refused.setdefault((pooling, reason), set()).add(row)
+                captured.setdefault(t["name"], set()).add(row)
             labels.append(_class_label(value))
-            indices.append(sample.get("index", path.stem))
+            groups.append(group)
             sources.append(name)
-    notes = []
-    keys = set.intersection(*(set(p) for p in per_sample)) if per_sample else set()
-    for name in sorted({k[0] for p in per_sample for k in p}):
-        if not any(k[0] == name for k in keys):
-            notes.append(f"{name}: not captured in every sample; skipped")
-        elif (name, "last") in keys and (name, "mean_generated") not in keys:
-            notes.append(f"{name}: mean_generated skipped (no answer rows, e.g. positions 'prompt')")
-    features = {k: np.stack([p[k] for p in per_sample]) for k in sorted(keys)}
+    notes = [
+        f"{pooling}: not computed for {len(rows)} of {len(labels)} rows ({why}); those rows are left out of its probes"
+        for (pooling, why), rows in sorted(refused.items())
+    ]
+    notes += [
+        f"{name}: captured in {len(rows)} of {len(labels)} rows; its probes use those"
+        for name, rows in sorted(captured.items())
+        if len(rows) < len(labels)
+    ]
     meta = {
-        "n_samples": len(per_sample),
-        "indices": indices,
+        "n_samples": len(labels),
+        "groups": groups,
+        "members": {k: np.asarray(v) for k, v in members.items()},
         "sources": dict(Counter(sources)),
         "skipped": dict(skipped),
         "notes": notes,
     }
-    return features, np.array(labels, dtype=object), meta
+    return {k: np.stack(v) for k, v in features.items()}, np.array(labels, dtype=object), meta
 
 
 def point_layer(name: str) -> tuple[int | None, str]:
@@ -200,9 +271,13 @@ def point_layer(name: str) -> tuple[int | None, str]:
     return int(match.group(1)), name[: match.start(1)] + "*" + name[match.end(1) :]
 
 
-def train_probes(features: dict, labels, folds: int = 5, seed: int = 0, groups=None) -> list[dict]:
-    """Cross-validated logistic-regression probes, one entry per (capture point, pooling); folds
-    stratified and, with `groups` (each row's problem), grouped: no problem in two folds.
+def train_probes(
+    features: dict, labels, folds: int = 5, seed: int = 0, groups=None, members: dict | None = None
+) -> list[dict]:
+    """Cross-validated logistic-regression probes, one entry per (capture point, pooling), each
+    over the rows that have that pooling (`members[key]`: their indices into `labels`; all rows
+    when not given); folds stratified and, with `groups` (each row's group), grouped: no group in
+    two folds.
 
     Each entry has point, kind, layer, pooling, n, class_counts, the majority baseline
     (majority_accuracy, majority_balanced_accuracy = 1/n_classes) and either folds and
@@ -210,17 +285,20 @@ def train_probes(features: dict, labels, folds: int = 5, seed: int = 0, groups=N
     from threadpoolctl import threadpool_limits
 
     labels = np.asarray(labels)
-    counts = Counter(labels.tolist())
+    groups = np.arange(len(labels)) if groups is None else np.asarray(groups, dtype=object)
 
     def order(key):  # by point kind, then layer, then pooling
         layer, kind = point_layer(key[0])
         return kind, -1 if layer is None else layer, key[1]
 
+    entries = []
     with threadpool_limits(limits=1):  # many small fits: BLAS threads cost more than they give
-        return [
-            _probe(name, pooling, features[(name, pooling)], labels, counts, folds, seed, groups)
-            for name, pooling in sorted(features, key=order)
-        ]
+        for key in sorted(features, key=order):
+            rows = np.arange(len(labels)) if members is None else members[key]
+            picked = labels[rows]
+            counts = Counter(picked.tolist())
+            entries.append(_probe(key[0], key[1], features[key], picked, counts, folds, seed, groups[rows]))
+    return entries
 
 
 def _probe(name: str, pooling: str, X, labels, counts: Counter, folds: int, seed: int, groups=None) -> dict:
@@ -246,7 +324,7 @@ def _probe(name: str, pooling: str, X, labels, counts: Counter, folds: int, seed
     elif smallest < 2:
         entry["skipped"] = f"the smallest class has {smallest} sample; cross-validation needs at least 2 per class"
     else:
-        groups = np.arange(n) if groups is None else np.asarray(groups)
+        groups = np.arange(n) if groups is None else np.asarray([str(g) for g in groups])
         splits = max(2, min(folds, smallest, len(set(groups.tolist()))))
         model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000, class_weight="balanced"))
         cv = StratifiedGroupKFold(n_splits=splits, shuffle=True, random_state=seed)
@@ -304,14 +382,15 @@ def run(
     fetch: Fetch | None = None,
     folds: int = 5,
     seed: int = 0,
-    source: str = "generated",
+    source: str = SOURCE_DEFAULT,
+    group_by: str | None = None,
 ) -> dict:
     """Load, train, plot: writes `<dir>/probes.json` and `<dir>/probes.png`; returns the JSON content."""
     results_dir = Path(results_dir)
-    features, labels, meta = load_dataset(results_dir, label=label, fetch=fetch, source=source)
+    features, labels, meta = load_dataset(results_dir, label=label, fetch=fetch, source=source, group_by=group_by)
     if meta["n_samples"] == 0:
         raise ToolError(f"no usable samples in {results_dir} (skipped: {meta['skipped']})")
-    probes = train_probes(features, labels, folds=folds, seed=seed, groups=meta["indices"])
+    probes = train_probes(features, labels, folds=folds, seed=seed, groups=meta["groups"], members=meta["members"])
     summary_path = results_dir / "summary.json"
     model = json.loads(summary_path.read_text()).get("model") if summary_path.exists() else None
     what = ", ".join(f"{n} {s}" for s, n in sorted(meta["sources"].items()))
@@ -320,6 +399,7 @@ def run(
     report = {
         "label": label,
         "source": source,
+        "group_by": group_by,
         "model": model,
         "n_samples": meta["n_samples"],
         "sources": meta["sources"],
@@ -332,15 +412,21 @@ def run(
 
 
 def run_with_api(
-    results: Path, label: str = LABEL_DEFAULT, folds: int = 5, api: str | None = None, source: str = "generated"
+    results: Path,
+    label: str = LABEL_DEFAULT,
+    folds: int = 5,
+    api: str | None = None,
+    source: str = SOURCE_DEFAULT,
+    group_by: str | None = None,
+    api_key: str | None = None,
 ) -> dict:
     """`run`, fetching activations that were not downloaded one tensor at a time through the API."""
     from shared.client import Client
     from shared.settings import Settings
 
-    with Client(api or Settings().api_url, timeout=60) as client:
+    with Client(api or Settings().api_url, api_key=api_key or Settings().api_key, timeout=60) as client:
 
         def fetch(view: dict, name: str) -> np.ndarray:
             return client.job(view["job_id"]).tensor(name).float().numpy()
 
-        return run(results, label=label, fetch=fetch, folds=folds, source=source)
+        return run(results, label=label, fetch=fetch, folds=folds, source=source, group_by=group_by)

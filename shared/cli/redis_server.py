@@ -25,12 +25,18 @@ def redis_binary() -> str:
 
 
 class RedisServer:
-    """A redis-server child process (append-only on) on 127.0.0.1. Use as a context manager."""
+    """A redis-server child process (append-only on) on 127.0.0.1. Use as a context manager.
 
-    def __init__(self, directory: Path | None = None, port: int | None = None) -> None:
+    `appendfsync`: "everysec" (Redis's default) or "always" (`actq serve`'s: every reply comes
+    after the write is on disk, and Redis exits instead of acknowledging a write it could not
+    make durable). `start()` again after the process died restarts it on the same port with the
+    same directory (its append-only file)."""
+
+    def __init__(self, directory: Path | None = None, port: int | None = None, appendfsync: str = "everysec") -> None:
         self._tmp = None if directory else tempfile.TemporaryDirectory(prefix="actq-redis-")
         self.directory = Path(directory or self._tmp.name)  # type: ignore[union-attr]
         self.port = port or free_port()
+        self.appendfsync = appendfsync
         self.process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -49,6 +55,8 @@ class RedisServer:
             str(self.directory),
             "--appendonly",
             "yes",
+            "--appendfsync",
+            self.appendfsync,
             "--save",
             "",
             "--daemonize",
@@ -73,6 +81,13 @@ class RedisServer:
                     time.sleep(0.05)
         finally:
             client.close()
+
+    def log_tail(self, lines: int = 2) -> str:
+        """The last warnings of its log (Redis marks them `#`), for saying why it stopped."""
+        log = self.directory / "redis.log"
+        text = log.read_text(errors="replace") if log.exists() else ""
+        warnings = [line.strip() for line in text.splitlines() if " # " in line and "overcommit" not in line]
+        return " | ".join(warnings[-lines:])
 
     def stop(self) -> None:
         stop(self.process, timeout=10)

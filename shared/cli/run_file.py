@@ -6,7 +6,7 @@ Each line is a JSON object with:
 - optionally `id` (a string or number, unique in the file; default: the line's number from 0);
 - optionally job fields: `mode` ("generate" or "trace"), `max_tokens`, `temperature`, `top_p`,
   `seed`, `stop`, `logprobs`, `top_logprobs`, `time_limit`. A line's own value wins over the
-  command's --max-tokens and --temperature;
+  command's --mode, --max-tokens and --temperature;
 - any other field: a label, kept in the sample's `labels` (for `actq probe --label FIELD`).
 
 The model and the capture are the command's (--model, --module or the residual preset), the same
@@ -19,19 +19,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from shared.cli import batch, captures
+from shared.cli import batch, captures, remote
 from shared.cli.batch import Item
-from shared.client import Client, Job
+from shared.client import Job
 from shared.errors import ToolError
 from shared.schemas import JobRequest
-from shared.settings import Settings
 
 JOB_FIELDS = ("mode", "max_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs", "time_limit")
+MODES = ("generate", "trace")
 COMMAND_FIELDS = {"model": "--model", "capture": "--module and the capture options"}
 
 
@@ -45,12 +46,14 @@ def read_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
         raise ToolError(f"{path}: cannot read it as UTF-8 text ({exc})") from None
     lines: list[tuple[int, dict[str, Any]]] = []
     ids: dict[str, int] = {}
-    for number, raw in enumerate(text.splitlines()):
+    # JSONL lines end at "\n" only: str.splitlines() would also break a line at U+2028, U+2029,
+    # \x85, \x0c, \x1c... that JSON allows raw inside a string.
+    for number, raw in enumerate(text.split("\n")):
         if not raw.strip():
             continue
         where = f"{path} line {number + 1}"
         try:
-            line = json.loads(raw)
+            line = json.loads(raw, parse_constant=_not_finite, parse_float=_float, parse_int=_int)
         except json.JSONDecodeError as exc:
             raise ToolError(f"{where}: not JSON ({exc.msg} at column {exc.colno})") from None
         if not isinstance(line, dict):
@@ -60,6 +63,7 @@ def read_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
         for name, option in COMMAND_FIELDS.items():
             if name in line:
                 raise ToolError(f"{where}: `{name}` is the same for the whole file; set it with {option}")
+        _check_values(where, line)
         ident = line.get("id", number)
         if not isinstance(ident, str | int) or isinstance(ident, bool):
             raise ToolError(f"{where}: `id` must be a string or a number")
@@ -72,10 +76,64 @@ def read_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
     return lines
 
 
-def job_request(line: dict[str, Any], model: str, capture: dict | None, max_tokens: int, temperature: float) -> dict:
-    """The job for one line: its prompt or messages and job fields, the command's model and capture."""
+class _Unusable:
+    """A JSON value Python cannot use as a number (NaN, Infinity, 1e999, an integer past the
+    int-parsing limit): kept as a marker so that the line's field can be named."""
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+
+
+def _not_finite(token: str) -> _Unusable:
+    return _Unusable(f"{token} is not a finite number")
+
+
+def _float(token: str) -> float | _Unusable:
+    value = float(token)
+    return value if math.isfinite(value) else _Unusable(f"{token[:20]} is not a finite number")
+
+
+def _int(token: str) -> int | _Unusable:
+    try:
+        return int(token)
+    except ValueError:  # past sys.get_int_max_str_digits()
+        return _Unusable(f"an integer of {len(token.lstrip('-'))} digits is too long")
+
+
+def _unusable(value: Any) -> _Unusable | None:
+    if isinstance(value, _Unusable):
+        return value
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return next((found for child in children if (found := _unusable(child)) is not None), None)
+
+
+def _check_values(where: str, line: dict[str, Any]) -> None:
+    """Every value a finite JSON number (or not a number); labels plain values (string, finite
+    number, true/false, null), for the results' JSON and the export's columns."""
+    for name, value in line.items():
+        field = f"label `{name}`" if name in labels(line) else f"`{name}`"
+        bad = _unusable(value)
+        if bad is not None:
+            raise ToolError(f"{where}: {field}: {bad.what}; give a finite JSON number (or a string)")
+        if field.startswith("label") and isinstance(value, dict | list):
+            kind = "an object" if isinstance(value, dict) else "a list"
+            raise ToolError(f"{where}: {field} is {kind}; a label is a string, a finite number, true/false or null")
+
+
+def job_request(
+    line: dict[str, Any],
+    model: str,
+    capture: dict | None,
+    max_tokens: int,
+    temperature: float,
+    mode: str = "generate",
+) -> dict:
+    """The job for one line: its prompt or messages and job fields, the command's model and capture;
+    `mode` (--mode) for a line that does not name its own."""
     request: dict[str, Any] = {"model": model}
     request.update({k: line[k] for k in ("prompt", "messages") if k in line})
+    if mode != "generate":
+        request["mode"] = mode
     request.update({k: line[k] for k in JOB_FIELDS if k in line})
     trace = request.get("mode") == "trace"
     if not trace:
@@ -105,9 +163,9 @@ def labels(line: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in line.items() if k not in {"id", "prompt", "messages", *JOB_FIELDS}}
 
 
-def record(run: batch.BatchRun, item: Item, job: Job, download: bool) -> dict:
+def record(run: batch.BatchRun, item: Item, job: Job, download: bool, mode: str = "generate") -> dict:
     number, line = item.data
-    result = job.data.get("result") or {}
+    result = batch.job_result(job)
     usage = result.get("usage") or {}
     logprobs = result.get("logprobs") or {}
     return {
@@ -115,7 +173,7 @@ def record(run: batch.BatchRun, item: Item, job: Job, download: bool) -> dict:
         "id": line.get("id", number),
         "labels": labels(line),
         **{k: line[k] for k in ("prompt", "messages") if k in line},
-        "mode": line.get("mode", "generate"),
+        "mode": line.get("mode", mode),
         "text": result.get("text"),
         "job_id": job.id,
         "status": job.data["status"],
@@ -145,33 +203,42 @@ def run(
     reduce: str = "none",
     download: bool = False,
     api: str | None = None,
+    api_key: str | None = None,
     quiet: bool = False,
+    mode: str = "generate",
 ) -> dict:
     """Read and check the whole file, then submit what is not done and follow it. A resumed run
-    must have the same file (by content) and options."""
+    must have the same file (by content) and options. Nothing is written to `out` before the API
+    has accepted the first jobs (batch.BatchRun.save), so a refused request leaves no `out`."""
+    if mode not in MODES:
+        raise ToolError(f"--mode {mode!r}: generate or trace")
     prompts = Path(prompts)
     lines = read_lines(prompts)
     digest = hashlib.sha256(prompts.read_bytes()).hexdigest()
-    with Client(api or Settings().api_url, timeout=60) as client:
+    for number, line in lines:  # each line's own fields, before the API is asked anything
+        _checked(prompts, number, job_request(line, "-", None, max_tokens, temperature, mode))
+    with remote.reaching(api), remote.client(api, api_key) as client:
         model, info = captures.choose_model(client, model)
         capture = captures.choose_capture(model, info, module, no_capture, positions, dtype, layers, reduce)
+        items = []
+        for number, line in lines:
+            request = _checked(prompts, number, job_request(line, model, capture, max_tokens, temperature, mode))
+            items.append(Item(key=number, requests={"job": request}, data=(number, line)))
         settings = {
             "model": model,
             "prompts_sha256": digest,
             "max_tokens": max_tokens,
             "temperature": temperature,
             "capture": capture,
+            "mode": mode,
         }
-        results = batch.BatchRun(Path(out), "run-file", settings, main="job")
-        items = []
-        for number, line in lines:
-            request = _checked(prompts, number, job_request(line, model, capture, max_tokens, temperature))
-            items.append(Item(key=number, requests={"job": request}, data=(number, line)))
+        # runs written before --mode existed: every line without its own mode generated
+        results = batch.BatchRun(Path(out), "run-file", settings, main="job", defaults={"mode": "generate"})
         return batch.execute(
             client,
             results,
             items,
-            lambda item, jobs: record(results, item, jobs["job"], download),
+            lambda item, jobs: record(results, item, jobs["job"], download, mode),
             unit="prompt",
             quiet=quiet,
         )

@@ -11,6 +11,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 
+from shared.errors import StorageError
+
 _KEY = re.compile(r"[A-Za-z0-9_-]+(/[A-Za-z0-9_.-]+)*")
 
 
@@ -65,6 +67,16 @@ class ArtifactStore(ABC):
 
     @abstractmethod
     def stream(self, key: str, chunk: int = 1 << 20) -> Iterator[bytes]: ...
+
+    def stream_range(self, key: str, start: int, length: int, chunk: int = 1 << 20) -> Iterator[bytes]:
+        """`length` bytes from `start`, `chunk` bytes at a time: never more than one chunk in memory."""
+        end = start + length
+        while start < end:
+            data = self.read_range(key, start, min(chunk, end - start))
+            if not data:
+                raise StorageError(f"{key} ends before byte {end}")
+            yield data
+            start += len(data)
 
     @abstractmethod
     def presigned_url(self, key: str, expires: int) -> str | None:

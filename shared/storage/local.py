@@ -75,6 +75,22 @@ class LocalStore(ArtifactStore):
         self.bytes_read += len(data)
         return data
 
+    def stream_range(self, key: str, start: int, length: int, chunk: int = 1 << 20) -> Iterator[bytes]:
+        try:
+            handle = open(self._path(key), "rb")  # closed by the `with` below, when the generator ends
+        except OSError as exc:
+            raise StorageError(f"cannot read {key}: {exc.strerror}") from exc
+        with handle:
+            handle.seek(start)
+            left = length
+            while left > 0:
+                data = handle.read(min(chunk, left))
+                if not data:
+                    raise StorageError(f"{key} ends {left} bytes early")
+                self.bytes_read += len(data)
+                left -= len(data)
+                yield data
+
     def stream(self, key: str, chunk: int = 1 << 20) -> Iterator[bytes]:
         with open(self._path(key), "rb") as handle:
             while data := handle.read(chunk):

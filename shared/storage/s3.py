@@ -139,6 +139,23 @@ class S3Store(ArtifactStore):
         self.bytes_read += len(data)
         return data
 
+    def stream_range(self, key: str, start: int, length: int, chunk: int = 1 << 20) -> Iterator[bytes]:
+        """One HTTP Range request, its body read `chunk` bytes at a time."""
+        if length <= 0:
+            return
+        try:
+            body = self.client.get_object(
+                Bucket=self.bucket, Key=self._key(key), Range=f"bytes={start}-{start + length - 1}"
+            )["Body"]
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error("read", key, exc) from exc
+        try:
+            for data in body.iter_chunks(chunk):
+                self.bytes_read += len(data)
+                yield data
+        finally:
+            body.close()
+
     def stream(self, key: str, chunk: int = 1 << 20) -> Iterator[bytes]:
         try:
             body = self.client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]

@@ -58,9 +58,13 @@ def _header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, 
     return struct.pack("<Q", len(text)) + text
 
 
-def write_file(path, tensors: dict, metadata: dict[str, str], fsync: bool = True) -> tuple[int, str]:
+def write_file(
+    path, tensors: dict, metadata: dict[str, str], fsync: bool = True, tensor_sha256: dict[str, str] | None = None
+) -> tuple[int, str]:
     """Write torch tensors as a safetensors file (fsynced unless told otherwise) and return
-    (bytes, sha256), computing the hash on a second thread while the file is written."""
+    (bytes, sha256), computing the hash on a second thread while the file is written. With
+    `tensor_sha256`, each tensor's own sha256 (of its bytes alone) is put there too, on the same
+    thread: what a download of one tensor is checked against without reading it back."""
     import torch
 
     views, entries = [], []
@@ -81,6 +85,9 @@ def write_file(path, tensors: dict, metadata: dict[str, str], fsync: bool = True
         digest = hashlib.sha256()
         for piece in pieces:
             digest.update(piece)  # releases the GIL
+        if tensor_sha256 is not None:
+            for (name, *_), view in zip(entries, views, strict=True):
+                tensor_sha256[name] = hashlib.sha256(view).hexdigest()
         return digest.hexdigest()
 
     # The hash runs on another core through the whole write *and* the fsync (the bytes are in
@@ -102,8 +109,20 @@ def encode(tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict[str,
     return _header(entries, metadata) + b"".join(data for _, _, data in tensors.values())
 
 
-def read_tensor(store: ArtifactStore, key: str, name: str, rows: tuple[int | None, int | None] | None) -> bytes:
-    """One tensor as a small safetensors file, reading only the header and that tensor's bytes."""
+class TensorSlice:
+    """One tensor (or some of its rows) as a small safetensors file: its own `head` (length and
+    JSON header) followed by `length` bytes of the stored file from `offset`, to be streamed."""
+
+    def __init__(self, head: bytes, offset: int, length: int, rows: tuple[int, int] | None) -> None:
+        self.head, self.offset, self.length, self.rows = head, offset, length, rows
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + self.length
+
+
+def tensor_slice(store: ArtifactStore, key: str, name: str, rows: tuple[int | None, int | None] | None) -> TensorSlice:
+    """Where one tensor's bytes are in a stored file, reading only the file's header."""
     data_start, header = read_header(store, key)
     info = header.get(name) if name != "__metadata__" else None
     if info is None:
@@ -111,6 +130,7 @@ def read_tensor(store: ArtifactStore, key: str, name: str, rows: tuple[int | Non
         raise TensorNotFound(f"no tensor named {name!r} in this job's activations; tensors: {names}")
     dtype, shape = info["dtype"], list(info["shape"])
     begin, end = info["data_offsets"]
+    picked = None
     if rows is not None:
         if not shape:
             raise BadRequest(f"{name} is a scalar; it has no rows to slice")
@@ -121,8 +141,15 @@ def read_tensor(store: ArtifactStore, key: str, name: str, rows: tuple[int | Non
         row_bytes = math.prod(shape[1:]) * CODE_BYTES[dtype]
         begin, end = begin + first * row_bytes, begin + last * row_bytes
         shape[0] = last - first
+        picked = (first, last)
     metadata = {k: str(v) for k, v in header.get("__metadata__", {}).items()}
-    if rows is not None:
-        metadata["rows"] = f"{first}:{last}"
-    data = store.read_range(key, data_start + begin, end - begin)
-    return encode({name: (dtype, shape, data)}, metadata)
+    if picked is not None:
+        metadata["rows"] = f"{picked[0]}:{picked[1]}"
+    head = _header([(name, dtype, shape, end - begin)], metadata)
+    return TensorSlice(head, data_start + begin, end - begin, picked)
+
+
+def read_tensor(store: ArtifactStore, key: str, name: str, rows: tuple[int | None, int | None] | None) -> bytes:
+    """One tensor as a small safetensors file, reading only the header and that tensor's bytes."""
+    part = tensor_slice(store, key, name, rows)
+    return part.head + store.read_range(key, part.offset, part.length)

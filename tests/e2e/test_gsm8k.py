@@ -265,3 +265,19 @@ def test_gold_and_corrupted_traces_then_probes_and_export(live, tmp_path, redis_
     assert len(table) == 10 * 3 * 3  # problems x sources x capture points
     row = table[(table["index"] == 4) & (table["source"] == "gold") & (table["point"] == "model.layers.2")].iloc[0]
     assert bool(row["correct"]) is True and list(row["shape"]) == [1, 64] and row["reduce"] == "mean"
+
+
+def test_a_capture_the_api_refuses_is_one_line_and_leaves_no_out(live, tmp_path):
+    """A typo'd module or a block the model lacks: the API's 422 in one line, before --out exists,
+    so the corrected command runs in the same directory (no "holds a run with other settings")."""
+    out = tmp_path / "run"
+    args = ["gsm8k", "--out", str(out), "--dataset", "samples", "--limit", "2", "--model", TINY, "--max-tokens", "4"]
+    for bad in (["--module", "model.layer.1"], ["--layers", "0,99"]):
+        done = subprocess.run(actq(live, *args, "--quiet", *bad), env=run_env(live), capture_output=True, text=True)
+        assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and live.base_url in lines[0] and "422" in lines[0], done.stderr
+        assert not out.exists()
+    done = subprocess.run(actq(live, *args, "--quiet"), env=run_env(live), capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["succeeded"] == 2

@@ -36,6 +36,12 @@ EVERY_MODULE = [
     "model.layers.*.mlp.down_proj",
     "model.norm",
 ]
+# glibc's malloc raises its mmap threshold as large blocks are freed, after which freed tensors stay
+# in the heap and a later job reuses them: a job's growth then depends on what ran before it (the
+# same case measured 176 MB in one run and 238 MB in another). A fixed threshold (which also turns
+# the dynamic adjustment off) gives every block over 64 KiB its own mapping, returned when freed,
+# so the resident size follows the live tensors and VmHWM is the job's own peak.
+FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
 RESIDUAL = ["model.layers.{0,10,20}", "model.norm"]
 CASES = [  # (words in the prompt, positions, modules, max_tokens)
     (40, "all", EVERY_MODULE, 4),
@@ -74,7 +80,8 @@ def memory_stack(tmp_path_factory, live):
     root = tmp_path_factory.mktemp("memory")
     budgets = {"ACTQ_CAPTURE_BUDGET_BYTES": str(8 << 30), "ACTQ_JOB_MEMORY_BUDGET_BYTES": str(16 << 30)}
     with own_stack(root, live.env, **budgets) as stack:
-        worker = stack.start_worker("memory", {"ACTQ_MODEL": SMOL, "ACTQ_MODEL_NAME": MODEL, "ACTQ_TORCH_THREADS": "2"})
+        env = {"ACTQ_MODEL": SMOL, "ACTQ_MODEL_NAME": MODEL, "ACTQ_TORCH_THREADS": "2", **FIXED_MALLOC}
+        worker = stack.start_worker("memory", env)
         yield stack, _pool_child(worker.pid)
 
 

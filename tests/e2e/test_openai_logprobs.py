@@ -38,6 +38,14 @@ def job_of(completion) -> str:
     return completion.model_extra["actq"]["job_id"]
 
 
+def whole_job(http, job_id: str) -> dict:
+    """GET /jobs/{id} with its whole result: log-probabilities are kept apart from the job's record
+    (GET /jobs/{id}/result) once the result passes ACTQ_RESULT_INLINE_BYTES."""
+    job = http.get(f"/jobs/{job_id}").json()
+    job["result"] = http.get(f"/jobs/{job_id}/result").json()
+    return job
+
+
 def forward_logprobs(model, ids: list[int]) -> torch.Tensor:
     """log_softmax of one plain forward pass over `ids`: row i scores the token after position i."""
     with torch.inference_mode():
@@ -50,7 +58,7 @@ def test_chat_logprobs_are_the_jobs_own_and_the_greedy_token_is_the_top_one(http
         model=TINY, messages=MESSAGES, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3
     )
     choice = completion.choices[0]
-    job = http.get(f"/jobs/{job_of(completion)}").json()
+    job = whole_job(http, job_of(completion))
     assert job["status"] == "succeeded"
     expected = job["result"]["logprobs"]
     assert expected["in_file"] is False and len(expected["content"]) == completion.usage.completion_tokens == 8
@@ -106,7 +114,7 @@ def test_sampled_chat_logprobs_are_from_the_raw_logits(http, client):
         model=TINY, messages=MESSAGES, max_tokens=6, temperature=1.5, top_p=0.9, seed=3, logprobs=True, top_logprobs=2
     )
     content = completion.choices[0].logprobs.content
-    job = http.get(f"/jobs/{job_of(completion)}").json()
+    job = whole_job(http, job_of(completion))
     assert [e.logprob for e in content] == [e["logprob"] for e in job["result"]["logprobs"]["content"]]
     for entry in content:  # a sampled token's value is at most the likeliest one's
         assert entry.logprob <= entry.top_logprobs[0].logprob
@@ -117,7 +125,7 @@ def test_completion_logprobs_on_generated_text(http, client):
         model=TINY, prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2
     )
     choice = completion.choices[0]
-    job = http.get(f"/jobs/{job_of(completion)}").json()
+    job = whole_job(http, job_of(completion))
     expected = job["result"]["logprobs"]["content"]
     logprobs = choice.logprobs
     assert logprobs.tokens == [e["token"] for e in expected] and len(logprobs.tokens) == 6
@@ -143,7 +151,7 @@ def test_echo_with_max_tokens_0_scores_the_prompt_like_a_plain_forward_pass(http
     model, tokenizer = tiny
     ids = tokenizer(PROMPT)["input_ids"]
     assert completion.usage.prompt_tokens == len(ids) and completion.usage.completion_tokens == 0
-    job = http.get(f"/jobs/{job_of(completion)}").json()
+    job = whole_job(http, job_of(completion))
     assert job["status"] == "succeeded" and job["result"]["text"] == ""
     assert [e["token_id"] for e in job["result"]["logprobs"]["content"]] == ids
 

@@ -16,8 +16,11 @@ import pytest
 import redis
 
 from shared import keys
+from shared.cli.processes import free_port
+from shared.cli.redis_server import RedisServer
 from tests.e2e.conftest import own_stack
 from tests.support.stack import TERMINAL
+from tests.support.tmpfs import mounted_tmpfs
 
 pytestmark = pytest.mark.slow
 
@@ -136,7 +139,7 @@ def test_jobs_whose_broker_message_was_lost_or_stranded_still_run(live, tiny_dir
         assert_one_artifact_each(s, jobs)
         log = s.log_tail("worker-w", chars=100_000)
         assert f"job {ids[0]} was queued with no broker message" in log
-        assert f"job {ids[1]} was queued with its message stranded in unacked" in log
+        assert f"job {ids[1]}: its message is stranded in unacked, held by no live worker" in log
         assert client.llen(queue) == 0 and client.hlen("unacked") == 0
         client.close()
 
@@ -222,14 +225,7 @@ def test_disk_full_on_the_local_store(live, tiny_dir, tmp_path):
     """The local store on a 1 MiB tmpfs, filled up: a capture job fails as storage_error saying
     the disk is full and leaves no file; the worker survives and, once there is room, stores the
     next job whole."""
-    mount = tmp_path / "full"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount)], capture_output=True, text=True
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path / "full", "1m") as mount:
         with own_stack(tmp_path / "stack", live.env, ACTQ_STORAGE_URL=mount.as_uri()) as s, s.client() as http:
             s.start_worker("w", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-full"})
             filler = mount / "filler"
@@ -246,5 +242,81 @@ def test_disk_full_on_the_local_store(live, tiny_dir, tmp_path):
             ok = s.wait(http, s.submit(http, body))
             assert ok["status"] == "succeeded" and ok["activations"]["bytes"] > 16 << 10
             assert_one_artifact_each(s, [ok])
+
+
+def _refuse(kind: str, client: redis.Redis, redis_dir) -> None:
+    if kind == "oom":  # maxmemory reached under noeviction
+        client.config_set("maxmemory-policy", "noeviction")
+        client.config_set("maxmemory", 1)
+    elif kind == "readonly":  # it became a replica (of a master that is not there)
+        client.replicaof("127.0.0.1", free_port())
+    else:  # MISCONF: the filesystem under its append-only file is full
+        with open(redis_dir / "filler", "wb") as handle:
+            try:
+                while True:
+                    handle.write(b"\0" * (64 << 10))
+                    handle.flush()
+            except OSError:
+                pass
+        try:  # a write that cannot reach the AOF; its own error comes at the next beforeSleep
+            client.set("actq-test:trigger", "x" * 4096)
+        except redis.ResponseError as exc:  # the worker's own writes met the full disk first
+            assert str(exc).startswith("MISCONF"), exc
+        deadline = time.monotonic() + 10
+        while client.info("persistence")["aof_last_write_status"] != "err":
+            assert time.monotonic() < deadline, "Redis never failed to write its AOF"
+            time.sleep(0.05)
+
+
+def _allow(kind: str, client: redis.Redis, redis_dir) -> None:
+    if kind == "oom":
+        client.config_set("maxmemory", 0)
+    elif kind == "readonly":
+        client.replicaof("NO", "ONE")
+    else:
+        (redis_dir / "filler").unlink()
+
+
+@pytest.mark.parametrize("kind", ["oom", "readonly", "misconf"])
+def test_redis_refusing_writes_for_a_few_seconds_loses_nothing(live, tiny_dir, tmp_path, kind):
+    """Redis refuses writes for 4 s (OOM, READONLY, or MISCONF from a full filesystem under its
+    append-only file: issue 22) while 20 jobs are queued and one generates. POST /jobs answers 503
+    naming the refusal; the worker never exits (kombu's own transport died with "Unrecoverable
+    error ... MISCONF"); once Redis accepts writes again every job succeeds exactly once."""
+    redis_dir = tmp_path / "redis"
+    redis_dir.mkdir()
+    if kind == "misconf":
+        command = ["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(redis_dir)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here (needs root): {done.stderr.strip()}")
+    server = RedisServer(redis_dir).start()
+    client = redis.Redis.from_url(server.url, decode_responses=True)
+    reasons = {
+        "oom": "refuses writes: OOM",
+        "readonly": "refuses writes: READONLY",
+        "misconf": "refuses writes: MISCONF",
+    }
+    try:
+        with own_stack(tmp_path / "stack", live.env, ACTQ_REDIS_URL=server.url) as s, s.client() as http:
+            worker = s.start_worker("w", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-rw"})
+            ids = submit_batch(http, tiny_body("tiny-rw", max_tokens=8), 20, first=tiny_body("tiny-rw", max_tokens=120))
+            wait_running(http, ids[0])
+            _refuse(kind, client, redis_dir)
+            refused = http.post("/jobs", json=tiny_body("tiny-rw"))
+            assert refused.status_code == 503 and reasons[kind] in refused.json()["detail"], refused.text
+            time.sleep(4)
+            assert worker.poll() is None, s.log_tail("worker-w")
+            _allow(kind, client, redis_dir)
+            jobs = wait_all(s, http, ids, timeout=240)
+            assert [j["status"] for j in jobs] == ["succeeded"] * 20, [(j["status"], j["error"]) for j in jobs]
+            assert_one_artifact_each(s, jobs)
+            assert worker.poll() is None and "Unrecoverable error" not in s.log_tail("worker-w", chars=200_000)
+            after = s.wait(http, s.submit(http, tiny_body("tiny-rw")))  # the worker goes on
+            assert after["status"] == "succeeded"
+            assert len(set(client.scan_iter(match=keys.job("*"), count=1000))) == 21
     finally:
-        subprocess.run(["umount", str(mount)], check=False)
+        client.close()
+        server.stop()
+        if kind == "misconf":
+            subprocess.run(["umount", str(redis_dir)], check=False)

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 
 import pyarrow.parquet as pq
 from safetensors.numpy import load_file
 
 from shared import keys
 from shared.schemas import JobRecord
+from tests.e2e.test_api_keys import ALPHA, keyed_api  # noqa: F401 - the keyed API fixture
 from tests.e2e.test_gsm8k import actq, kill_after_samples, run_env
 from tests.support.stack import TINY, job_count
 
@@ -108,16 +110,52 @@ def test_a_prompt_file_killed_mid_run_resumes_without_duplicates_then_probes(liv
     table = pq.read_table(out / "export.parquet").to_pylist()
     assert len(table) == 12 * 3  # every line x the three residual blocks
     by_line = {row["index"]: row for row in table}
-    for number, sample in enumerate(samples):
+    for number, (line, sample) in enumerate(zip(lines, samples, strict=True)):
         row = by_line[number]
-        assert (row["id"], json.loads(row["labels"]), row["text"]) == (
-            str(sample["id"]),
-            sample["labels"],
-            sample["text"],
-        )
-    assert by_line[11]["completion_span"] == samples[11]["completion_span"] and by_line[11]["question"] is None
+        assert (row["id"], json.loads(row["labels"])) == (str(sample["id"]), sample["labels"])
+        assert row["prompt"] == line.get("prompt", (line.get("messages") or [{}])[0].get("content"))
+        tokens = load_file(str(out / sample["activations_file"]))["token_ids"].tolist()
+        assert row["token_ids"] == tokens and row["row_positions"] == list(range(row["start"], row["stop"]))
+        if number != 11:
+            assert row["text"] == sample["text"] and row["messages"] == (
+                json.dumps(line["messages"]) if "messages" in line else None
+            )
+    traced = by_line[11]
+    assert traced["completion_span"] == samples[11]["completion_span"] and traced["question"] is None
+    assert (traced["prompt"], traced["text"]) == ("2 + 2?", "4")  # the scored reply, not the empty generation
 
     changed = prompts.read_text().replace("fact number 2.", "fact number two.")
     prompts.write_text(changed)
     refused = subprocess.run(actq(live, *args), env=run_env(live), capture_output=True, text=True, timeout=60)
     assert refused.returncode == 2 and "holds a run with other settings (prompts_sha256)" in refused.stderr
+
+
+def test_run_file_on_a_keyed_api_and_refused_requests_leave_nothing_behind(live, keyed_api, tmp_path):  # noqa: F811
+    """With ACTQ_API_KEYS on: without the key, one line naming --api-key; a typo'd module or a layer
+    the model lacks is the API's 422 in one line, before --out exists, so the corrected command
+    (same --out) runs; with the key (--api-key or ACTQ_API_KEY) it succeeds."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "2 + 2 =", "max_tokens": 3, "topic": "math"}\n{"prompt": "Hi", "max_tokens": 2}\n')
+    out = tmp_path / "run"
+    base = [sys.executable, "-m", "shared.cli", "run-file", str(prompts), "--out", str(out), "--api", keyed_api]
+    base += ["--model", TINY, "--quiet"]
+
+    def refused(*extra: str, env: dict | None = None) -> str:
+        done = subprocess.run([*base, *extra], env={**run_env(live), **(env or {})}, capture_output=True, text=True)
+        assert done.returncode == 2 and "Traceback" not in done.stderr + done.stdout, done.stderr
+        lines = done.stderr.strip().splitlines()
+        assert len(lines) == 1 and keyed_api in lines[0], done.stderr
+        assert not out.exists()
+        return lines[0]
+
+    assert "--api-key KEY or ACTQ_API_KEY" in refused()
+    assert "401" in refused("--api-key", "not-a-key")
+    assert "model.layer.8" in refused("--api-key", ALPHA, "--module", "model.layer.8")
+    assert "422" in refused("--api-key", ALPHA, "--layers", "0,99")
+    done = subprocess.run(
+        [*base, "--layers", "0,-1"], env={**run_env(live), "ACTQ_API_KEY": ALPHA}, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.strip().splitlines()[-1])["succeeded"] == 2
+    again = subprocess.run([*base, "--layers", "0,-1", "--api-key", ALPHA], env=run_env(live), capture_output=True)
+    assert again.returncode == 0, again.stderr  # resumed: every line is done

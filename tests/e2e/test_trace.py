@@ -45,7 +45,7 @@ def test_a_trace_job_captures_and_scores_the_given_text(live, http, reference_mo
     before = tokenizer.apply_chat_template(CONVERSATION[:1], add_generation_prompt=True, return_dict=True)
     start = len(before["input_ids"])
     stop = ids.index(model.generation_config.eos_token_id, start) + 1
-    result = job["result"]
+    result = http.get(f"/jobs/{job['id']}/result").json()  # the whole result, entries included
     assert result["text"] == "" and result["finish_reason"] == "length"
     assert result["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 0, "total_tokens": len(ids)}
     assert result["completion_span"] == [start, stop]
@@ -97,7 +97,7 @@ def test_a_generation_job_returns_its_tokens_log_probabilities(live, http, refer
     body = {"model": TINY, "messages": CONVERSATION[:1], "max_tokens": 6, "logprobs": True, "top_logprobs": 4}
     job = live.wait(http, http.post("/jobs", json=body).json()["id"])
     assert job["status"] == "succeeded", job
-    content = job["result"]["logprobs"]["content"]
+    content = http.get(f"/jobs/{job['id']}/result").json()["logprobs"]["content"]
     assert len(content) == job["result"]["usage"]["completion_tokens"] == 6
     for entry in content:  # greedy: the chosen token is the likeliest
         assert entry["token_id"] == entry["top_logprobs"][0]["token_id"] and len(entry["top_logprobs"]) == 4

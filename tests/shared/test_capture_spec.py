@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from shared.capture_spec import (
     MemoryEstimate,
     check_budget,
     estimate,
+    parse_all,
     prompt_tokens_lower_bound,
     prompt_tokens_upper_bound,
     resolve,
@@ -88,9 +91,18 @@ def test_bad_paths_are_refused_with_what_to_fix(pattern, message):
 
 
 def test_many_patterns_cannot_multiply_the_work():
-    pattern = "model.layers.{" + ",".join(map(str, range(20))) + "}.mlp"  # 20 x 256 > 4096
+    distinct = ["model.layers.{" + ",".join(map(str, range(k, k + 20))) + "}.mlp" for k in range(256)]  # 20 x 256
     with pytest.raises(CaptureSpecError, match="more than 4096 concrete paths"):
-        names(*[pattern] * 256)
+        names(*distinct)
+    ten = "model." + ".".join(["{" + ",".join(map(str, range(10))) + "}"] * 10)  # 10^10 paths
+    with pytest.raises(CaptureSpecError, match="expands to 10000000000 paths"):
+        parse_all([ten] * 200)
+
+
+def test_repeated_patterns_count_once():
+    pattern = "model.layers.{" + ",".join(map(str, range(20))) + "}.mlp"
+    assert parse_all([pattern] * 256) == parse_all([pattern])
+    assert len(parse_all([pattern] * 256)) == 20
 
 
 def test_modules_without_a_capturable_side_or_position_are_refused():
@@ -151,8 +163,11 @@ def test_the_expansion_is_counted_before_any_path_is_built(monkeypatch):
     built = []
     monkeypatch.setattr(capture_spec.itertools, "product", lambda *a: built.append(a) or iter(()))
     sixteen = "{" + ",".join(map(str, range(16))) + "}"
-    big = f"model.layers.{sixteen}.mlp.{sixteen}.up.{sixteen}"  # 16**3 = 4,096 paths
-    spec = CaptureSpec(modules=[big] * 256)
+
+    def big(k: int) -> str:  # 16**3 = 4,096 paths, a different first set for each k
+        return "model.layers.{" + ",".join(map(str, range(k, k + 16))) + f"}}.mlp.{sixteen}.up.{sixteen}"
+
+    spec = CaptureSpec(modules=[big(k) for k in range(256)])
     with pytest.raises(CaptureSpecError, match="expands to more than 4096 concrete paths"):
         capture_spec.resolve(spec, MODEL)
     assert built == []
@@ -208,3 +223,49 @@ def test_a_raw_prompt_is_bounded_by_its_bytes_with_no_template_tokens():
 def test_a_request_gives_exactly_one_of_prompt_and_messages(fields):
     with pytest.raises(ValueError, match="give exactly one of `messages`"):
         JobRequest(model="m", **fields)
+
+
+def _spelled_out(pattern: str, paths: list[str]) -> list[str] | str:
+    """The reference: expand every set by hand and look each spelling up; the first one that names
+    nothing is returned as a string."""
+    import itertools
+    import re
+
+    choices = [
+        [str(int(i)) for i in seg[1:-1].split(",")] if seg.startswith("{") else [seg] for seg in pattern.split(".")
+    ]
+    found: list[str] = []
+    for combo in itertools.product(*choices):
+        regex = re.compile(r"\.".join(r"\d+" if s == "*" else re.escape(s) for s in combo))
+        hits = [p for p in paths if regex.fullmatch(p)]
+        if not hits:
+            return ".".join(combo)
+        found += [h for h in hits if h not in found]
+    return found
+
+
+@pytest.mark.parametrize(
+    "pattern",
+    [
+        "model.layers.{0,3,11}",
+        "model.layers.{11,0,0}.mlp",
+        "model.layers.*.mlp",
+        "model.layers.{0,99}.mlp",
+        "model.layers.{5,7}.*",
+        "model.{0,1}",
+        "model.layers.007",
+        "model.layers.{2,4,6,8,10,12}.input_layernorm",
+    ],
+)
+def test_sets_are_matched_as_an_expansion_would_match_them(pattern):
+    """`names` compares sets by membership, without expanding them: the same modules as spelling
+    every path out, and the same first path that names nothing."""
+    from shared.capture_spec import check_patterns
+    from shared.capture_spec import names as match
+
+    expected = _spelled_out(pattern, [m.path for m in MODEL.modules])
+    if isinstance(expected, str):
+        with pytest.raises(CaptureSpecError, match=f"capture path '{re.escape(expected)}' names no module"):
+            match(check_patterns([pattern])[0], MODEL)
+    else:
+        assert sorted(match(check_patterns([pattern])[0], MODEL)) == sorted(expected)

@@ -56,9 +56,36 @@ HOSTILE = [
 ]
 
 SIXTEEN = "{" + ",".join(map(str, range(16))) + "}"
-EXPANSION_BOMB = {  # 256 patterns of 4,096 paths each: a million paths if they were built
-    "model": TINY,
-    "messages": [{"role": "user", "content": "hi"}],
-    "capture": {"modules": [f"model.layers.{SIXTEEN}.mlp.{SIXTEEN}.up.{SIXTEEN}"] * 256},
-}
-HOSTILE.append(("capture expansion bomb", EXPANSION_BOMB, None, (422,)))
+TEN = "{" + ",".join(map(str, range(10))) + "}"
+
+
+def _capture(modules: list[str]) -> dict:
+    return {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "capture": {"modules": modules}}
+
+
+def _shifted(k: int, width: int) -> str:
+    return "{" + ",".join(map(str, range(k, k + width))) + "}"
+
+
+HOSTILE += [
+    # 256 copies of one pattern of 4,096 paths: a million paths if they were built
+    ("capture expansion bomb", _capture([f"model.layers.{SIXTEEN}.mlp.{SIXTEEN}.up.{SIXTEEN}"] * 256), None, (422,)),
+    # 250 distinct patterns of 4,096 paths each (8**4): no two alike, so nothing is shared
+    (
+        "distinct brace patterns",
+        _capture([f"model.layers.{'.'.join(_shifted(k + i, 8) for i in range(4))}.self_attn" for k in range(250)]),
+        None,
+        (422,),
+    ),
+    # 200 copies of a ten-level pattern: 10**10 paths each
+    ("ten-level brace pattern", _capture(["model." + ".".join([TEN] * 10)] * 200), None, (422,)),
+    # 256 distinct ten-level patterns of the longest allowed length
+    (
+        "distinct ten-level patterns",
+        _capture([("model." + ".".join([_shifted(k, 10)] + [TEN] * 9))[:256].rsplit(".", 1)[0] for k in range(256)]),
+        None,
+        (422,),
+    ),
+    # 256 long paths that name nothing: each would ask for the closest valid names
+    ("unknown long paths", _capture([f"model.layers.{k}.{'x' * 200}" for k in range(256)]), None, (422,)),
+]

@@ -1,12 +1,16 @@
 """The lost-message check (worker/lost_messages.py) on a real Redis: a queued job whose broker
-message is gone, or stranded in `unacked` with no live worker holding it, is sent again after two
-sightings; messages waiting in the queue or held by a worker's task are not duplicated; a job
-that left the queue is left alone."""
+message is gone, or stranded in `unacked` with no live worker holding it, and a running job whose
+whole worker is gone (nobody holds its message, its engine's heartbeat expired), is sent again
+after two sightings; messages waiting in the queue or held by a worker's task, and running jobs
+whose engine is live, are not duplicated; a job that left the queue is left alone. The sweeper's
+clock is the test's: a second sighting is `confirm` later by that clock, whatever the machine's
+load."""
 
 from __future__ import annotations
 
 import json
 import time
+from typing import cast
 
 import pytest
 
@@ -37,20 +41,45 @@ def _queued_ids(client) -> list[str]:
     return [json.loads(raw)["headers"]["id"] for raw in client.lrange(QUEUE, 0, -1)]
 
 
+class Clock:
+    """Wall-clock time plus what the test moved it on by."""
+
+    def __init__(self) -> None:
+        self.offset = 0.0
+
+    def __call__(self) -> float:
+        return time.time() + self.offset
+
+
 def _sweeper(
-    client, celery, confirm: float = 0.001, holding: frozenset = frozenset(), held_ttl: float = 60
+    client,
+    celery,
+    confirm: float = 10,
+    holding: frozenset = frozenset(),
+    held_ttl: float = 60,
+    live_engines: frozenset = frozenset(),
+    clock: Clock | None = None,
 ) -> LostMessageSweeper:
     return LostMessageSweeper(
         client,
         "m",
         QUEUE,
         lambda j: task_message(celery, j, QUEUE),
-        interval=0.001,
+        interval=confirm,
         confirm=confirm,
         worker_id="w1",
         holding=lambda: set(holding),
         held_ttl=held_ttl,
+        live_engines=lambda: set(live_engines),
+        clock=clock or Clock(),
     )
+
+
+def _next_round(client, sweeper: LostMessageSweeper, seconds: float | None = None) -> list[str]:
+    """The next round: its lock free, the clock `seconds` (default: confirm) later."""
+    client.delete(keys.lost_sweep("m"))
+    cast(Clock, sweeper.clock).offset += sweeper.confirm if seconds is None else seconds
+    return sweeper.sweep()
 
 
 def _strand(client, job_id: str | None = None) -> str:
@@ -71,15 +100,13 @@ def test_a_lost_message_is_sent_again_after_two_sightings(redis_client, celery, 
     sweeper = _sweeper(redis_client, celery, holding=frozenset({held}))
     sweeper.publish_held()
     assert find_stranded(redis_client, "m", QUEUE, min_age=0) == {ids[0]: None}
-    assert sweeper.sweep() == []  # first sighting: only suspected
+    assert _next_round(redis_client, sweeper) == []  # first sighting (the jobs are `confirm` old): suspected
     assert redis_client.hkeys(keys.lost_suspects("m")) == [ids[0].encode()]
-    redis_client.delete(keys.lost_sweep("m"))  # the next round's lock
-    assert sweeper.sweep() == [ids[0]]
+    assert _next_round(redis_client, sweeper) == [ids[0]]
     assert _queued_ids(redis_client) == [ids[3], ids[2], ids[0]]  # next to be taken (BRPOP: right end)
     assert json.loads(redis_client.lrange(QUEUE, -1, -1)[0])["headers"]["task"] == keys.TASK_NAME
     assert not redis_client.exists(keys.lost_suspects("m")) and redis_client.hlen("unacked") == 1
-    redis_client.delete(keys.lost_sweep("m"))
-    assert sweeper.sweep() == [] and len(_queued_ids(redis_client)) == 3  # nothing sent twice
+    assert _next_round(redis_client, sweeper) == [] and len(_queued_ids(redis_client)) == 3  # nothing sent twice
 
 
 def held_tag(client) -> str:
@@ -92,13 +119,11 @@ def test_a_message_stranded_in_unacked_is_moved_back(redis_client, celery, jobs)
     stranded = _strand(redis_client)
     assert stranded == ids[0]
     sweeper = _sweeper(redis_client, celery)  # this worker's tasks hold nothing
-    assert sweeper.sweep() == []
-    redis_client.delete(keys.lost_sweep("m"))
-    assert sweeper.sweep() == [ids[0]]
+    assert _next_round(redis_client, sweeper) == []
+    assert _next_round(redis_client, sweeper) == [ids[0]]
     assert _queued_ids(redis_client)[-1] == ids[0] and len(_queued_ids(redis_client)) == 4
     assert redis_client.hlen("unacked") == 0 and redis_client.zcard("unacked_index") == 0
-    redis_client.delete(keys.lost_sweep("m"))
-    assert sweeper.sweep() == []
+    assert _next_round(redis_client, sweeper) == []
 
 
 def test_a_held_message_expires_with_its_worker(redis_client, celery, jobs):
@@ -112,14 +137,77 @@ def test_a_held_message_expires_with_its_worker(redis_client, celery, jobs):
     assert find_stranded(redis_client, "m", QUEUE, min_age=0) == {ids[0]: held_tag(redis_client)}
 
 
+def _running_on(store: JobStore, redis_client, job_id: str, engine: str) -> str:
+    """The job's message delivered (into `unacked`, delivered long ago) and the job claimed by `engine`."""
+    assert _strand(redis_client) == job_id
+    redis_client.zadd("unacked_index", {held_tag(redis_client): time.time() - 3600})
+    record, why = store.claim(job_id, engine, max_attempts=3)
+    assert record is not None, why
+    return held_tag(redis_client)
+
+
+def test_a_running_job_whose_whole_worker_is_lost_is_sent_again(redis_client, celery, jobs):
+    """No worker holds its message and its engine's heartbeat expired: it runs again at once,
+    not after the visibility timeout; the next claim counts a second attempt."""
+    store, ids = jobs
+    tag = _running_on(store, redis_client, ids[0], "host:engine-1")
+    assert find_stranded(redis_client, "m", QUEUE, min_age=10) == {ids[0]: tag}
+    sweeper = _sweeper(redis_client, celery)
+    assert _next_round(redis_client, sweeper) == []
+    assert _next_round(redis_client, sweeper) == [ids[0]]
+    assert _queued_ids(redis_client)[-1] == ids[0] and redis_client.hlen("unacked") == 0
+    record, _ = store.claim(ids[0], "host:engine-2", max_attempts=3)
+    assert record is not None and record.attempts == 2 and record.worker == "host:engine-2"
+    assert _next_round(redis_client, sweeper) == []
+
+
+def test_a_running_job_is_left_alone_while_its_worker_or_engine_lives(redis_client, celery, jobs):
+    store, ids = jobs
+    tag = _running_on(store, redis_client, ids[0], "host:engine-1")
+    held = _sweeper(redis_client, celery, holding=frozenset({ids[0]}))  # its task holds it
+    held.publish_held()
+    assert find_stranded(redis_client, "m", QUEUE, min_age=10) == {}
+    redis_client.delete(keys.held("m", "w1"))
+    live = frozenset({"host:engine-1"})  # its task's worker is gone, but its engine still beats
+    assert find_stranded(redis_client, "m", QUEUE, min_age=10, live_engines=lambda: set(live)) == {}
+    sweeper = _sweeper(redis_client, celery, live_engines=live)
+    assert [_next_round(redis_client, sweeper) for _ in range(3)] == [[], [], []]
+    assert redis_client.hget("unacked", tag) is not None and ids[0] not in _queued_ids(redis_client)
+
+
+def test_a_just_delivered_message_is_not_judged(redis_client, celery, jobs):
+    """Delivered a moment ago: its task may not have said it holds it yet."""
+    store, ids = jobs
+    _running_on(store, redis_client, ids[0], "host:engine-1")
+    redis_client.zadd("unacked_index", {held_tag(redis_client): time.time()})
+    assert find_stranded(redis_client, "m", QUEUE, min_age=60) == {}
+
+
+def test_an_unacked_message_of_a_finished_job_is_dropped(redis_client, celery, jobs):
+    """The worker recorded the outcome, then died before acknowledging: nothing to run again."""
+    store, ids = jobs
+    tag = _running_on(store, redis_client, ids[0], "host:engine-1")
+    store.succeed(ids[0], _result(), None)
+    assert find_stranded(redis_client, "m", QUEUE, min_age=10) == {}
+    assert redis_client.hget("unacked", tag) is None and redis_client.zscore("unacked_index", tag) is None
+    assert ids[0] not in _queued_ids(redis_client)
+
+
+def _result() -> dict:
+    return {
+        "text": "",
+        "finish_reason": "length",
+        "usage": {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1},
+    }
+
+
 def test_a_job_that_leaves_the_queue_is_no_longer_suspected(redis_client, celery, jobs):
     store, ids = jobs
     redis_client.rpop(QUEUE)
     sweeper = _sweeper(redis_client, celery)
-    assert sweeper.sweep() == []
+    assert _next_round(redis_client, sweeper) == []
     store.claim(ids[0], "w", max_attempts=3)  # its message turned up after all and it runs
-    redis_client.delete(keys.lost_sweep("m"))
-    assert sweeper.sweep() == [] and ids[0] not in _queued_ids(redis_client)
+    assert _next_round(redis_client, sweeper) == [] and ids[0] not in _queued_ids(redis_client)
     assert not redis_client.exists(keys.lost_suspects("m"))
 
 
@@ -128,14 +216,16 @@ def test_young_jobs_and_other_workers_rounds_are_left_alone(redis_client, celery
     redis_client.rpop(QUEUE)
     assert find_stranded(redis_client, "m", QUEUE, min_age=3600) == {}  # queued too recently to judge
     redis_client.set(keys.lost_sweep("m"), "1", px=60_000)  # another worker holds this round
-    assert _sweeper(redis_client, celery).sweep() == []
+    sweeper = _sweeper(redis_client, celery)
+    cast(Clock, sweeper.clock).offset = 3600
+    assert sweeper.sweep() == []
     assert not redis_client.exists(keys.lost_suspects("m"))
 
 
 def test_a_sighting_must_be_confirmed_after_the_interval(redis_client, celery, jobs):
     redis_client.rpop(QUEUE)
-    sweeper = _sweeper(redis_client, celery, confirm=3600)
-    assert sweeper.sweep() == []
-    redis_client.delete(keys.lost_sweep("m"))
-    assert sweeper.sweep() == []  # seen twice, but not an hour apart
+    sweeper = _sweeper(redis_client, celery)
+    assert _next_round(redis_client, sweeper) == []
+    assert _next_round(redis_client, sweeper, seconds=9.9) == []  # seen twice, but not `confirm` apart
     assert len(_queued_ids(redis_client)) == 3
+    assert _next_round(redis_client, sweeper, seconds=0.1) != []

@@ -31,13 +31,12 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 
-from shared.cli import batch, captures
+from shared.cli import batch, captures, remote
 from shared.cli.batch import Item
 from shared.cli.gsm8k import data
 from shared.cli.gsm8k.scoring import accuracy, flexible_match, is_correct, score
 from shared.client import Client, Job
 from shared.errors import ToolError
-from shared.settings import Settings
 
 
 @dataclass
@@ -83,7 +82,7 @@ class Run(batch.BatchRun):
         sample: dict = {"index": problem.index, "question": problem.question, "gold": problem.gold}
         generated = jobs.get("generated")
         if generated is not None:
-            result = generated.data.get("result") or {}
+            result = batch.job_result(generated)
             completion = result.get("text", "")
             sample |= {
                 "completion": completion,
@@ -212,6 +211,7 @@ def run(
     capture_on: str = "generated",
     download: bool = False,
     api: str | None = None,
+    api_key: str | None = None,
     quiet: bool = False,
 ) -> dict:
     """`actq gsm8k`: load the problems, choose the prompt format and the capture, submit what is
@@ -228,7 +228,7 @@ def run(
         if train is None and dataset not in ("hub", "samples"):
             train = str(Path(dataset).expanduser().with_name("train.jsonl"))
         exemplars = data.fewshot_exemplars(data.load(train or dataset, "train"))
-    with Client(api or Settings().api_url, timeout=60) as client:
+    with remote.reaching(api), remote.client(api, api_key) as client:
         model, info = captures.choose_model(client, model)
         resolved_format = data.resolve_prompt_format(prompt_format, model, info)
         if resolved_format == "plain" and sources != ["generated"]:

@@ -24,6 +24,8 @@ COLUMNS = [
     "id",
     "labels",
     "source",
+    "prompt",
+    "messages",
     "question",
     "gold",
     "text",
@@ -32,6 +34,7 @@ COLUMNS = [
     "job_id",
     "prompt_tokens",
     "completion_span",
+    "token_ids",
     "point",
     "module",
     "hook",
@@ -40,6 +43,7 @@ COLUMNS = [
     "reduce",
     "start",
     "stop",
+    "row_positions",
     "features",
     "shape",
     "dtype",
@@ -348,16 +352,53 @@ def test_both_formats_read_back_without_actq(tmp_path, capsys):
         assert generated["shape"] == [5, W] and generated["dtype"] == "bfloat16" and generated["job_id"] == "job-0"
         assert generated["reduce"] == "none" and generated["completion_span"] is None
         assert generated["prompt_tokens"] == 7 and generated["status"] == "succeeded"
+        assert generated["prompt"] == "What is 2+3?" and generated["messages"] is None
+        assert generated["token_ids"] == list(range(12)) and generated["row_positions"] == [0, 1, 2, 3, 4]
+        assert by_key[(0, "gold", "model.norm")]["row_positions"] == [7, 8, 9]
         gold = by_key[(0, "gold", "model.layers.1")]
         assert gold["reduce"] == "mean" and gold["shape"] == [1, W] and gold["dtype"] == "float32"
         assert gold["start"] == 7 and gold["stop"] == 12 and gold["completion_span"] == [7, 12]
         assert gold["text"] == "The answer is 5." and gold["job_id"] == "trace-0-gold"
+        assert gold["row_positions"] is None and gold["prompt"] == "What is 2+3?"  # reduced: one row
         assert by_key[(0, "gold", "model.norm")]["layer"] is None
         corrupted = by_key[(0, "corrupted", "model.layers.1")]
         assert corrupted["correct"] is False and corrupted["features"] == [1, 3] and corrupted["shape"] == [1, 2]
         assert corrupted["dtype"] == "float16" and corrupted["layer"] == 1
         traced_only = by_key[(1, "gold", "model.layers.1")]
         assert traced_only["question"] == "What is 1+1?" and traced_only["gold"] == "2" and traced_only["correct"]
+
+
+def test_a_prompt_files_rows_carry_the_prompt_token_ids_and_positions(tmp_path):
+    """`actq run-file` samples: a prompt line, a chat line and a trace line scoring a reply."""
+    import pyarrow.parquet as pq
+
+    results = tmp_path / "results"
+    (results / "samples").mkdir(parents=True)
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    scored = [{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"}]
+    lines = [
+        {"id": "add", "labels": {"topic": "math"}, "prompt": "2 + 2 =", "mode": "generate", "text": " 4"},
+        {"id": 1, "labels": {"topic": "chat"}, "messages": chat, "mode": "generate", "text": "Red"},
+        {"id": 2, "labels": {"topic": "math"}, "messages": scored, "mode": "trace", "text": ""},
+    ]
+    for index, line in enumerate(lines):
+        capture = [("model.layers.1", torch.randn(3, W), {"start": 4 + index})]
+        sample = {"index": index, **line, **_source(results, f"activations/{index}.safetensors", f"j{index}", capture)}
+        (results / "samples" / f"{index}.json").write_text(json.dumps(sample))
+    rows = pq.read_table(export.run(results)).to_pylist()
+    assert [(r["prompt"], r["text"]) for r in rows] == [("2 + 2 =", " 4"), ("Name a colour.", "Red"), ("2+3?", "5")]
+    assert rows[0]["messages"] is None and json.loads(rows[1]["messages"]) == chat
+    assert json.loads(rows[2]["messages"]) == scored and rows[2]["question"] is None
+    assert all(r["token_ids"] == list(range(12)) for r in rows)
+    assert [r["row_positions"] for r in rows] == [[4, 5, 6], [5, 6, 7], [6, 7, 8]]
+    assert [(r["positions"], r["start"], r["stop"]) for r in rows] == [("all", 4, 7), ("all", 5, 8), ("all", 6, 9)]
+
+
+def test_export_help_names_run_file_results():
+    from shared.cli.app import cli
+
+    shown = CliRunner().invoke(cli, ["export", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert shown.exit_code == 0 and "actq run-file" in shown.output and "actq gsm8k" in shown.output
 
 
 def test_explicit_out_and_rerun_replace_earlier_exports(tmp_path):
@@ -387,6 +428,8 @@ def test_activations_not_downloaded_are_fetched_through_the_api(tmp_path, monkey
         for fields in [sample, *(sample.get("traces") or {}).values()]:
             for entry in (fields.get("activations") or {}).get("tensors", []):
                 stored[(fields["job_id"], entry["name"])] = torch.full(entry["shape"], 0.5, dtype=torch.bfloat16)
+            if (fields.get("activations") or {}).get("tensors"):
+                stored[(fields["job_id"], "token_ids")] = torch.arange(3)
     calls = []
 
     class FakeJob:
@@ -398,8 +441,8 @@ def test_activations_not_downloaded_are_fetched_through_the_api(tmp_path, monkey
             return stored[(self.job_id, name)]
 
     class FakeClient:
-        def __init__(self, base_url, timeout=30.0):
-            assert base_url == "http://api.test"
+        def __init__(self, base_url, api_key=None, timeout=30.0):
+            assert base_url == "http://api.test" and api_key == "k"
 
         def job(self, job_id):
             return FakeJob(job_id)
@@ -407,14 +450,15 @@ def test_activations_not_downloaded_are_fetched_through_the_api(tmp_path, monkey
         def close(self):
             pass
 
-    monkeypatch.setattr("shared.client.Client", FakeClient)
-    out = export.run(results, format="parquet", out=None, api="http://api.test")
+    monkeypatch.setattr("shared.cli.remote.Client", FakeClient)
+    out = export.run(results, format="parquet", out=None, api="http://api.test", api_key="k")
     assert sorted(calls) == sorted(stored)
     import pyarrow.parquet as pq
 
     table = pq.read_table(out)
     assert table.num_rows == 6
     assert table.column("activations").to_pylist()[0] == [[0.5] * W] * 5
+    assert table.column("token_ids").to_pylist()[0] == [0, 1, 2]
 
 
 def _closed_port() -> int:
@@ -430,7 +474,7 @@ def test_activations_neither_downloaded_nor_fetchable(tmp_path, monkeypatch):
         export.run(results, format="parquet", out=None, api=f"http://127.0.0.1:{_closed_port()}")
     assert "sample 0 (generated)" in raised.value.message
     monkeypatch.setenv("ACTQ_API_URL", f"http://127.0.0.1:{_closed_port()}")  # the default API
-    with pytest.raises(ToolError, match="could not be fetched from http://127.0.0.1"):
+    with pytest.raises(ToolError, match="fetching them failed: cannot reach the actq API at http://127.0.0.1"):
         export.run(results, format="hf-dataset", out=None, api=None)
     assert not (results / "export.parquet").exists() and not (results / "hf-dataset").exists()
     assert not [p for p in results.iterdir() if p.name.startswith(".")]

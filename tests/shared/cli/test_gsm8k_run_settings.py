@@ -20,6 +20,8 @@ def settings(**overrides) -> RunSettings:
 
 def test_the_resolved_prompt_format_is_saved_and_a_change_is_refused(tmp_path):
     first = Run(tmp_path, settings(prompt_format="plain"))
+    assert not (tmp_path / "run.json").exists()  # written once the API has accepted the first jobs
+    first.save()
     saved = json.loads((tmp_path / "run.json").read_text())
     assert saved == {"run_id": first.run_id, "settings": asdict(settings(prompt_format="plain"))}
     assert saved["settings"]["prompt_format"] == "plain"

@@ -99,7 +99,7 @@ def test_signal_layer_is_found_and_noise_is_chance(separable):
     report = probes.run(separable)
     assert report["n_samples"] == 200 and report["skipped_samples"] == {"failed": 3}
     found = by_key(report)
-    assert len(found) == len(NAMES) * 2
+    assert len(found) == len(NAMES) * 3  # last, mean_all, mean_generated
     for (layer, kind, _pooling), p in found.items():
         assert p["n"] == 200 and p["class_counts"] == {"false": 100, "true": 100} and p["folds"] == 5
         assert p["majority_accuracy"] == 0.5 and p["majority_balanced_accuracy"] == 0.5
@@ -115,7 +115,7 @@ def test_signal_layer_is_found_and_noise_is_chance(separable):
 
 def test_shuffled_labels_via_dotted_path_are_chance(separable):
     report = probes.run(separable, label="meta.shuffled")
-    assert report["label"] == "meta.shuffled" and len(report["probes"]) == len(NAMES) * 2
+    assert report["label"] == "meta.shuffled" and len(report["probes"]) == len(NAMES) * 3
     for p in report["probes"]:
         assert p["balanced_accuracy_mean"] < 0.7, p
 
@@ -148,17 +148,39 @@ def test_prompt_positions_have_no_mean_generated(tmp_path):
     make_results(tmp_path, n=20, positions="prompt")
     report = probes.run(tmp_path)
     assert {p["pooling"] for p in report["probes"]} == {"last"}
-    assert any("mean_generated skipped" in note for note in report["notes"])
+    assert report["notes"] == [
+        "mean_all: not computed for 20 of 20 rows (the capture (positions 'prompt') does not hold every position "
+        "of the job's positions); those rows are left out of its probes",
+        "mean_generated: not computed for 20 of 20 rows (the capture (positions 'prompt') does not hold every "
+        "position of the generated tokens); those rows are left out of its probes",
+    ]
 
 
-def test_pooling_uses_generated_rows():
+def test_pooling_uses_exactly_the_rows_it_names():
     rows = np.arange(30, dtype=np.float16)[:, None].repeat(2, axis=1)  # row i holds position start + i
-    pooled = probes._pool(rows, start=0, answer_from=11)  # generated: positions 11..29
+    job = probes.Job("generated", prompt_tokens=12, completion_tokens=19)  # fed: 12 + 18 = 30 positions
+    pooled, refused = probes.pool(rows, 0, job)  # generated: positions 11..29
     assert pooled["mean_generated"] == pytest.approx([20.0, 20.0]) and pooled["last"].tolist() == [29.0, 29.0]
-    pooled = probes._pool(rows[11:], start=11, answer_from=11)  # positions "generated"
-    assert pooled["mean_generated"] == pytest.approx([20.0, 20.0])
-    assert "mean_generated" not in probes._pool(rows[:5], start=0, answer_from=11)
-    assert "mean_generated" not in probes._pool(rows[:12], start=0, answer_from=11, positions="prompt")
+    assert pooled["mean_all"] == pytest.approx([14.5, 14.5]) and refused == {}
+    pooled, refused = probes.pool(rows[11:], 11, job, positions="generated")
+    assert pooled["mean_generated"] == pytest.approx([20.0, 20.0]) and "mean_all" in refused
+    pooled, refused = probes.pool(rows[:12], 0, job, positions="prompt")
+    assert set(pooled) == {"last"} and set(refused) == {"mean_all", "mean_generated"}
+    pooled, refused = probes.pool(rows[29:], 29, job, positions="last")  # one row is not every generated row
+    assert (
+        set(pooled) == {"last"} and "does not hold every position of the generated tokens" in refused["mean_generated"]
+    )
+    trace = probes.Job("trace", prompt_tokens=30, completion_span=(20, 28))
+    pooled, refused = probes.pool(rows, 0, trace)
+    assert pooled["mean_completion"] == pytest.approx([23.5, 23.5]) and pooled["mean_all"] == pytest.approx(
+        [14.5, 14.5]
+    )
+    pooled, refused = probes.pool(rows[20:28], 20, trace, positions="completion")
+    assert pooled["mean_completion"] == pytest.approx([23.5, 23.5]) and set(refused) == {"mean_all"}
+    prompt_only = probes.Job("trace", prompt_tokens=30)
+    pooled, refused = probes.pool(rows, 0, prompt_only)
+    assert set(pooled) == {"last", "mean_all"} and refused["mean_completion"].startswith("no completion")
+    assert "mean_generated" not in pooled | refused  # a trace generated nothing
 
 
 def test_one_class_is_skipped_but_written(tmp_path):
@@ -216,7 +238,8 @@ def test_point_layer():
 
 def test_a_reduced_capture_is_pooled_as_its_one_row():
     row = np.arange(4, dtype=np.float32)[None, :]
-    assert list(probes._pool(row, start=3, answer_from=3, reduce="mean")) == ["reduced_mean"]
+    pooled, refused = probes.pool(row, 3, probes.Job("generated", 4, 1), reduce="mean")
+    assert list(pooled) == ["reduced_mean"] and refused == {}
 
 
 def test_traces_of_one_problem_stay_in_one_fold_and_are_probed_together(tmp_path):
@@ -240,17 +263,58 @@ def test_traces_of_one_problem_stay_in_one_fold_and_are_probed_together(tmp_path
                 "status": "succeeded",
                 "correct": right,
                 "completion_span": [10, 16],
+                "prompt_tokens": 17,
                 "activations": {"tensors": [entry]},
                 "activations_file": f"activations/{i}.{source}.safetensors",
             }
         (tmp_path / "samples" / f"{i}.json").write_text(json.dumps(sample))
     features, labels, meta = probes.load_dataset(tmp_path, source="all")
     assert meta["n_samples"] == 80 and meta["sources"] == {"gold": 40, "corrupted": 40}
-    assert sorted(set(labels)) == ["false", "true"] and meta["indices"][:2] == [0, 0]
-    assert set(features) == {("model.layers.2", "last"), ("model.layers.2", "mean_generated")}
+    assert sorted(set(labels)) == ["false", "true"] and meta["groups"][:2] == [0, 0]
+    assert set(features) == {("model.layers.2", "last"), ("model.layers.2", "mean_completion")}
     report = probes.run(tmp_path, source="all", folds=5)
     assert report["source"] == "all" and all(p["balanced_accuracy_mean"] > 0.9 for p in report["probes"])
     only_gold = probes.load_dataset(tmp_path, source="gold")[2]
     assert only_gold["n_samples"] == 40 and only_gold["sources"] == {"gold": 40}
-    nothing = probes.load_dataset(tmp_path)[2]  # no generation jobs in this run
-    assert nothing["n_samples"] == 0 and nothing["skipped"] == {"no_generated_capture": 40}
+    nothing = probes.load_dataset(tmp_path)[2]  # the problems have no job of their own in this run
+    assert nothing["n_samples"] == 0 and nothing["skipped"] == {"no_sample_capture": 40}
+
+
+def _run_file_results(root, rows_of, labels_of, n):
+    """A results directory like `actq run-file --download` writes: trace lines (`mode: trace`)
+    captured at every position, `labels` holding each line's columns."""
+    (root / "samples").mkdir()
+    (root / "activations").mkdir()
+    for i in range(n):
+        rows = rows_of(i).astype(np.float32)
+        entry = {"name": "model.layers.1", "module": "model.layers.1", "hook": "output", "shape": list(rows.shape)}
+        entry |= {"dtype": "float32", "positions": "all", "start": 0, "stop": len(rows), "bytes": rows.nbytes}
+        save_file({"model.layers.1": rows}, str(root / "activations" / f"{i}.safetensors"))
+        sample = {"index": i, "id": i, "labels": labels_of(i), "mode": "trace", "job_id": f"j{i}"}
+        sample |= {"status": "succeeded", "prompt_tokens": len(rows), "completion_span": None}
+        sample |= {"activations": {"tensors": [entry]}, "activations_file": f"activations/{i}.safetensors"}
+        (root / "samples" / f"{i}.json").write_text(json.dumps(sample))
+
+
+def test_group_by_keeps_a_group_in_one_fold(tmp_path):
+    """20 authors of 4 lines each; a line's label is its author's, and its rows carry only its
+    author's own random direction (no signal shared across authors). Split line by line, a probe
+    recognises the authors it saw in training; grouped by author (`--group-by author`) it meets
+    only unseen authors and is at chance."""
+    rng = np.random.default_rng(3)
+    authors = [rng.normal(size=H) * 3 for _ in range(20)]
+    _run_file_results(
+        tmp_path,
+        rows_of=lambda i: authors[i // 4] + rng.normal(size=(5, H)) * 0.3,
+        labels_of=lambda i: {"author": f"a{i // 4}", "style": "plain" if (i // 4) % 2 else "ornate"},
+        n=80,
+    )
+    by_line = {p["pooling"]: p for p in probes.run(tmp_path, label="style", folds=4)["probes"]}
+    grouped = probes.run(tmp_path, label="style", folds=4, group_by="author")
+    assert grouped["group_by"] == "author" and grouped["sources"] == {"trace": 80}
+    by_author = {p["pooling"]: p for p in grouped["probes"]}
+    assert set(by_line) == set(by_author) == {"last", "mean_all"}  # prompt-only traces: no completion
+    assert by_line["mean_all"]["balanced_accuracy_mean"] > 0.9
+    assert by_author["mean_all"]["balanced_accuracy_mean"] < 0.75
+    with pytest.raises(ToolError, match="--group-by nothing: sample 0 has no such field"):
+        probes.run(tmp_path, label="style", group_by="nothing")
