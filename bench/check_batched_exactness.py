@@ -70,7 +70,7 @@ def main() -> int:
             if len(outcomes) == len(requests):
                 finished.set()
 
-        return Entry(prepare=lambda: engine.prepare(requests[i], points, args.max_tokens), done=done)
+        return Entry(seq=engine.prepare(requests[i], points, args.max_tokens), done=done)
 
     scheduler = Scheduler(engine, max_batch=args.batch)
     for i in range(len(requests)):

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from shared.capture_spec import span
-from shared.errors import JobFailure
+from shared.errors import InternalError, JobFailure, OutOfMemory
 from shared.schemas import CapturePoint, ModuleInfo
 
 
@@ -63,6 +63,8 @@ def rows_of(value: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
+STAGED_STEPS = 16  # decoding steps staged per (module, hook) before they are handed to the jobs
+RING_BYTES = 8 << 20  # and at most this much of them (a wide module, lm_head, stages fewer steps)
 PROBE_POSITIONS = 7  # the describe run's prompt length: unlike any head count or small width
 PROBE_STEPS = 2
 
@@ -210,6 +212,7 @@ class JobCapture:
         completion: tuple[int, int] | None = None,
     ) -> None:
         self.positions, self.prompt_tokens, self.max_tokens = positions, prompt_tokens, max_tokens
+        self.failure: JobFailure | None = None  # rows handed over late (BatchHooks.drain) did not fit
         self.dtype, self.reduce, self.completion = dtype, reduce, completion
         # positions "last" is one row: every reduction of it is that row, replaced at each step
         self._fold_kind = "last" if positions == "last" else reduce
@@ -232,7 +235,8 @@ class JobCapture:
 
     def mark(self) -> list[tuple]:
         """Where every buffer stands, to undo a forward pass that failed half-way (`reset`)."""
-        return [(b.steps, b.first, b.count, None if b.acc is None else b.acc.clone()) for b in self.buffers]
+        # no copy of `acc`: folding makes a new tensor and never writes into the old one
+        return [(b.steps, b.first, b.count, b.acc) for b in self.buffers]
 
     def reset(self, mark: list[tuple]) -> None:
         for buffer, (steps, first, count, acc) in zip(self.buffers, mark, strict=True):
@@ -242,6 +246,38 @@ class JobCapture:
         """This job's value of one module at one step, as `[S, W]` rows (None: not rows at all)."""
         for buffer in self.wanted.get(key, ()):
             self._keep(buffer, rows)
+
+    def keep_steps(self, key: tuple[str, str], rows: torch.Tensor) -> None:
+        """This job's values of one module at `len(rows)` consecutive decoding steps (one position
+        each), as `[steps, W]`: what `keep` does for each step, in one copy."""
+        for buffer in self.wanted.get(key, ()):
+            self._keep_steps(buffer, rows)
+
+    def _keep_steps(self, buffer: _Buffer, rows: torch.Tensor) -> None:
+        name, width = buffer.point.name, buffer.width
+        if rows.dim() != 2 or rows.shape[1] != width:
+            raise JobFailure(f"{name}: expected one row of {width} per decoding step, got {list(rows.shape)}")
+        steps, step = int(rows.shape[0]), buffer.steps
+        if step == 0:
+            raise JobFailure(f"{name}: decoding steps before the prompt's")
+        buffer.steps += steps
+        first = self.prompt_tokens + step - 1  # the position fed at the first of these steps
+        lo, hi = self.window
+        if self.positions == "last":
+            lo = first + steps - 1
+        begin, stop = max(lo, first), min(hi, first + steps)
+        if begin >= stop:
+            return
+        chunk = rows[begin - first : stop - first]
+        if buffer.select is not None:
+            chunk = chunk.index_select(1, buffer.select.to(chunk.device))
+        if buffer.first is None or self.positions == "last":
+            buffer.first = begin
+        if self.reduce != "none":
+            self._fold(buffer, chunk)
+            return
+        at = begin - buffer.first
+        buffer.rows[at : at + stop - begin].copy_(chunk)
 
     def _keep(self, buffer: _Buffer, rows: torch.Tensor | None) -> None:
         name, width = buffer.point.name, buffer.width
@@ -322,11 +358,39 @@ def split_rows(value: torch.Tensor | None, batch: int) -> list[torch.Tensor | No
     return [None] * batch
 
 
+def _failure(exc: BaseException) -> JobFailure:
+    """A job's failure for an exception raised while handing it its rows."""
+    if isinstance(exc, JobFailure):
+        return exc
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)) or "out of memory" in str(exc).lower():
+        return OutOfMemory("the model ran out of memory on this job; ask for fewer tokens or capture less")
+    return InternalError(f"{type(exc).__name__}: {str(exc)[:500]}")
+
+
+def step_rows(value: torch.Tensor | None, batch: int) -> torch.Tensor | None:
+    """A module's value at a decoding step (one new position per sequence) as `[B, W]`: `[B, 1, H]`,
+    `[B, 1, heads, D]` and `[B, H]` (OPT's flattened batch); None for any other shape."""
+    if value is None or value.shape[0] != batch:
+        return None
+    if value.dim() >= 3 and value.shape[1] == 1:
+        return value.reshape(batch, -1)
+    if value.dim() == 2:
+        return value
+    return None
+
+
 class BatchHooks:
     """One forward hook per (module, hook) that any job of the running batch captures; at each
     forward pass it splits the module's value into the batch's sequences and hands each job its
     own rows. `rows` is the batch in order (None for a sequence that captures nothing); a job
     whose rows do not fit gets its failure recorded in `failures` and the others go on.
+
+    At a decoding step (`use(..., decoding=True)`: one new position per sequence) the work does not
+    grow with the batch: per (module, hook), one gather of the rows the batch keeps into a slot of
+    its staging ring (host memory, pinned on a GPU, written `non_blocking`), synchronised once after
+    the forward pass (`flush`). A ring holds up to STAGED_STEPS steps and at most RING_BYTES; its
+    rows are handed to the jobs when it is full, when the batch changes or when a job ends (`drain`):
+    one copy per job and point for all those steps.
 
     Use as a context manager around the decoding of one batch (hooks are removed on exit)."""
 
@@ -335,7 +399,12 @@ class BatchHooks:
         self.rows: list[JobCapture | None] = []
         self.lengths: list[int] | None = None  # a left-padded pass: each row's real positions (the last ones)
         self.failures: dict[int, JobFailure] = {}  # index in `rows` -> why that job's capture failed
+        self.decoding = False
         self._handles: dict[tuple[str, str], object] = {}
+        self._rings: dict[tuple[str, str], _Ring] = {}  # (module, hook) -> its staged steps
+        self._rings_for: tuple[int, ...] = ()  # the batch the rings were built for
+        self._pending_rows: list[JobCapture | None] = []  # the batch whose steps the rings hold
+        self._written: list[tuple[str, str]] = []  # rings this pass wrote a slot of
 
     def __enter__(self) -> BatchHooks:
         return self
@@ -345,11 +414,14 @@ class BatchHooks:
             handle.remove()  # type: ignore[attr-defined]  # a torch RemovableHandle
         self._handles.clear()
 
-    def use(self, rows: list[JobCapture | None], lengths: list[int] | None = None) -> None:
+    def use(self, rows: list[JobCapture | None], lengths: list[int] | None = None, decoding: bool = False) -> None:
         """The sequences of the next forward pass, in batch order: hooks for what they capture.
-        `lengths`: the pass is left-padded and row b's own positions are its last `lengths[b]`."""
-        self.rows, self.lengths = rows, lengths
+        `lengths`: the pass is left-padded and row b's own positions are its last `lengths[b]`.
+        `decoding`: every sequence feeds one position (batched gathers, see the class)."""
+        self.settle(rows)
+        self.rows, self.lengths, self.decoding = rows, lengths, decoding
         self.failures = {}
+        self._written = []
         wanted = {key for capture in rows if capture is not None for key in capture.wanted}
         for key in list(self._handles):
             if key not in wanted:
@@ -369,8 +441,34 @@ class BatchHooks:
                     self._dispatch(key, first_tensor(first_input(args, kwargs)))
 
                 self._handles[key] = module.register_forward_pre_hook(on_input, with_kwargs=True)
+        if decoding:
+            self._plan(wanted)
+
+    def settle(self, rows: list[JobCapture | None]) -> None:
+        """Before a pass over `rows`: staged steps of another batch go to the jobs that ran them
+        (so that a job's buffers hold every step before anyone marks or resets them)."""
+        if any(r.count for r in self._rings.values()) and [id(c) for c in rows] != [id(c) for c in self._pending_rows]:
+            self.drain()
+
+    def _plan(self, wanted: set[tuple[str, str]]) -> None:
+        """Which rows keep each (module, hook), as a device index; rebuilt when the batch changes."""
+        batch = tuple(id(capture) for capture in self.rows)
+        if batch == self._rings_for and wanted == self._rings.keys():
+            return
+        device = next(self.model.parameters()).device
+        self._rings = {}
+        for key in wanted:
+            rows = [b for b, capture in enumerate(self.rows) if capture is not None and key in capture.wanted]
+            self._rings[key] = _Ring(rows, torch.tensor(rows, dtype=torch.long, device=device))
+        self._rings_for = batch
 
     def _dispatch(self, key: tuple[str, str], value: torch.Tensor | None) -> None:
+        if self.decoding:
+            rows = step_rows(value, len(self.rows))
+            if rows is not None:
+                self._rings[key].stage(rows)
+                self._written.append(key)
+                return
         for index, (capture, rows) in enumerate(zip(self.rows, split_rows(value, len(self.rows)), strict=True)):
             if capture is None or index in self.failures:
                 continue
@@ -380,3 +478,87 @@ class BatchHooks:
                 capture.keep(key, rows)
             except JobFailure as exc:
                 self.failures[index] = exc
+
+    def flush(self) -> None:
+        """After a decoding step's forward pass: wait once for its staged copies; a full ring
+        goes to its jobs."""
+        written, self._written = self._written, []
+        if not written:
+            return
+        if torch.cuda.is_available() and any(self._rings[key].pinned for key in written):
+            torch.cuda.current_stream().synchronize()
+        self._pending_rows = self.rows
+        for key in written:
+            ring = self._rings[key]
+            ring.count += 1
+            if ring.full:
+                self._drain_ring(key, ring, {})
+
+    def drain(self) -> dict[int, JobFailure]:
+        """Hand every staged step to its job; returns the failures (by id of the job's capture)
+        of those whose rows did not fit, also recorded in `failures` for the current batch."""
+        failed: dict[int, JobFailure] = {}
+        for key, ring in self._rings.items():
+            if ring.count:
+                self._drain_ring(key, ring, failed)
+        for index, capture in enumerate(self.rows):
+            if capture is not None and id(capture) in failed:
+                self.failures.setdefault(index, failed[id(capture)])
+        return failed
+
+    def _drain_ring(self, key: tuple[str, str], ring: _Ring, failed: dict[int, JobFailure]) -> None:
+        """Never raises: a job that cannot take its rows fails (its capture's `failure`)."""
+        block, ring.count = ring.steps(), 0
+        for at, index in enumerate(ring.targets):
+            capture = self._pending_rows[index]
+            if capture is None or capture.failure is not None:
+                continue
+            try:
+                capture.keep_steps(key, block[:, at])
+            except Exception as exc:  # noqa: BLE001 - that job's failure, never the batch's
+                capture.failure = failed[id(capture)] = _failure(exc)
+                if capture in self.rows:
+                    self.failures.setdefault(self.rows.index(capture), capture.failure)
+
+    def discard(self) -> None:
+        """Forget staged steps (their batch was failed as a whole)."""
+        for ring in self._rings.values():
+            ring.count = 0
+        self._written = []
+
+
+@dataclass
+class _Ring:
+    """The steps of one (module, hook) not yet handed to the jobs: `[slots, len(targets), W]`,
+    allocated at the first step (when W is known)."""
+
+    targets: list[int]  # batch rows that keep this (module, hook)
+    where: torch.Tensor  # the same, as an index on the model's device
+    buffer: torch.Tensor | None = None
+    count: int = 0
+
+    @property
+    def full(self) -> bool:
+        return self.buffer is not None and self.count >= self.buffer.shape[0]
+
+    @property
+    def pinned(self) -> bool:
+        return self.buffer is not None and self.buffer.is_pinned()
+
+    def stage(self, rows: torch.Tensor) -> None:
+        """Gather this step's kept rows of `rows` `[B, W]` into the next slot."""
+        width, item = int(rows.shape[1]), rows.element_size()
+        if self.buffer is None or self.buffer.shape[2] != width or self.buffer.dtype != rows.dtype:
+            slots = max(1, min(STAGED_STEPS, RING_BYTES // max(1, len(self.targets) * width * item)))
+            cuda = rows.device.type == "cuda"
+            self.buffer = torch.empty((slots, len(self.targets), width), dtype=rows.dtype, pin_memory=cuda)
+            self.count = 0
+        slot = self.buffer[self.count]
+        if rows.device.type == "cpu":
+            torch.index_select(rows, 0, self.where, out=slot)
+        else:
+            slot.copy_(rows.index_select(0, self.where), non_blocking=True)
+
+    def steps(self) -> torch.Tensor:
+        assert self.buffer is not None
+        return self.buffer[: self.count]

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shared.errors import JobFailure, OutOfMemory
+from shared.errors import InternalError, JobFailure, OutOfMemory
 from worker import kvcache
 from worker.capture import BatchHooks, JobCapture
 
@@ -46,6 +46,11 @@ def is_oom(exc: BaseException) -> bool:
     )
 
 
+def _unexpected(exc: Exception) -> JobFailure:
+    log.error("a sequence failed unexpectedly", exc_info=exc)
+    return InternalError(f"{type(exc).__name__}: {str(exc)[:500]}")
+
+
 class Sampler:
     """The next token of one sequence from its logits: the model's own logits processors (as
     `generate` builds them for these settings), then argmax or a draw from this sequence's own
@@ -65,14 +70,20 @@ class Sampler:
             else:
                 self.generator.seed()
 
-    def __call__(self, ids: Callable[[], torch.Tensor], logits: torch.Tensor) -> int:
-        """`ids()` gives the sequence's tokens so far `[1, n]` (only built when a processor needs
-        them); `logits` is `[1, V]` float32."""
-        scores = self.processors(ids(), logits) if len(self.processors) else logits
+    @property
+    def plain(self) -> bool:
+        """Greedy with no logits processor: the batch's one argmax picks this row's token."""
+        return not self.do_sample and not len(self.processors)
+
+    def pick(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The next token as a 0-d tensor on the logits' device (no host synchronisation).
+        `ids` is the sequence's tokens so far `[1, n]` (a view: never rebuilt), `logits` `[1, V]`
+        float32."""
+        scores = self.processors(ids, logits) if len(self.processors) else logits
         if self.do_sample:
             probs = torch.nn.functional.softmax(scores, dim=-1)
-            return int(torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0])
-        return int(torch.argmax(scores, dim=-1)[0])
+            return torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0]
+        return torch.argmax(scores, dim=-1)[0]
 
 
 def stop_window(stops: list[str]) -> int:
@@ -108,6 +119,24 @@ class TokenScores:
         else:
             self.top_ids += [[] for _ in range(len(tokens))]
             self.top_values += [[] for _ in range(len(tokens))]
+
+
+def score_rows(scores: list[TokenScores], logits: torch.Tensor, tokens: list[int]) -> None:
+    """`TokenScores.add` for many rows at once: row i of `logits` `[n, V]` predicted `tokens[i]`
+    for `scores[i]`; one log-softmax over the rows and one transfer of the results to the host."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).clamp(min=torch.finfo(torch.float32).min)
+    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))
+    k = max(s.k for s in scores)
+    parts = [chosen.to(torch.float64)]
+    if k:
+        top = torch.topk(logprobs, k, dim=-1)
+        parts += [top.values.to(torch.float64), top.indices.to(torch.float64)]  # ids < 2**53: exact
+    host = torch.cat(parts, dim=1).tolist()
+    for row, token, line in zip(scores, tokens, host, strict=True):
+        row.tokens.append(token)
+        row.values.append(line[0])
+        row.top_ids.append([int(i) for i in line[1 + k : 1 + k + row.k]])
+        row.top_values.append(line[1 : 1 + row.k])
 
 
 @dataclass(eq=False)  # a sequence is itself: compared by identity
@@ -154,6 +183,7 @@ class Decoder:
         self.rows: list[Sequence] = []
         self.cache: Any = None
         self.ids = self.mask = self.pos = torch.empty(0, 0, dtype=torch.long)
+        self.pads: list[int] = []  # each row's leading padding columns (kept on the host: no sync to ask)
         self.most_rows: int | None = None  # lowered when a step ran out of memory
 
     def close(self) -> None:
@@ -161,54 +191,103 @@ class Decoder:
 
     # -- one forward pass ----------------------------------------------------------------
 
-    def _forward(self, ids, mask, pos, cache, new: int, rows: list[Sequence], first: bool) -> torch.Tensor:
+    def _forward(
+        self,
+        ids,
+        mask,
+        pos,
+        cache,
+        new: int,
+        rows: list[Sequence],
+        first: bool,
+        padded: bool,
+        lengths: list[int] | None = None,  # a left-padded prefill: each row's own prompt length
+    ) -> torch.Tensor:
         """The last position's logits `[B, V]` (float32) of feeding `new` positions; each row's
-        capture gets its rows. `generate` drops an all-ones mask, and so does this."""
-        self.hooks.use([row.capture for row in rows])
+        capture gets its rows. `generate` drops an all-ones mask, and so does this (`padded`
+        says whether any row has padding, from the host's count: asking the mask would sync)."""
+        self.hooks.use([row.capture for row in rows], lengths, decoding=not first and new == 1)
         extra = {"logits_to_keep": 1} if self.logits_to_keep else {}
         inputs = self.model.prepare_inputs_for_generation(
             ids,
             next_sequence_length=new,
             past_key_values=cache,
-            attention_mask=None if bool(mask.all()) else mask,
+            attention_mask=mask if padded else None,
             position_ids=pos,
             use_cache=True,
             is_first_iteration=first,
             **extra,
         )
         out = self.model(**inputs, return_dict=True)
+        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        self.hooks.flush()  # last: this pass's staged rows count once the pass cannot fail any more
         for index, failure in self.hooks.failures.items():
             rows[index].failure = failure
-        return out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        return logits
 
     # -- joining ---------------------------------------------------------------------------
 
     def admit(self, seq: Sequence) -> None:
-        """Run `seq`'s prompt alone, pick its first token, and add it to the batch (unless that
-        first token already ended it: then `seq.ended` is set and it never joins)."""
-        prompt = seq.prompt_ids
-        length = prompt.shape[1]
+        """`admit_many` for one sequence: its prompt runs alone, exactly as a solo job's."""
+        self.admit_many([seq])
+
+    def admit_many(self, seqs: list[Sequence]) -> None:
+        """Run the prompts of `seqs` in one pass (left-padded to the longest, each position id
+        counting its own tokens; one sequence: the plain pass), pick each one's first token, and
+        add those it did not end to the batch. All or nothing: on any failure the batch is as it
+        was and each sequence as before the call (captures, scores, sampler state), so the
+        caller may run them again one at a time."""
+        saved = [_Undo.of(seq) for seq in seqs]
+        try:
+            self._admit_many(seqs)
+        except BaseException:
+            for undo in saved:
+                undo.apply()
+            raise
+
+    def _admit_many(self, seqs: list[Sequence]) -> None:
+        lengths = [seq.prompt_tokens for seq in seqs]
+        width = max(lengths)
+        device = seqs[0].prompt_ids.device
+        ids = torch.cat([self._pad(seq.prompt_ids, width, self.pad_id) for seq in seqs])
+        mask = torch.cat([self._pad(torch.ones_like(seq.prompt_ids), width, 0) for seq in seqs])
+        pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = kvcache.new_cache(self.model.config)
-        mask = torch.ones_like(prompt)
-        pos = torch.arange(length, device=prompt.device).unsqueeze(0)
-        logits = self._forward(prompt, mask, pos, cache, length, [seq], first=True)
-        self._take(seq, logits[0:1], prompt)
-        if seq.ended:
+        padded = min(lengths) < width
+        logits = self._forward(ids, mask, pos, cache, width, seqs, True, padded, lengths if padded else None)
+        self._advance(seqs, logits, lambda i: seqs[i].prompt_ids)
+        going = [i for i, seq in enumerate(seqs) if not seq.ended]
+        if not going:
             return
-        token = torch.tensor([[seq.generated[-1]]], dtype=prompt.dtype, device=prompt.device)
-        ids = torch.cat([prompt, token], 1)
-        mask = torch.ones_like(ids)
-        pos = torch.arange(length + 1, device=prompt.device).unsqueeze(0)
+        tokens = torch.tensor([[seqs[i].generated[-1]] for i in going], dtype=ids.dtype, device=device)
+        if len(going) < len(seqs):  # some ended with their first token: only the others join
+            cache = kvcache.select(cache, going, width)
+            ids, mask, pos = ids[going], mask[going], pos[going]
+        ids = torch.cat([ids, tokens], 1)
+        mask = torch.cat([mask, mask.new_ones(len(going), 1)], 1)
+        pos = torch.cat([pos, pos[:, -1:] + 1], 1)
+        pads = [width - lengths[i] for i in going]
+        joining = [seqs[i] for i in going]
         if not self.rows:
-            self.rows, self.cache, self.ids, self.mask, self.pos = [seq], cache, ids, mask, pos
+            self.rows, self.cache, self.ids, self.mask, self.pos, self.pads = joining, cache, ids, mask, pos, pads
             return
+        # All or nothing: the new tensors first, then the cache (kvcache.concat puts every layer
+        # back if it fails), then the swap; a failure leaves the running batch as it was.
         timeline = self.ids.shape[1]
-        self.cache, _ = kvcache.concat([self.cache, cache], [timeline - 1, length])
-        width = max(timeline, length + 1)
-        self.ids = torch.cat([self._pad(self.ids, width, self.pad_id), self._pad(ids, width, self.pad_id)])
-        self.mask = torch.cat([self._pad(self.mask, width, 0), self._pad(mask, width, 0)])
-        self.pos = torch.cat([self._pad(self.pos, width, 0), self._pad(pos, width, 0)])
-        self.rows.append(seq)
+        columns = max(timeline, width + 1)
+        new_ids = torch.cat([self._pad(self.ids, columns, self.pad_id), self._pad(ids, columns, self.pad_id)])
+        new_mask = torch.cat([self._pad(self.mask, columns, 0), self._pad(mask, columns, 0)])
+        new_pos = torch.cat([self._pad(self.pos, columns, 0), self._pad(pos, columns, 0)])
+        self.cache, _ = kvcache.concat([self.cache, cache], [timeline - 1, width])
+        self.ids, self.mask, self.pos = new_ids, new_mask, new_pos
+        self.pads = [pad + columns - timeline for pad in self.pads] + [pad + columns - (width + 1) for pad in pads]
+        self.rows += joining
+
+    def reset(self) -> None:
+        """Drop the running batch (after a step failed: its rows were answered with the failure)."""
+        self.hooks.discard()
+        self.rows, self.cache, self.pads = [], None, []
+        self.ids, self.mask, self.pos = self.ids[:0], self.mask[:0], self.pos[:0]
 
     @staticmethod
     def _pad(tensor: torch.Tensor, width: int, value: int) -> torch.Tensor:
@@ -259,25 +338,43 @@ class Decoder:
             return []
         timeline = self.ids.shape[1] - 1
         logits, self.cache, _ = self._run(self.rows, self.ids, self.mask, self.pos, self.cache, timeline, top=True)
-        for row, row_logits in zip(self.rows, logits, strict=True):
-            if row.ended is None and row_logits is not None:
-                self._take(row, row_logits, None)
+        if logits is not None:
+            self._advance(self.rows, logits)
+        if any(row.ended is not None and row.ended != VACANT for row in self.rows):
+            self.hooks.drain()  # the rows that end take every step staged for them
+            for row in self.rows:
+                if row.failure is None and row.capture is not None and row.capture.failure is not None:
+                    row.failure = row.capture.failure
+                    row.ended = row.ended if row.ended is not None else "failed"
         tokens = [row.generated[-1] if row.generated else self.pad_id for row in self.rows]
         device = self.ids.device
-        self.ids = torch.cat([self.ids, torch.tensor(tokens, dtype=self.ids.dtype, device=device)[:, None]], 1)
-        self.mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], 1)
-        self.pos = torch.cat([self.pos, self.pos[:, -1:] + 1], 1)
+        try:
+            ids = torch.cat([self.ids, torch.tensor(tokens, dtype=self.ids.dtype, device=device)[:, None]], 1)
+            mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], 1)
+            pos = torch.cat([self.pos, self.pos[:, -1:] + 1], 1)
+        except Exception as exc:  # noqa: BLE001 - rows that ended keep their results; the others cannot go on
+            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else _unexpected(exc)
+            for row in self.rows:
+                if row.ended is None:
+                    row.failure, row.ended = failure, "failed"
+            ended = [row for row in self.rows if row.ended != VACANT]
+            self.reset()
+            return ended
+        self.ids, self.mask, self.pos = ids, mask, pos
         return self._remove_ended()
 
     def _run(self, rows, ids, mask, pos, cache, timeline: int, top: bool = False):
-        """One step for `rows`: (each row's logits `[1, V]` or None, the cache, its timeline). On
-        running out of memory the rows are split in halves run one after the other, down to one
-        row, which then fails alone; batches are capped at the half from then on."""
+        """One step for `rows`: (their logits `[B, V]`, or None when every row failed; the cache;
+        its timeline). On running out of memory the rows are split in halves run one after the
+        other, down to one row, which then fails alone (its logits row is zeros, unread); batches
+        are capped at the half from then on."""
+        self.hooks.settle([row.capture for row in rows])  # staged steps of another batch, before the marks
         saved = kvcache.snapshot(cache)
         marks = [row.capture.mark() if row.capture else None for row in rows]
+        pads = self.pads if top else [int(p) for p in (mask == 0).sum(dim=1).tolist()]  # halves: rare
         try:
-            logits = self._forward(ids, mask, pos, cache, 1, rows, first=False)
-            return list(logits.split(1)), cache, timeline + 1
+            logits = self._forward(ids, mask, pos, cache, 1, rows, first=False, padded=any(pads))
+            return logits, cache, timeline + 1
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -288,37 +385,99 @@ class Decoder:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if len(rows) == 1:
-            rows[0].failure = OutOfMemory(
-                "the model ran out of memory on this job; ask for fewer tokens or capture less"
-            )
-            rows[0].ended = "failed"
-            return [None], cache, timeline
+            if rows[0].ended is None:  # not a vacancy (nobody's row)
+                rows[0].failure = OutOfMemory(OUT_OF_MEMORY)
+                rows[0].ended = "failed"
+            return None, cache, timeline
         half = len(rows) // 2
         if top:  # the next batches stay at the half
             self.most_rows = min(self.most_rows or len(rows), half)
             log.warning("out of memory at a batch of %d: running it in halves; batches now at most %d", len(rows), half)
-        logits_out, caches, timelines = [], [], []
+        parts: list[tuple[torch.Tensor | None, int]] = []
+        caches, timelines = [], []
         for part in (slice(0, half), slice(half, len(rows))):
             indices = list(range(len(rows)))[part]
             sub = kvcache.select(cache, indices, timeline)
             got, sub, after = self._run(rows[part], ids[part], mask[part], pos[part], sub, timeline)
-            logits_out += got
+            parts.append((got, len(indices)))
             caches.append(sub)
             timelines.append(after)
         merged, after = kvcache.concat(caches, timelines)
-        return logits_out, merged, after
+        present = [got for got, _ in parts if got is not None]
+        if not present:
+            return None, merged, after
+        width = present[0].shape[1]
+        return (
+            torch.cat([got if got is not None else present[0].new_zeros(n, width) for got, n in parts]),
+            merged,
+            after,
+        )
 
-    def _take(self, row: Sequence, logits: torch.Tensor, prompt: torch.Tensor | None) -> None:
-        """Pick `row`'s next token and decide whether it ended."""
-        if row.failure is not None:
-            row.ended = "failed"
+    def _advance(
+        self, rows: list[Sequence], logits: torch.Tensor, ids_of: Callable[[int], torch.Tensor] | None = None
+    ) -> None:
+        """Each running row's next token from `logits` `[B, V]`, its log-probabilities when asked,
+        and whether it ended. One transfer to the host for the tokens and one for the scores,
+        whatever the batch size; a failure in one row's own sampling or scoring fails that row."""
+        for row in rows:
+            if row.failure is None and row.capture is not None:
+                row.failure = row.capture.failure  # rows handed over late that did not fit
+            if row.ended is None and row.failure is not None:
+                row.ended = "failed"
+        live = [i for i, row in enumerate(rows) if row.ended is None]
+        if not live:
             return
-        assert row.sampler is not None  # only trace sequences have none, and they never decode
-        row.generated.append(row.sampler(row.all_ids if prompt is None else (lambda: prompt), logits))
-        if row.scores is not None:
-            row.scores.add(logits, torch.tensor(row.generated[-1:]))
+        try:
+            tokens = self._choose(rows, logits, live, ids_of or self._row_ids)
+        except Exception as exc:  # noqa: BLE001 - the batch's argmax failed: the rows it served fail
+            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else _unexpected(exc)
+            for i in live:
+                rows[i].failure, rows[i].ended = failure, "failed"
+            return
+        scored = [i for i in live if rows[i].scores is not None and rows[i].ended is None]
+        if scored:
+            try:
+                index = torch.tensor(scored, device=logits.device)
+                score_rows([rows[i].scores for i in scored], logits[index], [tokens[i] for i in scored])  # type: ignore[misc]
+            except Exception as exc:  # noqa: BLE001 - scoring failed: the rows that asked for it fail
+                failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else _unexpected(exc)
+                for i in scored:
+                    rows[i].failure, rows[i].ended = failure, "failed"
+        for i in live:
+            if rows[i].ended is None:
+                try:
+                    self._take(rows[i], tokens[i])
+                except Exception as exc:  # noqa: BLE001 - one row's stop check or watch fails that row only
+                    rows[i].failure, rows[i].ended = _unexpected(exc), "failed"
+
+    def _row_ids(self, index: int) -> torch.Tensor:
+        """Row `index`'s tokens so far `[1, n]`: a view of the batch's ids, without its padding."""
+        return self.ids[index : index + 1, self.pads[index] :]
+
+    def _choose(
+        self, rows: list[Sequence], logits: torch.Tensor, live: list[int], ids_of: Callable[[int], torch.Tensor]
+    ) -> list[int]:
+        """The next token of every row (garbage for rows not in `live`): one argmax over the batch
+        for greedy rows, each sampled row's own processors and generator on its row of logits,
+        then a single transfer to the host."""
+        picks = torch.argmax(logits, dim=-1)
+        for i in live:
+            sampler = rows[i].sampler
+            assert sampler is not None  # only trace sequences have none, and they never decode
+            if sampler.plain:
+                continue
+            try:
+                picks[i] = sampler.pick(ids_of(i), logits[i : i + 1])
+            except Exception as exc:  # noqa: BLE001 - this row's sampling fails this row only
+                rows[i].failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else _unexpected(exc)
+                rows[i].ended = "failed"
+        return picks.tolist()
+
+    def _take(self, row: Sequence, token: int) -> None:
+        """Add `row`'s next token and decide whether it ended."""
+        row.generated.append(token)
         count = len(row.generated)
-        if row.generated[-1] in self.eos_ids:
+        if token in self.eos_ids:
             row.ended = "eos"
         elif count >= row.max_tokens:
             row.ended = "length"
@@ -334,19 +493,80 @@ class Decoder:
         return any(stop in tail for stop in row.stops)
 
     def _remove_ended(self) -> list[Sequence]:
-        ended = [row for row in self.rows if row.ended is not None]
+        """The rows that ended this step, out of the batch. Never raises: the ended rows are the
+        answer whatever happens; if the smaller batch cannot be built (out of memory while copying
+        the cache), each ended row's place is taken by a vacancy, a row that feeds padding and
+        belongs to no job, and the next step tries again."""
+        ended = [row for row in self.rows if row.ended is not None and row.ended != VACANT]
         if not ended:
             return []
         keep = [i for i, row in enumerate(self.rows) if row.ended is None]
-        self.rows = [self.rows[i] for i in keep]
-        if not keep:
-            self.cache, self.ids, self.mask, self.pos = None, self.ids[:0], self.mask[:0], self.pos[:0]
-            return ended
-        timeline = self.ids.shape[1] - 1
-        self.cache = kvcache.select(self.cache, keep, timeline)
-        self.ids, self.mask, self.pos = self.ids[keep], self.mask[keep], self.pos[keep]
-        drop = int((self.mask == 0).sum(dim=1).min())  # padding every remaining row has
-        if drop:
-            kvcache.crop_left(self.cache, drop, timeline)
-            self.ids, self.mask, self.pos = self.ids[:, drop:], self.mask[:, drop:], self.pos[:, drop:]
+        try:
+            self._keep(keep)
+        except Exception as exc:  # noqa: BLE001 - the batch goes on with vacancies
+            log.warning(
+                "could not shrink the batch (%s: %s): %d vacant rows ride along", type(exc).__name__, exc, len(ended)
+            )
+            self.rows = [row if row.ended is None or row.ended == VACANT else vacancy(self.pad_id) for row in self.rows]
         return ended
+
+    def _keep(self, keep: list[int]) -> None:
+        """The batch of rows `keep` only, built first and swapped in whole."""
+        if not keep:
+            self.reset()
+            return
+        timeline = self.ids.shape[1] - 1
+        cache = kvcache.select(self.cache, keep, timeline)
+        ids, mask, pos = self.ids[keep], self.mask[keep], self.pos[keep]
+        pads = [self.pads[i] for i in keep]
+        drop = min(pads)  # padding every remaining row has
+        if drop:
+            kvcache.crop_left(cache, drop, timeline)
+            ids, mask, pos = ids[:, drop:], mask[:, drop:], pos[:, drop:]
+        self.rows = [self.rows[i] for i in keep]
+        self.cache, self.ids, self.mask, self.pos = cache, ids, mask, pos
+        self.pads = [pad - drop for pad in pads]
+
+
+@dataclass
+class _Undo:
+    """What a prefill changes in a sequence, to put back when the prefill fails."""
+
+    seq: Sequence
+    mark: list[tuple] | None
+    scores: int
+    generator: torch.Tensor | None
+
+    @classmethod
+    def of(cls, seq: Sequence) -> _Undo:
+        generator = seq.sampler.generator if seq.sampler is not None else None
+        return cls(
+            seq,
+            seq.capture.mark() if seq.capture is not None else None,
+            len(seq.scores.values) if seq.scores is not None else 0,
+            generator.get_state() if generator is not None else None,
+        )
+
+    def apply(self) -> None:
+        seq = self.seq
+        if seq.capture is not None and self.mark is not None:
+            seq.capture.reset(self.mark)
+            seq.capture.failure = None
+        if seq.scores is not None:
+            for name in ("tokens", "values", "top_ids", "top_values"):
+                del getattr(seq.scores, name)[self.scores :]
+        if self.generator is not None and seq.sampler is not None and seq.sampler.generator is not None:
+            seq.sampler.generator.set_state(self.generator)
+        seq.generated.clear()
+        seq.ended = seq.stopped_by = seq.failure = None
+
+
+VACANT = "vacant"  # `Sequence.ended` of a vacancy
+
+
+def vacancy(pad_id: int) -> Sequence:
+    """A batch row that belongs to no job: it feeds `pad_id`, nothing reads its logits, and it
+    leaves with the next rows that end."""
+    return Sequence(
+        prompt_ids=torch.empty(1, 0, dtype=torch.long), max_tokens=1, sampler=None, generated=[pad_id], ended=VACANT
+    )

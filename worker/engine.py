@@ -239,6 +239,8 @@ class CaptureEngine:
         """The job's result once its sequence left the batch (a failed one raises its failure)."""
         if seq.failure is not None:
             raise seq.failure
+        if seq.capture is not None and seq.capture.failure is not None:
+            raise seq.capture.failure
         token_ids = seq.all_ids()[0].to("cpu", torch.int64)
         generated = token_ids[seq.prompt_tokens :]
         text, finish_reason = self._finish(generated, request, seq.max_tokens)

@@ -64,17 +64,34 @@ def _pad_left(tensor: torch.Tensor, to: int) -> torch.Tensor:
 
 def concat(caches: list[DynamicCache], timelines: list[int]) -> tuple[DynamicCache, int]:
     """One cache holding the rows of `caches` in order, each left-padded to the longest timeline;
-    returns it with that timeline's length. The first cache object is reused."""
+    returns it with that timeline's length. The first cache object is reused.
+
+    All or nothing: the layers grow one at a time (so the extra memory is one layer's, not the
+    whole cache's), and if any layer fails (out of memory part-way) the layers already grown go
+    back to views of their old rows, which needs no memory, and the error is raised with the
+    first cache exactly as it was."""
     timeline = max(timelines)
     out = caches[0]
-    for index, layer in enumerate(_layers(out)):
-        parts = [_layers(c)[index] for c in caches]
-        if not all(p.is_initialized for p in parts):  # a layer that never ran (KV sharing): nothing to move
-            continue
-        width = _stored(layer, timeline)
-        keys = torch.cat([_pad_left(p.keys, width) for p in parts], dim=0)
-        values = torch.cat([_pad_left(p.values, width) for p in parts], dim=0)
-        _set(layer, keys, values, timeline)
+    grown: list[tuple[Any, tuple]] = []  # (layer, what to put back)
+    try:
+        for index, layer in enumerate(_layers(out)):
+            parts = [_layers(c)[index] for c in caches]
+            if not all(p.is_initialized for p in parts):  # a layer that never ran (KV sharing): nothing to move
+                continue
+            width = _stored(layer, timeline)
+            keys = torch.cat([_pad_left(p.keys, width) for p in parts], dim=0)
+            values = torch.cat([_pad_left(p.values, width) for p in parts], dim=0)
+            old = (layer.keys.shape, getattr(layer, "cumulative_length", None))
+            _set(layer, keys, values, timeline)
+            grown.append((layer, old))
+    except BaseException:
+        for layer, (shape, cumulative) in grown:
+            rows, stored = shape[0], shape[-2]
+            layer.keys = layer.keys[:rows, ..., layer.keys.shape[-2] - stored :, :]
+            layer.values = layer.values[:rows, ..., layer.values.shape[-2] - stored :, :]
+            if cumulative is not None:
+                layer.cumulative_length = cumulative
+        raise
     return out, timeline
 
 

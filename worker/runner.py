@@ -1,7 +1,8 @@
 """Running delivered jobs: claim -> the engine thread's batch -> artifacts -> outcome, with every
-failure mapped to the job's recorded error. `submit` hands a job to the scheduler; the job's
-claim and tokenization happen when it joins a batch, and its artifacts are written and its outcome
-recorded on a finisher thread, so the engine thread goes on decoding the rest of the batch."""
+failure mapped to the job's recorded error. `submit` hands a job to a preparing thread, which
+claims it (Redis, waiting out an outage) and tokenizes it, then queues it for the engine thread;
+its artifacts are written and its outcome recorded on a finisher thread. The engine thread itself
+never waits on Redis or a tokenizer: it decodes the batch."""
 
 from __future__ import annotations
 
@@ -29,9 +30,9 @@ log = get_task_logger(__name__)
 # One INFO line per job even when the worker runs at Celery's default WARNING (`celery worker`
 # without --loglevel): a record at this logger's level reaches the task log's handler.
 log.setLevel(logging.INFO)
-WATCH_INTERVAL = 0.05  # seconds between cancel-flag reads (and progress writes) while generating
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
 _finisher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actq-finish")
+_preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actq-prepare")  # one: jobs join in order
 
 
 class NotRun(Exception):
@@ -54,22 +55,34 @@ Reply = Callable[[str, str], None]
 def submit(job_id: str, reply: Reply, started: Callable[[str], None] = lambda _: None) -> None:
     """Queue `job_id` for the engine thread. `started(job_id)` is called when it joins a batch and
     `reply(job_id, outcome)` once it is over; neither blocks."""
-    rt = runtime.get()
-    holder: dict[str, object] = {}
+    _preparer.submit(_prepare, runtime.get(), job_id, reply, started)
 
-    def prepare() -> Sequence:
+
+def _prepare(rt: runtime.Runtime, job_id: str, reply: Reply, started: Callable[[str], None]) -> None:
+    """Claim and tokenize `job_id` (on the preparing thread), then hand it to the engine thread."""
+    holder: dict[str, Any] = {}
+
+    def done(outcome: Sequence | Exception) -> None:
+        rt.progress.remove(job_id)
+        _finisher.submit(_finish, rt, job_id, holder, outcome, reply)
+
+    def joined() -> None:
+        holder["joined"] = time.monotonic()  # the time limit counts from here, not from the queue
+        started(job_id)
+
+    try:
         record, why = rt.jobs.claim(job_id, rt.worker_id, rt.settings.max_attempts)
         if record is None:
             raise NotRun(why)
         holder["record"], holder["started"] = record, time.perf_counter()
-        log.info("job %s running (attempt %d)", job_id, record.attempts)
-        started(job_id)
-        return rt.engine.prepare(record.request, record.capture_points, record.max_tokens, _watch(rt, record))
-
-    def done(outcome: Sequence | Exception) -> None:
-        _finisher.submit(_finish, rt, job_id, holder, outcome, reply)
-
-    rt.scheduler.submit(Entry(prepare=prepare, done=done, estimate=rt.engine.estimate))
+        log.info("job %s claimed (attempt %d)", job_id, record.attempts)
+        seq = rt.engine.prepare(record.request, record.capture_points, record.max_tokens, _watch(rt, record, holder))
+        estimate = rt.engine.estimate(seq)
+    except Exception as exc:  # noqa: BLE001 - answered as the job's outcome (_finish logs or records it)
+        done(exc)
+        return
+    rt.progress.add(job_id)
+    rt.scheduler.submit(Entry(seq=seq, done=done, estimate=estimate, started=joined))
 
 
 def _finish(rt: runtime.Runtime, job_id: str, holder: dict, outcome: Sequence | Exception, reply: Reply) -> None:
@@ -109,7 +122,12 @@ def _record(rt: runtime.Runtime, record: JobRecord, started: float, outcome: Seq
 
             manifest = write_activations(rt.store, record.id, record.model, record.request.capture, generation)
         result = _result(generation, tokenizer=rt.engine.tokenizer, inline=inline)
-        rt.jobs.succeed(record.id, result.model_dump(), manifest.model_dump() if manifest is not None else None)
+        rt.jobs.succeed(
+            record.id,
+            result.model_dump(),
+            manifest.model_dump() if manifest is not None else None,
+            rt.settings.result_inline_bytes,
+        )
         log.info(
             "job %s succeeded: %d prompt + %d new tokens, run %.1f ms, store %.1f ms, %d bytes stored",
             record.id,
@@ -178,24 +196,17 @@ def time_limit(settings_limit: float, record: JobRecord) -> float:
     return min(settings_limit, record.request.time_limit or float("inf"))
 
 
-def _watch(rt: runtime.Runtime, record: JobRecord) -> Watch:
-    """Asked after every decoding step: stop for a cancel flag or the job's deadline. Redis is read
-    at most every WATCH_INTERVAL seconds (and the progress written then), not at every token."""
-    deadline = time.monotonic() + time_limit(rt.settings.job_soft_time_limit, record)
-    last = [0.0]
+def _watch(rt: runtime.Runtime, record: JobRecord, holder: dict[str, Any]) -> Watch:
+    """Asked by the engine thread after every decoding step: stop for the job's time limit
+    (counted from when it joined a batch) or a cancel flag (read by the progress thread, see
+    worker/progress.py: no Redis call here)."""
+    limit = time_limit(rt.settings.job_soft_time_limit, record)
 
     def watch(generated_tokens: int) -> str | None:
-        now = time.monotonic()
-        if now >= deadline:
+        joined = holder.get("joined")
+        if joined is not None and time.monotonic() - joined >= limit:
             return "timeout"
-        if now - last[0] < WATCH_INTERVAL:
-            return None
-        last[0] = now
-        try:
-            cancelled = rt.jobs.report_progress(record.id, generated_tokens)
-        except redis.RedisError:  # progress is best effort; the job goes on
-            return None
-        return "cancelled" if cancelled else None
+        return "cancelled" if rt.progress.update(record.id, generated_tokens) else None
 
     return watch
 
@@ -209,7 +220,8 @@ def _stopped(rt: runtime.Runtime, record: JobRecord, generation: Generation) -> 
     else:
         limit = time_limit(rt.settings.job_soft_time_limit, record)
         failure = JobTimeout(f"the job ran past its time limit of {limit:g}s (after {tokens} tokens)")
-    rt.jobs.fail(record.id, failure, result=_result(generation, failure.error_type).model_dump())
+    partial = _result(generation, failure.error_type).model_dump()
+    rt.jobs.fail(record.id, failure, result=partial, inline_bytes=rt.settings.result_inline_bytes)
     log.info("job %s ended %s after %d tokens", record.id, failure.error_type, tokens)
 
 

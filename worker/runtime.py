@@ -19,12 +19,14 @@ from shared.registry import ModelRegistry
 from shared.settings import Settings
 from shared.stats import record_steps
 from shared.storage import ArtifactStore, open_store
+from worker.progress import ProgressWatch
 
 if TYPE_CHECKING:
     from worker.engine import CaptureEngine
     from worker.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
+WATCH_INTERVAL = 0.05  # seconds between rounds of progress writes and cancel-flag reads
 
 
 @dataclass
@@ -37,6 +39,7 @@ class Runtime:
     worker_id: str
     stop: threading.Event
     scheduler: Scheduler
+    progress: ProgressWatch
 
 
 _runtime: Runtime | None = None
@@ -49,7 +52,8 @@ def start(settings: Settings) -> Runtime:
     from worker.models import load
     from worker.scheduler import Scheduler
 
-    client = redis.Redis.from_url(settings.redis_url)
+    # Timeouts: a Redis that stops answering is an outage (JobStore waits it out), never a hang.
+    client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
     loaded = load(settings)
     engine = CaptureEngine(loaded, allow_special_tokens=settings.allow_special_tokens)
     if settings.allow_special_tokens:
@@ -58,11 +62,12 @@ def start(settings: Settings) -> Runtime:
     registry.publish(engine.info)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
     stop = threading.Event()
+    jobs = JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds)
     _runtime = Runtime(
         settings=settings,
         engine=engine,
         store=open_store(settings, wait_for_outages=True),
-        jobs=JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds),
+        jobs=jobs,
         registry=registry,
         worker_id=worker_id,
         stop=stop,
@@ -71,7 +76,9 @@ def start(settings: Settings) -> Runtime:
             max_batch=engine.max_batch(settings.max_batch),
             wait_s=settings.batch_wait_ms / 1000,
             budget_bytes=settings.batch_memory_budget_bytes,
+            on_death=lambda exc: _engine_died(registry, engine.info.name, worker_id, exc),
         ).start(),
+        progress=ProgressWatch(jobs, WATCH_INTERVAL).start(),
     )
     registry.heartbeat(engine.info, worker_id)
     threading.Thread(target=_beat, args=(_runtime,), name="actq-heartbeat", daemon=True).start()
@@ -79,9 +86,23 @@ def start(settings: Settings) -> Runtime:
     return _runtime
 
 
+def _engine_died(registry: ModelRegistry, model: str, worker_id: str, exc: BaseException) -> None:
+    """The engine thread died: stop listing this engine as live, then end the process (the worker
+    restarts it and its jobs go back to the queue)."""
+    from worker.scheduler import exit_process
+
+    try:
+        registry.remove_worker(model, worker_id)
+    except redis.RedisError:
+        pass  # its heartbeat expires after ACTQ_HEARTBEAT_TTL
+    exit_process(exc)
+
+
 def _beat(runtime: Runtime) -> None:
     last = time.monotonic()
     while not runtime.stop.wait(runtime.settings.heartbeat_interval):
+        if not runtime.scheduler.alive:  # a dead engine thread never looks live (the process is ending)
+            return
         sizes, tokens = runtime.scheduler.stats.take()
         now = time.monotonic()
         try:
@@ -104,6 +125,7 @@ def stop() -> None:
         return
     _runtime.stop.set()
     _runtime.scheduler.stop()
+    _runtime.progress.stop()
     try:
         _runtime.registry.remove_worker(_runtime.engine.info.name, _runtime.worker_id)
     except redis.RedisError:

@@ -75,7 +75,7 @@ def test_2000_jobs_from_16_concurrent_clients(live, tiny_dir, tmp_path, own_redi
         # each job ran once, on one of the two workers, and both workers took a share
         runs, shares = Counter(), Counter()
         for name in ("a", "b"):
-            found = re.findall(r"job (\S+) running \(attempt", s.logs[f"worker-{name}"].read_text(errors="replace"))
+            found = re.findall(r"job (\S+) claimed \(attempt", s.logs[f"worker-{name}"].read_text(errors="replace"))
             runs.update(found)
             shares[name] = len(found)
         assert set(runs) == set(every) and set(runs.values()) == {1}

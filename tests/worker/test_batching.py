@@ -206,7 +206,7 @@ def test_the_scheduler_fails_only_the_job_whose_prefill_runs_out_of_memory(engin
             if len(outcomes) == len(jobs):
                 finished.set()
 
-        return Entry(prepare=lambda: prepare(engine, *jobs[i]), done=done)
+        return Entry(seq=prepare(engine, *jobs[i]), done=done)
 
     scheduler = Scheduler(engine, max_batch=4, wait_s=0.2)
     layer.forward = failing
@@ -239,3 +239,34 @@ def test_other_layouts_batch_exactly(key, tmp_path, smol_dir):
     assert largest >= 3
     for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
         assert_same(got, solo(eng, req, n), f"{key} job {i}")
+
+
+def test_jobs_prefilled_together_each_get_their_solo_result(engine):
+    """Prompts of different lengths (4x apart) prefilled in one left-padded pass, then decoded
+    together: every job's tokens, captures (prompt positions included) and log-probabilities
+    equal its solo run within the tolerance; a seeded sampled job draws as alone."""
+    jobs = [
+        job(QUESTIONS[0], 8),
+        job(QUESTIONS[1], 8, logprobs=True, top_logprobs=3),
+        job(QUESTIONS[4], 6, temperature=0.9, seed=11),
+        job(QUESTIONS[5], 1),  # ends with its first token: never joins the batch
+    ]
+    seqs = [prepare(engine, req, n) for req, n in jobs]
+    assert len({s.prompt_tokens for s in seqs}) > 2
+    ended = {}
+    with torch.inference_mode():
+        decoder = engine.decoder()
+        try:
+            decoder.admit_many(seqs)
+            assert len(decoder.rows) == 3 and seqs[3].ended == "length"
+            while decoder.rows:
+                for seq in decoder.step():
+                    ended[id(seq)] = seq
+        finally:
+            decoder.close()
+    for (req, n), seq in zip(jobs, seqs, strict=True):
+        got, want = engine.finish(seq, req), solo(engine, req, n)
+        assert_same(got, want, req.messages[0].content[:20])
+        if req.logprobs:
+            assert got.scores.tokens == want.scores.tokens and got.scores.top_ids == want.scores.top_ids
+            assert max(abs(a - b) for a, b in zip(got.scores.values, want.scores.values, strict=True)) < 1e-4

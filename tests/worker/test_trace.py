@@ -211,7 +211,7 @@ def through_scheduler(engine, jobs: list[tuple[JobRequest, int]]):
                 finished.set()
 
         points = resolve(req.capture, engine.info) if req.capture else []
-        return Entry(prepare=lambda: engine.prepare(req, points, n), done=done)
+        return Entry(seq=engine.prepare(req, points, n), done=done)
 
     scheduler = Scheduler(engine, max_batch=8, wait_s=0.3)
     for i in range(len(jobs)):

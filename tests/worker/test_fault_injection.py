@@ -1,0 +1,181 @@
+"""Failure atomicity of the engine, by injection: a tiny random model runs a batch (jobs joining
+together and apart, leaving at different steps, a trace pass beside them), and a torch function
+mode makes the k-th tensor operation of the scheduler's turn fail, for every k in turn, out of
+memory and otherwise. The model's whole forward pass counts as one operation (it fails at its
+start); inside it, the capture hooks' own failures are the job's (tested in test_capture.py).
+
+Whatever fails where: every job gets exactly one answer, its own result (equal to the same job run
+alone) or its own failure; no job that finished is lost; and the same scheduler then runs a new
+job exactly as alone (the batch goes on)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from shared.errors import JobFailure, OutOfMemory
+from tests.worker.test_batching import assert_same, job, load_engine, prepare, solo
+from worker.scheduler import Entry, Scheduler
+
+pytestmark = [pytest.mark.model, pytest.mark.slow]
+
+CAPTURE = {"modules": ["model.layers.{0,1}", "model.norm"], "positions": "all"}
+JOBS = [  # (question, max_tokens, fields): joins together, leaves at different steps; a trace
+    ("What is 2+3?", 3, {}),
+    ("Name three colours.", 18, {"logprobs": True, "top_logprobs": 2}),  # past STAGED_STEPS
+    ("Count to five.", 4, {"temperature": 0.8, "seed": 7}),
+    ("Write a haiku.", 0, {"mode": "trace", "logprobs": True}),
+]
+
+
+# Reading a tensor's metadata (shape, dtype, device: property getters) allocates and computes
+# nothing and cannot fail; every other operation can.
+METADATA = {"__get__", "dim", "size", "numel", "is_floating_point", "element_size", "get_device"}
+
+
+class FailAt(TorchFunctionMode):
+    """Counts the tensor operations run outside the model's forward pass (the forward itself counts
+    as one) and makes operation `at` raise `error`."""
+
+    def __init__(self, model: torch.nn.Module, at: int, error: type[Exception]) -> None:
+        super().__init__()
+        self.at, self.error, self.count, self.depth = at, error, 0, 0
+        self.failed = self.active = False
+        self._handles = [
+            model.register_forward_pre_hook(self._enter),
+            model.register_forward_hook(self._leave),
+        ]
+
+    def _tick(self, what: object) -> None:
+        self.count += 1
+        if self.count == self.at:
+            self.failed = True
+            raise self.error(f"injected at operation {self.count} ({what})")
+
+    def __enter__(self):
+        self.active = True
+        return super().__enter__()
+
+    def __exit__(self, *exc: object) -> None:
+        self.active = False
+        super().__exit__(*exc)
+
+    def _enter(self, *_: object) -> None:
+        if not self.active:
+            return
+        if self.depth == 0:
+            self._tick("the forward pass")
+        self.depth += 1
+
+    def _leave(self, *_: object) -> None:
+        if self.active:
+            self.depth -= 1
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.depth == 0 and getattr(func, "__name__", "") not in METADATA:
+            self._tick(getattr(func, "__name__", func))
+        return func(*args, **(kwargs or {}))
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+@dataclass
+class Answers:
+    got: dict[int, list[object]] = field(default_factory=dict)
+
+    def entry(self, index: int, seq) -> Entry:
+        return Entry(seq=seq, done=lambda outcome: self.got.setdefault(index, []).append(outcome))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return load_engine(tiny_dir)
+
+
+@pytest.fixture(scope="module")
+def requests():
+    return [job(q, n, CAPTURE, **fields) for q, n, fields in JOBS]
+
+
+@pytest.fixture(scope="module")
+def alone(engine, requests):
+    return [solo(engine, req, n) for req, n in requests]
+
+
+def run(engine, requests, mode: FailAt | None) -> tuple[Answers, Scheduler, object]:
+    answers = Answers()
+    scheduler = Scheduler(engine, max_batch=4)
+    for i, (req, n) in enumerate(requests):
+        scheduler.submit(answers.entry(i, prepare(engine, req, n)))
+    with torch.inference_mode():
+        decoder = engine.decoder()
+        try:
+            for _ in range(50):
+                if len(answers.got) == len(requests) and not decoder.rows:
+                    break
+                if mode is not None:
+                    with mode:
+                        scheduler.tick(decoder)
+                else:
+                    scheduler.tick(decoder)
+            # the batch goes on: a new job, after whatever failed, runs exactly as alone
+            req, n = requests[0]
+            scheduler.submit(answers.entry(99, prepare(engine, req, n)))
+            for _ in range(20):
+                if 99 in answers.got:
+                    break
+                scheduler.tick(decoder)
+        finally:
+            decoder.close()
+    return answers, scheduler, decoder
+
+
+def operations(engine, requests) -> int:
+    mode = FailAt(engine.hf, at=0, error=RuntimeError)
+    try:
+        answers, _, _ = run(engine, requests, mode)
+    finally:
+        mode.remove()
+    assert all(len(a) == 1 for a in answers.got.values())
+    return mode.count
+
+
+@pytest.mark.parametrize("error", [torch.OutOfMemoryError, RuntimeError], ids=["out-of-memory", "other"])
+def test_any_operation_failing_once_leaves_every_job_one_answer_of_its_own(engine, requests, alone, error):
+    total = operations(engine, requests)
+    assert total > 50  # the scenario runs joins, steps, leaves and a trace pass
+    failed_jobs = 0
+    for at in range(1, total + 1):
+        mode = FailAt(engine.hf, at=at, error=error)
+        try:
+            answers, scheduler, decoder = run(engine, requests, mode)
+        finally:
+            mode.remove()
+        assert mode.failed, at
+        where = f"failure injected at operation {at} of {total}"
+        assert sorted(answers.got) == [*range(len(requests)), 99], where
+        assert all(len(a) == 1 for a in answers.got.values()), where  # exactly one answer each
+        assert not scheduler._active and not decoder.rows, where
+        for index, [answer] in answers.got.items():
+            req, n = requests[0] if index == 99 else requests[index]
+            want = alone[0] if index == 99 else alone[index]
+            try:
+                got = engine.finish(answer, req) if not isinstance(answer, Exception) else None
+            except JobFailure as exc:
+                answer = exc
+                got = None
+            if got is not None:
+                assert_same(got, want, f"job {index}, {where}")
+                continue
+            failed_jobs += 1
+            assert index != 99, f"the job after the fault failed: {answer!r}, {where}"
+            if error is torch.OutOfMemoryError:
+                assert isinstance(answer, OutOfMemory), (answer, where)
+            else:
+                assert "injected" in str(answer), (answer, where)
+    assert failed_jobs > 0  # the injections reached the jobs

@@ -1,0 +1,302 @@
+"""The scheduler alone, against a fake batch (no model, no tensors): every job it takes in gets
+exactly one answer whatever fails where; the memory budget; the watchdog that ends the engine
+process when its thread dies."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from shared.errors import OutOfMemory
+from worker.scheduler import ENGINE_THREAD_DIED, Entry, Scheduler
+
+
+@dataclass(eq=False)
+class FakeSeq:
+    prompt_tokens: int
+    max_tokens: int  # 0: a trace
+    generated: list[int] = field(default_factory=list)
+    ended: str | None = None
+    capture: None = None
+    scores: None = None
+
+    @property
+    def trace(self) -> bool:
+        return self.max_tokens == 0
+
+
+class Injected(RuntimeError):
+    pass
+
+
+class FakeBatch:
+    """The decoder's contract: `admit_many` is all or nothing, `step` returns the rows that ended
+    (out of the batch), `trace` ends every sequence it ran; `fail_at` maps a call's number (prefill,
+    step and trace calls counted together) to the exception that call raises."""
+
+    def __init__(self, fail_at: dict[int, BaseException] | None = None) -> None:
+        self.rows: list[FakeSeq] = []
+        self.most_rows: int | None = None
+        self.fail_at = fail_at or {}
+        self.calls = 0
+        self.largest = 0
+        self.prefills: list[int] = []  # jobs per prefill pass
+
+    def _maybe_fail(self) -> None:
+        self.calls += 1
+        if self.calls in self.fail_at:
+            raise self.fail_at[self.calls]
+
+    def admit_many(self, seqs: list[FakeSeq]) -> None:
+        self._maybe_fail()  # before any change: all or nothing
+        self.prefills.append(len(seqs))
+        for seq in seqs:
+            seq.generated.append(1)
+            if len(seq.generated) >= seq.max_tokens:
+                seq.ended = "length"
+                continue
+            self.rows.append(seq)
+        self.largest = max(self.largest, len(self.rows))
+
+    def step(self) -> list[FakeSeq]:
+        self._maybe_fail()
+        for row in self.rows:
+            row.generated.append(1)
+            if len(row.generated) >= row.max_tokens:
+                row.ended = "length"
+        ended = [row for row in self.rows if row.ended]
+        self.rows = [row for row in self.rows if not row.ended]
+        return ended
+
+    def trace(self, seqs: list[FakeSeq]) -> None:
+        self._maybe_fail()
+        if len(seqs) > 1 and any(s.prompt_tokens > 1000 for s in seqs):
+            raise torch.OutOfMemoryError("a pass of long traces does not fit (fake)")
+        for seq in seqs:
+            seq.ended = "trace"
+
+    def reset(self) -> None:
+        self.rows = []
+
+    def close(self) -> None:
+        pass
+
+
+class FakeEngine:
+    def __init__(self, batch: FakeBatch) -> None:
+        self.lock = threading.Lock()
+        self.batch = batch
+
+    def decoder(self) -> FakeBatch:
+        return self.batch
+
+    def trace_cost(self, seq: FakeSeq, padded: int) -> int:
+        return padded
+
+
+@dataclass
+class Job:
+    seq: FakeSeq
+    answers: list[object] = field(default_factory=list)
+    starts: int = 0
+
+
+def entries(jobs: list[Job], estimate: int = 0) -> list[Entry]:
+    def entry(job: Job) -> Entry:
+        def started() -> None:
+            job.starts += 1
+
+        return Entry(seq=job.seq, done=job.answers.append, estimate=estimate, started=started)  # type: ignore[arg-type]
+
+    return [entry(job) for job in jobs]
+
+
+def run(scheduler: Scheduler, batch: FakeBatch, jobs: list[Job], ticks: int = 500) -> None:
+    """Drive the engine loop in this thread until every job is answered (or `ticks` turns)."""
+    for _ in range(ticks):
+        if all(job.answers for job in jobs):
+            return
+        scheduler.tick(batch)  # type: ignore[arg-type]
+    raise AssertionError(f"unanswered after {ticks} turns: {[j.seq for j in jobs if not j.answers]}")
+
+
+def random_jobs(rng: random.Random, n: int) -> list[Job]:
+    return [
+        Job(FakeSeq(prompt_tokens=rng.choice([3, 50, 2000]), max_tokens=rng.choice([0, 0, 1, 2, 5, 9])))
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_every_job_gets_exactly_one_answer_whatever_fails(seed: int) -> None:
+    rng = random.Random(seed)
+    jobs = random_jobs(rng, rng.randint(1, 12))
+    kinds = [lambda: Injected("injected"), lambda: torch.OutOfMemoryError("injected out of memory")]
+    fail_at = {rng.randint(1, 30): rng.choice(kinds)() for _ in range(rng.randint(0, 4))}
+    batch = FakeBatch(fail_at)
+    scheduler = Scheduler(FakeEngine(batch), max_batch=rng.choice([1, 3, 8]))  # type: ignore[arg-type]
+    for entry in entries(jobs):
+        scheduler.submit(entry)
+    run(scheduler, batch, jobs)
+    for job in jobs:
+        assert len(job.answers) == 1, job
+        assert job.starts == 1, job
+        answer = job.answers[0]
+        if answer is job.seq:  # its own result: it ran to its end
+            assert job.seq.ended in ("length", "trace")
+            assert len(job.seq.generated) == max(job.seq.max_tokens, 0) or job.seq.trace
+        else:  # its own failure: the injected error, or out of memory
+            assert isinstance(answer, (Injected, OutOfMemory)), answer
+    assert not scheduler._active and not batch.rows
+    # the batch goes on: a job after all that runs to its end
+    after = [Job(FakeSeq(prompt_tokens=4, max_tokens=3))]
+    batch.fail_at = {}
+    for entry in entries(after):
+        scheduler.submit(entry)
+    run(scheduler, batch, after)
+    assert after[0].answers == [after[0].seq]
+
+
+def test_a_failed_step_fails_the_rows_in_it_and_only_them() -> None:
+    batch = FakeBatch({2: Injected("step")})  # call 1: the three jobs' one prefill; 2: the first step
+    jobs = [Job(FakeSeq(3, 5)) for _ in range(3)]
+    scheduler = Scheduler(FakeEngine(batch), max_batch=3, wait_s=0.05)  # type: ignore[arg-type]
+    for entry in entries(jobs):
+        scheduler.submit(entry)
+    run(scheduler, batch, jobs)
+    assert all(isinstance(job.answers[0], Injected) for job in jobs)
+    later = [Job(FakeSeq(3, 4))]
+    for entry in entries(later):
+        scheduler.submit(entry)
+    run(scheduler, batch, later)
+    assert later[0].answers == [later[0].seq]
+
+
+def test_a_trace_pass_out_of_memory_runs_in_halves_and_only_the_one_that_cannot_fit_alone_fails() -> None:
+    batch = FakeBatch({3: torch.OutOfMemoryError("the long trace alone (fake)")})
+    jobs = [Job(FakeSeq(2000, 0)), Job(FakeSeq(2001, 0))]  # one pass; halves; the second half fails
+    scheduler = Scheduler(FakeEngine(batch), max_batch=4, wait_s=0.05)  # type: ignore[arg-type]
+    for entry in entries(jobs):
+        scheduler.submit(entry)
+    run(scheduler, batch, jobs)
+    assert jobs[0].answers == [jobs[0].seq]
+    assert isinstance(jobs[1].answers[0], OutOfMemory)
+
+
+def test_over_the_memory_budget_a_job_waits_for_room_and_a_job_alone_always_runs() -> None:
+    batch = FakeBatch()
+    jobs = [Job(FakeSeq(3, 4)), Job(FakeSeq(3, 4)), Job(FakeSeq(3, 4))]
+    scheduler = Scheduler(FakeEngine(batch), max_batch=8, budget_bytes=250)  # type: ignore[arg-type]
+    for entry in entries(jobs, estimate=100):  # two fit in the budget, the third waits
+        scheduler.submit(entry)
+    run(scheduler, batch, jobs)
+    assert batch.largest == 2
+    assert all(job.answers == [job.seq] for job in jobs)
+    huge = [Job(FakeSeq(3, 2))]
+    for entry in entries(huge, estimate=10_000):
+        scheduler.submit(entry)
+    run(scheduler, batch, huge)
+    assert huge[0].answers == [huge[0].seq]
+
+
+def test_a_callback_that_raises_does_not_stop_the_engine() -> None:
+    batch = FakeBatch()
+    seq = FakeSeq(3, 2)
+
+    def done(_outcome: object) -> None:
+        raise RuntimeError("a broken callback")
+
+    scheduler = Scheduler(FakeEngine(batch), max_batch=2)  # type: ignore[arg-type]
+    scheduler.submit(Entry(seq=seq, done=done))  # type: ignore[arg-type]
+    for _ in range(5):
+        scheduler.tick(batch)  # type: ignore[arg-type]
+    assert seq.ended == "length"
+    after = [Job(FakeSeq(3, 2))]
+    for entry in entries(after):
+        scheduler.submit(entry)
+    run(scheduler, batch, after)
+    assert after[0].answers == [after[0].seq]
+
+
+def test_an_exception_that_escapes_the_engine_thread_calls_on_death() -> None:
+    class Broken(FakeBatch):
+        @property  # type: ignore[override]
+        def rows(self) -> list[FakeSeq]:
+            raise KeyError("a bug outside every guarded call")
+
+        @rows.setter
+        def rows(self, value: list[FakeSeq]) -> None:
+            pass
+
+    died: list[BaseException] = []
+    dead = threading.Event()
+
+    def on_death(exc: BaseException) -> None:
+        died.append(exc)
+        dead.set()
+
+    scheduler = Scheduler(FakeEngine(Broken()), max_batch=2, on_death=on_death)  # type: ignore[arg-type]
+    scheduler.start()
+    assert dead.wait(10)
+    assert isinstance(died[0], KeyError)
+    scheduler._thread.join(5)
+    assert not scheduler.alive
+
+
+def test_by_default_a_dead_engine_thread_ends_the_process_with_the_reason_logged() -> None:
+    script = textwrap.dedent(
+        """
+        import logging, sys, threading, time
+        sys.path.insert(0, ".")
+        from tests.worker.test_scheduler import FakeBatch, FakeEngine
+        from worker.scheduler import Scheduler
+
+        class Broken(FakeBatch):
+            def close(self):
+                pass
+        engine = FakeEngine(Broken())
+        def decoder():
+            raise ZeroDivisionError("the engine's own bug")
+        engine.decoder = decoder
+        logging.basicConfig(level=logging.INFO)
+        Scheduler(engine, max_batch=2).start()
+        time.sleep(30)
+        print("still running")
+        """
+    )
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == ENGINE_THREAD_DIED, proc
+    assert "the engine thread died (ZeroDivisionError: the engine's own bug)" in proc.stderr
+    assert "still running" not in proc.stdout
+
+
+def test_jobs_taken_in_together_prefill_in_passes_of_similar_lengths() -> None:
+    batch = FakeBatch()
+    lengths = [100, 101, 100, 200, 205, 102]  # two passes: the short ones, the long ones
+    jobs = [Job(FakeSeq(n, 3)) for n in lengths]
+    scheduler = Scheduler(FakeEngine(batch), max_batch=8, wait_s=0.05)  # type: ignore[arg-type]
+    for entry in entries(jobs):
+        scheduler.submit(entry)
+    run(scheduler, batch, jobs)
+    assert sorted(batch.prefills) == [2, 4]
+    assert all(job.answers == [job.seq] for job in jobs)
+
+
+def test_a_failed_prefill_of_several_runs_each_alone_and_only_the_one_that_fails_alone_fails() -> None:
+    batch = FakeBatch({1: torch.OutOfMemoryError("the pass of three (fake)"), 3: Injected("the second alone")})
+    jobs = [Job(FakeSeq(10, 3)) for _ in range(3)]
+    scheduler = Scheduler(FakeEngine(batch), max_batch=8, wait_s=0.05)  # type: ignore[arg-type]
+    for entry in entries(jobs):
+        scheduler.submit(entry)
+    run(scheduler, batch, jobs)
+    assert batch.prefills == [1, 1]  # the pass of three failed; then each alone, the second failing
+    assert jobs[0].answers == [jobs[0].seq] and jobs[2].answers == [jobs[2].seq]
+    assert isinstance(jobs[1].answers[0], Injected)
+    assert all(job.starts == 1 for job in jobs)
