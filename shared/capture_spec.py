@@ -19,6 +19,7 @@ import itertools
 import math
 import os
 import re
+from collections.abc import Iterable
 from typing import NamedTuple
 
 from shared.dtypes import ITEM_BYTES
@@ -302,14 +303,31 @@ def capture_bytes(
     return rows * width * ITEM_BYTES[capture.dtype]
 
 
+SCORE_ROWS = 256  # positions whose log-probabilities the worker computes at once
+
+
 def working_bytes(model: ModelInfo, prompt_tokens: int, max_tokens: int, all_logits: bool = False) -> int:
-    """The KV cache of every token, plus the prefill's activations (one layer at a time, and the
-    attention scores where they are materialised); a trace with log-probabilities also holds the
-    logits of every position (float32)."""
+    """What a job holds beyond its capture while it runs: the KV cache of every token, plus what
+    one forward pass over its text holds at once (the worker feeds a text longer than the
+    published `prefill_chunk_tokens` in chunks of that many positions): one layer's activations,
+    the attention scores against every earlier position where they are materialised, and, when
+    the pass computes every position's logits (`all_logits`), those logits (float32) and the
+    log-softmax of SCORE_ROWS of them. The API checks a request with this before it is queued and
+    the worker's scheduler budgets a batch with it (worker/engine.py), with the same figures."""
+    fed = min(prompt_tokens, model.prefill_chunk_tokens or prompt_tokens)  # positions in one pass
     kv = (model.kv_bytes_per_token or 0) * (prompt_tokens + max_tokens)
-    activations = (model.activation_bytes_per_token or 0) * prompt_tokens
-    logits = 4 * model.vocab_size * prompt_tokens if all_logits else 0
-    return kv + activations + logits + model.attention_bytes_per_token_pair * prompt_tokens * prompt_tokens
+    activations = (model.activation_bytes_per_token or 0) * fed
+    logits = 4 * model.vocab_size * (fed + 2 * min(fed, SCORE_ROWS)) if all_logits else 0
+    return kv + activations + logits + model.attention_bytes_per_token_pair * fed * prompt_tokens
+
+
+def all_logits(trace: bool, logprobs: bool, modules: Iterable[str], model: ModelInfo) -> bool:
+    """Whether a job's passes compute the vocabulary projection at every position: a trace that
+    asks for log-probabilities or captures a module generation runs at the last position only
+    (`lm_head`). Other jobs' passes compute it at the last position alone."""
+    if not trace:
+        return False
+    return logprobs or any(not model.modules[model.module_index[m]].all_positions for m in modules)
 
 
 def job_memory(
@@ -330,8 +348,8 @@ def estimate(request: JobRequest, points: list[CapturePoint], model: ModelInfo, 
     prompt_tokens = prompt_tokens_upper_bound(request, model)
     if model.max_context:
         prompt_tokens = max(1, min(prompt_tokens, model.max_context - max_tokens))
-    all_logits = request.trace and request.logprobs
-    return job_memory(request.capture, points, model, prompt_tokens, max_tokens, all_logits)
+    every = all_logits(request.trace, request.logprobs, [p.module for p in points], model)
+    return job_memory(request.capture, points, model, prompt_tokens, max_tokens, every)
 
 
 def check_budget(estimate: MemoryEstimate, capture_budget: int, memory_budget: int) -> None:

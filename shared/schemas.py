@@ -448,6 +448,9 @@ class ModelInfo(Strict):
     kv_bytes_per_token: int | None = None
     activation_bytes_per_token: int | None = None
     attention_bytes_per_token_pair: int = 0
+    # A text longer than this is fed in chunks of this many positions (ACTQ_PREFILL_CHUNK_TOKENS):
+    # what one forward pass holds at once. None: in one pass (a worker running one job at a time).
+    prefill_chunk_tokens: int | None = None
     # Whether the model has a chat template (takes `messages`); without one, only `prompt`.
     chat_template: bool = True
     # Named module sets, one path per decoder block (worker/presets.py): residual, attention, mlp.

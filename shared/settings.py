@@ -158,6 +158,15 @@ class Settings(BaseSettings):
     batch_wait_ms: float = Field(
         20.0, ge=0, description="How long an idle worker waits for more jobs to start a batch with the first."
     )
+    prefill_chunk_tokens: int = Field(
+        512,
+        ge=16,
+        le=1 << 20,
+        description=(
+            "The most prompt positions one forward pass feeds while other jobs decode: a longer prompt or trace runs "
+            "in chunks between decoding steps, so it never freezes the running batch."
+        ),
+    )
     batch_memory_budget_bytes: int = Field(
         4 << 30,
         ge=1,

@@ -213,6 +213,9 @@ class JobCapture:
     ) -> None:
         self.positions, self.prompt_tokens, self.max_tokens = positions, prompt_tokens, max_tokens
         self.failure: JobFailure | None = None  # rows handed over late (BatchHooks.drain) did not fit
+        # A prompt fed in chunks (Decoder.feed): the pass now running feeds positions
+        # [chunk[0], chunk[0] + chunk[1]); its last chunk ends the prompt's step.
+        self.chunk: tuple[int, int] | None = None
         self.dtype, self.reduce, self.completion = dtype, reduce, completion
         # positions "last" is one row: every reduction of it is that row, replaced at each step
         self._fold_kind = "last" if positions == "last" else reduce
@@ -284,10 +287,17 @@ class JobCapture:
         if rows is None or rows.dim() != 2 or rows.shape[1] != width:
             raise JobFailure(f"{name}: expected [1, positions, {width}] or [positions, {width}] at step {buffer.steps}")
         step, seen = buffer.steps, int(rows.shape[0])
-        buffer.steps += 1
-        end = self.prompt_tokens + step  # one past the last position fed so far
-        if seen not in (1, end if step == 0 else 1):
-            raise JobFailure(f"{name}: {seen} positions at step {step}, expected {end if step == 0 else 1} or 1")
+        if self.chunk is not None:  # a part of the prompt: its last part ends step 0
+            offset, fed = self.chunk
+            end = offset + fed
+            if step != 0 or seen not in (1, fed):
+                raise JobFailure(f"{name}: {seen} positions in a prompt chunk of {fed} at step {step}")
+            buffer.steps += 1 if end == self.prompt_tokens else 0
+        else:
+            buffer.steps += 1
+            end = self.prompt_tokens + step  # one past the last position fed so far
+            if seen not in (1, end if step == 0 else 1):
+                raise JobFailure(f"{name}: {seen} positions at step {step}, expected {end if step == 0 else 1} or 1")
         lo, hi = self.window
         if self.positions == "last":
             lo = end - 1
@@ -418,7 +428,7 @@ class BatchHooks:
         """The sequences of the next forward pass, in batch order: hooks for what they capture.
         `lengths`: the pass is left-padded and row b's own positions are its last `lengths[b]`.
         `decoding`: every sequence feeds one position (batched gathers, see the class)."""
-        self.settle(rows)
+        self.settle(rows, decoding)
         self.rows, self.lengths, self.decoding = rows, lengths, decoding
         self.failures = {}
         self._written = []
@@ -444,10 +454,18 @@ class BatchHooks:
         if decoding:
             self._plan(wanted)
 
-    def settle(self, rows: list[JobCapture | None]) -> None:
+    def settle(self, rows: list[JobCapture | None], decoding: bool = True) -> None:
         """Before a pass over `rows`: staged steps of another batch go to the jobs that ran them
-        (so that a job's buffers hold every step before anyone marks or resets them)."""
-        if any(r.count for r in self._rings.values()) and [id(c) for c in rows] != [id(c) for c in self._pending_rows]:
+        (so that a job's buffers hold every step before anyone marks or resets them, and before
+        a decoding pass of another batch rebuilds the rings). A pass that is not a decoding step
+        and concerns none of those jobs (a prompt chunk of a job that joins later) leaves them
+        staged."""
+        if not any(r.count for r in self._rings.values()):
+            return
+        pending = [id(c) for c in self._pending_rows]
+        if [id(c) for c in rows] == pending:
+            return
+        if decoding or any(id(c) in pending for c in rows if c is not None):
             self.drain()
 
     def _plan(self, wanted: set[tuple[str, str]]) -> None:

@@ -1,9 +1,11 @@
 """Iteration-level batched decoding: a sequence joins the running batch after its own prefill and
 leaves it at the step it ends, so a finished sequence frees its slot for the next one at once.
 
-Each step feeds every sequence's newest token in one forward pass of `[B, 1]`. A new sequence's
-prompt is run alone (batch of one, exactly as a solo job), then its cache rows are moved into the
-batch (worker/kvcache.py), left-padded to the batch's timeline. The batch keeps, per sequence,
+Each step feeds every sequence's newest token in one forward pass of `[B, 1]`. New sequences'
+prompts run in one left-padded pass (`admit_many`; a batch of one is exactly a solo job's), or, when
+longer than `chunk_tokens`, in chunks with a cache of their own between decoding steps (`feed`);
+then their cache rows are moved into the batch (worker/kvcache.py), left-padded to the batch's
+timeline. The batch keeps, per sequence,
 the token ids, the attention mask (0 on padding) and position ids (each sequence counts its own
 tokens from 0), all `[B, L]` with L = cached positions + 1 (the last column is the token the next
 step feeds). Model inputs are built by the model's own `prepare_inputs_for_generation`, and the
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from shared.capture_spec import SCORE_ROWS
 from shared.errors import InternalError, JobFailure, OutOfMemory
 from worker import kvcache
 from worker.capture import BatchHooks, JobCapture
@@ -106,9 +109,15 @@ class TokenScores:
     top_values: list[list[float]] = field(default_factory=list)
 
     def add(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
-        """Score `tokens` `[n]` against the logits `[n, V]` of the positions that predicted them."""
+        """Score `tokens` `[n]` against the logits `[n, V]` of the positions that predicted them,
+        SCORE_ROWS positions at a time: the float32 log-softmax of a block is the most this holds
+        beside the logits, never a copy of all `[n, V]`."""
+        for start in range(0, int(tokens.shape[0]), SCORE_ROWS):
+            self._add(logits[start : start + SCORE_ROWS], tokens[start : start + SCORE_ROWS])
+
+    def _add(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         # a token the model rules out (-inf) as the lowest finite float32: JSON has no infinity
-        logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).clamp(min=torch.finfo(torch.float32).min)
+        logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).clamp_(min=torch.finfo(torch.float32).min)
         chosen = logprobs.gather(1, tokens.view(-1, 1).to(logprobs.device))[:, 0]
         self.tokens += [int(t) for t in tokens.tolist()]
         self.values += [float(v) for v in chosen.tolist()]
@@ -124,7 +133,7 @@ class TokenScores:
 def score_rows(scores: list[TokenScores], logits: torch.Tensor, tokens: list[int]) -> None:
     """`TokenScores.add` for many rows at once: row i of `logits` `[n, V]` predicted `tokens[i]`
     for `scores[i]`; one log-softmax over the rows and one transfer of the results to the host."""
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).clamp(min=torch.finfo(torch.float32).min)
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).clamp_(min=torch.finfo(torch.float32).min)
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))
     k = max(s.k for s in scores)
     parts = [chosen.to(torch.float64)]
@@ -185,6 +194,11 @@ class Decoder:
         self.ids = self.mask = self.pos = torch.empty(0, 0, dtype=torch.long)
         self.pads: list[int] = []  # each row's leading padding columns (kept on the host: no sync to ask)
         self.most_rows: int | None = None  # lowered when a step ran out of memory
+        # Prompts longer than this are fed in chunks between decoding steps (`feed`); None: never
+        # (the scheduler sets it when it runs batches: a batch of one stays exactly `generate`).
+        self.chunk_tokens: int | None = None
+        out = model.get_output_embeddings()
+        self.lm_head = next((path for path, module in model.named_modules() if module is out), None)
 
     def close(self) -> None:
         self.hooks.__exit__()
@@ -248,7 +262,6 @@ class Decoder:
     def _admit_many(self, seqs: list[Sequence]) -> None:
         lengths = [seq.prompt_tokens for seq in seqs]
         width = max(lengths)
-        device = seqs[0].prompt_ids.device
         ids = torch.cat([self._pad(seq.prompt_ids, width, self.pad_id) for seq in seqs])
         mask = torch.cat([self._pad(torch.ones_like(seq.prompt_ids), width, 0) for seq in seqs])
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
@@ -259,15 +272,20 @@ class Decoder:
         going = [i for i, seq in enumerate(seqs) if not seq.ended]
         if not going:
             return
-        tokens = torch.tensor([[seqs[i].generated[-1]] for i in going], dtype=ids.dtype, device=device)
         if len(going) < len(seqs):  # some ended with their first token: only the others join
             cache = kvcache.select(cache, going, width)
             ids, mask, pos = ids[going], mask[going], pos[going]
+        self._join([seqs[i] for i in going], cache, ids, mask, pos, [width - lengths[i] for i in going])
+
+    def _join(self, joining: list[Sequence], cache: Any, ids, mask, pos, pads: list[int]) -> None:
+        """Add prefilled sequences (their first token chosen) to the running batch: `ids`, `mask`
+        and `pos` `[n, width]` cover their prompts (`pads` leading padding columns each) and
+        `cache` holds those `width` positions. All or nothing."""
+        width = ids.shape[1]
+        tokens = torch.tensor([[seq.generated[-1]] for seq in joining], dtype=ids.dtype, device=ids.device)
         ids = torch.cat([ids, tokens], 1)
-        mask = torch.cat([mask, mask.new_ones(len(going), 1)], 1)
+        mask = torch.cat([mask, mask.new_ones(len(joining), 1)], 1)
         pos = torch.cat([pos, pos[:, -1:] + 1], 1)
-        pads = [width - lengths[i] for i in going]
-        joining = [seqs[i] for i in going]
         if not self.rows:
             self.rows, self.cache, self.ids, self.mask, self.pos, self.pads = joining, cache, ids, mask, pos, pads
             return
@@ -312,8 +330,8 @@ class Decoder:
             mask = torch.cat([self._pad(torch.ones_like(s.prompt_ids), width, 0) for s in seqs])
             inputs["attention_mask"] = mask
             inputs["position_ids"] = (mask.cumsum(dim=1) - 1).clamp(min=0)
-        if self.logits_to_keep and not any(s.scores is not None for s in seqs):
-            inputs["logits_to_keep"] = 1  # no log-probabilities asked for: skip the vocabulary projection
+        if self.logits_to_keep and not any(self.wants_logits(s) for s in seqs):
+            inputs["logits_to_keep"] = 1  # nobody needs every position's logits: skip the vocabulary projection
         self.hooks.use([s.capture for s in seqs], lengths)
         try:
             out = self.model(**inputs, use_cache=False, return_dict=True)
@@ -329,6 +347,84 @@ class Decoder:
                 seq.scores.top_values.append([])
                 seq.scores.add(out.logits[index, first : width - 1], seq.prompt_ids[0, 1:].to(device))
             seq.ended = "failed" if seq.failure is not None else "trace"
+
+    def wants_logits(self, seq: Sequence) -> bool:
+        """Whether a trace sequence needs the logits of every position: it asked for
+        log-probabilities, or it captures the vocabulary projection (which then runs on every
+        position, not only the last). The scheduler never puts it in a pass with sequences that do
+        not (what one job costs never depends on its batch-mates)."""
+        if seq.scores is not None:
+            return True
+        return seq.capture is not None and any(module == self.lm_head for module, _ in seq.capture.wanted)
+
+    # -- prompts in chunks -----------------------------------------------------------------
+
+    def feed(self, item: Feeding, most: int) -> bool:
+        """Feed the next `most` positions of `item`'s prompt (or trace text) through the model,
+        with the sequence's own cache: its captures and log-probabilities get their rows. True
+        once the whole text is fed: a trace has then ended ("trace"), and a generation has its
+        first token and joined the running batch (or ended with it). Raises on failure: the
+        sequence alone fails, the running batch is untouched."""
+        seq = item.seq
+        total, start = seq.prompt_tokens, item.fed
+        end = min(total, start + most)
+        if item.cache is None:
+            item.cache = kvcache.new_cache(self.model.config)
+        whole = seq.trace and self.wants_logits(seq)  # every position's logits, this chunk's only
+        extra = {"logits_to_keep": 0 if whole else 1} if self.logits_to_keep else {}
+        ids = seq.prompt_ids[:, :end]
+        pos = torch.arange(end, device=ids.device).unsqueeze(0)
+        self.hooks.use([seq.capture], None)
+        if seq.capture is not None:
+            seq.capture.chunk = (start, end - start)
+        try:
+            inputs = self.model.prepare_inputs_for_generation(
+                ids,
+                next_sequence_length=end - start,
+                past_key_values=item.cache,
+                attention_mask=None,
+                position_ids=pos,
+                use_cache=True,
+                is_first_iteration=start == 0,
+                **extra,
+            )
+            out = self.model(**inputs, return_dict=True)
+        finally:
+            if seq.capture is not None:
+                seq.capture.chunk = None
+        if (failure := self.hooks.failures.get(0)) is not None:
+            seq.failure, seq.ended = failure, "failed"
+            return True
+        item.fed = end
+        if seq.trace:
+            if seq.scores is not None:
+                self._score_chunk(seq, out.logits[0], start, end)
+            if end == total:
+                seq.ended = "trace"
+            return end == total
+        if end < total:
+            return False
+        logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        self._advance([seq], logits, lambda _: seq.prompt_ids)
+        if seq.ended is None:
+            ones = torch.ones_like(seq.prompt_ids)
+            self._join([seq], item.cache, seq.prompt_ids, ones, pos, [0])
+        item.cache = None
+        return True
+
+    @staticmethod
+    def _score_chunk(seq: Sequence, logits: torch.Tensor, start: int, end: int) -> None:
+        """A trace's log-probabilities for the tokens that positions [start, end) predict."""
+        scores = seq.scores
+        assert scores is not None
+        if start == 0:  # the first token: nothing predicts it
+            scores.values.append(None)
+            scores.tokens.append(int(seq.prompt_ids[0, 0]))
+            scores.top_ids.append([])
+            scores.top_values.append([])
+        last = min(end, seq.prompt_tokens - 1)  # the text's last position predicts nothing
+        if last > start:
+            scores.add(logits[: last - start], seq.prompt_ids[0, start + 1 : last + 1].to(logits.device))
 
     # -- one decoding step -----------------------------------------------------------------
 
@@ -559,6 +655,16 @@ class _Undo:
             seq.sampler.generator.set_state(self.generator)
         seq.generated.clear()
         seq.ended = seq.stopped_by = seq.failure = None
+
+
+@dataclass(eq=False)
+class Feeding:
+    """A sequence whose prompt is being fed in chunks (`Decoder.feed`): its own cache so far and
+    how many positions it holds."""
+
+    seq: Sequence
+    cache: Any = None
+    fed: int = 0
 
 
 VACANT = "vacant"  # `Sequence.ended` of a vacancy

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from shared.capture_spec import check_prompt_fits
+from shared.capture_spec import all_logits, check_prompt_fits, working_bytes
 from shared.errors import ContextLengthExceeded, JobFailure
 from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo
 from worker.capture import JobCapture, describe_modules
@@ -218,19 +218,17 @@ class CaptureEngine:
         return wanted
 
     def estimate(self, seq: Sequence) -> int:
-        """Bytes a sequence holds while it runs in a batch: its KV cache at full length and its
-        capture buffers (what the scheduler's memory budget counts)."""
-        kv = (self.info.kv_bytes_per_token or 0) * (seq.prompt_tokens + seq.max_tokens)
-        return kv + (seq.capture.nbytes if seq.capture is not None else 0)
+        """Bytes a sequence holds while it runs (what the scheduler's memory budget counts): the
+        API's estimate (shared/capture_spec.working_bytes, from the figures this worker
+        publishes) for its real token count, and its capture buffers as allocated."""
+        return self.trace_cost(seq, seq.prompt_tokens)
 
     def trace_cost(self, seq: Sequence, padded_tokens: int) -> int:
-        """Bytes a trace sequence's forward pass holds when padded to `padded_tokens`: one layer's
-        activations and keys/values per position, the logits of every position when it asked
-        for log-probabilities, and its capture buffers."""
-        per_token = (self.info.activation_bytes_per_token or 0) + (self.info.kv_bytes_per_token or 0)
-        if seq.scores is not None:
-            per_token += 4 * self.info.vocab_size
-        return per_token * padded_tokens + (seq.capture.nbytes if seq.capture is not None else 0)
+        """`estimate` for a pass in which the sequence is left-padded to `padded_tokens`."""
+        modules = [b.point.module for b in seq.capture.buffers] if seq.capture is not None else []
+        every = all_logits(seq.trace, seq.scores is not None, modules, self.info)
+        working = working_bytes(self.info, padded_tokens, seq.max_tokens, every)
+        return working + (seq.capture.nbytes if seq.capture is not None else 0)
 
     def decoder(self) -> Decoder:
         return Decoder(self.hf, self.tokenizer, self._pad()["pad_token_id"])

@@ -58,6 +58,9 @@ def start(settings: Settings) -> Runtime:
     engine = CaptureEngine(loaded, allow_special_tokens=settings.allow_special_tokens)
     if settings.allow_special_tokens:
         log.warning("ACTQ_ALLOW_SPECIAL_TOKENS is on: special-token strings in messages become special tokens")
+    max_batch = engine.max_batch(settings.max_batch)
+    if max_batch > 1:  # the scheduler feeds long texts in chunks: what the API's estimate counts
+        engine.info.prefill_chunk_tokens = settings.prefill_chunk_tokens
     registry = ModelRegistry(client, settings.heartbeat_ttl)
     registry.publish(engine.info)
     worker_id = f"{socket.gethostname()}:{os.getpid()}"
@@ -73,9 +76,10 @@ def start(settings: Settings) -> Runtime:
         stop=stop,
         scheduler=Scheduler(
             engine,
-            max_batch=engine.max_batch(settings.max_batch),
+            max_batch=max_batch,
             wait_s=settings.batch_wait_ms / 1000,
             budget_bytes=settings.batch_memory_budget_bytes,
+            chunk_tokens=settings.prefill_chunk_tokens,
             on_death=lambda exc: _engine_died(registry, engine.info.name, worker_id, exc),
         ).start(),
         progress=ProgressWatch(jobs, WATCH_INTERVAL).start(),

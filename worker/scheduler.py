@@ -5,7 +5,10 @@ buffers (a job alone always runs, whatever its estimate). A sequence leaves the 
 ends and its slot is free for the next job at the next step (iteration-level scheduling).
 
 When the batch is empty it waits for a job, then up to `wait_s` for more to arrive, so that a
-burst of submissions starts together.
+burst of submissions starts together. Jobs taken in wait for their prefill: generations of
+similar prompt lengths prefill in one left-padded pass, trace jobs run in passes of their own, and
+a text longer than the decoder's chunk is fed a chunk at a time; while jobs decode, this prefill
+work gets at most about half of the engine's time (`tick`), so nothing freezes a running batch.
 
 Jobs arrive prepared (claimed and tokenized on another thread: nothing here waits on Redis or a
 tokenizer), and every job taken in gets exactly one answer (`done`): its ended sequence or its
@@ -16,6 +19,7 @@ queue as after `kill -9`, and the worker starts a new engine).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -27,11 +31,12 @@ from dataclasses import dataclass, field
 import torch
 
 from shared.errors import JobFailure, OutOfMemory
-from worker.decoding import OUT_OF_MEMORY, Decoder, Sequence, is_oom
+from worker.decoding import OUT_OF_MEMORY, Decoder, Feeding, Sequence, is_oom
 from worker.engine import CaptureEngine
 
 log = logging.getLogger(__name__)
 TRACE_PADDING = 0.1  # the most of a trace pass's positions that may be padding
+clock = time.perf_counter  # what prefill work and decoding steps are timed with (fair share)
 
 
 @dataclass
@@ -99,15 +104,22 @@ class Scheduler:
         wait_s: float = 0.0,
         budget_bytes: int = 0,
         on_death: Callable[[BaseException], None] = exit_process,
+        chunk_tokens: int | None = None,
     ) -> None:
         self.engine, self.max_batch, self.wait_s, self.budget = engine, max_batch, wait_s, budget_bytes
         self.on_death = on_death
+        self.chunk_tokens = chunk_tokens  # for the decoder: prompts longer than this feed in chunks
         self.inbox: queue.Queue[Entry] = queue.Queue()
         self.stats = StepStats()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="actq-engine", daemon=True)
-        self._active: dict[int, tuple[Entry, int]] = {}  # id(sequence) -> (entry, estimated bytes)
-        self._traces: list[Entry] = []  # trace jobs taken in by this `_fill`
+        # Every job taken in and not yet answered: id(sequence) -> (entry, estimated bytes).
+        self._active: dict[int, tuple[Entry, int]] = {}
+        self._arrived: dict[int, int] = {}  # id(sequence) -> the order it was taken in
+        self._counter = itertools.count()
+        self._waiting: list[Entry] = []  # taken in, waiting for their prefill or trace pass
+        self._feeding: list[tuple[Entry, Feeding]] = []  # long texts fed a chunk at a time, in order
+        self._owed = 0.0  # seconds of decoding owed to the running batch for prefill work done
 
     def start(self) -> Scheduler:
         self._thread.start()
@@ -130,6 +142,8 @@ class Scheduler:
         try:
             with self.engine.lock, torch.inference_mode():
                 decoder = self.engine.decoder()
+                if self.max_batch > 1:  # a batch of one has nothing to interleave with: stays exact
+                    decoder.chunk_tokens = self.chunk_tokens
                 try:
                     while not self._stop.is_set():
                         self.tick(decoder)
@@ -139,11 +153,27 @@ class Scheduler:
             self.on_death(exc)
 
     def tick(self, decoder: Decoder) -> None:
-        """One turn of the loop: let queued jobs join (waiting up to half a second for one when
-        the batch is empty), run the trace jobs taken in, then one decoding step."""
-        self._fill(decoder)
-        if decoder.rows:
-            self._step(decoder)
+        """One turn of the loop: take queued jobs in (waiting up to half a second for one when
+        nothing runs), run prefill work (`_prefill_one`: a pass of jobs taken in, or a chunk of a
+        long prompt) while the running batch is not owed time, then one decoding step.
+
+        Fair share: while jobs decode, prefill work gets at most about half the engine's time.
+        The time a prefill pass or chunk took is owed to the running batch, which then decodes
+        until it has had as much; so a long trace or a burst of prompts slows running jobs down
+        about twofold at most, never freezes them. With nothing decoding, prefill work runs
+        back to back."""
+        self._take_in(decoder)
+        while (self._waiting or self._feeding) and (not decoder.rows or self._owed <= 0):
+            began = clock()
+            self._prefill_one(decoder)
+            if decoder.rows:
+                self._owed += max(clock() - began, 1e-9)
+        if not decoder.rows:
+            self._owed = 0.0
+            return
+        began = clock()
+        self._step(decoder)
+        self._owed = max(0.0, self._owed - (clock() - began))
 
     @staticmethod
     def _answer(entry: Entry, outcome: Sequence | JobFailure | Exception) -> None:
@@ -152,76 +182,117 @@ class Scheduler:
         except Exception:  # a callback's bug must not end the engine thread
             log.exception("handing a job's outcome back failed")
 
-    def _room(self, decoder: Decoder, joining: list[Entry] | tuple[()] = ()) -> int:
+    def _room(self, decoder: Decoder) -> int:
         most = self.max_batch if decoder.most_rows is None else min(self.max_batch, decoder.most_rows)
-        return most - len(decoder.rows) - len(self._traces) - len(joining)
-
-    def _fill(self, decoder: Decoder) -> None:
-        """Let queued jobs join, then run the trace jobs taken in."""
-        try:
-            self._take_in(decoder)
-        finally:
-            traces, self._traces = self._traces, []
-            if traces:
-                self._run_traces(decoder, traces)
+        return most - len(decoder.rows) - len(self._waiting) - len(self._feeding)
 
     def _take_in(self, decoder: Decoder) -> None:
-        """Take queued jobs in while there is room; when nothing runs, wait for one (then `wait_s`
-        for company). The jobs taken in prefill together (`_admit`); trace jobs count against
-        `max_batch` here too, so at most a batch of them is taken in at once."""
-        joining: list[Entry] = []
-        try:
-            if not decoder.rows:
+        """Take queued jobs in while there is room (jobs waiting for their prefill and long ones
+        being fed count against `max_batch`); when nothing runs, wait for one (then `wait_s` for
+        company, so that a burst starts together)."""
+        if not decoder.rows and not self._waiting and not self._feeding:
+            try:
+                first = self.inbox.get(timeout=0.5)  # wakes only to notice `stop`
+            except queue.Empty:
+                return
+            self._consider(decoder, first)
+            deadline = time.monotonic() + self.wait_s
+            while self._room(decoder) > 0 and (left := deadline - time.monotonic()) > 0:
                 try:
-                    first = self.inbox.get(timeout=0.5)  # wakes only to notice `stop`
-                except queue.Empty:
-                    return
-                self._consider(decoder, first, joining)
-                deadline = time.monotonic() + self.wait_s
-                while self._room(decoder, joining) > 0 and (left := deadline - time.monotonic()) > 0:
-                    try:
-                        entry = self.inbox.get(timeout=left)
-                    except queue.Empty:
-                        break
-                    if not self._consider(decoder, entry, joining):
-                        break
-            while self._room(decoder, joining) > 0:
-                try:
-                    entry = self.inbox.get_nowait()
+                    entry = self.inbox.get(timeout=left)
                 except queue.Empty:
                     break
-                if not self._consider(decoder, entry, joining):
+                if not self._consider(decoder, entry):
                     break
-        finally:
-            if joining:
-                self._admit(decoder, joining)
+        while self._room(decoder) > 0:
+            try:
+                entry = self.inbox.get_nowait()
+            except queue.Empty:
+                break
+            if not self._consider(decoder, entry):
+                break
 
-    def _consider(self, decoder: Decoder, entry: Entry, joining: list[Entry]) -> bool:
-        """Take `entry` in (a trace job waits in `_traces` for the trace pass at the end of
-        `_fill`); False when it must wait for room in the memory budget (a job alone always runs)."""
-        if entry.seq.trace:
-            self._traces.append(entry)
-            return True
-        used = sum(c for _, c in self._active.values()) + sum(e.estimate for e in joining)
-        if (decoder.rows or joining) and self.budget and used + entry.estimate > self.budget:
+    def _consider(self, decoder: Decoder, entry: Entry) -> bool:
+        """Take `entry` in: a text longer than the decoder's chunk is fed in chunks
+        (`_feeding`), any other waits in `_waiting` for a prefill or trace pass. False when it
+        must wait for room in the memory budget (a job alone always runs)."""
+        seq = entry.seq
+        cost = self.engine.trace_cost(seq, seq.prompt_tokens) if seq.trace else entry.estimate
+        used = sum(c for _, c in self._active.values())
+        if self._active and self.budget and used + cost > self.budget:
             self._requeue(entry)
             return False
-        joining.append(entry)
+        self._active[id(seq)] = (entry, cost)
+        self._arrived[id(seq)] = next(self._counter)
+        if decoder.chunk_tokens is not None and seq.prompt_tokens > decoder.chunk_tokens:
+            self._feeding.append((entry, Feeding(seq)))
+        else:
+            self._waiting.append(entry)
         return True
 
-    def _admit(self, decoder: Decoder, joining: list[Entry]) -> None:
-        """Prefill the jobs taken in: those of similar prompt lengths in one left-padded pass (the
-        trace passes' padding and memory rules), then join the running batch."""
-        for entry in joining:
-            self._started(entry)
-        for group in self._passes(joining):
+    def _done(self, entry: Entry, outcome: Sequence | JobFailure | Exception) -> None:
+        """`entry`'s one answer; it no longer holds memory or a place."""
+        self._active.pop(id(entry.seq), None)
+        self._arrived.pop(id(entry.seq), None)
+        self._answer(entry, outcome)
+
+    def _prefill_one(self, decoder: Decoder) -> None:
+        """One unit of prefill work, for the job that arrived first: the pass of jobs waiting
+        that it belongs to (a prefill of generations, or a trace pass), or the next chunk of its
+        long text."""
+        first_waiting = min(self._waiting, key=lambda e: self._arrived[id(e.seq)], default=None)
+        if self._feeding and (
+            first_waiting is None or self._arrived[id(self._feeding[0][0].seq)] < self._arrived[id(first_waiting.seq)]
+        ):
+            self._feed(decoder)
+            return
+        assert first_waiting is not None
+        kind = first_waiting.seq.trace, decoder.wants_logits(first_waiting.seq) if first_waiting.seq.trace else False
+        alike = [
+            e for e in self._waiting if (e.seq.trace, decoder.wants_logits(e.seq) if e.seq.trace else False) == kind
+        ]
+        cap = decoder.chunk_tokens if decoder.rows else None  # beside decoding jobs: about a chunk's work
+        group = next(g for g in self._passes(alike, cap) if any(e is first_waiting for e in g))
+        self._waiting = [e for e in self._waiting if all(e is not g for g in group)]
+        for entry in group:
+            self._started(entry)  # its time limit counts from its own pass
+        if kind[0]:
+            self._trace_pass(decoder, group)
+        else:
             self._admit_group(decoder, group)
 
+    def _feed(self, decoder: Decoder) -> None:
+        """One chunk of the oldest long text; its job is answered when the text is all fed and
+        it ended (a trace, or a generation whose first token ended it) or failed; a generation
+        that goes on has joined the running batch."""
+        entry, item = self._feeding[0]
+        if item.fed == 0:
+            self._started(entry)  # its time limit counts from its first chunk
+        chunk = decoder.chunk_tokens or item.seq.prompt_tokens
+        try:
+            fed = decoder.feed(item, chunk)
+        except Exception as exc:  # a chunk's failure is its job's, never the batch's
+            if not is_oom(exc):
+                log.error("feeding a prompt failed; failing its job", exc_info=exc)
+            elif torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self._feeding.pop(0)
+            self._done(entry, OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc)
+            return
+        if not fed:
+            return
+        self._feeding.pop(0)
+        self.stats.add(*((1, 0) if item.seq.trace else (0, 1)))  # a trace pass; a generation's first token
+        if item.seq.ended is not None:
+            self._done(entry, item.seq)
+
     def _admit_group(self, decoder: Decoder, group: list[Entry]) -> None:
+        """Prefill `group` in one pass and let its jobs join the running batch; if the pass
+        fails, each job runs alone, so that only a job that fails alone fails."""
         try:
             decoder.admit_many([entry.seq for entry in group])  # all or nothing, jobs included
         except Exception as exc:  # noqa: BLE001 - a prefill's failure is its jobs', never the engine's
-            if len(group) > 1:  # each alone, so that only a job that fails alone fails
+            if len(group) > 1:
                 log.warning(
                     "a prefill of %d jobs failed (%s: %s): each runs alone", len(group), type(exc).__name__, exc
                 )
@@ -230,20 +301,18 @@ class Scheduler:
                 for entry in group:
                     self._admit_group(decoder, [entry])
                 return
-            self._answer(group[0], OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc)
+            self._done(group[0], OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc)
             return
         self.stats.add(0, len(group))  # each one's first token came from the prefill
         for entry in group:
             if entry.seq.ended is not None:
-                self._answer(entry, entry.seq)
-            else:
-                self._active[id(entry.seq)] = (entry, entry.estimate)
+                self._done(entry, entry.seq)
 
-    def _passes(self, entries: list[Entry]) -> list[list[Entry]]:
+    def _passes(self, entries: list[Entry], cap: int | None = None) -> list[list[Entry]]:
         """`entries` in passes of similar lengths: sorted, and a pass ends before padding would
         exceed TRACE_PADDING of its positions (padding is computed and thrown away: on a CPU,
-        where a batch computes no faster per position, it is pure loss) or its padded size the
-        memory budget (a job alone always runs)."""
+        where a batch computes no faster per position, it is pure loss), its padded size the
+        memory budget, or its padded positions `cap` (a job alone always runs)."""
         passes: list[list[Entry]] = []
         group: list[Entry] = []
         for entry in sorted(entries, key=lambda e: e.seq.prompt_tokens):
@@ -251,7 +320,11 @@ class Scheduler:
             cost = sum(self.engine.trace_cost(e.seq, padded) for e in [*group, entry])
             positions = padded * (len(group) + 1)
             real = padded + sum(e.seq.prompt_tokens for e in group)
-            if group and (positions - real > TRACE_PADDING * positions or (self.budget and cost > self.budget)):
+            if group and (
+                positions - real > TRACE_PADDING * positions
+                or (self.budget and cost > self.budget)
+                or (cap is not None and positions > cap)
+            ):
                 passes.append(group)
                 group = []
             group.append(entry)
@@ -264,13 +337,6 @@ class Scheduler:
             entry.started()
         except Exception:  # a callback's bug must not end the engine thread
             log.exception("announcing a job's start failed")
-
-    def _run_traces(self, decoder: Decoder, traces: list[Entry]) -> None:
-        """The trace jobs in passes of similar lengths (`_passes`)."""
-        for entry in traces:
-            self._started(entry)
-        for group in self._passes(traces):
-            self._trace_pass(decoder, group)
 
     def _trace_pass(self, decoder: Decoder, group: list[Entry]) -> None:
         """One forward pass over `group`; out of memory, it runs in halves, down to one job, which
@@ -300,11 +366,11 @@ class Scheduler:
             if not is_oom(exc):
                 log.error("a trace pass failed; failing the %d jobs in it", len(group), exc_info=exc)
             for entry in group:
-                self._answer(entry, failure)
+                self._done(entry, failure)
             return
         self.stats.add(len(group), 0)
         for entry in group:
-            self._answer(entry, entry.seq)
+            self._done(entry, entry.seq)
 
     def _requeue(self, entry: Entry) -> None:
         """Over budget: back to the head of the line."""
@@ -323,10 +389,8 @@ class Scheduler:
             failure: Exception = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc
             decoder.reset()
             for seq in live:
-                entry, _ = self._active.pop(id(seq))
-                self._answer(entry, failure)
+                self._done(self._active[id(seq)][0], failure)
             return
         self.stats.add(len(live), len(live))
         for seq in ended:
-            entry, _ = self._active.pop(id(seq))
-            self._answer(entry, seq)
+            self._done(self._active[id(seq)][0], seq)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from shared.capture_spec import job_memory, prompt_tokens_upper_bound, resolve
+from shared.capture_spec import all_logits, job_memory, prompt_tokens_upper_bound, resolve
 from shared.registry import ModelRegistry
 from shared.schemas import CaptureSpec, JobRequest
 from tests.e2e.conftest import own_stack
@@ -43,15 +43,21 @@ EVERY_MODULE = [
 # so the resident size follows the live tensors and VmHWM is the job's own peak.
 FIXED_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(64 << 10), "MALLOC_TRIM_THRESHOLD_": str(1 << 20)}
 RESIDUAL = ["model.layers.{0,10,20}", "model.norm"]
-CASES = [  # (words in the prompt, positions, modules, max_tokens)
-    (40, "all", EVERY_MODULE, 4),
-    (400, "last", EVERY_MODULE, 2),
-    (400, "generated", EVERY_MODULE, 8),
-    (1200, "last", EVERY_MODULE, 2),
-    (1200, "generated", EVERY_MODULE, 4),
-    (1200, "prompt", RESIDUAL, 2),
-    (1200, "all", EVERY_MODULE, 2),
-    (1200, None, None, 2),
+TRACE = {"mode": "trace"}
+SCORED = {"mode": "trace", "logprobs": True, "top_logprobs": 20}
+CASES = [  # (words in the prompt, positions, modules, max_tokens, other fields)
+    (40, "all", EVERY_MODULE, 4, {}),
+    (400, "last", EVERY_MODULE, 2, {}),
+    (400, "generated", EVERY_MODULE, 8, {}),
+    (1200, "last", EVERY_MODULE, 2, {}),
+    (1200, "generated", EVERY_MODULE, 4, {}),
+    (1200, "prompt", RESIDUAL, 2, {}),
+    (1200, "all", EVERY_MODULE, 2, {}),
+    (1200, None, None, 2, {}),
+    # traces: fed in chunks of ACTQ_PREFILL_CHUNK_TOKENS; log-probabilities of every position
+    (1200, "all", RESIDUAL, 0, TRACE),
+    (400, None, None, 0, SCORED),
+    (3000, "last", RESIDUAL, 0, SCORED),
 ]
 
 
@@ -85,16 +91,19 @@ def memory_stack(tmp_path_factory, live):
         yield stack, _pool_child(worker.pid)
 
 
-@pytest.mark.parametrize(("words", "positions", "modules", "max_tokens"), CASES)
-def test_a_jobs_peak_memory_stays_under_its_estimate(memory_stack, redis_client, words, positions, modules, max_tokens):
+@pytest.mark.parametrize(("words", "positions", "modules", "max_tokens", "fields"), CASES)
+def test_a_jobs_peak_memory_stays_under_its_estimate(
+    memory_stack, redis_client, words, positions, modules, max_tokens, fields
+):
     stack, child = memory_stack
     stack.wait_workers()
     capture = {"modules": modules, "positions": positions} if modules else None
     body = {
         "model": MODEL,
         "messages": [{"role": "user", "content": "count the apples: " + "apple " * words}],
-        "max_tokens": max_tokens,
         "capture": capture,
+        **({"max_tokens": max_tokens} if max_tokens else {}),  # a trace generates nothing
+        **fields,
     }
     with stack.client() as http:
         before = _status(child, "VmRSS")
@@ -109,9 +118,12 @@ def test_a_jobs_peak_memory_stays_under_its_estimate(memory_stack, redis_client,
     points = resolve(spec, info) if spec else []
     prompt_tokens = job["result"]["usage"]["prompt_tokens"]
     assert prompt_tokens_upper_bound(request, info) >= prompt_tokens  # so the API's estimate is larger still
-    estimate = job_memory(spec, points, info, prompt_tokens, max_tokens)
+    every = all_logits(request.trace, request.logprobs, [p.module for p in points], info)
+    estimate = job_memory(spec, points, info, prompt_tokens, max_tokens, every)
     growth = peak - before
-    print(f"{positions} P={prompt_tokens}: growth {growth / 1e6:.1f} MB, estimate {estimate.total / 1e6:.1f} MB")
+    print(
+        f"{positions} {fields} P={prompt_tokens}: growth {growth / 1e6:.1f} MB, estimate {estimate.total / 1e6:.1f} MB"
+    )
     assert growth <= estimate.total + SLACK, (
         f"the worker grew {growth / 1e6:.1f} MB for a job estimated at {estimate.total / 1e6:.1f} MB "
         f"(capture {estimate.capture / 1e6:.1f} MB, working {estimate.working / 1e6:.1f} MB) + {SLACK >> 20} MiB"

@@ -141,6 +141,26 @@ def test_working_memory_is_kv_cache_per_token_plus_prefill_activations():
     assert estimate(request, [], MODEL, max_tokens=7) == MemoryEstimate(0, 0)  # a worker that did not publish
 
 
+def test_a_text_fed_in_chunks_holds_one_chunk_s_activations_scores_and_logits():
+    """With `prefill_chunk_tokens` published, one pass holds at most a chunk of positions: the
+    activations and logits of a chunk, the scores of a chunk against every earlier position; the
+    KV cache still covers every token. A trace that asks for log-probabilities, or captures a
+    module generation runs at the last position only (lm_head), holds the logits of its pass
+    and the log-softmax of SCORE_ROWS of them; a generation never does."""
+    from shared.capture_spec import SCORE_ROWS, all_logits, working_bytes
+
+    model = MODEL.model_copy(
+        update={"kv_bytes_per_token": 100, "activation_bytes_per_token": 10, "attention_bytes_per_token_pair": 3}
+    )
+    chunked = model.model_copy(update={"prefill_chunk_tokens": 16})
+    assert working_bytes(chunked, 40, 5) == 100 * 45 + 10 * 16 + 3 * 16 * 40
+    assert working_bytes(chunked, 12, 5) == working_bytes(model, 12, 5) == 100 * 17 + 10 * 12 + 3 * 12 * 12
+    logits = 4 * 100 * (16 + 2 * min(16, SCORE_ROWS))
+    assert working_bytes(chunked, 40, 0, all_logits=True) == working_bytes(chunked, 40, 0) + logits
+    assert all_logits(True, True, [], MODEL) and all_logits(True, False, ["lm_head"], MODEL)
+    assert not all_logits(True, False, ["model.norm"], MODEL) and not all_logits(False, True, ["lm_head"], MODEL)
+
+
 def test_the_prompt_bound_never_exceeds_what_the_context_leaves():
     model = MODEL.model_copy(update={"max_context": 64, "kv_bytes_per_token": 1})
     request = JobRequest(model="m", messages=[{"role": "user", "content": "x" * 10_000}])

@@ -270,3 +270,59 @@ def test_jobs_prefilled_together_each_get_their_solo_result(engine):
         if req.logprobs:
             assert got.scores.tokens == want.scores.tokens and got.scores.top_ids == want.scores.top_ids
             assert max(abs(a - b) for a, b in zip(got.scores.values, want.scores.values, strict=True)) < 1e-4
+
+
+def test_long_prompts_fed_in_chunks_beside_a_running_batch_each_get_their_solo_result(engine, monkeypatch):
+    """Through the engine thread, with chunks the length of the short job's prompt: two jobs
+    whose prompts are longer (one with log-probabilities, one sampled with a seed) are fed a chunk
+    per turn while the short job decodes, then join its batch; every job equals its solo run."""
+    import threading
+
+    from worker.decoding import Decoder
+    from worker.scheduler import Entry, Scheduler
+
+    fed: list[tuple[int, int]] = []  # (positions fed before the chunk, rows decoding beside it)
+    feed = Decoder.feed
+
+    def counting(self, item, most):
+        fed.append((item.fed, len(self.rows)))
+        return feed(self, item, most)
+
+    monkeypatch.setattr(Decoder, "feed", counting)
+
+    jobs = [
+        job(QUESTIONS[0], 24),
+        job(QUESTIONS[1], 10, logprobs=True, top_logprobs=2),
+        job(QUESTIONS[4], 8, {**CAPTURE, "positions": "prompt"}, temperature=0.8, seed=5),
+    ]
+    outcomes: dict[int, object] = {}
+    finished = threading.Event()
+
+    def entry(i: int) -> Entry:
+        def done(outcome) -> None:
+            outcomes[i] = outcome
+            if len(outcomes) == len(jobs):
+                finished.set()
+
+        return Entry(seq=prepare(engine, *jobs[i]), done=done)
+
+    entries = [entry(i) for i in range(len(jobs))]
+    chunk = entries[0].seq.prompt_tokens
+    assert all(e.seq.prompt_tokens > chunk for e in entries[1:])
+    scheduler = Scheduler(engine, max_batch=4, wait_s=0.0, chunk_tokens=chunk)
+    scheduler.submit(entries[0])
+    scheduler.start()
+    try:
+        for e in entries[1:]:
+            scheduler.submit(e)
+        assert finished.wait(120)
+    finally:
+        scheduler.stop()
+    expected = sum(-(-e.seq.prompt_tokens // chunk) for e in entries[1:])
+    assert len(fed) == expected and all(rows >= 1 for _, rows in fed)  # the short job decoded beside
+    for i, (req, n) in enumerate(jobs):
+        got, want = engine.finish(outcomes[i], req), solo(engine, req, n)
+        assert_same(got, want, f"job {i}")
+        if req.logprobs:
+            assert got.scores.top_ids == want.scores.top_ids
+            assert max(abs(a - b) for a, b in zip(got.scores.values, want.scores.values, strict=True)) < 1e-4

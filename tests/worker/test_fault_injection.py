@@ -1,5 +1,6 @@
 """Failure atomicity of the engine, by injection: a tiny random model runs a batch (jobs joining
-together and apart, leaving at different steps, a trace pass beside them), and a torch function
+together and apart, leaving at different steps, a trace pass beside them, a long prompt fed in
+chunks between steps), and a torch function
 mode makes the k-th tensor operation of the scheduler's turn fail, for every k in turn, out of
 memory and otherwise. The model's whole forward pass counts as one operation (it fails at its
 start); inside it, the capture hooks' own failures are the job's (tested in test_capture.py).
@@ -28,6 +29,8 @@ JOBS = [  # (question, max_tokens, fields): joins together, leaves at different 
     ("Name three colours.", 18, {"logprobs": True, "top_logprobs": 2}),  # past STAGED_STEPS
     ("Count to five.", 4, {"temperature": 0.8, "seed": 7}),
     ("Write a haiku.", 0, {"mode": "trace", "logprobs": True}),
+    # longer than the others: fed in chunks (the chunk is the longest of the others' prompts)
+    ("Natalia sold clips to 48 of her friends in April, and half as many in May. How many?", 3, {}),
 ]
 
 
@@ -107,13 +110,27 @@ def alone(engine, requests):
     return [solo(engine, req, n) for req, n in requests]
 
 
+@pytest.fixture(autouse=True)
+def steady_clock(monkeypatch):
+    """The scheduler's fair share times prefill work against decoding steps; a clock that ticks
+    once per reading makes the order of operations the same in every run (one unit each way)."""
+    import itertools
+
+    import worker.scheduler
+
+    monkeypatch.setattr(worker.scheduler, "clock", itertools.count().__next__)
+
+
 def run(engine, requests, mode: FailAt | None) -> tuple[Answers, Scheduler, object]:
     answers = Answers()
-    scheduler = Scheduler(engine, max_batch=4)
-    for i, (req, n) in enumerate(requests):
-        scheduler.submit(answers.entry(i, prepare(engine, req, n)))
+    scheduler = Scheduler(engine, max_batch=5)
+    seqs = [prepare(engine, req, n) for req, n in requests]
+    for i, seq in enumerate(seqs):
+        scheduler.submit(answers.entry(i, seq))
     with torch.inference_mode():
         decoder = engine.decoder()
+        decoder.chunk_tokens = max(seq.prompt_tokens for seq in seqs[:-1])
+        assert seqs[-1].prompt_tokens > decoder.chunk_tokens
         try:
             for _ in range(50):
                 if len(answers.got) == len(requests) and not decoder.rows:
@@ -160,7 +177,7 @@ def test_any_operation_failing_once_leaves_every_job_one_answer_of_its_own(engin
         where = f"failure injected at operation {at} of {total}"
         assert sorted(answers.got) == [*range(len(requests)), 99], where
         assert all(len(a) == 1 for a in answers.got.values()), where  # exactly one answer each
-        assert not scheduler._active and not decoder.rows, where
+        assert not scheduler._active and not scheduler._feeding and not decoder.rows, where
         for index, [answer] in answers.got.items():
             req, n = requests[0] if index == 99 else requests[index]
             want = alone[0] if index == 99 else alone[index]

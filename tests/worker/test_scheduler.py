@@ -25,7 +25,7 @@ class FakeSeq:
     generated: list[int] = field(default_factory=list)
     ended: str | None = None
     capture: None = None
-    scores: None = None
+    scores: object = None
 
     @property
     def trace(self) -> bool:
@@ -41,9 +41,11 @@ class FakeBatch:
     (out of the batch), `trace` ends every sequence it ran; `fail_at` maps a call's number (prefill,
     step and trace calls counted together) to the exception that call raises."""
 
-    def __init__(self, fail_at: dict[int, BaseException] | None = None) -> None:
+    def __init__(self, fail_at: dict[int, BaseException] | None = None, chunk_tokens: int | None = None) -> None:
         self.rows: list[FakeSeq] = []
         self.most_rows: int | None = None
+        self.chunk_tokens = chunk_tokens
+        self.log: list[str] = []  # "chunk" / "step" / "prefill" / "trace", in order
         self.fail_at = fail_at or {}
         self.calls = 0
         self.largest = 0
@@ -56,17 +58,40 @@ class FakeBatch:
 
     def admit_many(self, seqs: list[FakeSeq]) -> None:
         self._maybe_fail()  # before any change: all or nothing
+        self.log.append("prefill")
         self.prefills.append(len(seqs))
         for seq in seqs:
-            seq.generated.append(1)
-            if len(seq.generated) >= seq.max_tokens:
-                seq.ended = "length"
-                continue
-            self.rows.append(seq)
+            self._first_token(seq)
         self.largest = max(self.largest, len(self.rows))
+
+    def _first_token(self, seq: FakeSeq) -> None:
+        seq.generated.append(1)
+        if len(seq.generated) >= seq.max_tokens:
+            seq.ended = "length"
+        else:
+            self.rows.append(seq)
+
+    def feed(self, item, most: int) -> bool:
+        """One chunk of a long prompt: True once it is all fed (a trace ended, a generation joined)."""
+        self._maybe_fail()
+        self.log.append("chunk")
+        assert most == self.chunk_tokens
+        item.fed = min(item.seq.prompt_tokens, item.fed + most)
+        if item.fed < item.seq.prompt_tokens:
+            return False
+        if item.seq.trace:
+            item.seq.ended = "trace"
+        else:
+            self._first_token(item.seq)
+            self.largest = max(self.largest, len(self.rows))
+        return True
+
+    def wants_logits(self, seq: FakeSeq) -> bool:
+        return seq.scores is not None
 
     def step(self) -> list[FakeSeq]:
         self._maybe_fail()
+        self.log.append("step")
         for row in self.rows:
             row.generated.append(1)
             if len(row.generated) >= row.max_tokens:
@@ -77,6 +102,7 @@ class FakeBatch:
 
     def trace(self, seqs: list[FakeSeq]) -> None:
         self._maybe_fail()
+        self.log.append("trace")
         if len(seqs) > 1 and any(s.prompt_tokens > 1000 for s in seqs):
             raise torch.OutOfMemoryError("a pass of long traces does not fit (fake)")
         for seq in seqs:
@@ -140,7 +166,7 @@ def test_every_job_gets_exactly_one_answer_whatever_fails(seed: int) -> None:
     jobs = random_jobs(rng, rng.randint(1, 12))
     kinds = [lambda: Injected("injected"), lambda: torch.OutOfMemoryError("injected out of memory")]
     fail_at = {rng.randint(1, 30): rng.choice(kinds)() for _ in range(rng.randint(0, 4))}
-    batch = FakeBatch(fail_at)
+    batch = FakeBatch(fail_at, chunk_tokens=rng.choice([None, 512]))  # 2,000-token prompts: in 4 chunks
     scheduler = Scheduler(FakeEngine(batch), max_batch=rng.choice([1, 3, 8]))  # type: ignore[arg-type]
     for entry in entries(jobs):
         scheduler.submit(entry)
@@ -300,3 +326,94 @@ def test_a_failed_prefill_of_several_runs_each_alone_and_only_the_one_that_fails
     assert jobs[0].answers == [jobs[0].seq] and jobs[2].answers == [jobs[2].seq]
     assert isinstance(jobs[1].answers[0], Injected)
     assert all(job.starts == 1 for job in jobs)
+
+
+def test_a_long_prompt_is_fed_in_chunks_between_the_running_batch_s_steps() -> None:
+    batch = FakeBatch(chunk_tokens=100)
+    running = [Job(FakeSeq(10, 200))]  # decodes until after the last chunk
+    scheduler = Scheduler(FakeEngine(batch), max_batch=4)  # type: ignore[arg-type]
+    for entry in entries(running):
+        scheduler.submit(entry)
+    scheduler.tick(batch)  # type: ignore[arg-type]  # the short job prefills and steps
+    long = [Job(FakeSeq(450, 0)), Job(FakeSeq(250, 5))]  # a trace in 5 chunks, a generation in 3
+    for entry in entries(long):
+        scheduler.submit(entry)
+    run(scheduler, batch, [*running, *long])
+    assert all(job.answers == [job.seq] for job in [*running, *long])
+    # never two chunks without a decoding step between them while the short job runs
+    assert "chunk,chunk" not in ",".join(batch.log)
+    assert batch.log.count("chunk") == 5 + 3
+    assert all(job.starts == 1 for job in long) and "trace" not in batch.log
+
+
+def test_jobs_in_chunks_count_against_the_batch_and_fail_alone() -> None:
+    batch = FakeBatch(chunk_tokens=100)
+    feed, chunks = batch.feed, [0]
+
+    def failing(item, most: int) -> bool:
+        chunks[0] += 1
+        if chunks[0] == 2:
+            raise Injected("the second chunk")
+        return feed(item, most)
+
+    batch.feed = failing  # type: ignore[method-assign]
+    jobs = [Job(FakeSeq(10, 20)), Job(FakeSeq(300, 4)), Job(FakeSeq(10, 3))]
+    scheduler = Scheduler(FakeEngine(batch), max_batch=2, wait_s=0.05)  # type: ignore[arg-type]
+    for entry in entries(jobs):
+        scheduler.submit(entry)
+    run(scheduler, batch, jobs)
+    assert isinstance(jobs[1].answers[0], Injected)  # the long one failed at its second chunk
+    assert jobs[0].answers == [jobs[0].seq] and jobs[2].answers == [jobs[2].seq]
+    assert batch.largest <= 2 and not scheduler._active and not scheduler._feeding
+
+
+def test_traces_that_need_every_logit_never_share_a_pass_with_those_that_do_not() -> None:
+    batch = FakeBatch()
+    scored = [Job(FakeSeq(100, 0, scores=object())) for _ in range(2)]  # type: ignore[arg-type]
+    plain = [Job(FakeSeq(100, 0)) for _ in range(3)]
+    scheduler = Scheduler(FakeEngine(batch), max_batch=8, wait_s=0.05)  # type: ignore[arg-type]
+    seen: list[list[bool]] = []
+    original = batch.trace
+
+    def trace(seqs: list[FakeSeq]) -> None:
+        seen.append([s.scores is not None for s in seqs])
+        original(seqs)
+
+    batch.trace = trace  # type: ignore[method-assign]
+    for entry in entries([*scored, *plain]):
+        scheduler.submit(entry)
+    run(scheduler, batch, [*scored, *plain])
+    assert sorted(seen) == [[False] * 3, [True] * 2]
+
+
+def test_beside_decoding_jobs_prefill_work_gets_about_half_the_time(monkeypatch) -> None:
+    """A chunk that takes as long as ten decoding steps is followed by ten steps: the running
+    batch is owed the time the chunk took (timed with a fake clock the fake batch advances)."""
+    import worker.scheduler as scheduler_module
+
+    now = [0.0]
+    monkeypatch.setattr(scheduler_module, "clock", lambda: now[0])
+    batch = FakeBatch(chunk_tokens=100)
+    feed, step = batch.feed, batch.step
+
+    def slow_feed(item, most: int) -> bool:
+        now[0] += 10.0
+        return feed(item, most)
+
+    def quick_step() -> list[FakeSeq]:
+        now[0] += 1.0
+        return step()
+
+    batch.feed, batch.step = slow_feed, quick_step  # type: ignore[method-assign]
+    running = [Job(FakeSeq(10, 60))]
+    scheduler = Scheduler(FakeEngine(batch), max_batch=4)  # type: ignore[arg-type]
+    for entry in entries(running):
+        scheduler.submit(entry)
+    scheduler.tick(batch)  # type: ignore[arg-type]
+    long = [Job(FakeSeq(400, 0))]  # four chunks
+    for entry in entries(long):
+        scheduler.submit(entry)
+    run(scheduler, batch, [*running, *long])
+    order = ",".join(batch.log)
+    assert "chunk," + ",".join(["step"] * 10) + ",chunk" in order
+    assert ",".join(["step"] * 11) + ",chunk" not in order  # and not more than its share

@@ -316,3 +316,47 @@ def test_trace_passes_of_other_layouts_equal_their_solo_runs(key, tmp_path, smol
         diff = (torch.tensor(got.scores.values[1:]) - torch.tensor(alone.scores.values[1:])).abs().max()
         assert float(diff) <= RELATIVE_TOLERANCE, (key, i)
     assert len(lengths) == 2  # the shorter text was padded
+
+
+@pytest.mark.parametrize("chunk", [5, 16])
+def test_a_trace_fed_in_chunks_equals_one_plain_forward_pass(engine, chunk):
+    """A long trace runs in chunks between decoding steps (Decoder.feed): every position's
+    activations, the vocabulary projection at the completion's positions, and the
+    log-probabilities equal the reference's plain `model(input_ids)` within float rounding
+    (attention over a cache adds in another order), and the positions line up across chunks."""
+    from worker.decoding import Feeding
+
+    messages = CONVERSATIONS[1]
+    jobs = [
+        trace_request(messages, {"modules": POINTS, "positions": "all"}, logprobs=True, top_logprobs=3),
+        trace_request(messages, {"modules": ["lm_head", "model.layers.1"], "positions": "completion"}),
+    ]
+    ids = template(engine, messages, generation_prompt=False)
+    modules = [p.module for p in resolve(jobs[0].capture, engine.info)] + ["lm_head", "model.layers.1"]
+    rows, logits = hooked_forward(engine.hf, torch.tensor([ids]), modules)
+    for req in jobs:
+        seq = engine.prepare(req, resolve(req.capture, engine.info), 0)
+        chunks = 0
+        with torch.inference_mode():
+            decoder = engine.decoder()
+            try:
+                item = Feeding(seq)
+                while not decoder.feed(item, chunk):
+                    chunks += 1
+            finally:
+                decoder.close()
+        assert chunks == (len(ids) - 1) // chunk and seq.ended == "trace"
+        got = engine.finish(seq, req)
+        for captured in got.captured:
+            want = rows[captured.point.module][captured.start : captured.stop]
+            assert captured.tensor.shape == want.shape, captured.point.name
+            assert relative(captured.tensor, want) <= RELATIVE_TOLERANCE, captured.point.name
+        if req.logprobs:
+            values, top_values, top_ids = reference_logprobs(logits, torch.tensor(ids), first=1, k=3)
+            assert got.scores.tokens == ids and got.scores.values[0] is None
+            assert torch.allclose(torch.tensor(got.scores.values[1:]), values, atol=1e-4, rtol=0)
+            assert torch.allclose(torch.tensor(got.scores.top_values[1:]), top_values, atol=1e-4, rtol=0)
+            assert torch.equal(torch.tensor(got.scores.top_ids[1:]), top_ids)
+        else:
+            assert {c.point.module for c in got.captured} == {"lm_head", "model.layers.1"}
+            assert all((c.start, c.stop) == got.completion for c in got.captured)
