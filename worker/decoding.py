@@ -445,9 +445,9 @@ class Decoder:
         tokens = [row.generated[-1] if row.generated else self.pad_id for row in self.rows]
         device = self.ids.device
         try:
-            ids = torch.cat([self.ids, torch.tensor(tokens, dtype=self.ids.dtype, device=device)[:, None]], 1)
-            mask = torch.cat([self.mask, self.mask.new_ones(len(self.rows), 1)], 1)
-            pos = torch.cat([self.pos, self.pos[:, -1:] + 1], 1)
+            ids = append_column(self.ids, torch.tensor(tokens, dtype=self.ids.dtype, device=device))
+            mask = append_column(self.mask, 1)
+            pos = append_column(self.pos, self.pos[:, -1] + 1)
         except Exception as exc:  # noqa: BLE001 - rows that ended keep their results; the others cannot go on
             failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else _unexpected(exc)
             for row in self.rows:
@@ -655,6 +655,26 @@ class _Undo:
             seq.sampler.generator.set_state(self.generator)
         seq.generated.clear()
         seq.ended = seq.stopped_by = seq.failure = None
+
+
+COLUMN_ROOM = 64  # spare columns allocated with the batch's ids, mask and positions
+
+
+def append_column(view: torch.Tensor, column: torch.Tensor | int) -> torch.Tensor:
+    """`view` `[B, L]` with one more column: written into spare room of its storage when it has
+    some (a view of a wider allocation: no copy of the L columns, no allocation), else into a
+    new allocation with COLUMN_ROOM spare columns. What `view` shows never changes."""
+    rows, width = view.shape
+    stride = view.stride(0)
+    last = view.storage_offset() + (rows - 1) * stride + width  # the element the new column ends at
+    room = rows and width and view.stride(1) == 1 and view.storage_offset() % stride + width < stride
+    if room and view.untyped_storage().nbytes() > last * view.element_size():
+        grown = view.as_strided((rows, width + 1), view.stride())
+    else:
+        grown = view.new_empty((rows, width + COLUMN_ROOM))[:, : width + 1]
+        grown[:, :width] = view
+    grown[:, width] = column
+    return grown
 
 
 @dataclass(eq=False)
