@@ -7,7 +7,7 @@ synchronisations (reads of a tensor's values into Python: `.item()`, `int(t)`, `
 `.tolist()`; on a GPU each waits for the device), the copies (`aten::copy_`), the gathers of
 captured rows out of the model's values (`aten::index_select`: one per captured (module, hook)
 per step, each followed on a GPU by one non-blocking copy to the host) and all operator calls.
-Times are means over `--steps` steps (captured rows reach the jobs every 16 steps), `generate`'s
+Times are means over `--steps` steps (captured rows reach the jobs every 32 steps), `generate`'s
 as (N tokens - 1 token) / (N - 1). Counts come from the torch profiler, host reads from a torch
 function mode.
 
@@ -191,7 +191,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--points", type=int, nargs="+", default=[0, 6, 60])
-    parser.add_argument("--steps", type=int, default=32, help="a multiple of 16")
+    parser.add_argument(
+        "--steps", type=int, default=64, help="a multiple of 32 (captured rows reach the jobs every 32 steps)"
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--hidden", type=int, default=64)

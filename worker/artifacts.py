@@ -98,7 +98,7 @@ def write_activations(
     )
     document = {"job_id": job_id, "model": model, "metadata": metadata, **manifest.model_dump(exclude_none=True)}
     try:
-        store.put_bytes(manifest_key(job_id), json.dumps(document, indent=2).encode())
+        store.put_bytes(manifest_key(job_id), json.dumps(document).encode())  # indent would be the slow encoder
     except StorageError:  # remove the file that has no manifest (the job fails with the first error)
         try:
             store.delete_prefix(job_prefix(job_id))

@@ -18,8 +18,9 @@ last position, like `lm_head` in generate). See engine.py for what each `positio
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -63,7 +64,7 @@ def rows_of(value: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-STAGED_STEPS = 16  # decoding steps staged per (module, hook) before they are handed to the jobs
+STAGED_STEPS = 32  # decoding steps staged per (module, hook) before they are handed to the jobs
 RING_BYTES = 8 << 20  # and at most this much of them (a wide module, lm_head, stages fewer steps)
 PROBE_POSITIONS = 7  # the describe run's prompt length: unlike any head count or small width
 PROBE_STEPS = 2
@@ -184,6 +185,16 @@ def capacity(positions: str, prompt_tokens: int, max_tokens: int, completion: tu
     return hi - lo
 
 
+class Mark:
+    """A point to go back to in a job's capture (`JobCapture.mark`): the buffers' state, saved
+    at the first change after the mark (None: nothing changed since)."""
+
+    __slots__ = ("saved",)
+
+    def __init__(self) -> None:
+        self.saved: list[tuple] | None = None
+
+
 class JobCapture:
     """One job's kept rows: a buffer per capture point, filled by `keep` with the rows of this job's
     sequence at each forward step (on the CPU, in the capture dtype; `copy_` casts and moves in one
@@ -216,6 +227,7 @@ class JobCapture:
         # A prompt fed in chunks (Decoder.feed): the pass now running feeds positions
         # [chunk[0], chunk[0] + chunk[1]); its last chunk ends the prompt's step.
         self.chunk: tuple[int, int] | None = None
+        self._mark: Mark | None = None  # the latest `mark`
         self.dtype, self.reduce, self.completion = dtype, reduce, completion
         # positions "last" is one row: every reduction of it is that row, replaced at each step
         self._fold_kind = "last" if positions == "last" else reduce
@@ -236,23 +248,39 @@ class JobCapture:
             self.buffers.append(buffer)
             self.wanted.setdefault((point.module, point.hook), []).append(buffer)
 
-    def mark(self) -> list[tuple]:
-        """Where every buffer stands, to undo a forward pass that failed half-way (`reset`)."""
-        # no copy of `acc`: folding makes a new tensor and never writes into the old one
-        return [(b.steps, b.first, b.count, b.acc) for b in self.buffers]
+    def mark(self) -> Mark:
+        """Where every buffer stands, to undo a forward pass that failed half-way (`reset`). Free
+        until a buffer changes: the state is saved then, once (a decoding step's rows go to the
+        staging rings, so most steps change nothing)."""
+        if self._mark is None or self._mark.saved is not None:
+            self._mark = Mark()
+        return self._mark
 
-    def reset(self, mark: list[tuple]) -> None:
-        for buffer, (steps, first, count, acc) in zip(self.buffers, mark, strict=True):
+    def reset(self, mark: Mark) -> None:
+        """Back to where `mark` was taken (nothing to do when nothing changed since)."""
+        if mark.saved is None:
+            return
+        for buffer, (steps, first, count, acc) in zip(self.buffers, mark.saved, strict=True):
             buffer.steps, buffer.first, buffer.count, buffer.acc = steps, first, count, acc
+        self._mark = mark
+
+    def _changing(self) -> None:
+        """Before a buffer changes: the state at the current mark, saved the first time."""
+        mark = self._mark
+        if mark is not None and mark.saved is None:
+            # no copy of `acc`: folding makes a new tensor and never writes into the old one
+            mark.saved = [(b.steps, b.first, b.count, b.acc) for b in self.buffers]
 
     def keep(self, key: tuple[str, str], rows: torch.Tensor | None) -> None:
         """This job's value of one module at one step, as `[S, W]` rows (None: not rows at all)."""
+        self._changing()
         for buffer in self.wanted.get(key, ()):
             self._keep(buffer, rows)
 
     def keep_steps(self, key: tuple[str, str], rows: torch.Tensor) -> None:
         """This job's values of one module at `len(rows)` consecutive decoding steps (one position
         each), as `[steps, W]`: what `keep` does for each step, in one copy."""
+        self._changing()
         for buffer in self.wanted.get(key, ()):
             self._keep_steps(buffer, rows)
 
@@ -355,6 +383,19 @@ class JobCapture:
         return out
 
 
+def _refs(rows: list[JobCapture | None]) -> tuple[weakref.ref | None, ...]:
+    """A batch remembered without keeping its captures alive (a finished job's buffers are freed)."""
+    return tuple(None if capture is None else weakref.ref(capture) for capture in rows)
+
+
+def _same(refs: tuple[weakref.ref | None, ...], rows: list[JobCapture | None]) -> bool:
+    """Whether `rows` is the batch `refs` remembers: the same objects (never only the same ids,
+    which a new capture may reuse), in the same order."""
+    return len(refs) == len(rows) and all(
+        capture is None if ref is None else ref() is capture for ref, capture in zip(refs, rows, strict=True)
+    )
+
+
 def split_rows(value: torch.Tensor | None, batch: int) -> list[torch.Tensor | None]:
     """A module's value for a batch of `batch` sequences, as each sequence's `[S, W]` rows:
     `[B, S, H]` and `[B, S, heads, D]` split on the batch dim; a 2-D `[B * S, H]` (OPT's MLP and
@@ -399,8 +440,10 @@ class BatchHooks:
     grow with the batch: per (module, hook), one gather of the rows the batch keeps into a slot of
     its staging ring (host memory, pinned on a GPU, written `non_blocking`), synchronised once after
     the forward pass (`flush`). A ring holds up to STAGED_STEPS steps and at most RING_BYTES; its
-    rows are handed to the jobs when it is full, when the batch changes or when a job ends (`drain`):
-    one copy per job and point for all those steps.
+    rows are handed to the jobs when it is full, when a job ends or the batch otherwise changes
+    (`drain`): one copy per job and point for all those steps. Jobs that join at the end of the
+    batch become more targets of the same rings (room for twice the rows is allocated), so a join
+    hands nothing over.
 
     Use as a context manager around the decoding of one batch (hooks are removed on exit)."""
 
@@ -412,9 +455,10 @@ class BatchHooks:
         self.decoding = False
         self._handles: dict[tuple[str, str], object] = {}
         self._rings: dict[tuple[str, str], _Ring] = {}  # (module, hook) -> its staged steps
-        self._rings_for: tuple[int, ...] = ()  # the batch the rings were built for
-        self._pending_rows: list[JobCapture | None] = []  # the batch whose steps the rings hold
+        self._rings_for: tuple[weakref.ref | None, ...] = ()  # the batch the rings were built for
         self._written: list[tuple[str, str]] = []  # rings this pass wrote a slot of
+        self._wanted: set[tuple[str, str]] = set()  # what the batch of `_wanted_for` captures
+        self._wanted_for: tuple[weakref.ref | None, ...] = ()
 
     def __enter__(self) -> BatchHooks:
         return self
@@ -432,7 +476,10 @@ class BatchHooks:
         self.rows, self.lengths, self.decoding = rows, lengths, decoding
         self.failures = {}
         self._written = []
-        wanted = {key for capture in rows if capture is not None for key in capture.wanted}
+        if not _same(self._wanted_for, rows):  # the same batch as the last pass (most steps): the same keys
+            self._wanted = {key for capture in rows if capture is not None for key in capture.wanted}
+            self._wanted_for = _refs(rows)
+        wanted = self._wanted
         for key in list(self._handles):
             if key not in wanted:
                 self._handles.pop(key).remove()  # type: ignore[attr-defined]
@@ -459,26 +506,74 @@ class BatchHooks:
         (so that a job's buffers hold every step before anyone marks or resets them, and before
         a decoding pass of another batch rebuilds the rings). A pass that is not a decoding step
         and concerns none of those jobs (a prompt chunk of a job that joins later) leaves them
-        staged."""
+        staged. The staged steps belong to the rings' batch (`_rings_for`)."""
         if not any(r.count for r in self._rings.values()):
             return
-        pending = [id(c) for c in self._pending_rows]
-        if [id(c) for c in rows] == pending:
-            return
-        if decoding or any(id(c) in pending for c in rows if c is not None):
+        known = len(self._rings_for)
+        if _same(self._rings_for, rows[:known]) and (len(rows) == known or (decoding and self._room_for(rows[known:]))):
+            return  # the same batch, or jobs joined at its end: the staged rows stay where they are
+        staged = [ref() for ref in self._rings_for if ref is not None]
+        if decoding or any(c is not None and any(c is s for s in staged) for c in rows):
             self.drain()
 
+    def _room_for(self, joined: list[JobCapture | None]) -> bool:
+        """Whether every ring has room for the rows of jobs that joined (`_extend`)."""
+        for key, ring in self._rings.items():
+            if ring.buffer is not None:
+                more = sum(1 for c in joined if c is not None and key in c.wanted)
+                if len(ring.targets) + more > ring.buffer.shape[1]:
+                    return False
+        return True
+
     def _plan(self, wanted: set[tuple[str, str]]) -> None:
-        """Which rows keep each (module, hook), as a device index; rebuilt when the batch changes."""
-        batch = tuple(id(capture) for capture in self.rows)
-        if batch == self._rings_for and wanted == self._rings.keys():
+        """Which rows keep each (module, hook), as a device index; rebuilt when the batch changes,
+        extended when jobs joined at its end. All or nothing: the new rings are built first."""
+        known = len(self._rings_for)
+        if known and _same(self._rings_for, self.rows[:known]):  # the same batch, maybe with jobs joined
+            if known == len(self.rows) and wanted == self._rings.keys():
+                return
+            self._extend(wanted, known)
             return
         device = next(self.model.parameters()).device
-        self._rings = {}
+        rings = {}
         for key in wanted:
             rows = [b for b, capture in enumerate(self.rows) if capture is not None and key in capture.wanted]
-            self._rings[key] = _Ring(rows, torch.tensor(rows, dtype=torch.long, device=device))
-        self._rings_for = batch
+            rings[key] = _Ring(rows, torch.tensor(rows, dtype=torch.long, device=device))
+        self._rings, self._rings_for = rings, _refs(self.rows)
+
+    def _extend(self, wanted: set[tuple[str, str]], known: int) -> None:
+        """Jobs joined at the end of the batch: their rows become new targets of the rings (their
+        staged steps start at the next slot), so a join hands nothing over. The new indices are
+        built before anything changes (a failure leaves the rings as they were). (`settle`, which
+        runs before a pass marks its jobs' captures, has already handed a ring without room for
+        them to its jobs; the drains here are a fallback that then finds nothing staged.)"""
+        device = next(self.model.parameters()).device
+        plans: list[tuple[tuple[str, str], _Ring | None, list[int], torch.Tensor]] = []
+        for key in wanted:
+            ring = self._rings.get(key)
+            if ring is None:
+                rows = [b for b, capture in enumerate(self.rows) if capture is not None and key in capture.wanted]
+                plans.append((key, None, rows, torch.tensor(rows, dtype=torch.long, device=device)))
+                continue
+            joined = [b for b in range(known, len(self.rows)) if (c := self.rows[b]) is not None and key in c.wanted]
+            if joined:
+                targets = ring.targets + joined
+                plans.append((key, ring, joined, torch.tensor(targets, dtype=torch.long, device=device)))
+        for key, ring, rows, where in plans:  # nothing below allocates on the device or raises
+            if ring is None:
+                self._rings[key] = _Ring(rows, where)
+                continue
+            if ring.buffer is not None and len(ring.targets) + len(rows) > ring.buffer.shape[1]:
+                if ring.count:
+                    self._drain_ring(key, ring, {})
+                ring.buffer = None
+            ring.since = ring.since + [ring.count] * len(rows)
+            ring.targets, ring.where = ring.targets + rows, where
+        for key in [k for k in self._rings if k not in wanted]:
+            ring = self._rings.pop(key)
+            if ring.count:
+                self._drain_ring(key, ring, {})
+        self._rings_for = _refs(self.rows)
 
     def _dispatch(self, key: tuple[str, str], value: torch.Tensor | None) -> None:
         if self.decoding:
@@ -505,34 +600,77 @@ class BatchHooks:
             return
         if torch.cuda.is_available() and any(self._rings[key].pinned for key in written):
             torch.cuda.current_stream().synchronize()
-        self._pending_rows = self.rows
         for key in written:
             ring = self._rings[key]
             ring.count += 1
             if ring.full:
                 self._drain_ring(key, ring, {})
 
-    def drain(self) -> dict[int, JobFailure]:
-        """Hand every staged step to its job; returns the failures (by id of the job's capture)
-        of those whose rows did not fit, also recorded in `failures` for the current batch."""
+    def drain(
+        self, only: set[int] | None = None, batch: list[JobCapture | None] | None = None
+    ) -> dict[int, JobFailure]:
+        """Hand every staged step to its job (`only`: to the jobs of those rows of `batch`, the
+        running batch, whose steps the rings then forget, the others' staying staged; when the
+        rings hold another batch's steps, everything); returns the failures (by id of the job's
+        capture) of those whose rows did not fit, also recorded in `failures` for the current
+        batch."""
+        if only is not None and not _same(self._rings_for, batch or []):
+            only = None
         failed: dict[int, JobFailure] = {}
         for key, ring in self._rings.items():
             if ring.count:
-                self._drain_ring(key, ring, failed)
+                self._drain_ring(key, ring, failed, only)
         for index, capture in enumerate(self.rows):
             if capture is not None and id(capture) in failed:
                 self.failures.setdefault(index, failed[id(capture)])
         return failed
 
-    def _drain_ring(self, key: tuple[str, str], ring: _Ring, failed: dict[int, JobFailure]) -> None:
+    def compact(self, batch: list[JobCapture | None], keep: list[int]) -> None:
+        """The running batch (its captures `batch`) becomes its rows `keep`, in that order (the
+        others' steps were drained): the staged steps of the rows kept move with them, one copy
+        per ring instead of one per job and point. All or nothing: on failure nothing changed."""
+        same = _same(self._rings_for, batch)
+        if not same or not any(ring.count for ring in self._rings.values()):
+            self.drain()  # staged steps of another batch (halves after running out of memory), or none
+            self._rings, self._rings_for, self._wanted_for = {}, (), ()
+            return
+        position = {old: new for new, old in enumerate(keep)}
+        device = next(self.model.parameters()).device
+        plans = []
+        for ring in self._rings.values():  # every new state first: allocation may fail
+            kept = [at for at, index in enumerate(ring.targets) if index in position]
+            targets = [position[ring.targets[at]] for at in kept]
+            old = buffer = ring.buffer
+            if old is not None and ring.count and kept != list(range(len(kept))):
+                buffer = torch.empty(old.shape, dtype=old.dtype, pin_memory=ring.pinned)
+                buffer[: ring.count, : len(kept)] = old[: ring.count, kept]
+            plans.append((ring, kept, targets, buffer, torch.tensor(targets, dtype=torch.long, device=device)))
+        for ring, kept, targets, buffer, where in plans:  # then only assignments: nothing can fail
+            ring.since = [ring.since[at] for at in kept]
+            ring.targets, ring.where, ring.buffer = targets, where, buffer
+        self.rows = [batch[i] for i in keep]
+        self._rings_for, self._wanted_for = _refs(self.rows), ()
+
+    def _drain_ring(
+        self, key: tuple[str, str], ring: _Ring, failed: dict[int, JobFailure], only: set[int] | None = None
+    ) -> None:
         """Never raises: a job that cannot take its rows fails (its capture's `failure`)."""
-        block, ring.count = ring.steps(), 0
+        block, since = ring.steps(), list(ring.since)
+        if only is None:
+            ring.count, ring.since = 0, [0] * len(ring.targets)
         for at, index in enumerate(ring.targets):
-            capture = self._pending_rows[index]
+            if only is not None:
+                if index not in only:
+                    continue
+                ring.since[at] = ring.count  # handed over: later drains skip these steps
+            ref = self._rings_for[index] if index < len(self._rings_for) else None
+            if since[at] >= block.shape[0] or ref is None:
+                continue  # nothing staged for it (a row that joined after these steps), or no capture
+            capture = ref()
             if capture is None or capture.failure is not None:
                 continue
             try:
-                capture.keep_steps(key, block[:, at])
+                capture.keep_steps(key, block[since[at] :, at])
             except Exception as exc:  # noqa: BLE001 - that job's failure, never the batch's
                 capture.failure = failed[id(capture)] = _failure(exc)
                 if capture in self.rows:
@@ -541,7 +679,7 @@ class BatchHooks:
     def discard(self) -> None:
         """Forget staged steps (their batch was failed as a whole)."""
         for ring in self._rings.values():
-            ring.count = 0
+            ring.count, ring.since = 0, [0] * len(ring.targets)
         self._written = []
 
 
@@ -552,8 +690,12 @@ class _Ring:
 
     targets: list[int]  # batch rows that keep this (module, hook)
     where: torch.Tensor  # the same, as an index on the model's device
-    buffer: torch.Tensor | None = None
+    buffer: torch.Tensor | None = None  # [slots, room for targets, W]
     count: int = 0
+    since: list[int] = field(default_factory=list)  # per target: its first staged slot (joined later)
+
+    def __post_init__(self) -> None:
+        self.since = self.since or [0] * len(self.targets)
 
     @property
     def full(self) -> bool:
@@ -567,11 +709,13 @@ class _Ring:
         """Gather this step's kept rows of `rows` `[B, W]` into the next slot."""
         width, item = int(rows.shape[1]), rows.element_size()
         if self.buffer is None or self.buffer.shape[2] != width or self.buffer.dtype != rows.dtype:
-            slots = max(1, min(STAGED_STEPS, RING_BYTES // max(1, len(self.targets) * width * item)))
+            room = 2 * len(self.targets)  # jobs that join later become targets without a new ring
+            slots = max(1, min(STAGED_STEPS, RING_BYTES // max(1, room * width * item)))
             cuda = rows.device.type == "cuda"
-            self.buffer = torch.empty((slots, len(self.targets), width), dtype=rows.dtype, pin_memory=cuda)
+            self.buffer = torch.empty((slots, room, width), dtype=rows.dtype, pin_memory=cuda)
             self.count = 0
-        slot = self.buffer[self.count]
+            self.since = [0] * len(self.targets)
+        slot = self.buffer[self.count, : len(self.targets)]
         if rows.device.type == "cpu":
             torch.index_select(rows, 0, self.where, out=slot)
         else:

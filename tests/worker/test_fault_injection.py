@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.model, pytest.mark.slow]
 CAPTURE = {"modules": ["model.layers.{0,1}", "model.norm"], "positions": "all"}
 JOBS = [  # (question, max_tokens, fields): joins together, leaves at different steps; a trace
     ("What is 2+3?", 3, {}),
-    ("Name three colours.", 18, {"logprobs": True, "top_logprobs": 2}),  # past STAGED_STEPS
+    ("Name three colours.", 18, {"logprobs": True, "top_logprobs": 2}),  # past STAGED_STEPS (8 here)
     ("Count to five.", 4, {"temperature": 0.8, "seed": 7}),
     ("Write a haiku.", 0, {"mode": "trace", "logprobs": True}),
     # longer than the others: fed in chunks (the chunk is the longest of the others' prompts)
@@ -113,12 +113,15 @@ def alone(engine, requests):
 @pytest.fixture(autouse=True)
 def steady_clock(monkeypatch):
     """The scheduler's fair share times prefill work against decoding steps; a clock that ticks
-    once per reading makes the order of operations the same in every run (one unit each way)."""
+    once per reading makes the order of operations the same in every run (one unit each way).
+    Staging rings of 8 steps: the scenario fills them, joins rows into them and compacts them."""
     import itertools
 
+    import worker.capture
     import worker.scheduler
 
     monkeypatch.setattr(worker.scheduler, "clock", itertools.count().__next__)
+    monkeypatch.setattr(worker.capture, "STAGED_STEPS", 8)  # so that the scenario fills the rings
 
 
 def run(engine, requests, mode: FailAt | None) -> tuple[Answers, Scheduler, object]:
