@@ -28,7 +28,7 @@ import torch
 from shared.capture_spec import SCORE_ROWS
 from shared.errors import InternalError, JobFailure, OutOfMemory
 from worker import kvcache
-from worker.capture import BatchHooks, JobCapture
+from worker.capture import BatchHooks, JobCapture, Mark
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -49,7 +49,8 @@ def is_oom(exc: BaseException) -> bool:
     )
 
 
-def _unexpected(exc: Exception) -> JobFailure:
+def unexpected_failure(exc: Exception) -> JobFailure:
+    """A job's failure for an exception no step expects (logged with its traceback: a bug)."""
     log.error("a sequence failed unexpectedly", exc_info=exc)
     return InternalError(f"{type(exc).__name__}: {str(exc)[:500]}")
 
@@ -251,7 +252,7 @@ class Decoder:
         add those it did not end to the batch. All or nothing: on any failure the batch is as it
         was and each sequence as before the call (captures, scores, sampler state), so the
         caller may run them again one at a time."""
-        saved = [_Undo.of(seq) for seq in seqs]
+        saved = [Undo.of(seq) for seq in seqs]
         try:
             self._admit_many(seqs)
         except BaseException:
@@ -436,8 +437,9 @@ class Decoder:
         logits, self.cache, _ = self._run(self.rows, self.ids, self.mask, self.pos, self.cache, timeline, top=True)
         if logits is not None:
             self._advance(self.rows, logits)
-        if any(row.ended is not None and row.ended != VACANT for row in self.rows):
-            self.hooks.drain()  # the rows that end take every step staged for them
+        ending = {i for i, row in enumerate(self.rows) if row.ended is not None and row.ended != VACANT}
+        if ending:
+            self.hooks.drain(ending, [row.capture for row in self.rows])  # the ending rows take their steps
             for row in self.rows:
                 if row.failure is None and row.capture is not None and row.capture.failure is not None:
                     row.failure = row.capture.failure
@@ -449,7 +451,7 @@ class Decoder:
             mask = append_column(self.mask, 1)
             pos = append_column(self.pos, self.pos[:, -1] + 1)
         except Exception as exc:  # noqa: BLE001 - rows that ended keep their results; the others cannot go on
-            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else _unexpected(exc)
+            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
             for row in self.rows:
                 if row.ended is None:
                     row.failure, row.ended = failure, "failed"
@@ -526,7 +528,7 @@ class Decoder:
         try:
             tokens = self._choose(rows, logits, live, ids_of or self._row_ids)
         except Exception as exc:  # noqa: BLE001 - the batch's argmax failed: the rows it served fail
-            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else _unexpected(exc)
+            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
             for i in live:
                 rows[i].failure, rows[i].ended = failure, "failed"
             return
@@ -536,7 +538,7 @@ class Decoder:
                 index = torch.tensor(scored, device=logits.device)
                 score_rows([rows[i].scores for i in scored], logits[index], [tokens[i] for i in scored])  # type: ignore[misc]
             except Exception as exc:  # noqa: BLE001 - scoring failed: the rows that asked for it fail
-                failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else _unexpected(exc)
+                failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
                 for i in scored:
                     rows[i].failure, rows[i].ended = failure, "failed"
         for i in live:
@@ -544,7 +546,7 @@ class Decoder:
                 try:
                     self._take(rows[i], tokens[i])
                 except Exception as exc:  # noqa: BLE001 - one row's stop check or watch fails that row only
-                    rows[i].failure, rows[i].ended = _unexpected(exc), "failed"
+                    rows[i].failure, rows[i].ended = unexpected_failure(exc), "failed"
 
     def _row_ids(self, index: int) -> torch.Tensor:
         """Row `index`'s tokens so far `[1, n]`: a view of the batch's ids, without its padding."""
@@ -565,7 +567,7 @@ class Decoder:
             try:
                 picks[i] = sampler.pick(ids_of(i), logits[i : i + 1])
             except Exception as exc:  # noqa: BLE001 - this row's sampling fails this row only
-                rows[i].failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else _unexpected(exc)
+                rows[i].failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
                 rows[i].ended = "failed"
         return picks.tolist()
 
@@ -619,22 +621,23 @@ class Decoder:
         if drop:
             kvcache.crop_left(cache, drop, timeline)
             ids, mask, pos = ids[:, drop:], mask[:, drop:], pos[:, drop:]
+        self.hooks.compact([row.capture for row in self.rows], keep)  # last before the swap: all or nothing
         self.rows = [self.rows[i] for i in keep]
         self.cache, self.ids, self.mask, self.pos = cache, ids, mask, pos
         self.pads = [pad - drop for pad in pads]
 
 
 @dataclass
-class _Undo:
+class Undo:
     """What a prefill changes in a sequence, to put back when the prefill fails."""
 
     seq: Sequence
-    mark: list[tuple] | None
+    mark: Mark | None
     scores: int
     generator: torch.Tensor | None
 
     @classmethod
-    def of(cls, seq: Sequence) -> _Undo:
+    def of(cls, seq: Sequence) -> Undo:
         generator = seq.sampler.generator if seq.sampler is not None else None
         return cls(
             seq,

@@ -32,6 +32,7 @@ from worker.kvcache import check_supported, new_cache
 from worker.models import LoadedModel
 from worker.presets import resolve_presets
 from worker.prompts import PromptEncoder
+from worker.solo import SoloDecoder
 
 if TYPE_CHECKING:
     pass
@@ -72,7 +73,8 @@ class Generation:
 class CaptureEngine:
     """Runs generations on the loaded model (one copy of the weights) with capture hooks for the
     duration of each job. One generate at a time: the hooks of two jobs on one model would see
-    each other's steps, so every run holds `lock`."""
+    each other's steps, so every run holds `lock`. A model whose cache cannot be batched
+    (`solo_reason`) decodes one job at a time (worker/solo.py)."""
 
     def __init__(self, loaded: LoadedModel, allow_special_tokens: bool = False) -> None:
         self.loaded = loaded
@@ -82,6 +84,9 @@ class CaptureEngine:
         self.lock = threading.Lock()
         self.info = self._describe()
         self._module_paths = {m.path for m in self.info.modules}
+        # Why this model's cache rows cannot move between batches (None: they can): it then runs
+        # one job at a time with its own cache (worker/solo.py).
+        self.solo_reason = check_supported(new_cache(self.hf.config))
 
     # -- describing the model ------------------------------------------------------------
 
@@ -211,9 +216,10 @@ class CaptureEngine:
 
     def max_batch(self, wanted: int) -> int:
         """`wanted`, or 1 when this model's cache rows cannot move between batches."""
-        why = check_supported(new_cache(self.hf.config))
-        if why is not None and wanted > 1:
-            log.warning("%s runs one job at a time (ACTQ_MAX_BATCH=%d ignored): %s", self.info.name, wanted, why)
+        if self.solo_reason is not None and wanted > 1:
+            log.warning(
+                "%s runs one job at a time (ACTQ_MAX_BATCH=%d ignored): %s", self.info.name, wanted, self.solo_reason
+            )
             return 1
         return wanted
 
@@ -231,7 +237,12 @@ class CaptureEngine:
         return working + (seq.capture.nbytes if seq.capture is not None else 0)
 
     def decoder(self) -> Decoder:
-        return Decoder(self.hf, self.tokenizer, self._pad()["pad_token_id"])
+        """The running batch, or for a model whose cache cannot be batched (`solo_reason`) the
+        decoder that generates one job at a time with the model's own cache."""
+        pad = self._pad()["pad_token_id"]
+        if self.solo_reason is not None:
+            return SoloDecoder(self.hf, self.tokenizer, pad)
+        return Decoder(self.hf, self.tokenizer, pad)
 
     def finish(self, seq: Sequence, request: JobRequest) -> Generation:
         """The job's result once its sequence left the batch (a failed one raises its failure)."""

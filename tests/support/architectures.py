@@ -8,6 +8,9 @@ heads (2 key/value heads where the architecture has grouped attention), intermed
 sliding windows of 8 tokens where the architecture has them, float32 weights drawn from a generator seeded
 per architecture (the same folder contents on every build). Each architecture keeps transformers' default
 attention implementation: sdpa, but eager for Gemma 2 (transformers picks it for its attention softcapping).
+The architectures in SOLO (state-space, recurrent, linear-attention and convolution layers) have a cache
+the worker cannot batch and run one job at a time (worker/solo.py). MOE_ARCHS, mixture-of-experts models,
+are not in ARCHS (the matrix): the preset tests build them.
 
     from tests.support.architectures import ARCHS, available, build
 
@@ -77,6 +80,9 @@ class Arch:
     layers: module path of the decoder blocks' ModuleList (block i is f"{layers}.{i}").
     make_config: (config class, the tokenizer's ids) -> the tiny config.
     requires: further class names in transformers the arch needs (the vision config of a multimodal one).
+    presets: the presets the worker publishes for it (worker/presets.py): a block without an attention
+        module (a state-space or convolution layer) gives no `attention` preset, a block whose MLP is two
+        modules summed (GraniteMoeHybrid's experts beside a shared MLP) no `mlp` preset.
     embedding_std: standard deviation of the token embeddings. Gemma multiplies them by sqrt(hidden) = 8
         and normalizes every sublayer's output before the residual add: at the default scale the token's
         own embedding dominates the residual stream and, through the tied lm_head, greedy decoding repeats
@@ -90,6 +96,7 @@ class Arch:
     make_config: ConfigMaker
     requires: tuple[str, ...] = ()
     embedding_std: float = WEIGHT_SCALE
+    presets: tuple[str, ...] = ("residual", "attention", "mlp")
 
     def block(self, index: int = 0) -> str:
         return f"{self.layers}.{index}"
@@ -268,6 +275,204 @@ def _falcon_new(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
     )
 
 
+# Models whose cache is not a plain DynamicCache of attention layers: state-space, recurrent, linear-attention
+# and convolution layers (alone or beside attention layers). The worker runs them one job at a time
+# (worker/solo.py). Two layers each: the hybrids have one layer of each kind.
+
+
+def _mamba(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    # Every block a selective state-space mixer: no attention, no MLP. Inner width expand * hidden = 128.
+    return cls(hidden_size=HIDDEN, num_hidden_layers=LAYERS, state_size=16, expand=2, conv_kernel=4, **tokens.ids())
+
+
+def _mamba2(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    # 8 heads of 16 = expand * hidden; chunks of 16 so that a prompt spans several of the scan's chunks.
+    return cls(
+        hidden_size=HIDDEN,
+        num_hidden_layers=LAYERS,
+        num_heads=8,
+        head_dim=16,
+        n_groups=1,
+        state_size=16,
+        expand=2,
+        conv_kernel=4,
+        chunk_size=16,
+        **tokens.ids(),
+    )
+
+
+def _jamba(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    # Layer 0: Mamba mixer and a dense MLP; layer 1: attention and a sparse MoE block (4 experts, top 2).
+    return cls(
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=CONTEXT,
+        attn_layer_period=2,
+        attn_layer_offset=1,
+        expert_layer_period=2,
+        expert_layer_offset=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        mamba_d_state=16,
+        mamba_dt_rank=4,
+        **tokens.ids(),
+    )
+
+
+def _recurrent_gemma(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    # Layer 0: the RG-LRU recurrent block (its state lives in the module); layer 1: local attention, window 8.
+    return cls(
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        lru_width=HIDDEN,
+        attention_window_size=SLIDING_WINDOW,
+        block_types=["recurrent", "attention"],
+        **tokens.ids(),
+    )
+
+
+def _granitemoehybrid(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    # Layer 0: Mamba-2 mixer; layer 1: attention; both with 4 experts (top 2) beside a shared MLP.
+    return cls(
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=CONTEXT,
+        layer_types=["mamba", "attention"],
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=INTERMEDIATE,
+        mamba_n_heads=8,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_chunk_size=16,
+        **tokens.ids(),
+    )
+
+
+def _qwen3_next(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    # Layer 0: gated delta-net linear attention; layer 1: gated full attention; both sparse MoE (4 experts, top 2).
+    return cls(
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        head_dim=HEAD_DIM,
+        max_position_embeddings=CONTEXT,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        **tokens.ids(),
+    )
+
+
+def _lfm2(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    # Layer 0: gated short convolution (a 3-position state); layer 1: attention. MLP width as given.
+    return cls(
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS,
+        num_key_value_heads=KV_HEADS,
+        max_position_embeddings=CONTEXT,
+        layer_types=["conv", "full_attention"],
+        block_auto_adjust_ff_dim=False,
+        **tokens.ids(),
+    )
+
+
+# Mixture-of-experts models: 4 experts, 2 per token. Not in ARCHS (their cache is a plain DynamicCache and
+# they batch as the others do); the preset tests build them.
+
+
+def _moe_base(tokens: Tokens) -> dict[str, Any]:
+    return {
+        "hidden_size": HIDDEN,
+        "intermediate_size": INTERMEDIATE,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "max_position_embeddings": CONTEXT,
+        **tokens.ids(),
+    }
+
+
+def _mixtral(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    return cls(head_dim=HEAD_DIM, num_local_experts=4, num_experts_per_tok=2, **_moe_base(tokens))
+
+
+def _qwen2_moe(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    # Its experts block holds a gated shared expert too.
+    return cls(
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        **_moe_base(tokens),
+    )
+
+
+def _qwen3_moe(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    return cls(head_dim=HEAD_DIM, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **_moe_base(tokens))
+
+
+def _olmoe(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    return cls(num_experts=4, num_experts_per_tok=2, **_moe_base(tokens))
+
+
+def _granitemoe(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    # The experts block is `block_sparse_moe`, not `mlp`.
+    return cls(num_local_experts=4, num_experts_per_tok=2, **_moe_base(tokens))
+
+
+def _deepseek(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    # Multi-head latent attention (as many key/value heads as heads); layer 0 a dense MLP, layer 1 experts
+    # with a shared expert; plain rotary embeddings (the default YaRN scaling assumes a long context).
+    return cls(
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+        **{**_moe_base(tokens), "num_key_value_heads": HEADS},
+    )
+
+
+def _gpt_oss(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
+    return cls(
+        head_dim=HEAD_DIM,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=SLIDING_WINDOW,
+        layer_types=["sliding_attention", "full_attention"],
+        **_moe_base(tokens),
+    )
+
+
 ARCHS: list[Arch] = [
     Arch("gpt2", "GPT2Config", "GPT2LMHeadModel", "transformer.h", _gpt2),
     Arch("gpt_neox", "GPTNeoXConfig", "GPTNeoXForCausalLM", "gpt_neox.layers", _gpt_neox),
@@ -290,9 +495,52 @@ ARCHS: list[Arch] = [
     Arch("opt", "OPTConfig", "OPTForCausalLM", "model.decoder.layers", _opt),
     Arch("falcon", "FalconConfig", "FalconForCausalLM", "transformer.h", _falcon),
     Arch("falcon_new", "FalconConfig", "FalconForCausalLM", "transformer.h", _falcon_new),
+    Arch("mamba", "MambaConfig", "MambaForCausalLM", "backbone.layers", _mamba, presets=("residual",)),
+    Arch("mamba2", "Mamba2Config", "Mamba2ForCausalLM", "backbone.layers", _mamba2, presets=("residual",)),
+    Arch("jamba", "JambaConfig", "JambaForCausalLM", "model.layers", _jamba, presets=("residual", "mlp")),
+    Arch(
+        "recurrent_gemma",
+        "RecurrentGemmaConfig",
+        "RecurrentGemmaForCausalLM",
+        "model.layers",
+        _recurrent_gemma,
+        presets=("residual", "mlp"),
+    ),
+    Arch(
+        "granitemoehybrid",
+        "GraniteMoeHybridConfig",
+        "GraniteMoeHybridForCausalLM",
+        "model.layers",
+        _granitemoehybrid,
+        presets=("residual",),
+    ),
+    Arch(
+        "qwen3_next",
+        "Qwen3NextConfig",
+        "Qwen3NextForCausalLM",
+        "model.layers",
+        _qwen3_next,
+        presets=("residual", "mlp"),
+    ),
+    Arch("lfm2", "Lfm2Config", "Lfm2ForCausalLM", "model.layers", _lfm2, presets=("residual", "mlp")),
 ]
 
-BY_KEY: dict[str, Arch] = {arch.key: arch for arch in ARCHS}
+# Architectures whose cache rows cannot move between batches (kvcache.check_supported refuses them): the
+# worker generates one job at a time with their own cache (worker/solo.py).
+SOLO: tuple[str, ...] = ("mamba", "mamba2", "jamba", "recurrent_gemma", "granitemoehybrid", "qwen3_next", "lfm2")
+
+MOE_ARCHS: list[Arch] = [
+    Arch("mixtral", "MixtralConfig", "MixtralForCausalLM", "model.layers", _mixtral),
+    Arch("qwen2_moe", "Qwen2MoeConfig", "Qwen2MoeForCausalLM", "model.layers", _qwen2_moe),
+    Arch("qwen3_moe", "Qwen3MoeConfig", "Qwen3MoeForCausalLM", "model.layers", _qwen3_moe),
+    Arch("olmoe", "OlmoeConfig", "OlmoeForCausalLM", "model.layers", _olmoe),
+    Arch("granitemoe", "GraniteMoeConfig", "GraniteMoeForCausalLM", "model.layers", _granitemoe),
+    Arch("deepseek_v2", "DeepseekV2Config", "DeepseekV2ForCausalLM", "model.layers", _deepseek),
+    Arch("deepseek_v3", "DeepseekV3Config", "DeepseekV3ForCausalLM", "model.layers", _deepseek),
+    Arch("gpt_oss", "GptOssConfig", "GptOssForCausalLM", "model.layers", _gpt_oss),
+]
+
+BY_KEY: dict[str, Arch] = {arch.key: arch for arch in [*ARCHS, *MOE_ARCHS]}
 
 
 def available(arch: Arch) -> str | None:

@@ -1,0 +1,296 @@
+"""Models whose cache cannot be batched (state-space, recurrent, linear-attention and convolution
+layers: Mamba, Mamba-2, Jamba, RecurrentGemma, GraniteMoeHybrid, Qwen3-Next, LFM2), generated one
+job at a time by worker/solo.py through the engine thread (worker/scheduler.py), each against the
+independent reference: plain forward hooks that clone, on a plain `model.generate`
+(tests/support/reference.py), and log_softmax of the logits `generate` returns.
+
+Tolerance for activations: equal, or within 1e-5 of the reference tensor's max |value| (float32 on
+the CPU: what `generate` computes, computed again); token ids must be equal."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from shared.capture_spec import resolve
+from shared.errors import OutOfMemory
+from shared.schemas import JobRequest
+from shared.settings import Settings
+from tests.support.architectures import BY_KEY, SOLO, Arch, available, build
+from tests.support.reference import encode, hooked_forward, hooked_generate, reference_logprobs, select
+from worker.decoding import Sequence
+
+pytestmark = pytest.mark.model  # builds and loads tiny models in this process
+
+TOLERANCE = 1e-5  # of the reference tensor's max |value|
+LOGPROB_TOLERANCE = 1e-5
+NEW_TOKENS = 10
+QUESTIONS = [
+    "What is 2+3? Think step by step, then answer.",
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many?",
+    "Name three colours.",
+]
+
+
+@dataclass
+class Solo:
+    arch: Arch
+    engine: Any  # worker.engine.CaptureEngine (imported lazily: it imports torch models)
+
+
+@pytest.fixture(scope="module", params=SOLO)
+def solo(request, tmp_path_factory, smol_dir: Path) -> Solo:
+    from worker.engine import CaptureEngine
+    from worker.models import load
+
+    arch = BY_KEY[request.param]
+    if reason := available(arch):
+        pytest.skip(reason)
+    folder = build(arch, tmp_path_factory.mktemp("solo") / arch.key, smol_dir)
+    return Solo(arch, CaptureEngine(load(Settings(model=str(folder), model_name="m"))))
+
+
+def job(question: str, capture: dict | None = None, **fields) -> JobRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": question}], "capture": capture, **fields}
+    return JobRequest.model_validate(body)
+
+
+def prepare(engine, req: JobRequest, max_tokens: int = NEW_TOKENS, watch=None) -> Sequence:
+    points = resolve(req.capture, engine.info) if req.capture else []
+    return engine.prepare(req, points, max_tokens, watch)
+
+
+def through_scheduler(engine, seqs: list[Sequence], **options) -> tuple[list[object], Any]:
+    """Every sequence submitted at once to an engine thread (a `Scheduler` asked for batches of
+    4 unless told otherwise); returns each one's outcome (its ended sequence or its failure) and
+    the scheduler (its step statistics)."""
+    from worker.scheduler import Entry, Scheduler
+
+    outcomes: dict[int, object] = {}
+    finished = threading.Event()
+
+    def entry(i: int) -> Entry:
+        def done(outcome: object) -> None:
+            outcomes[i] = outcome
+            if len(outcomes) == len(seqs):
+                finished.set()
+
+        return Entry(seq=seqs[i], done=done)
+
+    died: list[BaseException] = []
+    options.setdefault("max_batch", engine.max_batch(4))
+    scheduler = Scheduler(engine, wait_s=0.0, on_death=died.append, **options)
+    for i in range(len(seqs)):
+        scheduler.submit(entry(i))
+    scheduler.start()
+    try:
+        assert finished.wait(120), f"the engine thread did not answer every job (died: {died})"
+    finally:
+        scheduler.stop()
+    assert not died, died  # a job's failure is never the engine's
+    return [outcomes[i] for i in range(len(seqs))], scheduler
+
+
+def every_module(engine) -> list[str]:
+    """Every module that sees every position: the blocks, their mixers (attention, state-space,
+    convolution, linear attention), norms, MLPs and experts blocks, and what lies inside them."""
+    return [m.path for m in engine.info.modules if m.all_positions and m.output_dim]
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
+    assert got.shape == want.shape, (name, got.shape, want.shape)
+    if torch.equal(got, want):
+        return
+    scale = float(want.abs().max())
+    diff = float((got.float() - want).abs().max())
+    assert diff <= TOLERANCE * scale, (name, diff, scale)
+
+
+def reference_scores(engine, question: str, new_tokens: int, k: int, **generate_kwargs):
+    """`generate`'s own tokens and raw logits: (token ids [P + N], log-probabilities of the new
+    tokens [N], top-k ids [N, k])."""
+    messages = [{"role": "user", "content": question}]
+    encoded = encode(engine.tokenizer, messages)
+    with torch.inference_mode():
+        out = engine.hf.generate(
+            **encoded,
+            max_new_tokens=new_tokens,
+            pad_token_id=engine.tokenizer.eos_token_id,
+            output_logits=True,
+            return_dict_in_generate=True,
+            **generate_kwargs,
+        )
+    ids = out.sequences[0]
+    prompt_tokens = int(encoded["input_ids"].shape[1])
+    # row i of the logits predicted token prompt_tokens + i: shift by one for reference_logprobs
+    logits = torch.cat([torch.zeros(prompt_tokens - 1, out.logits[0].shape[-1]), torch.cat(out.logits).float()])
+    values, _, top_ids = reference_logprobs(logits, ids, prompt_tokens, k)
+    return ids, values, top_ids
+
+
+def test_the_engine_runs_one_job_at_a_time_with_the_model_s_own_cache(solo: Solo):
+    from worker.solo import SoloDecoder
+
+    engine = solo.engine
+    assert engine.solo_reason is not None and "cache layers" in engine.solo_reason
+    assert engine.max_batch(8) == 1
+    decoder = engine.decoder()
+    try:
+        assert isinstance(decoder, SoloDecoder)
+        assert decoder.chunk_tokens is None and decoder.most_rows == 1
+        seqs = [prepare(engine, job(q)) for q in QUESTIONS[:2]]
+        with pytest.raises(ValueError, match="one sequence at a time: asked to admit 2"):
+            decoder.admit_many(seqs)
+        assert decoder.rows == [] and all(not s.generated and s.ended is None for s in seqs)
+    finally:
+        decoder.close()
+
+
+def test_greedy_jobs_equal_generate_with_forward_hooks(solo: Solo):
+    """Three jobs queued at once run one after the other: every module's activations at all
+    positions (one job), at the generated positions with log-probabilities (another), none (the
+    third); each stops at max_tokens with exactly generate's tokens."""
+    engine = solo.engine
+    modules = every_module(engine)
+    assert solo.arch.block(0) in modules
+    reqs = [
+        job(QUESTIONS[0], {"modules": modules, "positions": "all"}),
+        job(QUESTIONS[1], {"modules": modules, "positions": "generated"}, logprobs=True, top_logprobs=3),
+        job(QUESTIONS[2]),
+    ]
+    outcomes, scheduler = through_scheduler(engine, [prepare(engine, req) for req in reqs])
+    assert scheduler.stats.largest == 1
+    for req, outcome in zip(reqs, outcomes, strict=True):
+        gen = engine.finish(outcome, req)
+        messages = [{"role": "user", "content": req.messages[0].content}]
+        ids, rows, prompt_tokens = hooked_generate(engine.hf, engine.tokenizer, messages, NEW_TOKENS, modules)
+        assert torch.equal(gen.token_ids, ids), req.messages[0].content
+        assert gen.finish_reason == "length" and gen.completion_tokens == NEW_TOKENS
+        positions = req.capture.positions if req.capture else None
+        assert [c.point.module for c in gen.captured] == (modules if positions else [])
+        for captured in gen.captured:
+            want = select(rows[captured.point.module], positions, prompt_tokens, NEW_TOKENS)
+            assert_close(captured.tensor, want, captured.point.name)
+        if req.logprobs:
+            ref_ids, values, top_ids = reference_scores(engine, req.messages[0].content, NEW_TOKENS, 3, do_sample=False)
+            assert torch.equal(ref_ids, ids)
+            assert gen.scores.tokens == ids[prompt_tokens:].tolist() and gen.scores.top_ids == top_ids.tolist()
+            assert max(abs(a - b) for a, b in zip(gen.scores.values, values.tolist(), strict=True)) < LOGPROB_TOLERANCE
+
+
+def test_a_seeded_sampled_job_draws_what_generate_draws(solo: Solo):
+    """Sampling (temperature, top-p, the model's own logits processors) from the job's generator
+    seeded with its seed: the draws of `generate` after `torch.manual_seed(seed)`."""
+    engine = solo.engine
+    req = job(QUESTIONS[0], temperature=0.9, top_p=0.9, seed=7, logprobs=True, top_logprobs=2)
+    (outcome,), _ = through_scheduler(engine, [prepare(engine, req, 12)])
+    gen = engine.finish(outcome, req)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        ids, values, top_ids = reference_scores(engine, QUESTIONS[0], 12, 2, do_sample=True, temperature=0.9, top_p=0.9)
+    assert torch.equal(gen.token_ids, ids)
+    assert gen.scores.top_ids == top_ids.tolist()
+    assert max(abs(a - b) for a, b in zip(gen.scores.values, values.tolist(), strict=True)) < LOGPROB_TOLERANCE
+    reseeded = job(QUESTIONS[0], temperature=0.9, top_p=0.9, seed=8)
+    (outcome,), _ = through_scheduler(engine, [prepare(engine, reseeded, 12)])
+    assert not torch.equal(engine.finish(outcome, reseeded).token_ids, gen.token_ids)
+
+
+def test_a_stop_string_and_a_watch_end_a_job_early(solo: Solo):
+    engine = solo.engine
+    full = engine.run(job(QUESTIONS[2]), [], 24)
+    words = full.text.split()
+    assert len(words) > 2, full.text
+    stop = words[len(words) // 2]
+    stopped = engine.run(job(QUESTIONS[2], stop=[stop]), [], 24)
+    assert stopped.finish_reason == "stop" and stopped.text == full.text[: full.text.find(stop)]
+    assert torch.equal(stopped.token_ids, full.token_ids[: len(stopped.token_ids)])
+
+    def cancel(tokens: int) -> str | None:
+        return "cancelled" if tokens >= 3 else None
+
+    watched = engine.run(job(QUESTIONS[2]), [], 24, watch=cancel)
+    assert watched.stopped_by == "cancelled" and watched.completion_tokens == 3
+    assert torch.equal(watched.token_ids, full.token_ids[: full.prompt_tokens + 3])
+
+
+class FailAtStep:
+    """Makes the second block raise a CUDA-style out-of-memory error (a GPU cannot run here) at
+    the `at`-th decoding pass it sees (one new position), once: the first block has already run
+    and written its state and its captures."""
+
+    def __init__(self, engine, arch: Arch, at: int) -> None:
+        self.layer = engine.hf.get_submodule(arch.block(1))
+        self.forward: Callable[..., Any] = self.layer.forward
+        self.at, self.seen = at, 0
+
+    def __enter__(self) -> FailAtStep:
+        def failing(*args: Any, **kwargs: Any) -> Any:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.shape[1] == 1:
+                self.seen += 1
+                if self.seen == self.at:
+                    raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected)")
+            return self.forward(*args, **kwargs)
+
+        self.layer.forward = failing
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.layer.forward = self.forward
+
+
+def test_out_of_memory_in_a_step_fails_that_job_alone(solo: Solo):
+    """The first job's third decoding step runs out of memory: that job fails as out_of_memory,
+    the engine goes on, and the next job (its cache and recurrent state made afresh) still
+    equals generate with forward hooks."""
+    engine = solo.engine
+    block = solo.arch.block(0)
+    reqs = [job(QUESTIONS[0], {"modules": [block]}), job(QUESTIONS[1], {"modules": [block]})]
+    with FailAtStep(engine, solo.arch, at=3) as inject:
+        outcomes, _ = through_scheduler(engine, [prepare(engine, req) for req in reqs])
+    assert inject.seen > 3  # the second job decoded after the failure
+    with pytest.raises(OutOfMemory):  # the job's answer: its sequence, ended by the failure
+        engine.finish(outcomes[0], reqs[0])
+    gen = engine.finish(outcomes[1], reqs[1])
+    messages = [{"role": "user", "content": QUESTIONS[1]}]
+    ids, rows, prompt_tokens = hooked_generate(engine.hf, engine.tokenizer, messages, NEW_TOKENS, [block])
+    assert torch.equal(gen.token_ids, ids)
+    assert_close(gen.captured[0].tensor, select(rows[block], "all", prompt_tokens, NEW_TOKENS), block)
+
+
+def test_traces_and_prompts_a_scheduler_would_chunk_run_whole_between_generations(solo: Solo):
+    """A trace job (one forward pass, no cache) between two generations, through a scheduler
+    told to batch 4 and to feed prompts in chunks of 8: the solo decoder still runs one job at a
+    time, each prompt in one pass; the trace equals `model(input_ids)` with forward hooks and the
+    generations equal `generate`."""
+    engine = solo.engine
+    block = solo.arch.block(0)
+    trace = JobRequest.model_validate(
+        {
+            "model": "m",
+            "mode": "trace",
+            "messages": [{"role": "user", "content": QUESTIONS[2]}, {"role": "assistant", "content": "Red."}],
+            "capture": {"modules": [block]},
+        }
+    )
+    reqs = [job(QUESTIONS[0], {"modules": [block]}), trace, job(QUESTIONS[1], {"modules": [block]})]
+    seqs = [prepare(engine, req) for req in reqs]
+    assert all(seq.prompt_tokens > 8 for seq in seqs)
+    outcomes, scheduler = through_scheduler(engine, seqs, max_batch=4, chunk_tokens=8)
+    assert scheduler.stats.largest == 1
+    traced = engine.finish(outcomes[1], trace)
+    rows, _ = hooked_forward(engine.hf, traced.token_ids.unsqueeze(0), [block])
+    assert_close(traced.captured[0].tensor, rows[block], f"trace {block}")
+    for i in (0, 2):
+        gen = engine.finish(outcomes[i], reqs[i])
+        messages = [{"role": "user", "content": reqs[i].messages[0].content}]
+        ids, kept, prompt_tokens = hooked_generate(engine.hf, engine.tokenizer, messages, NEW_TOKENS, [block])
+        assert torch.equal(gen.token_ids, ids)
+        assert_close(gen.captured[0].tensor, select(kept[block], "all", prompt_tokens, NEW_TOKENS), block)
