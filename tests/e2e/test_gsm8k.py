@@ -138,13 +138,16 @@ def test_resume_after_a_kill_submits_nothing_twice(live, tmp_path, redis_client,
     live.stop_process("worker-tiny-b4")
 
 
-def test_ctrl_c_leaves_a_consistent_directory(live, tmp_path):
+def test_ctrl_c_leaves_a_consistent_directory(live, tmp_path, tiny_dir):
     """Ctrl-C mid-run: finished problems keep their samples, the summary says incomplete, and
-    the same command resumes to the end. The worker is paused around the interrupt so that the
-    run is surely mid-way (the tiny model can otherwise finish all twelve problems at once)."""
+    the same command resumes to the end. Its worker runs batches of 4 (the twelve problems end in
+    three waves: in one batch the tiny model ends all twelve at the same step) and is paused
+    around the interrupt so that the run is surely mid-way."""
+    model = "tiny-b4c"
+    live.start_worker(model, {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": model, "ACTQ_MAX_BATCH": "4"})
     out = tmp_path / "run"
-    args = ["gsm8k", "--out", str(out), "--dataset", "samples", "--model", TINY, "--max-tokens", "120", "--quiet"]
-    worker = live.processes["worker-tiny"].pid
+    args = ["gsm8k", "--out", str(out), "--dataset", "samples", "--model", model, "--max-tokens", "120", "--quiet"]
+    worker = live.processes[f"worker-{model}"].pid
     os.killpg(worker, signal.SIGSTOP)
     try:
         process = subprocess.Popen(
@@ -169,6 +172,7 @@ def test_ctrl_c_leaves_a_consistent_directory(live, tmp_path):
     assert not summary["complete"] and summary["finished"] == finished and 1 <= finished < 12
     resumed = subprocess.run(actq(live, *args), env=run_env(live), capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0 and json.loads((out / "summary.json").read_text())["finished"] == 12
+    live.stop_process(f"worker-{model}")
 
 
 def test_plain_prompt_format_sends_raw_question_answer_prompts(live, tmp_path, redis_client):
