@@ -74,6 +74,15 @@ class Settings(BaseSettings):
         3600, ge=1, le=7 * 24 * 3600, description="Lifetime of presigned S3 download URLs."
     )
     device: str = Field("auto", description="`auto` (cuda when available, else cpu), `cpu`, `cuda`, `cuda:1`...")
+    device_map: str | None = Field(
+        None,
+        description=(
+            "Load the model across this box's devices through accelerate: `auto`, `balanced`, "
+            "`balanced_low_0`, `sequential`, or a JSON file mapping module names to devices "
+            '(`{"model.layers.0": 0, "lm_head": "cpu", ...}`; `disk` offloads under ACTQ_MODEL_CACHE_DIR). '
+            "Unset: the whole model on ACTQ_DEVICE."
+        ),
+    )
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Model weights dtype: `auto` is bfloat16 on cuda, float32 on cpu."
     )
@@ -210,6 +219,8 @@ class Settings(BaseSettings):
             raise ValueError("ACTQ_JOB_SOFT_TIME_LIMIT must be below ACTQ_JOB_TIME_LIMIT")
         if self.heartbeat_ttl <= self.heartbeat_interval:
             raise ValueError("ACTQ_HEARTBEAT_TTL must exceed ACTQ_HEARTBEAT_INTERVAL")
+        if self.device_map is not None and self.device != "auto":
+            raise ValueError("set ACTQ_DEVICE or ACTQ_DEVICE_MAP, not both (a device map places every module)")
         return self
 
     @property

@@ -27,6 +27,7 @@ import torch
 from shared.capture_spec import span
 from shared.errors import InternalError, JobFailure, OutOfMemory
 from shared.schemas import CapturePoint, ModuleInfo
+from worker.models import home_device
 
 
 def first_tensor(value: object) -> torch.Tensor | None:
@@ -534,7 +535,7 @@ class BatchHooks:
                 return
             self._extend(wanted, known)
             return
-        device = next(self.model.parameters()).device
+        device = home_device(self.model)
         rings = {}
         for key in wanted:
             rows = [b for b, capture in enumerate(self.rows) if capture is not None and key in capture.wanted]
@@ -547,7 +548,7 @@ class BatchHooks:
         built before anything changes (a failure leaves the rings as they were). (`settle`, which
         runs before a pass marks its jobs' captures, has already handed a ring without room for
         them to its jobs; the drains here are a fallback that then finds nothing staged.)"""
-        device = next(self.model.parameters()).device
+        device = home_device(self.model)
         plans: list[tuple[tuple[str, str], _Ring | None, list[int], torch.Tensor]] = []
         for key in wanted:
             ring = self._rings.get(key)
@@ -598,8 +599,9 @@ class BatchHooks:
         written, self._written = self._written, []
         if not written:
             return
-        if torch.cuda.is_available() and any(self._rings[key].pinned for key in written):
-            torch.cuda.current_stream().synchronize()
+        devices = {ring.where.device for key in written if (ring := self._rings[key]).pinned}
+        for device in devices:  # one per GPU the staged modules ran on (a device map may use several)
+            torch.cuda.current_stream(device).synchronize()
         for key in written:
             ring = self._rings[key]
             ring.count += 1
@@ -635,7 +637,7 @@ class BatchHooks:
             self._rings, self._rings_for, self._wanted_for = {}, (), ()
             return
         position = {old: new for new, old in enumerate(keep)}
-        device = next(self.model.parameters()).device
+        device = home_device(self.model)
         plans = []
         for ring in self._rings.values():  # every new state first: allocation may fail
             kept = [at for at, index in enumerate(ring.targets) if index in position]
@@ -716,6 +718,8 @@ class _Ring:
             self.count = 0
             self.since = [0] * len(self.targets)
         slot = self.buffer[self.count, : len(self.targets)]
+        if self.where.device != rows.device:  # a module on another device of a device map: once per ring
+            self.where = self.where.to(rows.device)
         if rows.device.type == "cpu":
             torch.index_select(rows, 0, self.where, out=slot)
         else:

@@ -60,15 +60,15 @@ class Sampler:
     `generate` builds them for these settings), then argmax or a draw from this sequence's own
     generator."""
 
-    def __init__(self, model: Any, settings: dict, prompt_tokens: int, seed: int | None) -> None:
+    def __init__(self, model: Any, settings: dict, prompt_tokens: int, seed: int | None, device: str) -> None:
         config, _ = model._prepare_generation_config(None, **settings)  # what generate would use
         self.processors = model._get_logits_processor(
-            generation_config=config, input_ids_seq_length=prompt_tokens, device=str(model.device), model_kwargs={}
+            generation_config=config, input_ids_seq_length=prompt_tokens, device=device, model_kwargs={}
         )
         self.do_sample = bool(config.do_sample)
         self.generator: torch.Generator | None = None
         if self.do_sample:
-            self.generator = torch.Generator(device=model.device)
+            self.generator = torch.Generator(device=device)
             if seed is not None:
                 self.generator.manual_seed(seed)
             else:

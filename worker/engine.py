@@ -200,7 +200,9 @@ class CaptureEngine:
         return Sequence(
             prompt_ids=prompt,
             max_tokens=max_tokens,
-            sampler=None if request.trace else Sampler(self.hf, self.sampling(request), prompt_tokens, request.seed),
+            sampler=None
+            if request.trace
+            else Sampler(self.hf, self.sampling(request), prompt_tokens, request.seed, self.loaded.device),
             capture=capture,
             stops=list(request.stop),
             watch=watch,

@@ -7,26 +7,30 @@ ACTQ_MODEL_CACHE_DIR, which then loads in well under a second.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
+import json
 import logging
 import os
 import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from filelock import FileLock
 
 from shared.settings import Settings
 
 if TYPE_CHECKING:
+    import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's own
 
 
 @dataclass
@@ -102,6 +106,39 @@ def pick_dtype(setting: str, device: str) -> str:
     return setting
 
 
+def read_device_map(setting: str) -> str | dict[str, int | str]:
+    """ACTQ_DEVICE_MAP as accelerate takes it: a strategy's name, or a JSON file's module -> device map."""
+    if setting in DEVICE_MAP_STRATEGIES:
+        return setting
+    named = f"ACTQ_DEVICE_MAP={setting!r}"
+    try:
+        placed = json.loads(Path(setting).expanduser().read_text())
+    except OSError as exc:
+        strategies = ", ".join(DEVICE_MAP_STRATEGIES)
+        raise ValueError(f"{named} is neither one of {strategies} nor a readable file: {exc}") from exc
+    except ValueError as exc:
+        raise ValueError(f"{named} is not JSON: {exc}") from exc
+    if not isinstance(placed, dict) or not placed:
+        raise ValueError(f"{named} must hold a JSON object of module name -> device")
+    for module, device in placed.items():
+        if isinstance(device, bool) or not isinstance(device, int | str):
+            raise ValueError(
+                f'{named}: module {module!r} is placed on {device!r}; give a GPU number, "cpu", "cuda:N" or "disk"'
+            )
+    return placed
+
+
+def home_device(model: torch.nn.Module) -> torch.device:
+    """Where the model's inputs go: the device of its first parameter that holds weights (a device
+    map that offloads to disk leaves the offloaded parameters on `meta`)."""
+    import torch
+
+    for parameter in model.parameters():
+        if parameter.device.type != "meta":
+            return parameter.device
+    return torch.device("cpu")
+
+
 def read_chat_template(path: Path, tokenizer: PreTrainedTokenizerBase) -> str:
     """ACTQ_CHAT_TEMPLATE's text, checked by rendering a one-message chat with it."""
     try:
@@ -125,6 +162,11 @@ def load(settings: Settings) -> LoadedModel:
     if settings.torch_threads:
         torch.set_num_threads(settings.torch_threads)
     source = resolve_source(settings)
+    placement: dict[str, Any] = {}
+    if settings.device_map is not None:  # accelerate places (and may offload) each module
+        placement["device_map"] = read_device_map(settings.device_map)
+        digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+        placement["offload_folder"] = str(settings.model_cache_dir / "offload" / digest)
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
     local = Path(source).is_dir()  # no hub lookups for a local folder
@@ -135,9 +177,13 @@ def load(settings: Settings) -> LoadedModel:
     if settings.chat_template is not None:
         tokenizer.chat_template = read_chat_template(settings.chat_template, tokenizer)
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=getattr(torch, dtype), local_files_only=local, trust_remote_code=remote
+        source, dtype=getattr(torch, dtype), local_files_only=local, trust_remote_code=remote, **placement
     )
-    model.to(device)  # type: ignore[arg-type]  # mypy does not bind self for functools.wraps-decorated .to
+    if placement:
+        device = str(home_device(model))
+        log.info("device map %s: %s", settings.device_map, getattr(model, "hf_device_map", {"": device}))
+    else:
+        model.to(device)  # type: ignore[arg-type]  # mypy does not bind self for functools.wraps-decorated .to
     model.eval()
     return LoadedModel(
         name=settings.served_model_name, source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype
