@@ -293,23 +293,7 @@ class JobCapture:
         if step == 0:
             raise JobFailure(f"{name}: decoding steps before the prompt's")
         buffer.steps += steps
-        first = self.prompt_tokens + step - 1  # the position fed at the first of these steps
-        lo, hi = self.window
-        if self.positions == "last":
-            lo = first + steps - 1
-        begin, stop = max(lo, first), min(hi, first + steps)
-        if begin >= stop:
-            return
-        chunk = rows[begin - first : stop - first]
-        if buffer.select is not None:
-            chunk = chunk.index_select(1, buffer.select.to(chunk.device))
-        if buffer.first is None or self.positions == "last":
-            buffer.first = begin
-        if self.reduce != "none":
-            self._fold(buffer, chunk)
-            return
-        at = begin - buffer.first
-        buffer.rows[at : at + stop - begin].copy_(chunk)
+        self._store(buffer, rows, self.prompt_tokens + step - 1)  # from the position fed at the first step
 
     def _keep(self, buffer: _Buffer, rows: torch.Tensor | None) -> None:
         name, width = buffer.point.name, buffer.width
@@ -327,13 +311,19 @@ class JobCapture:
             end = self.prompt_tokens + step  # one past the last position fed so far
             if seen not in (1, end if step == 0 else 1):
                 raise JobFailure(f"{name}: {seen} positions at step {step}, expected {end if step == 0 else 1} or 1")
+        self._store(buffer, rows, end - seen)
+
+    def _store(self, buffer: _Buffer, rows: torch.Tensor, first: int) -> None:
+        """Keep what the job's positions want of `rows`, the values at positions `first`,
+        `first + 1`...: copied into its buffer, or folded into its reduction."""
+        end = first + int(rows.shape[0])
         lo, hi = self.window
         if self.positions == "last":
             lo = end - 1
-        begin, stop = max(lo, end - seen), min(hi, end)
+        begin, stop = max(lo, first), min(hi, end)
         if begin >= stop:
             return
-        chunk = rows[begin - (end - seen) : stop - (end - seen)]
+        chunk = rows[begin - first : stop - first]
         if buffer.select is not None:
             chunk = chunk.index_select(1, buffer.select.to(chunk.device))
         if buffer.first is None or self.positions == "last":
