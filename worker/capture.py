@@ -448,6 +448,7 @@ class BatchHooks:
         self._rings: dict[tuple[str, str], _Ring] = {}  # (module, hook) -> its staged steps
         self._rings_for: tuple[weakref.ref | None, ...] = ()  # the batch the rings were built for
         self._written: list[tuple[str, str]] = []  # rings this pass wrote a slot of
+        self._in_flight: set[torch.device] = set()  # GPUs whose staged copies may not be complete
         self._wanted: set[tuple[str, str]] = set()  # what the batch of `_wanted_for` captures
         self._wanted_for: tuple[weakref.ref | None, ...] = ()
 
@@ -465,7 +466,8 @@ class BatchHooks:
         `decoding`: every sequence feeds one position (batched gathers, see the class)."""
         self.settle(rows, decoding)
         self.rows, self.lengths, self.decoding = rows, lengths, decoding
-        self.failures = {}
+        # a job whose staged rows did not fit (in `settle`) has failed already: the pass says so too
+        self.failures = {i: c.failure for i, c in enumerate(rows) if c is not None and c.failure is not None}
         self._written = []
         if not _same(self._wanted_for, rows):  # the same batch as the last pass (most steps): the same keys
             self._wanted = {key for capture in rows if capture is not None for key in capture.wanted}
@@ -497,7 +499,11 @@ class BatchHooks:
         (so that a job's buffers hold every step before anyone marks or resets them, and before
         a decoding pass of another batch rebuilds the rings). A pass that is not a decoding step
         and concerns none of those jobs (a prompt chunk of a job that joins later) leaves them
-        staged. The staged steps belong to the rings' batch (`_rings_for`)."""
+        staged. The staged steps belong to the rings' batch (`_rings_for`). A full ring goes to
+        its jobs first: the pass needs its slot."""
+        for key, ring in self._rings.items():
+            if ring.full:
+                self._drain_ring(key, ring, {})
         if not any(r.count for r in self._rings.values()):
             return
         known = len(self._rings_for)
@@ -584,19 +590,28 @@ class BatchHooks:
                 self.failures[index] = exc
 
     def flush(self) -> None:
-        """After a decoding step's forward pass: wait once for its staged copies; a full ring
-        goes to its jobs."""
+        """After a decoding step's forward pass: its staged rows count. On a GPU the copies may
+        still be in flight; nothing waits for them here. The step's tokens, read on the host next
+        (`synced`), complete them on their device's stream; a ring is read only after that, or
+        after `_wait`. (A full ring goes to its jobs before the next pass, in `settle`.)"""
         written, self._written = self._written, []
-        if not written:
-            return
-        devices = {ring.where.device for key in written if (ring := self._rings[key]).pinned}
-        for device in devices:  # one per GPU the staged modules ran on (a device map may use several)
-            torch.cuda.current_stream(device).synchronize()
         for key in written:
             ring = self._rings[key]
             ring.count += 1
-            if ring.full:
-                self._drain_ring(key, ring, {})
+            if ring.pinned:
+                self._in_flight.add(ring.where.device)
+
+    def synced(self, device: torch.device) -> None:
+        """The host has read a value that `device`'s stream computed after this step's staged
+        copies (the step's tokens): those copies are complete, with no wait of their own."""
+        self._in_flight.discard(device)
+
+    def _wait(self) -> None:
+        """Before reading a ring on the host: staged copies not known complete (a device map's
+        other GPUs) are waited for, once per device."""
+        for device in self._in_flight:
+            torch.cuda.current_stream(device).synchronize()
+        self._in_flight.clear()
 
     def drain(
         self, only: set[int] | None = None, batch: list[JobCapture | None] | None = None
@@ -628,6 +643,7 @@ class BatchHooks:
             return
         position = {old: new for new, old in enumerate(keep)}
         device = home_device(self.model)
+        self._wait()  # the staged steps are copied on the host below
         plans = []
         for ring in self._rings.values():  # every new state first: allocation may fail
             kept = [at for at, index in enumerate(ring.targets) if index in position]
@@ -647,6 +663,7 @@ class BatchHooks:
         self, key: tuple[str, str], ring: _Ring, failed: dict[int, JobFailure], only: set[int] | None = None
     ) -> None:
         """Never raises: a job that cannot take its rows fails (its capture's `failure`)."""
+        self._wait()
         block, since = ring.steps(), list(ring.since)
         if only is None:
             ring.count, ring.since = 0, [0] * len(ring.targets)
@@ -673,6 +690,7 @@ class BatchHooks:
         for ring in self._rings.values():
             ring.count, ring.since = 0, [0] * len(ring.targets)
         self._written = []
+        self._wait()  # nothing may still be copying into the slots the next steps reuse
 
 
 @dataclass

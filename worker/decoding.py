@@ -532,6 +532,7 @@ class Decoder:
             for i in live:
                 rows[i].failure, rows[i].ended = failure, "failed"
             return
+        self.hooks.synced(logits.device)  # the tokens' read waited for this step's staged copies too
         scored = [i for i in live if rows[i].scores is not None and rows[i].ended is None]
         if scored:
             try:

@@ -326,3 +326,23 @@ def test_long_prompts_fed_in_chunks_beside_a_running_batch_each_get_their_solo_r
         if req.logprobs:
             assert got.scores.top_ids == want.scores.top_ids
             assert max(abs(a - b) for a, b in zip(got.scores.values, want.scores.values, strict=True)) < 1e-4
+
+
+def test_rings_that_fill_many_times_hand_every_step_to_its_job(engine, monkeypatch):
+    """Staging rings of 3 steps: a full ring goes to its jobs before the next pass needs its slot,
+    across joins and leaves, so each job still gets exactly its solo rows."""
+    import worker.capture
+
+    generated = {**CAPTURE, "positions": "generated"}
+    jobs = [
+        job(QUESTIONS[0], 11, generated),
+        job(QUESTIONS[1], 7, CAPTURE),
+        job(QUESTIONS[2], 13, {**generated, "reduce": "mean"}),
+        job(QUESTIONS[3], 9, generated),
+    ]
+    alone = [solo(engine, req, n) for req, n in jobs]  # default rings (32 steps): none fills
+    monkeypatch.setattr(worker.capture, "STAGED_STEPS", 3)
+    batched, largest = run_batched(engine, jobs, join_at=[0, 1, 1, 4])
+    assert largest == 4
+    for i, (got, want) in enumerate(zip(batched, alone, strict=True)):
+        assert_same(got, want, f"job {i}")
