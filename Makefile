@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.actq-installed
 
-.PHONY: install run test test-fast lint format browser bench bench-storage bench-api bench-long-polls clean
+.PHONY: install run test test-fast lint format browser bench bench-storage bench-api bench-long-polls bench-gpu clean
 
 install: $(STAMP)
 
@@ -56,6 +56,10 @@ bench-storage: $(STAMP)
 
 bench-long-polls: $(STAMP)
 	$(BIN)/python bench/bench_long_polls.py --waiters 1000
+
+# The GPU table (HF generate vs actq, without and with a capture, batch 1-64); needs CUDA.
+bench-gpu: $(STAMP)
+	$(BIN)/python bench/bench_gpu.py
 
 # wrk (Debian's package) is the load generator; installed when this machine allows it.
 bench-api: $(STAMP)

@@ -9,7 +9,7 @@ captured rows out of the model's values (`aten::index_select`: one per captured 
 per step, each followed on a GPU by one non-blocking copy to the host) and all operator calls.
 Times are means over `--steps` steps (captured rows reach the jobs every 32 steps), `generate`'s
 as (N tokens - 1 token) / (N - 1). Counts come from the torch profiler, host reads from a torch
-function mode.
+function mode (tests/support/host_reads.py).
 
     .venv/bin/python bench/bench_step.py                      # CPU, the tiny model
     .venv/bin/python bench/bench_step.py --device cuda --dtype bfloat16 --hidden 896 --layers 24
@@ -26,7 +26,6 @@ import time
 from pathlib import Path
 
 import torch
-from torch.overrides import TorchFunctionMode
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, from a checkout
@@ -65,24 +64,6 @@ def build_model(folder: Path, hidden: int, layers: int) -> Path:
     return folder
 
 
-READS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__", "nonzero"}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts reads of a tensor's values into Python (`.tolist()`, `.item()`, `int(t)`, `bool(t)`,
-    ...): on a GPU each one waits for the device. The CPU profiler sees only some of them
-    (`aten::_local_scalar_dense`), so the bench counts them at the Python boundary."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in READS:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-
 def counts(prof) -> tuple[int, int, int]:
     syncs = copies = ops = 0
     for event in prof.key_averages():
@@ -105,6 +86,7 @@ def prompts(batch: int) -> list[str]:
 def engine_arm(engine, batch: int, points: int, steps: int, sample: bool) -> dict:
     from shared.capture_spec import resolve
     from shared.schemas import CaptureSpec, JobRequest
+    from tests.support.host_reads import HostReads
 
     modules = [m.path for m in engine.info.modules if m.output_dim is not None and m.all_positions][:points]
     spec = CaptureSpec(modules=modules, positions="generated") if points else None
@@ -145,6 +127,8 @@ def engine_arm(engine, batch: int, points: int, steps: int, sample: bool) -> dic
 
 
 def generate_arm(engine, batch: int, steps: int, sample: bool) -> dict:
+    from tests.support.host_reads import HostReads
+
     tokenizer, model = engine.tokenizer, engine.hf
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)

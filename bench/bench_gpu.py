@@ -1,0 +1,247 @@
+"""The GPU table: Hugging Face `generate` beside actq's engine, without and with a capture, per batch size.
+
+The model has Qwen2-0.5B's shape (Qwen2ForCausalLM: hidden 896, 24 layers, 14 attention heads / 2
+key-value heads, intermediate 4864, vocabulary 151936, tied embeddings), built from a config with
+random weights, in bfloat16 on cuda, with SmolLM2's tokenizer (ids past its 49,152 decode to no
+text; the text is not the point). The prompts are GSM8K questions read from --gsm8k (a JSONL file in
+GSM8K's format) or made-up ones in its style (shared/cli/gsm8k/synthetic.py), each as one zero-shot
+user turn; every row generates exactly --max-tokens greedy tokens (no end-of-sequence stop). Per
+batch size, medians over --repeats (the arms interleaved), in generated tokens per second from the
+prompts' submission to the results on the host:
+
+  generate       HF `generate` on the batch at once, left-padded
+  actq           the same prompts as jobs of actq's scheduler in process (bench/bench_overhead.py's
+                 `engine` arm; no Redis, no API), each job's result finished (text, tensors)
+  capture        the same, each job capturing the residual stream of every layer (the `residual`
+                 preset) at generated positions, in the model's dtype
+  actq/generate, capture/actq   the ratios
+
+    .venv/bin/python bench/bench_gpu.py [--batches 1 2 4 8 16 32 64] [--max-tokens 128] [--repeats 3]
+                                        [--dtype bfloat16] [--gsm8k test.jsonl] [--json out.json]
+    .venv/bin/python bench/bench_gpu.py --allow-cpu    # without CUDA: a smoke run; its figures mean nothing
+
+Without CUDA, --allow-cpu runs the same code on the CPU on a tiny model of the same family (2 layers,
+hidden 64, float32), at batches 1 and 2, 8 tokens, one repeat (unless told otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # shared, worker, from a checkout
+
+QWEN2_05B = {
+    "hidden_size": 896,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "intermediate_size": 4864,
+    "vocab_size": 151936,
+}
+SMOKE = {
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "intermediate_size": 128,
+}
+
+
+def build_model(folder: Path, shape: dict, dtype: str) -> Path:
+    """A random-weight Qwen2 of `shape` in `folder`, with SmolLM2's tokenizer (no download)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    from shared.settings import Settings
+    from worker.models import ensure_smollm2
+
+    tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2(Settings().model_cache_dir), local_files_only=True)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    config = Qwen2Config(
+        **{"vocab_size": len(tokenizer), **shape},
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=pad,
+    )
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(getattr(torch, dtype)).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def chats(source: Path | None, count: int) -> list[list[dict[str, str]]]:
+    """`count` zero-shot GSM8K chats: the file's questions (cycled), or synthetic ones."""
+    from shared.cli.gsm8k import data
+
+    problems = data.load(str(source)) if source is not None else data.load("synthetic")
+    return [data.messages(problems[i % len(problems)], "zero-shot") for i in range(count)]
+
+
+def generate_arm(engine, batch: list[list[dict[str, str]]], max_tokens: int, sync: Callable[[], None]):
+    """(seconds, generated tokens) of one left-padded HF `generate` over the batch."""
+    tokenizer, model = engine.tokenizer, engine.hf
+    texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in batch]
+    tokenizer.padding_side = "left"
+    inputs = tokenizer(texts, return_tensors="pt", padding=True).to(engine.loaded.device)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    with torch.inference_mode():
+        sync()
+        started = time.perf_counter()
+        out = model.generate(
+            **inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad
+        )
+        sync()
+        elapsed = time.perf_counter() - started
+    return elapsed, (out.shape[1] - inputs["input_ids"].shape[1]) * len(batch)
+
+
+def engine_arm(engine, batch: list[list[dict[str, str]]], max_tokens: int, capture: dict | None, sync):
+    """(seconds, generated tokens) of the batch as jobs of the scheduler in process, from their
+    submission to every job's finished result (its text and captured tensors on the host)."""
+    from shared.capture_spec import resolve
+    from shared.schemas import JobRequest
+    from worker.scheduler import Entry, Scheduler
+
+    requests = [JobRequest.model_validate({"model": "m", "messages": c, "capture": capture}) for c in batch]
+    spec = requests[0].capture  # the same for every job
+    points = resolve(spec, engine.info) if spec is not None else []
+    seqs = [engine.prepare(request, points, max_tokens) for request in requests]
+    outcomes: dict[int, object] = {}
+    done = threading.Event()
+
+    def entry(i: int) -> Entry:
+        def answer(outcome: object) -> None:
+            outcomes[i] = outcome
+            if len(outcomes) == len(seqs):
+                done.set()
+
+        return Entry(seq=seqs[i], done=answer)
+
+    scheduler = Scheduler(engine, max_batch=len(seqs))
+    sync()
+    started = time.perf_counter()
+    for i in range(len(seqs)):
+        scheduler.submit(entry(i))
+    scheduler.start()
+    try:
+        done.wait()
+        failed = [outcome for outcome in outcomes.values() if isinstance(outcome, Exception)]
+        if failed:
+            raise failed[0]
+        results = [engine.finish(outcomes[i], request) for i, request in enumerate(requests)]
+        sync()
+        elapsed = time.perf_counter() - started
+    finally:
+        scheduler.stop()
+    if any(len(result.captured) != len(points) for result in results):
+        raise RuntimeError("a job came back without its captured tensors")
+    return elapsed, sum(result.completion_tokens for result in results)
+
+
+def median_rate(runs: list[tuple[float, int]]) -> float:
+    return statistics.median(tokens / seconds for seconds, tokens in runs)
+
+
+def table(engine, prompts, batches: list[int], max_tokens: int, repeats: int, dtype: str, sync) -> list[dict]:
+    """Print and return one row per batch size: each arm's median tokens/s and the ratios."""
+    capture = {"preset": "residual", "positions": "generated", "dtype": dtype}
+    arms = {
+        "generate": lambda batch, n: generate_arm(engine, batch, n, sync),
+        "actq": lambda batch, n: engine_arm(engine, batch, n, None, sync),
+        "capture": lambda batch, n: engine_arm(engine, batch, n, capture, sync),
+    }
+    for warm in arms.values():  # kernels, the allocator, a first scheduler thread
+        warm(prompts[:2], 4)
+    print(
+        f"{'batch':>6}{'generate tok/s':>16}{'actq tok/s':>12}{'capture tok/s':>15}{'actq/generate':>15}{'capture/actq':>14}",
+        flush=True,
+    )
+    rows = []
+    for size in batches:
+        runs: dict[str, list[tuple[float, int]]] = {arm: [] for arm in arms}
+        for _ in range(repeats):
+            for arm, run in arms.items():  # interleaved: drift hits every arm alike
+                runs[arm].append(run(prompts[:size], max_tokens))
+        rate = {arm: median_rate(arm_runs) for arm, arm_runs in runs.items()}
+        row = {
+            "batch": size,
+            **rate,
+            "actq_over_generate": rate["actq"] / rate["generate"],
+            "capture_over_actq": rate["capture"] / rate["actq"],
+            "runs": runs,
+        }
+        rows.append(row)
+        print(
+            f"{size:>6}{rate['generate']:>16.1f}{rate['actq']:>12.1f}{rate['capture']:>15.1f}"
+            f"{row['actq_over_generate']:>15.2f}{row['capture_over_actq']:>14.2f}",
+            flush=True,
+        )
+    return rows
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, nargs="+", help="default 1 2 4 8 16 32 64 (smoke: 1 2)")
+    parser.add_argument("--max-tokens", type=int, help="new tokens per row; default 128 (smoke: 8)")
+    parser.add_argument("--repeats", type=int, help="runs per arm and batch, the median reported; default 3 (smoke: 1)")
+    parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default bfloat16 (smoke: float32)")
+    parser.add_argument("--gsm8k", type=Path, help="a GSM8K JSONL file to take the questions from (else synthetic)")
+    parser.add_argument("--json", type=Path, help="also write the table and every run here")
+    parser.add_argument("--allow-cpu", action="store_true", help="without CUDA, a smoke run on the CPU (tiny model)")
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.allow_cpu:
+        print("bench_gpu.py needs CUDA (or --allow-cpu for a smoke run)", file=sys.stderr)
+        return 2
+    smoke = not cuda
+    batches = args.batches or ([1, 2] if smoke else [1, 2, 4, 8, 16, 32, 64])
+    max_tokens = args.max_tokens or (8 if smoke else 128)
+    repeats = args.repeats or (1 if smoke else 3)
+    dtype = args.dtype or ("float32" if smoke else "bfloat16")
+    device = "cpu" if smoke else "cuda"
+    if smoke:
+        torch.set_num_threads(1)
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+
+    from shared.settings import Settings
+    from worker.engine import CaptureEngine
+    from worker.models import load
+
+    shape = SMOKE if smoke else QWEN2_05B
+    with tempfile.TemporaryDirectory(prefix="actq-bench-gpu-") as tmp:
+        folder = build_model(Path(tmp) / "model", shape, dtype)
+        engine = CaptureEngine(load(Settings(model=str(folder), model_name="m", device=device, dtype=dtype)))
+        engine.hf.generation_config.eos_token_id = None  # a random model: every row generates max_tokens
+        name = torch.cuda.get_device_name() if cuda else "CPU (smoke run: the figures mean nothing)"
+        parameters = sum(p.numel() for p in engine.hf.parameters())
+        print(f"command: {' '.join([sys.executable, *sys.argv])}")
+        print(
+            f"device: {name}; {dtype}; model: {'tiny Qwen2' if smoke else 'Qwen2-0.5B shape'}, random weights, "
+            f"{parameters / 1e6:.1f}M parameters; {max_tokens} greedy new tokens a row; "
+            f"prompts: {args.gsm8k or 'synthetic GSM8K-style'}; capture: the residual stream of "
+            f"{len(engine.info.presets['residual'])} layers at generated positions; medians of {repeats}",
+            flush=True,
+        )
+        rows = table(engine, chats(args.gsm8k, max(batches)), batches, max_tokens, repeats, dtype, sync)
+    if args.json:
+        report = {"device": name, "dtype": dtype, "shape": shape, "max_tokens": max_tokens, "rows": rows}
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
