@@ -9,6 +9,8 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +34,7 @@ log = get_task_logger(__name__)
 log.setLevel(logging.INFO)
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
 _finisher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actq-finish")
-_preparer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="actq-prepare")  # one: jobs join in order
+CLAIM_BATCH = 64  # the most delivered jobs claimed in one Redis transaction
 
 
 class NotRun(Exception):
@@ -55,11 +57,69 @@ Reply = Callable[[str, str], None]
 def submit(job_id: str, reply: Reply, started: Callable[[str], None] = lambda _: None) -> None:
     """Queue `job_id` for the engine thread. `started(job_id)` is called when it joins a batch and
     `reply(job_id, outcome)` once it is over; neither blocks."""
-    _preparer.submit(_prepare, runtime.get(), job_id, reply, started)
+    _preparer.put((job_id, reply, started))
 
 
-def _prepare(rt: runtime.Runtime, job_id: str, reply: Reply, started: Callable[[str], None]) -> None:
-    """Claim and tokenize `job_id` (on the preparing thread), then hand it to the engine thread."""
+class _Preparer:
+    """One thread of its own (jobs join in the order they came) that claims every job delivered
+    meanwhile in one Redis transaction, then tokenizes each and hands it to the engine thread: a
+    burst of deliveries joins the running batch together instead of one round trip apart."""
+
+    def __init__(self) -> None:
+        self._waiting: queue.SimpleQueue[tuple[str, Reply, Callable[[str], None]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def put(self, item: tuple[str, Reply, Callable[[str], None]]) -> None:
+        self._waiting.put(item)
+        with self._lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._loop, name="actq-prepare", daemon=True)
+                self._thread.start()
+
+    def _loop(self) -> None:
+        later = None  # a second delivery of a job in the batch: claimed after it, as before
+        while True:
+            batch = [later or self._waiting.get()]
+            later = None
+            while len(batch) < CLAIM_BATCH:
+                try:
+                    item = self._waiting.get_nowait()
+                except queue.Empty:
+                    break
+                if any(item[0] == other[0] for other in batch):
+                    later = item
+                    break
+                batch.append(item)
+            try:
+                _prepare_many(runtime.get(), batch)
+            except Exception:  # this thread must outlive any one batch (each job was answered)
+                log.exception("preparing %d jobs failed", len(batch))
+
+
+_preparer = _Preparer()
+
+
+def _prepare_many(rt: runtime.Runtime, batch: list[tuple[str, Reply, Callable[[str], None]]]) -> None:
+    """Claim the jobs of `batch` together, then prepare each in order."""
+    try:
+        claims: dict[str, Any] = rt.jobs.claim_many(
+            [job_id for job_id, _, _ in batch], rt.worker_id, rt.settings.max_attempts
+        )
+    except Exception as exc:  # noqa: BLE001 - Redis stayed away: every job's outcome (_finish answers "redis")
+        claims = {job_id: exc for job_id, _, _ in batch}
+    for job_id, reply, started in batch:
+        _prepare(rt, job_id, reply, started, claims[job_id])
+
+
+def _prepare(
+    rt: runtime.Runtime,
+    job_id: str,
+    reply: Reply,
+    started: Callable[[str], None],
+    claim: tuple[JobRecord | None, str] | Exception,
+) -> None:
+    """Tokenize the claimed `job_id`, then hand it to the engine thread (or answer why not)."""
     holder: dict[str, Any] = {}
 
     def done(outcome: Sequence | Exception) -> None:
@@ -71,7 +131,9 @@ def _prepare(rt: runtime.Runtime, job_id: str, reply: Reply, started: Callable[[
         started(job_id)
 
     try:
-        record, why = rt.jobs.claim(job_id, rt.worker_id, rt.settings.max_attempts)
+        if isinstance(claim, Exception):
+            raise claim
+        record, why = claim
         if record is None:
             raise NotRun(why)
         holder["record"], holder["started"] = record, time.perf_counter()

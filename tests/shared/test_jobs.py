@@ -106,6 +106,56 @@ def test_failures_are_stored_with_their_type_and_a_cancel_ends_cancelled(store, 
     assert store.queue_depth("m") == 0
 
 
+def calls(redis_client, command: str) -> int:
+    return int(redis_client.info("commandstats").get(f"cmdstat_{command}", {}).get("calls", 0))
+
+
+def test_jobs_delivered_together_are_claimed_in_one_transaction(store, celery, redis_client):
+    """Each job gets what `claim` alone would give it, in one WATCH, one MGET and one EXEC."""
+    queued = [new_job(store, celery, owner="k1") for _ in range(3)]
+    done = new_job(store, celery)
+    store.claim(done, "w0", 3)
+    store.succeed(done, RESULT, None)
+    tired = new_job(store, celery)
+    for attempt in (1, 2):
+        store.claim(tired, f"w{attempt}", 2)
+    unknown = str(uuid.uuid4())
+    before = {command: calls(redis_client, command) for command in ("watch", "mget", "exec")}
+    claimed = store.claim_many([*queued, done, tired, unknown], "w9", max_attempts=2)
+    assert {command: calls(redis_client, command) - n for command, n in before.items()} == {
+        "watch": 1,
+        "mget": 1,
+        "exec": 1,
+    }
+    for job_id in queued:
+        running, why = claimed[job_id]
+        assert why == "claimed" and running.status is JobStatus.running and running.worker == "w9"
+        assert running.attempts == 1 and store.get(job_id) == running
+    assert claimed[done] == (None, "already succeeded") and store.get(done).status is JobStatus.succeeded
+    assert claimed[tired] == (None, "too many attempts") and store.get(tired).error.type == "worker_lost"
+    assert claimed[unknown] == (None, "unknown job")
+    assert store.queue_depth("m") == 0 and redis_client.zcard(keys.jobs_status_index("k1", "running")) == 3
+    with pytest.raises(ValueError, match="appears twice"):
+        store.claim_many([queued[0], queued[0]], "w", 3)
+
+
+def test_a_change_to_any_job_meanwhile_retries_the_whole_transaction(store, celery, redis_client):
+    ids = [new_job(store, celery) for _ in range(3)]
+    seen: list[str] = []
+
+    def change(old: JobRecord) -> JobRecord:
+        if not seen:  # another client writes one of the watched records mid-transaction, once
+            other = store.get(ids[2]).model_copy(update={"worker": "other"})
+            redis_client.set(keys.job(ids[2]), other.model_dump_json(), keepttl=True)
+        seen.append(old.id)
+        return old.model_copy(update={"attempts": old.attempts + 1})
+
+    written = store.update_many(ids, change)
+    assert len(seen) == 6  # every change applied twice: the first EXEC was refused
+    assert {job_id: record.attempts for job_id, record in written.items()} == dict.fromkeys(ids, 1)
+    assert store.get(ids[2]).worker == "other" and store.get(ids[2]).attempts == 1
+
+
 def test_redelivery_counts_attempts_then_gives_up(store, celery):
     job_id = new_job(store, celery)
     for attempt in (1, 2):
