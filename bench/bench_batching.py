@@ -11,7 +11,7 @@ the speedup over batch 1, and capture's cost (time with capture / time without, 
 Needs ../shared/data/gsm8k/test.jsonl (beside the repository); exits cleanly when it is absent.
 
     python bench/bench_batching.py [--problems 64] [--max-tokens 128] [--batches 1,4,8,16,32]
-                                   [--repeats 1] [--json out.json]
+                                   [--repeats 1] [--json out.json] [--ceiling]
 """
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ def main() -> int:
     parser.add_argument("--batches", default="1,4,8,16,32")
     parser.add_argument("--repeats", type=int, default=1, help="timed runs per arm (the median is reported)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--ceiling", action="store_true", help="also plain HF generate in process at each batch size (no actq)"
+    )
     args = parser.parse_args()
     if not DATA.exists():
         print(f"skipped: {DATA} is absent (the GSM8K test split beside the repository)")
@@ -117,9 +120,53 @@ def main() -> int:
         print(
             f"{batch:>9} | {cap['tokens_per_second']:16.1f} | {speedup:9.2f} | {plain['tokens_per_second']:14.1f} | {cost:.3f}"
         )
+    if args.ceiling:
+        results["ceiling"] = ceiling(problems, batches, args.max_tokens)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
+
+
+def ceiling(problems: list, batches: list[int], max_tokens: int) -> dict[int, float]:
+    """What the hardware gives batching, without actq: plain HF `generate` in this process on the
+    same model and prompts, every row generating `max_tokens` (no end-of-sequence stop), one
+    left-padded call per batch of B prompts (B=1: four calls); tokens/s per B and its ratio to B=1."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from shared.cli.gsm8k import data as gsm8k
+    from shared.settings import Settings
+    from worker.models import resolve_source
+
+    source = resolve_source(Settings())
+    tokenizer = AutoTokenizer.from_pretrained(source, padding_side="left")
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32).eval()
+    texts = [
+        tokenizer.apply_chat_template(gsm8k.messages(p, "zero-shot"), add_generation_prompt=True, tokenize=False)
+        for p in problems
+    ]
+    rates: dict[int, float] = {}
+    for batch in batches:
+        prompts = texts[: 4 if batch == 1 else batch]
+        calls = [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
+        started, tokens = time.perf_counter(), 0
+        for chunk in calls:
+            inputs = tokenizer(chunk, return_tensors="pt", padding=True, add_special_tokens=False)
+            with torch.inference_mode():
+                model.generate(
+                    **inputs,
+                    max_new_tokens=max_tokens,
+                    min_new_tokens=max_tokens,
+                    do_sample=False,
+                    pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+                )
+            tokens += max_tokens * len(chunk)
+        rates[batch] = tokens / (time.perf_counter() - started)
+    print("\nceiling: plain HF generate in process (no actq), every row generating --max-tokens")
+    print("    batch | tokens/s | x batch 1")
+    for batch, rate in rates.items():
+        print(f"{batch:>9} | {rate:8.1f} | {rate / rates[batches[0]]:9.2f}")
+    return rates
 
 
 if __name__ == "__main__":
