@@ -18,6 +18,7 @@ Nothing here is imported by the API or the worker, and nothing here imports them
 
 from __future__ import annotations
 
+import signal
 import sys
 
 import typer
@@ -29,6 +30,9 @@ def main() -> None:
     """The `actq` console script: what the user must fix is one line on stderr and exit code 2."""
     from shared.cli.app import cli
 
+    # A shell without job control (a script, CI) starts a background command with SIGINT ignored,
+    # and Python then leaves it ignored: `kill -INT` would not stop `actq serve` or a bulk run.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         cli()
     except (ToolError, ConfigurationError) as exc:

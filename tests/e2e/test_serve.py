@@ -24,8 +24,10 @@ def start(data: Path, model: Path, port: int, log: Path) -> subprocess.Popen[byt
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACTQ_")}
     env["ACTQ_REDIS_URL"] = "redis://127.0.0.1:1/0"  # someone else's Redis: serve must not use it
     cmd = [sys.executable, "-m", "shared.cli", "serve", "--port", str(port), "--data-dir", str(data)]
+    # as a script or CI starts it in the background: SIGINT arrives ignored, and Ctrl-C must still stop it
+    shell = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *cmd, "--model", str(model)]
     with open(log, "ab") as out:
-        return subprocess.Popen([*cmd, "--model", str(model)], env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(shell, env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def wait_serving(base: str, process: subprocess.Popen[bytes], log: Path, timeout: float = 180) -> None:
