@@ -429,8 +429,8 @@ class BatchHooks:
 
     At a decoding step (`use(..., decoding=True)`: one new position per sequence) the work does not
     grow with the batch: per (module, hook), one gather of the rows the batch keeps into a slot of
-    its staging ring (host memory, pinned on a GPU, written `non_blocking`), synchronised once after
-    the forward pass (`flush`). A ring holds up to STAGED_STEPS steps and at most RING_BYTES; its
+    its staging ring (host memory, pinned on a GPU, written `non_blocking` and completed by the
+    step's own transfer of its tokens: see `flush`). A ring holds up to STAGED_STEPS steps and at most RING_BYTES; its
     rows are handed to the jobs when it is full, when a job ends or the batch otherwise changes
     (`drain`): one copy per job and point for all those steps. Jobs that join at the end of the
     batch become more targets of the same rings (room for twice the rows is allocated), so a join
@@ -597,9 +597,9 @@ class BatchHooks:
         written, self._written = self._written, []
         for key in written:
             ring = self._rings[key]
-            ring.count += 1
-            if ring.pinned:
-                self._in_flight.add(ring.where.device)
+            ring.count += 1  # no tensor is touched here: nothing can fail half-way
+            if ring.pinned and ring.device is not None:
+                self._in_flight.add(ring.device)
 
     def synced(self, device: torch.device) -> None:
         """The host has read a value that `device`'s stream computed after this step's staged
@@ -703,6 +703,8 @@ class _Ring:
     buffer: torch.Tensor | None = None  # [slots, room for targets, W]
     count: int = 0
     since: list[int] = field(default_factory=list)  # per target: its first staged slot (joined later)
+    pinned: bool = False  # the buffer is pinned: its copies run on `device`'s stream (a GPU)
+    device: torch.device | None = None  # where the module's rows are (known once a step was staged)
 
     def __post_init__(self) -> None:
         self.since = self.since or [0] * len(self.targets)
@@ -710,10 +712,6 @@ class _Ring:
     @property
     def full(self) -> bool:
         return self.buffer is not None and self.count >= self.buffer.shape[0]
-
-    @property
-    def pinned(self) -> bool:
-        return self.buffer is not None and self.buffer.is_pinned()
 
     def stage(self, rows: torch.Tensor) -> None:
         """Gather this step's kept rows of `rows` `[B, W]` into the next slot."""
@@ -723,6 +721,7 @@ class _Ring:
             slots = max(1, min(STAGED_STEPS, RING_BYTES // max(1, room * width * item)))
             cuda = rows.device.type == "cuda"
             self.buffer = torch.empty((slots, room, width), dtype=rows.dtype, pin_memory=cuda)
+            self.pinned, self.device = cuda, rows.device
             self.count = 0
             self.since = [0] * len(self.targets)
         slot = self.buffer[self.count, : len(self.targets)]

@@ -527,12 +527,12 @@ class Decoder:
             return
         try:
             tokens = self._choose(rows, logits, live, ids_of or self._row_ids)
+            self.hooks.synced(logits.device)  # the tokens' read waited for this step's staged copies too
         except Exception as exc:  # noqa: BLE001 - the batch's argmax failed: the rows it served fail
             failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
             for i in live:
                 rows[i].failure, rows[i].ended = failure, "failed"
             return
-        self.hooks.synced(logits.device)  # the tokens' read waited for this step's staged copies too
         scored = [i for i in live if rows[i].scores is not None and rows[i].ended is None]
         if scored:
             try:
