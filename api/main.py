@@ -7,7 +7,7 @@ from fastapi import FastAPI
 from api import errors
 from api.deps import build_services
 from api.limits import BodyLimit
-from api.routes import activations, docs, health, jobs, metrics, models, openai
+from api.routes import activations, docs, health, jobs, metrics, models, openai, vectors
 from shared.settings import Settings, get_settings
 
 
@@ -23,7 +23,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         openapi_url="/openapi.json" if open_docs else None,
     )
     app.state.services = build_services(settings)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes)
+    uploads = {"/vectors": max(settings.max_request_bytes, settings.vector_max_bytes)}
+    app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, paths=uploads)
     errors.install(app)
     app.include_router(jobs.router)
     app.include_router(activations.router)
@@ -31,6 +32,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(openai.router)
+    app.include_router(vectors.router)
     if not open_docs:
         app.include_router(docs.router)
     return app

@@ -5,14 +5,18 @@
     │   ├── CaptureSpecError   (422)  a capture path, hook or position is invalid
     │   ├── CaptureTooLarge    (422)  the estimated capture exceeds the budget
     │   ├── JobTooLarge        (422)  the worker memory a job needs exceeds the budget
-    │   └── PromptTooLong      (422)  the prompt cannot fit the model's context (context_length_exceeded)
+    │   ├── PromptTooLong      (422)  the prompt cannot fit the model's context (context_length_exceeded)
+    │   └── InvalidVectors     (422)  an uploaded vector set is not a usable safetensors file
     ├── Unauthorized           (401)  a missing or wrong API key
     ├── Forbidden              (403)  a valid key that may not do this (operator-only)
     ├── UnknownModel           (404)  no worker has ever served this model
     ├── JobNotFound            (404)
     ├── TensorNotFound         (404)  the job exists; the tensor name does not
+    ├── VectorSetNotFound      (404)  no such vector set, or another key's (never told apart)
+    ├── PayloadTooLarge        (413)  an upload over its size limit (ACTQ_VECTOR_MAX_BYTES)
     ├── Conflict               (409)  e.g. an Idempotency-Key reused for another request
     ├── Busy                   (429)  a capacity limit (long polls per process); carries Retry-After
+    │   └── TooManyVectorSets  (429)  an API key holds ACTQ_MAX_VECTOR_SETS_PER_KEY vector sets
     ├── NotReady               (409)  e.g. activations of a job that has not succeeded
     ├── JobFailure                    how a job ended badly; stored on the job as {type, message}
     │   ├── ContextLengthExceeded     context_length_exceeded
@@ -51,6 +55,10 @@ class CaptureSpecError(BadRequest):
     error_type = "invalid_capture"
 
 
+class InterventionError(BadRequest):
+    error_type = "invalid_intervention"
+
+
 class CaptureTooLarge(BadRequest):
     error_type = "capture_too_large"
 
@@ -65,6 +73,10 @@ class PromptTooLong(BadRequest):
 
 class NoChatTemplate(BadRequest):
     error_type = "no_chat_template"
+
+
+class InvalidVectors(BadRequest):
+    error_type = "invalid_vectors"
 
 
 class Unauthorized(ActqError):
@@ -92,6 +104,18 @@ class TensorNotFound(ActqError):
     error_type = "tensor_not_found"
 
 
+class VectorSetNotFound(ActqError):
+    """Also another API key's set: the same answer, so a set's existence is never disclosed."""
+
+    status_code = 404
+    error_type = "vector_set_not_found"
+
+
+class PayloadTooLarge(ActqError):
+    status_code = 413
+    error_type = "payload_too_large"
+
+
 class Conflict(ActqError):
     status_code = 409
     error_type = "conflict"
@@ -111,6 +135,16 @@ class Busy(ActqError):
     def __init__(self, message: str, retry_after: int) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class TooManyVectorSets(Busy):
+    """An API key's vector sets at ACTQ_MAX_VECTOR_SETS_PER_KEY: room comes only from deleting
+    some (sets never expire), so Retry-After is long."""
+
+    error_type = "too_many_vector_sets"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, retry_after=60)
 
 
 class JobFailure(ActqError):

@@ -108,3 +108,14 @@ def quota(owner: str | None) -> str:
 def quota_held(owner: str | None) -> str:
     """Hash of those jobs' ids -> estimated capture bytes: each is released exactly once."""
     return f"{PREFIX}:quota:{owner or '_'}:held"
+
+
+def vector_set(vector_id: str) -> str:
+    """The JSON VectorSet record of one uploaded vector set (no TTL: kept until deleted)."""
+    return f"{PREFIX}:vector-set:{vector_id}"
+
+
+def vector_sets_index(owner: str | None) -> str:
+    """Sorted set of one API key's vector sets (`_`: callers without keys), by creation time:
+    GET /vectors, and the count checked against ACTQ_MAX_VECTOR_SETS_PER_KEY."""
+    return f"{PREFIX}:vector-sets:{owner or '_'}"

@@ -113,6 +113,17 @@ class Settings(BaseSettings):
         ge=1024,
         description="Largest request body the API reads (413 above it, before parsing); bounds per-request work.",
     )
+    vector_max_bytes: int = Field(
+        64 << 20,
+        ge=1024,
+        description="Largest vector set file POST /vectors accepts (413 above it, refused before it is all read).",
+    )
+    max_vector_sets_per_key: int = Field(
+        1000,
+        ge=0,
+        description="Vector sets one API key (all callers together when keys are off) may keep; 429 beyond, "
+        "nothing stored (0: no limit).",
+    )
     max_tokens_limit: int = Field(1024, ge=1, description="Largest `max_tokens` a request may ask for.")
     default_max_tokens: int = Field(
         256, ge=1, description="`max_tokens` when a request gives none (capped at ACTQ_MAX_TOKENS_LIMIT)."
