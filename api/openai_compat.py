@@ -30,10 +30,21 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from api.errors import where
 from api.presenters import view
-from shared.errors import ActqError, BadRequest, Busy, CaptureSpecError, CaptureTooLarge, NotReady, UnknownModel
+from shared.errors import (
+    ActqError,
+    BadRequest,
+    Busy,
+    CaptureSpecError,
+    CaptureTooLarge,
+    InterventionError,
+    NotReady,
+    UnknownModel,
+)
+from shared.interventions import EditReport, Intervention
 from shared.schemas import (
     MAX_TOP_LOGPROBS,
     ActivationsManifest,
+    BaselineResult,
     CaptureSpec,
     JobRecord,
     JobRequest,
@@ -125,6 +136,7 @@ def from_actq(exc: ActqError) -> OpenAIError:
         return OpenAIError(404, exc.message, "model_not_found", param="model")
     if isinstance(exc, BadRequest):  # 422 under /jobs; OpenAI's clients expect 400 for a bad request
         param = "capture" if isinstance(exc, (CaptureSpecError, CaptureTooLarge)) else None
+        param = "interventions" if isinstance(exc, InterventionError) else param
         return OpenAIError(400, exc.message, exc.error_type, param=param)
     if isinstance(exc, Busy):  # nothing was queued: the client's own retry (after Retry-After) is right
         return OpenAIError(429, exc.message, "rate_limit_exceeded", retry_after=exc.retry_after)
@@ -169,6 +181,8 @@ class _GenerationRequest(BaseModel):
     seed: int | None = None
     stop: str | list[str] | None = None
     capture: CaptureSpec | None = None
+    interventions: list[Intervention] | None = None  # README "Interventions": the same as POST /jobs
+    baseline: bool = False
     actq_wait_seconds: Annotated[float, Field(gt=0, le=WAIT_MAX_SECONDS)] = WAIT_DEFAULT_SECONDS
     # Accepted only with a value actq honours (see UNSUPPORTED)
     n: int | None = None
@@ -364,6 +378,8 @@ def to_job_request(body: ChatCompletionRequest) -> JobRequest:
         "seed": body.seed,
         "stop": body.stop,
         "capture": body.capture,
+        "interventions": body.interventions,
+        "baseline": body.baseline,
         **logprobs,
     }
     return _job_request(fields)
@@ -476,7 +492,13 @@ def completion_job_request(body: CompletionRequest) -> JobRequest:
         what = "the legacy logprobs is how many of the likeliest tokens to return at each place"
         _top_count("logprobs", body.logprobs, f"{what} (0: each token's own log-probability only)")
     logprobs = {"logprobs": body.logprobs is not None, "top_logprobs": body.logprobs or None}
-    fields: dict[str, Any] = {"model": body.model, "prompt": _prompt_text(body.prompt), "capture": body.capture}
+    fields: dict[str, Any] = {
+        "model": body.model,
+        "prompt": _prompt_text(body.prompt),
+        "capture": body.capture,
+        "interventions": body.interventions,
+        "baseline": body.baseline,
+    }
     if _scores_prompt(body):
         return _job_request({**fields, "mode": "trace", **logprobs})
     sampling = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop}
@@ -519,6 +541,8 @@ class Choice(BaseModel):
 class ActqExtra(BaseModel):
     job_id: str
     activations: ActivationsManifest | None  # as GET /jobs/{id} renders it, with download_url
+    interventions: list[EditReport] | None = None  # per edit, the positions it touched at each step
+    baseline: BaselineResult | None = None  # `baseline: true`: the same request without its edits
 
 
 class ChatCompletion(BaseModel):
@@ -574,7 +598,13 @@ class ModelList(BaseModel):
 
 def _extra(record: JobRecord, request: Request) -> ActqExtra:
     """The `actq` field: the manifest as GET /jobs/{id} renders it (download_url included)."""
-    return ActqExtra(job_id=record.id, activations=view(record, request).activations)
+    result = record.result
+    return ActqExtra(
+        job_id=record.id,
+        activations=view(record, request).activations,
+        interventions=result.interventions if result is not None else None,
+        baseline=result.baseline if result is not None else None,
+    )
 
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI (and vLLM) answer for a token with no probability at all

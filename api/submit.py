@@ -13,7 +13,8 @@ import redis
 
 from api.deps import Services
 from api.limits import QuotaExceeded
-from shared import capture_spec, keys
+from shared import capture_spec, intervention_check, keys
+from shared.edit_refs import References
 from shared.errors import (
     ActqError,
     BadRequest,
@@ -24,15 +25,49 @@ from shared.errors import (
     UnknownModel,
 )
 from shared.idempotency import scoped
+from shared.interventions import EditPoint
 from shared.jobs import OverQuota, now
 from shared.schemas import BatchEntry, CapturePoint, JobRecord, JobRequest, JobStatus, ModelInfo
 
-Plan = tuple[int, list[CapturePoint], int]  # max_tokens, capture points, estimated capture bytes
+# max_tokens, capture points, estimated capture bytes, the interventions' (edit, module) pairs
+Plan = tuple[int, list[CapturePoint], int, list[EditPoint]]
 
 
-def plan(services: Services, request: JobRequest, cache: dict[tuple[str, ...], object] | None = None) -> Plan:
-    """Everything that can be refused before a job exists. Returns max_tokens, the capture points
-    and the estimated capture bytes.
+def has_references(request: JobRequest) -> bool:
+    """Whether the request's interventions name stored values (read from Redis and the store at
+    submit: off the event loop)."""
+    for edit in request.interventions or []:
+        if edit.source is not None or any(not isinstance(v, list) for _, v in edit.vectors()):
+            return True
+    return False
+
+
+def check_references(services: Services, request: JobRequest, edits: list[EditPoint], owner: str | None) -> None:
+    """Every vector and patch source the interventions name exists, is the caller's, fits the
+    module it edits and holds finite values (the worker reads them again, with the same checks)."""
+    assert request.interventions is not None
+    refs = References(services.jobs, services.store, request.model, owner, bool(services.settings.api_key_list))
+    seen: set[int] = set()
+    for point in edits:
+        edit = request.interventions[point.index]
+        where = f"interventions[{point.index}]"
+        if edit.source is not None:
+            refs.patch(edit.source, point.module, point.hook, point.width, f"{where}.source")
+        if point.index not in seen:
+            seen.add(point.index)
+            for name, vector in edit.vectors():
+                if not isinstance(vector, list):
+                    refs.vector(vector, point.width, f"{where}.{name}")
+
+
+def plan(
+    services: Services,
+    request: JobRequest,
+    cache: dict[tuple[str, ...], object] | None = None,
+    owner: str | None = None,
+) -> Plan:
+    """Everything that can be refused before a job exists. Returns max_tokens, the capture points,
+    the estimated capture bytes and the interventions resolved against the model.
     `cache` (one per batch) keeps model descriptions and resolved specs across entries."""
     settings = services.settings
     cache = {} if cache is None else cache
@@ -72,9 +107,16 @@ def plan(services: Services, request: JobRequest, cache: dict[tuple[str, ...], o
         if spec_key not in cache:
             cache[spec_key] = capture_spec.resolve(request.capture, info)
         points = cache[spec_key]  # type: ignore[assignment]
+    edits: list[EditPoint] = []
+    if request.interventions:
+        edits = intervention_check.resolve(request.interventions, info, request.trace, max_tokens)
+        if has_references(request):
+            check_references(services, request, edits, owner)
     estimate = capture_spec.estimate(request, points, info, max_tokens)
+    if request.baseline:  # the unedited run is a second sequence with its own capture
+        estimate = capture_spec.MemoryEstimate(2 * estimate.capture, 2 * estimate.working)
     capture_spec.check_budget(estimate, settings.capture_budget_bytes, settings.job_memory_budget_bytes)
-    return max_tokens, points, estimate.capture
+    return max_tokens, points, estimate.capture, edits
 
 
 def _limits(services: Services) -> tuple[int, int]:
@@ -90,7 +132,7 @@ def queued_record(
     idempotency_key: str | None = None,
 ) -> JobRecord:
     """A new job's record, as every submission path creates it (`idempotency_key`: scoped)."""
-    max_tokens, points, _ = plan
+    max_tokens, points, _, edits = plan
     return JobRecord(
         idempotency=None if idempotency_key is None else keys.idempotency(idempotency_key),
         id=job_id,
@@ -99,6 +141,7 @@ def queued_record(
         request=request,
         max_tokens=max_tokens,
         capture_points=points,
+        edit_points=edits,
         created_at=created_at or now(),
         owner=owner,
     )
@@ -111,7 +154,7 @@ async def submit_now(services: Services, request: JobRequest, owner: str | None 
     info = await services.registry.get_async(request.model)
     if info is not None:
         cache[("model", request.model)] = info
-    job_plan = plan(services, request, cache)
+    job_plan = plan(services, request, cache, owner)
     record = queued_record(str(uuid.uuid4()), request, job_plan, owner)
     try:
         await services.jobs.enqueue_async(record, services.celery, job_plan[2], _limits(services))
@@ -125,7 +168,7 @@ def submit(
 ) -> tuple[JobRecord, bool]:
     """Record and enqueue a job. Returns (record, created): an Idempotency-Key seen before gives
     back the job it created, and nothing new is enqueued."""
-    job_plan = plan(services, request)
+    job_plan = plan(services, request, owner=owner)
     job_id = str(uuid.uuid4())
     key = None if idempotency_key is None else scoped(idempotency_key, owner)
     if key is not None:
@@ -155,7 +198,7 @@ def submit_batch(
     plans = []
     for index, entry in enumerate(entries):
         try:
-            plans.append(plan(services, entry.request, cache))
+            plans.append(plan(services, entry.request, cache, owner))
         except ActqError as exc:
             raise type(exc)(f"jobs[{index}]: {exc.message}") from exc
     given = [e.idempotency_key for e in entries]  # as the caller wrote them, for messages

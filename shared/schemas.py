@@ -11,10 +11,10 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.dtypes import CaptureDtype
+from shared.interventions import MAX_INTERVENTIONS, EditPoint, EditReport, Hook, Intervention
 from shared.states import JobStatus as JobStatus  # re-exported: the states live in shared.states
 
 Positions = Literal["all", "prompt", "generated", "last", "completion"]
-Hook = Literal["output", "input"]
 Reduce = Literal["none", "mean", "sum", "max", "last"]
 Mode = Literal["generate", "trace"]
 
@@ -122,6 +122,10 @@ class JobRequest(Strict):
     # most likely alternatives at each position (0 to 20; needs logprobs).
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # Edits applied during the job's forward passes (README "Interventions"), in this order on a
+    # module that several name; `baseline: true` also runs the job unedited, in the same batch.
+    interventions: Annotated[list[Intervention], Field(max_length=MAX_INTERVENTIONS)] | None = None
+    baseline: bool = False
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobRequest:
@@ -132,6 +136,8 @@ class JobRequest(Strict):
             )
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.baseline and not self.interventions:
+            raise ValueError("baseline: true runs the job unedited beside its edited run: give `interventions`")
         positions = self.capture.positions if self.capture is not None else None
         if self.mode == "trace":
             self._check_trace(positions)
@@ -287,6 +293,15 @@ class StoredResult(Strict):
     url: str | None = None  # filled in by the API when it renders a job
 
 
+class BaselineResult(Strict):
+    """The same job run without its interventions, in the same batch (`baseline: true`)."""
+
+    text: str
+    finish_reason: Literal["stop", "length", "cancelled", "timeout"]
+    usage: Usage
+    logprobs: Logprobs | None = None
+
+
 class JobResult(Strict):
     text: str
     finish_reason: Literal["stop", "length", "cancelled", "timeout"]
@@ -298,6 +313,9 @@ class JobResult(Strict):
     # Set when the result is stored apart: here `logprobs.content` is null (the totals stay) and
     # `text` may be cut (`stored.text_truncated`); GET /jobs/{id}/result answers the whole result.
     stored: StoredResult | None = None
+    # Per edit and module, the positions it touched at each forward step (README "Interventions").
+    interventions: list[EditReport] | None = None
+    baseline: BaselineResult | None = None
 
 
 class TensorInfo(Strict):
@@ -312,6 +330,7 @@ class TensorInfo(Strict):
     bytes: int
     reduce: Reduce = "none"  # not "none": one row, this reduction of rows [start, stop)
     features: list[int] | None = None  # the kept indices of the last dimension (None: all)
+    baseline: bool = False  # captured by the unedited run of a `baseline: true` job (name "baseline/<point>")
     sha256: str | None = None  # of the tensor's bytes in the file (None: a file written before actq recorded it)
 
 
@@ -351,6 +370,7 @@ class JobRecord(Strict):
     idempotency: str | None = None  # the Redis key of its Idempotency-Key, removed with the job
     max_tokens: int  # resolved by the API (request or default), checked against the limits
     capture_points: list[CapturePoint] = []
+    edit_points: list[EditPoint] = []  # the interventions at each module, resolved by the API
     created_at: datetime
     started_at: datetime | None = None
     finished_at: datetime | None = None

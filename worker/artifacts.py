@@ -38,15 +38,31 @@ def score_tensors(scores: TokenScores) -> dict[str, torch.Tensor]:
     return out
 
 
+BASELINE = "baseline/"  # the prefix of the unedited run's tensors (`baseline: true`)
+
+
 def write_activations(
-    store: ArtifactStore, job_id: str, model: str, capture: CaptureSpec | None, generation: Generation
+    store: ArtifactStore,
+    job_id: str,
+    model: str,
+    capture: CaptureSpec | None,
+    generation: Generation,
+    baseline: Generation | None = None,
 ) -> ActivationsManifest:
     """Write the file, then the manifest; both are whole before this returns (the job is marked
-    succeeded only afterwards). A re-run of the same job overwrites the same keys."""
+    succeeded only afterwards). A re-run of the same job overwrites the same keys. `baseline`: the
+    same job run without its interventions, whose tensors are named `baseline/<name>`."""
     positions = capture.positions if capture is not None else "all"
+    captured = [(c.point.name, c, False) for c in generation.captured]
     tensors = {c.point.name: c.tensor for c in generation.captured}
     tensors["token_ids"] = generation.token_ids.contiguous()
     extra = score_tensors(generation.scores) if generation.scores is not None else {}
+    if baseline is not None:
+        captured += [(BASELINE + c.point.name, c, True) for c in baseline.captured]
+        tensors.update({BASELINE + c.point.name: c.tensor for c in baseline.captured})
+        extra[BASELINE + "token_ids"] = baseline.token_ids.contiguous()
+        if baseline.scores is not None:
+            extra.update({BASELINE + name: t for name, t in score_tensors(baseline.scores).items()})
     tensors.update(extra)
     metadata = {
         "format": FORMAT,
@@ -77,7 +93,7 @@ def write_activations(
         tmp.unlink(missing_ok=True)
     infos = [
         TensorInfo(
-            name=c.point.name,
+            name=name,
             module=c.point.module,
             hook=c.point.hook,
             shape=list(c.tensor.shape),
@@ -88,9 +104,10 @@ def write_activations(
             bytes=c.tensor.numel() * c.tensor.element_size(),
             reduce=capture.reduce if capture is not None else "none",
             features=c.features,
-            sha256=checksums[c.point.name],
+            baseline=unedited,
+            sha256=checksums[name],
         )
-        for c in generation.captured
+        for name, c, unedited in captured
     ]
     others = {name: checksums[name] for name in ("token_ids", *extra)}
     manifest = ActivationsManifest(

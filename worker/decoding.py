@@ -29,6 +29,7 @@ from shared.capture_spec import SCORE_ROWS
 from shared.errors import InternalError, JobFailure, OutOfMemory
 from worker import kvcache
 from worker.capture import BatchHooks, JobCapture, Mark
+from worker.edits import BatchEdits, JobEdits
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -163,6 +164,7 @@ class Sequence:
     tag: object = None  # the caller's handle
     scores: TokenScores | None = None  # log-probabilities, when the job asked for them
     completion: tuple[int, int] | None = None  # a trace's final assistant turn, [start, stop)
+    edits: JobEdits | None = None  # its interventions (worker/edits.py)
     generated: list[int] = field(default_factory=list)
     ended: str | None = None
     stopped_by: str | None = None  # what the watch answered
@@ -190,6 +192,7 @@ class Decoder:
         self.eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
         self.logits_to_keep = model._supports_logits_to_keep()
         self.hooks = BatchHooks(model)
+        self.edits = BatchEdits(model)
         self.rows: list[Sequence] = []
         self.cache: Any = None
         self.ids = self.mask = self.pos = torch.empty(0, 0, dtype=torch.long)
@@ -203,6 +206,7 @@ class Decoder:
 
     def close(self) -> None:
         self.hooks.__exit__()
+        self.edits.close()
 
     # -- one forward pass ----------------------------------------------------------------
 
@@ -222,6 +226,11 @@ class Decoder:
         capture gets its rows. `generate` drops an all-ones mask, and so does this (`padded`
         says whether any row has padding, from the host's count: asking the mask would sync)."""
         self.hooks.use([row.capture for row in rows], lengths, decoding=not first and new == 1)
+        if first:  # a prompt pass: every row's prompt, right-aligned in `new` columns
+            spans = [(0, row.prompt_tokens) for row in rows]
+        else:  # a decoding step: each row's newest token
+            spans = [(row.prompt_tokens + len(row.generated) - 1, 1) for row in rows]
+        self.edits.use([row.edits for row in rows], spans, new)
         extra = {"logits_to_keep": 1} if self.logits_to_keep else {}
         inputs = self.model.prepare_inputs_for_generation(
             ids,
@@ -236,6 +245,7 @@ class Decoder:
         out = self.model(**inputs, return_dict=True)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
         self.hooks.flush()  # last: this pass's staged rows count once the pass cannot fail any more
+        self.edits.flush()
         for index, failure in self.hooks.failures.items():
             rows[index].failure = failure
         return logits
@@ -334,10 +344,12 @@ class Decoder:
         if self.logits_to_keep and not any(self.wants_logits(s) for s in seqs):
             inputs["logits_to_keep"] = 1  # nobody needs every position's logits: skip the vocabulary projection
         self.hooks.use([s.capture for s in seqs], lengths)
+        self.edits.use([s.edits for s in seqs], [(0, n) for n in lengths], width)
         try:
             out = self.model(**inputs, use_cache=False, return_dict=True)
         finally:
             self.hooks.lengths = None
+        self.edits.flush()
         for index, seq in enumerate(seqs):
             seq.failure = seq.failure or self.hooks.failures.get(index)
             if seq.failure is None and seq.scores is not None:
@@ -376,6 +388,7 @@ class Decoder:
         ids = seq.prompt_ids[:, :end]
         pos = torch.arange(end, device=ids.device).unsqueeze(0)
         self.hooks.use([seq.capture], None)
+        self.edits.use([seq.edits], [(start, end - start)], end - start)
         if seq.capture is not None:
             seq.capture.chunk = (start, end - start)
         try:
@@ -393,6 +406,7 @@ class Decoder:
         finally:
             if seq.capture is not None:
                 seq.capture.chunk = None
+        self.edits.flush()
         if (failure := self.hooks.failures.get(0)) is not None:
             seq.failure, seq.ended = failure, "failed"
             return True
@@ -636,6 +650,7 @@ class Undo:
     mark: Mark | None
     scores: int
     generator: torch.Tensor | None
+    edits: list[tuple[dict[int, int], int]] | None = None
 
     @classmethod
     def of(cls, seq: Sequence) -> Undo:
@@ -645,6 +660,7 @@ class Undo:
             seq.capture.mark() if seq.capture is not None else None,
             len(seq.scores.values) if seq.scores is not None else 0,
             generator.get_state() if generator is not None else None,
+            seq.edits.saved() if seq.edits is not None else None,
         )
 
     def apply(self) -> None:
@@ -657,6 +673,8 @@ class Undo:
                 del getattr(seq.scores, name)[self.scores :]
         if self.generator is not None and seq.sampler is not None and seq.sampler.generator is not None:
             seq.sampler.generator.set_state(self.generator)
+        if seq.edits is not None and self.edits is not None:
+            seq.edits.restore(self.edits)
         seq.generated.clear()
         seq.ended = seq.stopped_by = seq.failure = None
 

@@ -23,10 +23,13 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from shared.capture_spec import all_logits, check_prompt_fits, working_bytes
-from shared.errors import ContextLengthExceeded, JobFailure
+from shared.edit_refs import References
+from shared.errors import ContextLengthExceeded, InterventionError, JobFailure
+from shared.interventions import EditPoint, EditReport
 from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo
 from worker.capture import JobCapture, describe_modules
 from worker.decoding import Decoder, Sampler, Sequence, TokenScores, Watch
+from worker.edits import JobEdits, build
 from worker.footprint import footprint
 from worker.kvcache import check_supported, new_cache
 from worker.models import LoadedModel
@@ -68,6 +71,7 @@ class Generation:
     stopped_by: str | None = None  # what the watch answered when it ended generation early
     scores: TokenScores | None = None  # log-probabilities, when asked for
     completion: tuple[int, int] | None = None  # a trace's final assistant turn, [start, stop)
+    interventions: list[EditReport] | None = None  # per edit and module, positions touched per step
 
 
 class CaptureEngine:
@@ -159,10 +163,17 @@ class CaptureEngine:
         return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
 
     def prepare(
-        self, request: JobRequest, points: list[CapturePoint], max_tokens: int, watch: Watch | None = None
+        self,
+        request: JobRequest,
+        points: list[CapturePoint],
+        max_tokens: int,
+        watch: Watch | None = None,
+        edit_points: list[EditPoint] | None = None,
+        references: References | None = None,
     ) -> Sequence:
-        """A job's sequence, ready to join a batch: checked, tokenized, with its capture buffers.
-        Raises the job's failure (unknown module, context too long)."""
+        """A job's sequence, ready to join a batch: checked, tokenized, with its capture buffers
+        and its edits (`edit_points`, as the API resolved them; `references` reads the stored
+        values they name). Raises the job's failure (unknown module, context too long)."""
         unknown = [p.module for p in points if p.module not in self._module_paths]
         if unknown:
             raise JobFailure(f"modules not in this model's capturable list: {', '.join(unknown)}")
@@ -197,8 +208,12 @@ class CaptureEngine:
                 features=spec.feature_indices,
                 completion=completion,
             )
+        edits = None
+        if request.interventions and edit_points:
+            edits = self._edits(request, edit_points, references, prompt_tokens, max_tokens)
         return Sequence(
             prompt_ids=prompt,
+            edits=edits,
             max_tokens=max_tokens,
             sampler=None
             if request.trace
@@ -209,6 +224,48 @@ class CaptureEngine:
             scores=TokenScores(request.top_k) if request.logprobs else None,
             completion=completion,
         )
+
+    def _edits(
+        self,
+        request: JobRequest,
+        edit_points: list[EditPoint],
+        references: References | None,
+        prompt_tokens: int,
+        max_tokens: int,
+    ) -> JobEdits:
+        """The job's edits with their values on the model's device (float32)."""
+        assert request.interventions is not None
+        unknown = [p.module for p in edit_points if p.module not in self._module_paths]
+        if unknown:
+            raise JobFailure(f"modules not in this model's list: {', '.join(unknown)}")
+        device = self.loaded.device
+        edits = request.interventions
+
+        def vector(index: int, field: str, width: int) -> torch.Tensor:
+            named = dict(edits[index].vectors())[field]
+            if isinstance(named, list):
+                return torch.tensor(named, dtype=torch.float32, device=device)
+            if references is None:
+                raise JobFailure(f"interventions[{index}].{field}: no store to read it from")
+            try:
+                values = references.vector(named, width, f"interventions[{index}].{field}")
+            except InterventionError as exc:  # gone or changed since the API checked it
+                raise JobFailure(exc.message) from None
+            return torch.from_numpy(values.copy()).to(device)
+
+        def patch(index: int, module: str, hook: str, width: int) -> tuple[int, torch.Tensor]:
+            source = edits[index].source
+            assert source is not None
+            if references is None:
+                raise JobFailure(f"interventions[{index}].source: no store to read it from")
+            try:
+                first, rows = references.patch(source, module, hook, width, f"interventions[{index}].source")
+            except InterventionError as exc:
+                raise JobFailure(exc.message) from None
+            return first, torch.from_numpy(rows.copy()).to(device)
+
+        pairs = [(p.index, p.module, p.hook, p.width) for p in edit_points]
+        return build(edits, pairs, vector, patch, prompt_tokens, max_tokens, device)
 
     @property
     def eos_ids(self) -> set[int]:
@@ -261,7 +318,12 @@ class CaptureEngine:
                 CapturedTensor(point=point, tensor=rows, start=start, stop=stop, features=features)
                 for point, rows, start, stop, features in seq.capture.tensors(len(generated))
             ]
+        reports = None
+        if seq.edits is not None and request.interventions:
+            steps = 1 if seq.trace else len(generated)
+            reports = seq.edits.reports([e.op for e in request.interventions], steps)
         return Generation(
+            interventions=reports,
             text=text,
             finish_reason=finish_reason,
             prompt_tokens=seq.prompt_tokens,
@@ -274,13 +336,19 @@ class CaptureEngine:
         )
 
     def run(
-        self, request: JobRequest, points: list[CapturePoint], max_tokens: int, watch: Watch | None = None
+        self,
+        request: JobRequest,
+        points: list[CapturePoint],
+        max_tokens: int,
+        watch: Watch | None = None,
+        edit_points: list[EditPoint] | None = None,
+        references: References | None = None,
     ) -> Generation:
         """One job alone (a batch of one): generate and capture. `watch`, when given, is asked
         after every decoding step whether to stop early (a cancel flag, a deadline); the
         generation then ends within one step and `Generation.stopped_by` says why. What was
         generated and captured until then is kept."""
-        seq = self.prepare(request, points, max_tokens, watch)
+        seq = self.prepare(request, points, max_tokens, watch, edit_points, references)
         with self.lock, torch.inference_mode():
             decoder = self.decoder()
             try:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import queue
 import threading
 import time
@@ -19,8 +20,9 @@ from typing import TYPE_CHECKING, Any
 import redis
 from celery.utils.log import get_task_logger
 
+from shared.edit_refs import References
 from shared.errors import InternalError, JobCancelled, JobFailure, JobTimeout, OutOfMemory
-from shared.schemas import JobRecord, JobResult, Logprobs, TokenLogprob, TopLogprob, Usage
+from shared.schemas import BaselineResult, JobRecord, JobRequest, JobResult, Logprobs, TokenLogprob, TopLogprob, Usage
 from worker import runtime
 from worker.scheduler import Entry
 
@@ -121,10 +123,23 @@ def _prepare(
 ) -> None:
     """Tokenize the claimed `job_id`, then hand it to the engine thread (or answer why not)."""
     holder: dict[str, Any] = {}
+    waiting = [1]  # outcomes still to come: the job's, and its unedited run's (`baseline: true`)
+    lock = threading.Lock()
+
+    def finished(which: str, outcome: Sequence | Exception) -> None:
+        with lock:
+            holder[which] = outcome
+            waiting[0] -= 1
+            if waiting[0]:
+                return
+        rt.progress.remove(job_id)
+        _finisher.submit(_finish, rt, job_id, holder, holder["outcome"], reply)
 
     def done(outcome: Sequence | Exception) -> None:
-        rt.progress.remove(job_id)
-        _finisher.submit(_finish, rt, job_id, holder, outcome, reply)
+        finished("outcome", outcome)
+
+    def unedited(outcome: Sequence | Exception) -> None:
+        finished("baseline", outcome)
 
     def joined() -> None:
         holder["joined"] = time.monotonic()  # the time limit counts from here, not from the queue
@@ -138,13 +153,35 @@ def _prepare(
             raise NotRun(why)
         holder["record"], holder["started"] = record, time.perf_counter()
         log.info("job %s claimed (attempt %d)", job_id, record.attempts)
-        seq = rt.engine.prepare(record.request, record.capture_points, record.max_tokens, _watch(rt, record, holder))
-        estimate = rt.engine.estimate(seq)
+        watch = _watch(rt, record, holder)
+        request, plain = paired(record.request)
+        holder["request"], holder["plain"] = request, plain
+        refs = None
+        if record.edit_points:
+            refs = References(rt.jobs, rt.store, record.model, record.owner, record.owner is not None)
+        seq = rt.engine.prepare(request, record.capture_points, record.max_tokens, watch, record.edit_points, refs)
+        twin = None
+        if plain is not None:  # the same job without its edits, beside it in the batch
+            twin = rt.engine.prepare(plain, record.capture_points, record.max_tokens, watch)
     except Exception as exc:  # noqa: BLE001 - answered as the job's outcome (_finish logs or records it)
         done(exc)
         return
     rt.progress.add(job_id)
-    rt.scheduler.submit(Entry(seq=seq, done=done, estimate=estimate, started=joined))
+    if twin is not None:
+        waiting[0] = 2
+        rt.scheduler.submit(Entry(seq=twin, done=unedited, estimate=rt.engine.estimate(twin), started=lambda: None))
+    rt.scheduler.submit(Entry(seq=seq, done=done, estimate=rt.engine.estimate(seq), started=joined))
+
+
+def paired(request: JobRequest) -> tuple[JobRequest, JobRequest | None]:
+    """The job's request as it runs and, for `baseline: true`, the same request without its
+    interventions. A sampled pair draws from one seed (chosen here when the request has none),
+    so the two texts differ by the edits alone."""
+    if not request.baseline:
+        return request, None
+    if request.samples and request.seed is None:
+        request = request.model_copy(update={"seed": int.from_bytes(os.urandom(7), "little")})
+    return request, request.model_copy(update={"interventions": None, "baseline": False})
 
 
 def _finish(rt: runtime.Runtime, job_id: str, holder: dict, outcome: Sequence | Exception, reply: Reply) -> None:
@@ -156,7 +193,7 @@ def _finish(rt: runtime.Runtime, job_id: str, holder: dict, outcome: Sequence | 
             log.error("job %s: it could not be claimed; Redis is unreachable", job_id)
             answer = "redis"
         else:
-            _record(rt, holder["record"], holder["started"], outcome)
+            _record(rt, holder["record"], holder["started"], outcome, holder)
     except redis.RedisError:  # Redis stayed away past ACTQ_REDIS_OUTAGE_SECONDS: the broker redelivers the job
         log.error("job %s: its outcome could not be recorded; Redis is unreachable", job_id)
         answer = "redis"
@@ -167,23 +204,43 @@ def _finish(rt: runtime.Runtime, job_id: str, holder: dict, outcome: Sequence | 
         reply(job_id, answer)
 
 
-def _record(rt: runtime.Runtime, record: JobRecord, started: float, outcome: Sequence | Exception) -> None:
+def _record(
+    rt: runtime.Runtime, record: JobRecord, started: float, outcome: Sequence | Exception, holder: dict | None = None
+) -> None:
     job_id = record.id
+    holder = holder or {}
     try:
         if isinstance(outcome, Exception):
             raise outcome
-        generation = rt.engine.finish(outcome, record.request)
+        generation = rt.engine.finish(outcome, holder.get("request", record.request))
         if generation.stopped_by is not None:
             _stopped(rt, record, generation)
             return
+        baseline = None
+        if "baseline" in holder:  # `baseline: true`: the unedited run fails the job as its own would
+            if isinstance(holder["baseline"], Exception):
+                raise holder["baseline"]
+            baseline = rt.engine.finish(holder["baseline"], holder["plain"])
         generated = time.perf_counter()
         manifest = None
         inline = generation.scores is None or len(generation.scores.values) <= rt.settings.logprobs_inline_tokens
+        if baseline is not None and baseline.scores is not None:
+            inline = inline and len(baseline.scores.values) <= rt.settings.logprobs_inline_tokens
         if record.capture_points or not inline:
             from worker.artifacts import write_activations
 
-            manifest = write_activations(rt.store, record.id, record.model, record.request.capture, generation)
+            manifest = write_activations(
+                rt.store, record.id, record.model, record.request.capture, generation, baseline
+            )
         result = _result(generation, tokenizer=rt.engine.tokenizer, inline=inline)
+        if baseline is not None:
+            unedited = _result(baseline, tokenizer=rt.engine.tokenizer, inline=inline)
+            result.baseline = BaselineResult(
+                text=unedited.text,
+                finish_reason=unedited.finish_reason,
+                usage=unedited.usage,
+                logprobs=unedited.logprobs,
+            )
         rt.jobs.succeed(
             record.id,
             result.model_dump(),
@@ -223,6 +280,7 @@ def _result(
         finish_reason=finish_reason or generation.finish_reason,
         usage=usage,
         logprobs=logprobs,
+        interventions=generation.interventions,
         completion_span=list(generation.completion) if generation.completion is not None else None,
     )
 

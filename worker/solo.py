@@ -110,11 +110,17 @@ class SoloDecoder(Decoder):
         (float32) and the model kwargs for the next pass. The hooks' rows count once the pass
         cannot fail any more (`flush` last), as in `Decoder._forward`."""
         self.hooks.use([seq.capture], None, decoding=decoding)
+        if decoding:
+            span, width = (seq.prompt_tokens + len(seq.generated) - 1, 1), 1
+        else:
+            span, width = (0, seq.prompt_tokens), seq.prompt_tokens
+        self.edits.use([seq.edits], [span], width)
         out = self.model(**inputs, return_dict=True)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
         state = self.model._update_model_kwargs_for_generation(out, state, is_encoder_decoder=False)
         del out  # the prompt's logits and hidden states go now, not at the next pass
         self.hooks.flush()
+        self.edits.flush()
         if (failure := self.hooks.failures.get(0)) is not None:
             seq.failure = failure
         return logits, state

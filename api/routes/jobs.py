@@ -10,7 +10,7 @@ from fastapi.responses import StreamingResponse
 
 from api.deps import CallerDep, SeesAllDep, ServicesDep, get_caller
 from api.presenters import view
-from api.submit import submit, submit_batch, submit_now
+from api.submit import has_references, submit, submit_batch, submit_now
 from api.visibility import load, load_async
 from shared.errors import JobCancelled, JobNotFound, NotReady
 from shared.schemas import BatchItem, BatchRequest, BatchResponse, JobRequest, JobStatus, JobSummary, JobView
@@ -32,9 +32,9 @@ async def create_job(
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=256)] = None,
 ) -> JobView:
     """Queue a chat completion with activation capture."""
-    if idempotency_key is None:
+    if idempotency_key is None and not has_references(body):
         record, created = await submit_now(services, body, owner=caller), True
-    else:  # may wait for a concurrent request with the same key: off the event loop
+    else:  # may wait for a concurrent request with the same key, or read stored vectors: off the event loop
         record, created = await run_in_threadpool(submit, services, body, idempotency_key, caller)
     response.headers["Location"] = str(request.url_for("get_job", job_id=record.id))
     if not created:

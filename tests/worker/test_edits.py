@@ -1,0 +1,383 @@
+"""Interventions in the engine, against the independent reference (tests/support/edit_reference.py:
+forward hooks that edit a plain Hugging Face generate): the same tokens and, at batch 1, the same
+captured values; in a batch, each job as alone. Per-step application counts are checked by
+counting what the selection and the gate imply."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shared.capture_spec import resolve
+from shared.intervention_check import resolve as resolve_edits
+from shared.schemas import JobRequest
+from shared.settings import Settings
+from tests.support import edit_reference as ref
+from tests.support.architectures import BY_KEY, available, build
+from tests.worker.test_batching import RELATIVE_TOLERANCE, assert_same
+
+pytestmark = pytest.mark.model
+
+MESSAGES = [{"role": "user", "content": "Name three colours."}]
+OTHER = [{"role": "user", "content": "What is 2+3? Answer in one word, then explain."}]
+
+
+def load_engine(folder):
+    from worker.engine import CaptureEngine
+    from worker.models import load
+
+    return CaptureEngine(load(Settings(model=str(folder), model_name="m")))
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir):
+    return load_engine(tiny_dir)
+
+
+class Stored:
+    """Stands in for the store behind a job's references (tests/e2e read real ones): the values a
+    `patch` or a job vector names, handed over as the store would."""
+
+    def __init__(self, first: int = 0, rows: np.ndarray | None = None, vector: np.ndarray | None = None) -> None:
+        self.first, self.rows, self.value = first, rows, vector
+
+    def patch(self, source, module, hook, width, where):
+        return self.first, self.rows
+
+    def vector(self, named, width, where):
+        return self.value
+
+
+def request(messages, edits, capture=None, **fields) -> JobRequest:
+    body = {"model": "m", "messages": messages, "interventions": edits, "capture": capture, **fields}
+    return JobRequest.model_validate(body)
+
+
+def run(engine, req: JobRequest, max_tokens: int, refs=None):
+    points = resolve(req.capture, engine.info) if req.capture else []
+    edits = resolve_edits(req.interventions, engine.info, req.trace, max_tokens) if req.interventions else []
+    return engine.run(req, points, max_tokens, edit_points=edits, references=refs)
+
+
+def vector(width: int, seed: int, scale: float = 1.0) -> list[float]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(width, generator=g) * scale).tolist()
+
+
+def selected(positions: str | dict, prompt: int, new: int) -> set[int]:
+    from shared.interventions import EditPositions, intervals
+
+    spec = positions if isinstance(positions, str) else EditPositions.model_validate(positions)
+    return {p for lo, hi in intervals(spec, prompt, new) for p in range(lo, hi)}
+
+
+def compare(engine, req, max_tokens, ref_edits, capture_paths, refs=None):
+    """The job against the reference: identical tokens, captured values equal within 1e-5 of
+    their scale; returns the generation."""
+    got = run(engine, req, max_tokens, refs)
+    messages = [m.model_dump() for m in req.messages or []]
+    ids, rows, prompt = ref.edited_generate(engine.hf, engine.tokenizer, messages, max_tokens, ref_edits, capture_paths)
+    assert got.token_ids.tolist() == ids.tolist()
+    for tensor in got.captured:
+        want = rows[tensor.point.module]
+        scale = float(want.abs().max())
+        diff = float((tensor.tensor.float() - want).abs().max())
+        assert diff <= 1e-5 * scale, (tensor.point.name, diff, scale)
+    return got, prompt
+
+
+def reference_edit(edit: dict, v: torch.Tensor, chosen: set[int]) -> ref.Edit:
+    if edit["op"] == "add":
+        return ref.add(v, edit.get("coeff", 1.0), chosen, edit.get("normalize", False))
+    if edit["op"] == "scale":
+        return ref.scale(edit["factor"], list(range(0, 16)), chosen)
+    if edit["op"] == "zero":
+        return ref.zero(edit["features"], chosen)
+    return ref.project_out(v, edit.get("value", 0.0), chosen)
+
+
+def test_every_operation_equals_the_hand_written_reference(engine):
+    """add (plain and normalized), scale, zero, project_out and a gate, at outputs and an input,
+    at prompt positions and generated steps; captures on the edited module see edited values."""
+    width = engine.info.hidden_size
+    capture = {"modules": ["model.layers.1", "model.layers.2", "model.norm"], "positions": "all"}
+    cases = [
+        ({"module": "model.layers.1", "op": "add", "vector": vector(width, 1), "coeff": 3.0}, "all"),
+        (
+            {
+                "module": "model.layers.1",
+                "op": "add",
+                "vector": vector(width, 2),
+                "coeff": 0.5,
+                "normalize": True,
+                "positions": "generated",
+            },
+            "generated",
+        ),
+        (
+            {
+                "module": "model.layers.2",
+                "op": "scale",
+                "factor": -1.5,
+                "features": "0:16",
+                "positions": {"prompt": [-3, "2:5"], "generated": ":3"},
+            },
+            {"prompt": [-3, "2:5"], "generated": ":3"},
+        ),
+        ({"module": "model.layers.1", "op": "zero", "features": [0, 5, 9], "positions": "prompt"}, "prompt"),
+        ({"module": "model.layers.2", "op": "project_out", "vector": vector(width, 3), "value": 2.0}, "all"),
+        (
+            {"module": "model.layers.1.mlp", "hook": "input", "op": "add", "vector": vector(width, 4), "coeff": 2.0},
+            "all",
+        ),
+    ]
+    for edit, positions in cases:
+        req = request(MESSAGES, [edit], capture)
+        plain = run(engine, request(MESSAGES, None, capture), 8)
+        prompt = plain.prompt_tokens
+        chosen = selected(positions, prompt, 8)
+        v = torch.tensor(edit.get("vector", [0.0] * width))
+        fn = reference_edit(edit, v, chosen)
+        got, _ = compare(engine, req, 8, [(edit["module"], edit.get("hook", "output"), fn)], capture["modules"])
+        changed = any(not torch.equal(a.tensor, b.tensor) for a, b in zip(got.captured, plain.captured, strict=True))
+        assert changed, f"{edit['op']} changed nothing"
+        report = got.interventions[0]
+        steps = got.completion_tokens
+        expect = [len([p for p in chosen if p < prompt])] + [
+            1 if prompt - 1 + k in chosen else 0 for k in range(1, steps)
+        ]
+        assert report.applied == expect and report.total == sum(expect), (edit["op"], report.applied, expect)
+
+
+def test_a_gated_edit_fires_where_the_probe_says_and_counts_it(engine):
+    width = engine.info.hidden_size
+    probe = vector(width, 5)
+    steer = vector(width, 6, 0.5)
+    edit = {
+        "module": "model.layers.2",
+        "op": "add",
+        "vector": steer,
+        "coeff": 2.0,
+        "when": {"probe": probe, "bias": 0.1, "above": 0.0},
+    }
+    capture = {"modules": ["model.layers.2", "model.norm"], "positions": "all"}
+    req = request(MESSAGES, [edit], capture)
+    inner = ref.add(torch.tensor(steer), 2.0, set(range(10_000)))
+    fn = ref.gated(inner, torch.tensor(probe), 0.1, 0.0, None)
+    got, prompt = compare(engine, req, 10, [("model.layers.2", "output", fn)], capture["modules"])
+    # The count per step is the positions whose incoming value scored above 0: read from an
+    # unedited capture of the module's output taken at its pre-edit value (a capture at the
+    # block's output with the edit elsewhere would differ), so count from the reference hooks.
+    scores: list[int] = []
+    seen: list[torch.Tensor] = []
+
+    def watch(value, positions):
+        seen.append(((value @ torch.tensor(probe)) + 0.1 > 0).sum())
+        return fn(value, positions)
+
+    ref.edited_generate(engine.hf, engine.tokenizer, MESSAGES, 10, [("model.layers.2", "output", watch)], [])
+    scores = [int(s) for s in seen][: got.completion_tokens]
+    assert got.interventions[0].applied == scores
+    assert 0 < sum(scores) < prompt + got.completion_tokens - 1  # it fired at some positions, not all
+
+
+def test_edits_in_request_order_on_one_module(engine):
+    width = engine.info.hidden_size
+    a, d = vector(width, 7), vector(width, 8)
+    edits = [
+        {"module": "model.layers.1", "op": "add", "vector": a, "coeff": 4.0},
+        {"module": "model.layers.1", "op": "project_out", "vector": d},
+    ]
+    capture = {"modules": ["model.layers.1"], "positions": "all"}
+    chosen = set(range(10_000))
+    reference = [
+        ("model.layers.1", "output", ref.add(torch.tensor(a), 4.0, chosen)),
+        ("model.layers.1", "output", ref.project_out(torch.tensor(d), 0.0, chosen)),
+    ]
+    got, _ = compare(engine, request(MESSAGES, edits, capture), 6, reference, capture["modules"])
+    direction = torch.tensor(d) / torch.tensor(d).norm()
+    along = got.captured[0].tensor @ direction
+    assert float(along.abs().max()) < 1e-4 * float(got.captured[0].tensor.abs().max())  # projected out last
+
+
+def test_a_patch_copies_the_source_rows_at_its_positions(engine):
+    """Rows captured from another prompt (of the same length here) replace this job's values at
+    the patched positions; positions outside the source's rows fail the job with what to do."""
+    capture = {"modules": ["model.layers.1"], "positions": "all"}
+    source = run(engine, request(OTHER, None, capture), 4)
+    rows = source.captured[0].tensor.numpy()
+    prompt = run(engine, request(MESSAGES, None, None), 1).prompt_tokens
+    edit = {
+        "module": "model.layers.1",
+        "op": "patch",
+        "source": {"job": "0" * 8 + "-0000-4000-8000-" + "0" * 12, "tensor": "model.layers.1"},
+        "positions": {"prompt": ["-2:"]},
+    }
+    chosen = selected({"prompt": ["-2:"]}, prompt, 6)
+    assert max(chosen) < rows.shape[0]
+    fn = ref.patch(torch.from_numpy(rows), 0, chosen)
+    got, _ = compare(
+        engine,
+        request(MESSAGES, [edit], capture),
+        6,
+        [("model.layers.1", "output", fn)],
+        ["model.layers.1"],
+        refs=Stored(0, rows),
+    )
+    assert got.interventions[0].applied[0] == 2
+    far = {**edit, "positions": "all"}
+    with pytest.raises(Exception, match="source job's rows cover positions 0 to"):
+        run(engine, request(MESSAGES, [far], None), 40, Stored(0, rows[:3]))
+
+
+def test_a_batch_mixing_steered_gated_and_plain_jobs_gives_each_its_solo_result(engine):
+    from tests.worker.test_batching import run_batched
+
+    width = engine.info.hidden_size
+    capture = {"modules": ["model.layers.{1,2}", "model.norm"], "positions": "all"}
+    questions = [MESSAGES, OTHER, [{"role": "user", "content": "Count to five."}], MESSAGES, OTHER]
+    edit_sets = [
+        [{"module": "model.layers.1", "op": "add", "vector": vector(width, 10), "coeff": 3.0}],
+        None,
+        [
+            {
+                "module": "model.layers.2",
+                "op": "add",
+                "vector": vector(width, 11),
+                "coeff": 1.0,
+                "when": {"probe": vector(width, 12), "above": 0.0},
+            },
+            {"module": "model.layers.1", "op": "scale", "factor": 0.5, "positions": "generated"},
+        ],
+        [
+            {
+                "module": "model.layers.1",
+                "op": "add",
+                "vector": vector(width, 13),
+                "coeff": -2.0,
+                "positions": {"generated": ["2:5"]},
+            }
+        ],
+        [{"module": "model.layers.2", "op": "zero", "features": "0:32"}],
+    ]
+    jobs = [(request(q, e, capture), 10) for q, e in zip(questions, edit_sets, strict=True)]
+
+    def prepare_with_edits(req, n):
+        points = resolve(req.capture, engine.info)
+        edits = resolve_edits(req.interventions, engine.info, False, n) if req.interventions else []
+        return engine.prepare(req, points, n, None, edits)
+
+    import tests.worker.test_batching as tb
+
+    original = tb.prepare
+    tb.prepare = lambda eng, req, n, w=None: prepare_with_edits(req, n)
+    try:
+        batched, largest = run_batched(engine, jobs, join_at=[0, 0, 2, 3, 3])
+    finally:
+        tb.prepare = original
+    assert largest >= 4
+    for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
+        alone = run(engine, req, n)
+        assert_same(got, alone, f"job {i}")
+        assert (got.interventions is None) == (alone.interventions is None)
+        if got.interventions is not None:
+            assert [r.applied for r in got.interventions] == [r.applied for r in alone.interventions], i
+    assert RELATIVE_TOLERANCE <= 1e-4
+
+
+def test_a_trace_job_edits_its_one_pass(engine):
+    width = engine.info.hidden_size
+    v = vector(width, 14)
+    messages = [*MESSAGES, {"role": "assistant", "content": "Red, green and blue."}]
+    req = JobRequest.model_validate(
+        {
+            "model": "m",
+            "mode": "trace",
+            "messages": messages,
+            "capture": {"modules": ["model.norm"], "positions": "all"},
+            "interventions": [
+                {"module": "model.layers.1", "op": "add", "vector": v, "coeff": 2.0, "positions": {"prompt": ["-4:"]}}
+            ],
+        }
+    )
+    got = run(engine, req, 0)
+    ids = got.token_ids.unsqueeze(0)
+    p = ids.shape[1]
+    chosen = set(range(p - 4, p))
+    kept = {}
+
+    def edit_hook(_m, _a, output):
+        value = output[0] if isinstance(output, tuple) else output
+        edited = value.clone()
+        for s in chosen:
+            edited[0, s] = value[0, s] + 2.0 * torch.tensor(v)
+        return (edited, *output[1:]) if isinstance(output, tuple) else edited
+
+    def keep(_m, _a, output):
+        kept["norm"] = (output[0] if isinstance(output, tuple) else output)[0].clone()
+
+    handles = [
+        engine.hf.get_submodule("model.layers.1").register_forward_hook(edit_hook),
+        engine.hf.get_submodule("model.norm").register_forward_hook(keep),
+    ]
+    try:
+        with torch.inference_mode():
+            engine.hf(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    assert torch.allclose(got.captured[0].tensor, kept["norm"], rtol=0, atol=1e-5 * float(kept["norm"].abs().max()))
+    assert got.interventions[0].applied == [4]
+
+
+@pytest.mark.parametrize("key", ["gpt2", "gemma2"])
+def test_other_architectures_edit_as_the_reference(key, tmp_path, smol_dir):
+    arch = BY_KEY[key]
+    if reason := available(arch):
+        pytest.skip(reason)
+    eng = load_engine(build(arch, tmp_path / key, smol_dir, chat_template=True))
+    block = eng.info.presets["residual"][1]
+    width = eng.info.hidden_size
+    v = vector(width, 20)
+    edits = [
+        {"preset": "residual", "layers": [1], "op": "add", "vector": v, "coeff": 2.0},
+        {"preset": "residual", "layers": [1], "op": "zero", "features": [1, 2, 3], "positions": "generated"},
+    ]
+    capture = {"modules": list(dict.fromkeys([block, eng.info.presets["residual"][-1]])), "positions": "all"}
+    req = request(MESSAGES, edits, capture)
+    plain = run(eng, request(MESSAGES, None, None), 6)
+    chosen_all = selected("all", plain.prompt_tokens, 6)
+    chosen_gen = selected("generated", plain.prompt_tokens, 6)
+    reference = [
+        (block, "output", ref.add(torch.tensor(v), 2.0, chosen_all)),
+        (block, "output", ref.zero([1, 2, 3], chosen_gen)),
+    ]
+    compare(eng, req, 6, reference, capture["modules"])
+
+
+def test_smollm2_steers_as_the_reference(smol_dir):
+    eng = load_engine(smol_dir)
+    width = eng.info.hidden_size
+    v = vector(width, 30, 0.2)
+    edits = [{"preset": "residual", "layers": [3, 10, 20], "op": "add", "vector": v, "coeff": 8.0}]
+    capture = {"modules": ["model.layers.20", "model.norm"], "positions": "generated"}
+    req = request(MESSAGES, edits, capture)
+    got = run(eng, req, 8)
+    chosen = set(range(10_000))
+    paths = [eng.info.presets["residual"][i] for i in (3, 10, 20)]
+    ids, rows, prompt = ref.edited_generate(
+        eng.hf,
+        eng.tokenizer,
+        MESSAGES,
+        8,
+        [(p, "output", ref.add(torch.tensor(v), 8.0, chosen)) for p in paths],
+        ["model.layers.20", "model.norm"],
+    )
+    assert got.token_ids.tolist() == ids.tolist()
+    for tensor in got.captured:
+        want = rows[tensor.point.module][prompt - 1 :]
+        scale = float(want.abs().max())
+        assert float((tensor.tensor - want).abs().max()) <= 1e-5 * scale
+    plain = run(eng, request(MESSAGES, None, None), 8)
+    assert plain.text != got.text  # the steering vector is strong enough to change the answer
