@@ -42,11 +42,13 @@ def has_references(request: JobRequest) -> bool:
     return False
 
 
-def check_references(services: Services, request: JobRequest, edits: list[EditPoint], owner: str | None) -> None:
+def check_references(
+    services: Services, request: JobRequest, edits: list[EditPoint], owner: str | None, memo: dict | None = None
+) -> None:
     """Every vector and patch source the interventions name exists, is the caller's, fits the
     module it edits and holds finite values (the worker reads them again, with the same checks)."""
     assert request.interventions is not None
-    refs = References(services.jobs, services.store, request.model, owner, bool(services.settings.api_key_list))
+    refs = References(services.jobs, services.store, request.model, owner, bool(services.settings.api_key_list), memo)
     seen: set[int] = set()
     for point in edits:
         edit = request.interventions[point.index]
@@ -111,7 +113,7 @@ def plan(
     if request.interventions:
         edits = intervention_check.resolve(request.interventions, info, request.trace, max_tokens)
         if has_references(request):
-            check_references(services, request, edits, owner)
+            check_references(services, request, edits, owner, cache)
     estimate = capture_spec.estimate(request, points, info, max_tokens)
     if request.baseline:  # the unedited run is a second sequence with its own capture
         estimate = capture_spec.MemoryEstimate(2 * estimate.capture, 2 * estimate.working)

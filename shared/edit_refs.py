@@ -172,15 +172,33 @@ class References:
     """The stored values one job's interventions name, read for the API's checks and again by the
     worker (`owner`: the job's API key; `check_owner`: whether keys are on)."""
 
-    def __init__(self, jobs: JobStore, store: ArtifactStore, model: str, owner: str | None, check_owner: bool) -> None:
+    def __init__(
+        self,
+        jobs: JobStore,
+        store: ArtifactStore,
+        model: str,
+        owner: str | None,
+        check_owner: bool,
+        memo: dict | None = None,
+    ) -> None:
         self.jobs, self.store, self.model, self.owner, self.check_owner = jobs, store, model, owner, check_owner
+        # what was read already (a batch of jobs naming one vector reads it once); keyed by caller too
+        self.memo = {} if memo is None else memo
 
     def vector(self, ref: JobVector | SetVector, width: int, where: str) -> np.ndarray:
-        if isinstance(ref, JobVector):
-            return job_vector(self.jobs, self.store, ref, self.model, width, self.owner, self.check_owner, where)
-        return set_vector(self.jobs, self.store, ref, width, self.owner, self.check_owner, where)
+        key = ("vector", self.owner, self.model, ref.model_dump_json(), width)
+        if key not in self.memo:
+            if isinstance(ref, JobVector):
+                found = job_vector(self.jobs, self.store, ref, self.model, width, self.owner, self.check_owner, where)
+            else:
+                found = set_vector(self.jobs, self.store, ref, width, self.owner, self.check_owner, where)
+            self.memo[key] = found
+        return self.memo[key]
 
     def patch(self, source: PatchSource, module: str, hook: str, width: int, where: str) -> tuple[int, np.ndarray]:
-        return patch_rows(
-            self.jobs, self.store, source, self.model, module, hook, width, self.owner, self.check_owner, where
-        )
+        key = ("patch", self.owner, self.model, source.model_dump_json(), module, hook, width)
+        if key not in self.memo:
+            self.memo[key] = patch_rows(
+                self.jobs, self.store, source, self.model, module, hook, width, self.owner, self.check_owner, where
+            )
+        return self.memo[key]

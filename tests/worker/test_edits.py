@@ -381,3 +381,47 @@ def test_smollm2_steers_as_the_reference(smol_dir):
         assert float((tensor.tensor - want).abs().max()) <= 1e-5 * scale
     plain = run(eng, request(MESSAGES, None, None), 8)
     assert plain.text != got.text  # the steering vector is strong enough to change the answer
+
+
+def test_a_pass_that_runs_out_of_memory_and_runs_again_counts_its_edits_once(engine):
+    """An injected allocation failure inside every pass of more than 2 rows (after layer 0 ran and
+    its edits were applied): the step runs again in halves, and every job's tokens, captures and
+    per-step counts equal its solo run (a failed pass's counts are never kept)."""
+    import tests.worker.test_batching as tb
+
+    width = engine.info.hidden_size
+    capture = {"modules": ["model.layers.{0,2}"], "positions": "all"}
+    questions = [MESSAGES, OTHER, [{"role": "user", "content": "Count to five."}], MESSAGES]
+    edit_sets = [
+        [{"module": "model.layers.0", "op": "add", "vector": vector(width, 40), "coeff": 2.0}],
+        [
+            {
+                "module": "model.layers.2",
+                "op": "add",
+                "vector": vector(width, 41),
+                "when": {"probe": vector(width, 42), "above": 0.0},
+            }
+        ],
+        None,
+        [{"module": "model.layers.0", "op": "scale", "factor": 0.5, "positions": "generated"}],
+    ]
+    jobs = [(request(q, e, capture), 8) for q, e in zip(questions, edit_sets, strict=True)]
+
+    def prepare_with_edits(eng, req, n, w=None):
+        edits = resolve_edits(req.interventions, eng.info, False, n) if req.interventions else []
+        return eng.prepare(req, resolve(req.capture, eng.info), n, None, edits)
+
+    inject = tb.FailAbove(2)
+    original = tb.prepare
+    tb.prepare = prepare_with_edits
+    try:
+        batched, largest = tb.run_batched(engine, jobs, join_at=[0, 0, 0, 2], wrap=inject)
+    finally:
+        tb.prepare = original
+        inject.undo()
+    assert inject.decoder.most_rows is not None and inject.decoder.most_rows <= 2 and largest >= 3
+    for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
+        alone = run(engine, req, n)
+        assert_same(got, alone, f"job {i}")
+        if alone.interventions is not None:
+            assert [r.applied for r in got.interventions] == [r.applied for r in alone.interventions], i
