@@ -234,7 +234,7 @@ class Intervention(Strict):
             raise ValueError("`layers` picks the blocks of a `preset`")
         required, allowed = _PARAMS[self.op]
         # a field at its default counts as not given (a stored record repeats every default)
-        given = {f for f in _OPTIONAL if getattr(self, f) != type(self).model_fields[f].default}
+        given = {f for f in _OPTIONAL if self.__dict__[f] != type(self).model_fields[f].default}
         missing = required - given
         if missing:
             raise ValueError(f"op {self.op!r} needs {', '.join(sorted(missing))}")

@@ -89,3 +89,42 @@ def test_system_exit_only_in_the_cli_entry_point():
     raising = [where for where, line in _product_lines() if re.search(r"\bSystemExit\b|\bsys\.exit\(", line)]
     entry_points = ("shared/cli/__init__.py:", "worker/engine_process.py:")
     assert all(where.startswith(entry_points) for where in raising), raising
+
+
+EDIT_MODULES = [
+    "shared/interventions.py",
+    "shared/intervention_check.py",
+    "shared/edit_refs.py",
+    "shared/vectors.py",
+    "api/routes/vectors.py",
+    "worker/edits.py",
+]
+
+
+def test_interventions_look_nothing_up_by_request_text():
+    """The modules that handle interventions and vector sets never resolve a name they were given:
+    every getattr/setattr/hasattr/delattr names a literal attribute, nothing imports by name, and
+    the one submodule lookup (worker/edits.py) takes paths the engine checked against the model's
+    published module list (worker/engine.py `_edits`)."""
+    import ast
+
+    found = []
+    for relative in EDIT_MODULES:
+        tree = ast.parse((ROOT / relative).read_text())
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", "")
+            if name in ("getattr", "setattr", "hasattr", "delattr"):
+                if len(node.args) < 2 or not isinstance(node.args[1], ast.Constant):
+                    found.append(f"{relative}:{node.lineno}: {name} with a computed name")
+            builtin = isinstance(node.func, ast.Name)  # re.compile and Redis's eval of a fixed script are fine
+            if name == "import_module" or (builtin and name in ("__import__", "eval", "exec", "compile")):
+                found.append(f"{relative}:{node.lineno}: {name}")
+            if name == "get_submodule" and relative != "worker/edits.py":
+                found.append(f"{relative}:{node.lineno}: get_submodule")
+    assert found == []
+    assert (
+        "unknown = [p.module for p in edit_points if p.module not in self._module_paths]"
+        in (ROOT / "worker/engine.py").read_text()
+    )

@@ -226,11 +226,14 @@ class Decoder:
         capture gets its rows. `generate` drops an all-ones mask, and so does this (`padded`
         says whether any row has padding, from the host's count: asking the mask would sync)."""
         self.hooks.use([row.capture for row in rows], lengths, decoding=not first and new == 1)
-        if first:  # a prompt pass: every row's prompt, right-aligned in `new` columns
-            spans = [(0, row.prompt_tokens) for row in rows]
-        else:  # a decoding step: each row's newest token
-            spans = [(row.prompt_tokens + len(row.generated) - 1, 1) for row in rows]
-        self.edits.use([row.edits for row in rows], spans, new)
+        edits = [row.edits for row in rows]
+        spans: list[tuple[int, int]] = []
+        if any(e is not None for e in edits):
+            if first:  # a prompt pass: every row's prompt, right-aligned in `new` columns
+                spans = [(0, row.prompt_tokens) for row in rows]
+            else:  # a decoding step: each row's newest token
+                spans = [(row.prompt_tokens + len(row.generated) - 1, 1) for row in rows]
+        self.edits.use(edits, spans, new)
         extra = {"logits_to_keep": 1} if self.logits_to_keep else {}
         inputs = self.model.prepare_inputs_for_generation(
             ids,

@@ -328,7 +328,9 @@ class BatchEdits:
 
     def _apply(self, key: Key, value: torch.Tensor) -> torch.Tensor:
         batch, pass_ = len(self.rows), self._pass
-        if value.dim() >= 3 and value.shape[0] == batch:
+        if value.dim() == 3 and value.shape[0] == batch:  # [B, S, W]: the common case, no reshape
+            x = value
+        elif value.dim() > 3 and value.shape[0] == batch:
             x = value.reshape(batch, value.shape[1], -1)
         elif value.dim() == 2 and value.shape[0] % batch == 0:
             x = value.view(batch, value.shape[0] // batch, value.shape[1])
@@ -339,27 +341,26 @@ class BatchEdits:
         for layer in self._plan[key]:
             for group in layer:
                 x = self._apply_group(group, x)
-        return x.reshape(value.shape)
+        return x if x.shape == value.shape else x.reshape(value.shape)
 
-    def _positions(self, group: _Group, like: torch.Tensor) -> torch.Tensor:
+    def _positions(self, group: _Group, like: torch.Tensor) -> tuple[torch.Tensor, bool]:
         """`[B, S, 1]` bool: where this pass's positions are selected, per member row (cached while
-        the selection stays the same: most decoding steps)."""
+        the selection stays the same: most decoding steps); and whether that is every position of
+        every row (then the edit needs no mask)."""
         pass_ = self._pass
         width = pass_.width
         rows = []
+        full = len(group.members) == len(self.rows)
         for b, edit in group.members:
             start, n = pass_.spans[b]
-            pad = width - n
-            rows.append(
-                (
-                    b,
-                    tuple(
-                        (pad + max(lo, start) - start, pad + min(hi, start + n) - start)
-                        for lo, hi in edit.spans
-                        if lo < start + n and hi > start
-                    ),
-                )
+            pad, end = width - n, start + n
+            cuts = tuple(
+                (pad + max(lo, start) - start, pad + min(hi, end) - start)
+                for lo, hi in edit.spans
+                if lo < end and hi > start
             )
+            full = full and cuts == ((0, width),)
+            rows.append((b, cuts))
         signature = (width, tuple(rows))
         if group.mask_for != signature or group.mask is None:
             host = torch.zeros((len(self.rows), width, 1), dtype=torch.bool)
@@ -368,13 +369,13 @@ class BatchEdits:
                     host[b, lo:hi] = True
             group.mask = host.to(like.device)
             group.mask_for = signature
-        return group.mask
+        return group.mask, full
 
     def _apply_group(self, group: _Group, x: torch.Tensor) -> torch.Tensor:
         if not group.params:
             group.build(len(self.rows), int(x.shape[2]), x)
         p = group.params
-        where = self._positions(group, x)
+        where, full = self._positions(group, x)
         if group.gated:
             gate = p["gate"]
             score = (x.to(torch.float32) * p["probe"].to(torch.float32)).sum(-1, keepdim=True) + gate[..., 0:1]
@@ -399,6 +400,8 @@ class BatchEdits:
             start, n = pass_.spans[b]
             step = self.rows[b].step_of(start, n)  # type: ignore[union-attr]
             self._pending.append((edit, step, (fired, b) if group.gated else edit.touched(start, n)))
+        if full and not group.gated:  # every position of every row: nothing to keep as it was
+            return edited
         return torch.where(where, edited, x)
 
     def _patch_values(self, group: _Group, x: torch.Tensor) -> torch.Tensor:

@@ -331,33 +331,74 @@ def test_a_trace_job_edits_its_one_pass(engine):
     assert got.interventions[0].applied == [4]
 
 
+def every_operation(eng, max_tokens: int = 6) -> None:
+    """add, normalized add, scale, zero, project_out, patch and a gated add at a middle block of
+    the residual stream, each against the hand-written reference (tokens and captured values)."""
+    presets = eng.info.presets["residual"]
+    block, last = presets[len(presets) // 2], presets[-1]
+    width = eng.info.hidden_size
+    capture = {"modules": list(dict.fromkeys([block, last])), "positions": "all"}
+    plain = run(eng, request(MESSAGES, None, {"modules": [block], "positions": "all"}), max_tokens)
+    prompt = plain.prompt_tokens
+    rows = plain.captured[0].tensor
+    v = vector(width, 20)
+    scale = float(rows.abs().mean())  # vectors about as large as the block's values
+    v_scaled = (torch.tensor(v) * scale).tolist()
+    every = selected("all", prompt, max_tokens)
+    generated = selected("generated", prompt, max_tokens)
+    last_prompt = selected({"prompt": ["-3:"]}, prompt, max_tokens)
+    probe = vector(width, 21)
+    source = {"job": "0" * 8 + "-0000-4000-8000-" + "0" * 12, "tensor": block}
+    cases = [
+        ({"op": "add", "vector": v_scaled, "coeff": 2.0}, ref.add(torch.tensor(v_scaled), 2.0, every)),
+        (
+            {"op": "add", "vector": v, "coeff": 0.5, "normalize": True, "positions": "generated"},
+            ref.add(torch.tensor(v), 0.5, generated, normalize=True),
+        ),
+        ({"op": "scale", "factor": 3.0, "features": "0:16"}, ref.scale(3.0, list(range(16)), every)),
+        ({"op": "zero", "features": [1, 2, 3], "positions": "generated"}, ref.zero([1, 2, 3], generated)),
+        ({"op": "project_out", "vector": v, "value": 1.0}, ref.project_out(torch.tensor(v), 1.0, every)),
+        (
+            {"op": "patch", "source": source, "positions": {"prompt": ["-3:"]}},
+            ref.patch(torch.flip(rows, [0]), 0, last_prompt),
+        ),
+        (
+            {"op": "add", "vector": v_scaled, "coeff": 2.0, "when": {"probe": probe, "above": 0.0}},
+            ref.gated(ref.add(torch.tensor(v_scaled), 2.0, every), torch.tensor(probe), 0.0, 0.0, None),
+        ),
+    ]
+    refs = Stored(0, torch.flip(rows, [0]).numpy())  # another prompt's rows, as far as the edit can tell
+    for fields, reference in cases:
+        edit = {"module": block, **fields}
+        got, _ = compare(
+            eng,
+            request(MESSAGES, [edit], capture),
+            max_tokens,
+            [(block, "output", reference)],
+            capture["modules"],
+            refs=refs,
+        )
+        assert got.interventions[0].total > 0, fields["op"]
+
+
 @pytest.mark.parametrize("key", ["gpt2", "gemma2"])
 def test_other_architectures_edit_as_the_reference(key, tmp_path, smol_dir):
+    """GPT-2 (learned positions, tuple outputs) and Gemma 2 (sliding windows, its own norms)."""
     arch = BY_KEY[key]
     if reason := available(arch):
         pytest.skip(reason)
-    eng = load_engine(build(arch, tmp_path / key, smol_dir, chat_template=True))
-    block = eng.info.presets["residual"][1]
-    width = eng.info.hidden_size
-    v = vector(width, 20)
-    edits = [
-        {"preset": "residual", "layers": [1], "op": "add", "vector": v, "coeff": 2.0},
-        {"preset": "residual", "layers": [1], "op": "zero", "features": [1, 2, 3], "positions": "generated"},
-    ]
-    capture = {"modules": list(dict.fromkeys([block, eng.info.presets["residual"][-1]])), "positions": "all"}
-    req = request(MESSAGES, edits, capture)
-    plain = run(eng, request(MESSAGES, None, None), 6)
-    chosen_all = selected("all", plain.prompt_tokens, 6)
-    chosen_gen = selected("generated", plain.prompt_tokens, 6)
-    reference = [
-        (block, "output", ref.add(torch.tensor(v), 2.0, chosen_all)),
-        (block, "output", ref.zero([1, 2, 3], chosen_gen)),
-    ]
-    compare(eng, req, 6, reference, capture["modules"])
+    every_operation(load_engine(build(arch, tmp_path / key, smol_dir, chat_template=True)))
 
 
-def test_smollm2_steers_as_the_reference(smol_dir):
+def test_the_tiny_llama_edits_as_the_reference(engine):
+    every_operation(engine)
+
+
+def test_smollm2_edits_as_the_reference(smol_dir):
+    """The built-in model: every operation at layer 15; then a steering vector at three layers
+    changes its answer, exactly as the reference's does."""
     eng = load_engine(smol_dir)
+    every_operation(eng, max_tokens=5)
     width = eng.info.hidden_size
     v = vector(width, 30, 0.2)
     edits = [{"preset": "residual", "layers": [3, 10, 20], "op": "add", "vector": v, "coeff": 8.0}]

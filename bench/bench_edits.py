@@ -1,0 +1,198 @@
+"""What interventions cost, side by side in one run: the same jobs through the engine's batch
+(prefill, then decoding steps, as the worker runs them) with and without edits.
+
+Arms, each timed from the prompts' pass to the last step, end of sequence disabled so every arm
+generates the same `--max-tokens` (medians over `--repeats`, arms interleaved):
+  one job:       no edits vs one `add` at 3 layers                              (target <= 1.05x)
+  16 jobs:       no edits vs 16 distinct edit sets (add, scale, zero, project_out, at
+                 different layers, each job its own vector)                     (target <= 1.10x)
+  baseline:      the steered job alone vs `baseline: true` (it and its unedited twin in one
+                 batch, as the worker runs them)                                 (target <= 1.6x)
+  gated:         16 jobs with an ungated `add` vs the same `add` gated by a probe (target <= 1.10x)
+Host reads per decoding step (tests/support/host_reads.py) are counted beside their unedited
+arms: an edit adds none (a gate's counts are read once, when the job ends; a padded batch has
+transformers' own mask check besides the tokens' read).
+
+Models: SmolLM2-135M (the built-in model) and the engine benchmark's tiny random Llama (4 layers,
+hidden 64, where the engine's own work dominates a step).
+
+    .venv/bin/python bench/bench_edits.py [--max-tokens 32] [--repeats 5] [--models smollm2,tiny] [--json out.json]
+    .venv/bin/python bench/bench_edits.py --device cuda            # on a GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+QUESTIONS = [
+    f"Question {i}: a farmer has {i + 3} cows and buys {2 * i + 1} more. Explain how many cows there are now."
+    for i in range(16)
+]
+
+
+def engine_for(folder: Path, device: str):
+    from shared.settings import Settings
+    from worker.engine import CaptureEngine
+    from worker.models import load
+
+    return CaptureEngine(load(Settings(model=str(folder), model_name="m", device=device)))
+
+
+def vector(width: int, seed: int, scale: float) -> list[float]:
+    return (torch.randn(width, generator=torch.Generator().manual_seed(seed)) * scale).tolist()
+
+
+def edit_set(engine, i: int) -> list[dict]:
+    """Job i's own edits: one of four kinds, at its own layers, with its own vector."""
+    width, layers = engine.info.hidden_size, len(engine.info.presets["residual"])
+    at = [i % layers, (i + 1) % layers]
+    kind = i % 4
+    if kind == 0:
+        return [{"preset": "residual", "layers": at, "op": "add", "vector": vector(width, i, 0.1), "coeff": 1.0 + i}]
+    if kind == 1:
+        return [{"preset": "residual", "layers": at, "op": "scale", "factor": 0.9, "features": f"0:{width // 2}"}]
+    if kind == 2:
+        return [{"preset": "residual", "layers": at[:1], "op": "zero", "features": [i, i + 1]}]
+    return [{"preset": "residual", "layers": at, "op": "project_out", "vector": vector(width, 100 + i, 1.0)}]
+
+
+def steering(engine, i: int, gated: bool = False) -> list[dict]:
+    width = engine.info.hidden_size
+    layers = len(engine.info.presets["residual"])
+    edit = {
+        "preset": "residual",
+        "layers": [layers // 4, layers // 2, 3 * layers // 4],
+        "op": "add",
+        "vector": vector(width, i, 0.1),
+        "coeff": 2.0,
+    }
+    if gated:
+        edit["when"] = {"probe": vector(width, 1000 + i, 1.0), "above": 0.0}
+    return [edit]
+
+
+def sequences(engine, jobs: list[tuple[str, list[dict] | None]], max_tokens: int):
+    from shared.intervention_check import resolve
+    from shared.schemas import JobRequest
+
+    seqs = []
+    for text, edits in jobs:
+        request = JobRequest(model="m", messages=[{"role": "user", "content": text}], interventions=edits)
+        points = resolve(request.interventions, engine.info, False, max_tokens) if edits else []
+        seqs.append(engine.prepare(request, [], max_tokens, None, points))
+    return seqs
+
+
+def timed(engine, jobs, max_tokens: int, count_reads: bool = False) -> tuple[float, float | None]:
+    """Seconds from the prompts' pass to the last step; host reads per decoding step."""
+    from tests.support.host_reads import HostReads
+
+    seqs = sequences(engine, jobs, max_tokens)
+    with torch.inference_mode():
+        decoder = engine.decoder()
+        decoder.eos_ids = set()  # every arm generates max_tokens
+        try:
+            started = time.perf_counter()
+            decoder.admit_many(seqs)
+            reads, steps = None, 0
+            if count_reads:
+                with HostReads() as counted:
+                    while decoder.rows:
+                        decoder.step()
+                        steps += 1
+                reads = counted.count / max(steps, 1)
+            else:
+                while decoder.rows:
+                    decoder.step()
+            if engine.loaded.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            return time.perf_counter() - started, reads
+        finally:
+            decoder.close()
+
+
+def arms(engine) -> dict[str, list[tuple[str, list[dict] | None]]]:
+    one = QUESTIONS[0]
+    steered = steering(engine, 0)
+    return {
+        "one plain": [(one, None)],
+        "one add@3": [(one, steered)],
+        "16 plain": [(q, None) for q in QUESTIONS],
+        "16 edit sets": [(q, edit_set(engine, i)) for i, q in enumerate(QUESTIONS)],
+        "baseline pair": [(one, steered), (one, None)],
+        "16 add": [(q, steering(engine, i)) for i, q in enumerate(QUESTIONS)],
+        "16 gated add": [(q, steering(engine, i, gated=True)) for i, q in enumerate(QUESTIONS)],
+    }
+
+
+RATIOS = [  # (what, arm, against, target)
+    ("one add at 3 layers / no edits", "one add@3", "one plain", 1.05),
+    ("16 distinct edit sets / 16 unedited", "16 edit sets", "16 plain", 1.10),
+    ("baseline: true / the steered job alone", "baseline pair", "one add@3", 1.6),
+    ("gated / ungated (16 jobs)", "16 gated add", "16 add", 1.10),
+]
+
+
+def bench(name: str, engine, max_tokens: int, repeats: int) -> dict:
+    jobs = arms(engine)
+    for arm in jobs.values():  # warm every path once
+        timed(engine, arm, 4)
+    times: dict[str, list[float]] = {arm: [] for arm in jobs}
+    for _ in range(repeats):
+        for arm, work in jobs.items():
+            times[arm].append(timed(engine, work, max_tokens)[0])
+    reads = {
+        arm: timed(engine, jobs[arm], max_tokens, count_reads=True)[1]
+        for arm in ("one plain", "one add@3", "16 plain", "16 add", "16 gated add")
+    }
+    medians = {arm: statistics.median(values) for arm, values in times.items()}
+    out = {"model": name, "median_seconds": medians, "host_reads_per_step": reads, "ratios": []}
+    print(f"\n{name}: {max_tokens} tokens per job, medians of {repeats}")
+    for arm, seconds in medians.items():
+        print(f"  {arm:<16} {seconds * 1e3:9.1f} ms")
+    for what, arm, against, target in RATIOS:
+        ratio = medians[arm] / medians[against]
+        out["ratios"].append({"what": what, "ratio": ratio, "target": target})
+        print(f"  {what:<42} {ratio:5.3f}x (target <= {target})")
+    print("  host reads per decoding step: " + ", ".join(f"{k} {v:.2f}" for k, v in reads.items()))
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--models", default="smollm2,tiny")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    from shared.settings import Settings
+    from tests.support.tiny_model import build
+    from worker.models import ensure_smollm2
+
+    smol = ensure_smollm2(Settings().model_cache_dir)
+    results = {"command": " ".join([sys.executable, *sys.argv]), "runs": []}
+    for name in args.models.split(","):
+        if name == "smollm2":
+            folder = smol
+        else:
+            folder = build(Path(tempfile.mkdtemp(prefix="bench-edits-")) / "tiny", smol, max_position_embeddings=4096)
+        results["runs"].append(bench(name, engine_for(folder, args.device), args.max_tokens, args.repeats))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
