@@ -145,6 +145,8 @@ class Result:
     usage: Usage
     logprobs: dict | None = None
     completion_span: tuple[int, int] | None = None
+    interventions: list[dict] | None = None  # per edit and module: `applied` per step, `total`
+    baseline: dict | None = None  # `baseline: true`: the unedited run's text, finish_reason, usage
 
     @classmethod
     def from_dict(cls, data: dict) -> Result:
@@ -155,6 +157,8 @@ class Result:
             usage=Usage(**data["usage"]),
             logprobs=data.get("logprobs"),
             completion_span=(span[0], span[1]) if span else None,
+            interventions=data.get("interventions"),
+            baseline=data.get("baseline"),
         )
 
 
@@ -438,9 +442,12 @@ class Client:
         mode: str = "generate",
         logprobs: bool = False,
         top_logprobs: int | None = None,
+        interventions: list[dict] | None = None,
+        baseline: bool = False,
     ) -> Job:
         """Queue a completion (`POST /jobs`) of a chat (`messages`) or of raw text (`prompt`, for
-        base models); returns the queued `Job`. `capture` is the capture spec, e.g.
+        base models); returns the queued `Job`. `interventions` edits the model while it runs
+        (README "Interventions"), `baseline=True` also runs it unedited. `capture` is the capture spec, e.g.
         `{"modules": ["model.layers.*"], "positions": "all"}` or `{"preset": "residual", "layers": [8, 15]}`.
         `mode="trace"` generates nothing: one forward pass over the text (messages may end with
         the assistant turn to score). `logprobs`/`top_logprobs`: each token's log-probability.
@@ -454,8 +461,10 @@ class Client:
             body["logprobs"] = True
         if top_logprobs is not None:
             body["top_logprobs"] = top_logprobs
+        if baseline:
+            body["baseline"] = True
         fields = (("messages", messages), ("prompt", prompt), ("max_tokens", max_tokens), ("seed", seed))
-        for key, value in (*fields, ("stop", stop), ("capture", capture)):
+        for key, value in (*fields, ("stop", stop), ("capture", capture), ("interventions", interventions)):
             if value is not None:
                 body[key] = value
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else None
@@ -507,6 +516,22 @@ class Client:
         """`GET /models`: served models, each with its module paths in forward order."""
         params = {"include_offline": "true"} if include_offline else None
         return self._request("GET", "/models", params=params).json()
+
+    def upload_vectors(self, data: bytes, label: str | None = None) -> dict:
+        """`POST /vectors`: a safetensors file's bytes (one `[W]` or `[n, W]` float tensor per
+        vector); returns the vector set's record (`id`, `tensors`, `sha256`...). Name its
+        tensors in interventions as `{"vector_id": record["id"], "name": ...}`."""
+        params = {"label": label} if label is not None else None
+        headers = {"content-type": "application/octet-stream"}
+        return self._request("POST", "/vectors", content=data, params=params, headers=headers).json()
+
+    def vector_sets(self, limit: int = 100) -> list[dict]:
+        """`GET /vectors`: the caller's vector sets, newest first."""
+        return self._request("GET", "/vectors", params={"limit": limit}).json()
+
+    def delete_vectors(self, vector_id: str) -> None:
+        """`DELETE /vectors/{id}`: the set's file and record."""
+        self._request("DELETE", f"/vectors/{quote(vector_id, safe='')}")
 
     def health(self) -> dict:
         """`GET /health`: `{"status": "ok", "redis": "ok", "workers": {model: count}}`;

@@ -192,3 +192,38 @@ def test_the_openai_route_takes_interventions_and_a_baseline(live, http, referen
     assert answer["choices"][0]["message"]["content"] == tokenizer.decode(ids[prompt:], skip_special_tokens=True)
     assert answer["actq"]["baseline"]["text"] == tokenizer.decode(plain_ids[prompt:], skip_special_tokens=True)
     assert answer["actq"]["interventions"][0]["total"] > 0
+
+
+def test_the_python_client_uploads_vectors_and_steers(live, reference_model):
+    from shared.client import Client, NotFound
+
+    model, tokenizer = reference_model
+    values = np.asarray(steer(model.config.hidden_size, 4, 0.5), dtype=np.float32)
+    with Client(live.base_url) as client:
+        record = client.upload_vectors(save({"v": values}), label="client")
+        assert record["tensors"] == {"v": {"shape": [values.shape[0]], "dtype": "F32"}}
+        assert record["id"] in [s["id"] for s in client.vector_sets()]
+        edit = {
+            "module": "model.layers.2",
+            "op": "add",
+            "vector": {"vector_id": record["id"], "name": "v"},
+            "coeff": 6.0,
+        }
+        job = client.submit(TINY, MESSAGES, max_tokens=8, interventions=[edit], baseline=True)
+        job.wait(timeout=120)
+        assert job.status == "succeeded", job.data
+        ids, _, prompt = ref.edited_generate(
+            model,
+            tokenizer,
+            MESSAGES,
+            8,
+            [("model.layers.2", "output", ref.add(torch.from_numpy(values), 6.0, EVERYWHERE))],
+            [],
+        )
+        plain_ids, _, _ = ref.edited_generate(model, tokenizer, MESSAGES, 8, [], [])
+        assert job.result.text == tokenizer.decode(ids[prompt:], skip_special_tokens=True)
+        assert job.result.baseline["text"] == tokenizer.decode(plain_ids[prompt:], skip_special_tokens=True)
+        assert job.result.interventions[0]["total"] == prompt + job.result.usage.completion_tokens - 1
+        client.delete_vectors(record["id"])
+        with pytest.raises(NotFound):
+            client.delete_vectors(record["id"])
