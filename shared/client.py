@@ -529,6 +529,10 @@ class Client:
         """`GET /vectors`: the caller's vector sets, newest first."""
         return self._request("GET", "/vectors", params={"limit": limit}).json()
 
+    def vector_set(self, vector_id: str) -> dict:
+        """`GET /vectors/{id}`: one vector set's record (`tensors`: name -> shape and dtype)."""
+        return self._request("GET", f"/vectors/{quote(vector_id, safe='')}").json()
+
     def delete_vectors(self, vector_id: str) -> None:
         """`DELETE /vectors/{id}`: the set's file and record."""
         self._request("DELETE", f"/vectors/{quote(vector_id, safe='')}")

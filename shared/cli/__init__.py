@@ -10,6 +10,7 @@
     remote.py        the API's URL and key for the bulk commands, and their errors in one line
     run_file.py      any JSONL prompt file as a bulk run (`actq run-file`)
     probes.py        linear probes on captured activations (`actq probe`)
+    steer.py         steering sweeps: run-file and gsm8k --steer, a run per strength, steering.json/.png
     export.py        a results directory as Parquet or a Hugging Face dataset (`actq export`)
     gsm8k/           GSM8K problems and prompts, harness-style scoring (`actq gsm8k`, on batch.py)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import typer
 
-from shared.cli import local_stack, probes, remote, serve
+from shared.cli import local_stack, probes, remote, serve, steer
 from shared.cli.gsm8k import data, runner
 from shared.settings import Settings
 
@@ -32,14 +32,22 @@ def run(
     start_timeout: float = typer.Option(
         900.0, help="Seconds to wait for the worker (the first run converts the model)."
     ),
+    steer_coeffs: str = typer.Option(
+        "-0.25,0,0.25",
+        help="Strengths at which the answers are steered along the best probe's direction, as fractions of the "
+        "residual stream's norm (--normalize); empty: no steering.",
+    ),
 ) -> None:
     """The main job on one machine: start Redis (embedded unless ACTQ_REDIS_URL is set), a worker
     with the default model and the API; the model answers a handful of GSM8K problems with its
     residual stream captured (OUT/answers); then trace jobs read gold solutions and the same
     solutions with a wrong final answer (OUT/gold-vs-corrupted: every layer's residual stream at
     the end of the answer, reduced by the worker to one row) and a probe per layer learns to tell
-    them apart; print where everything is; stop everything."""
+    them apart; then the problems are answered again with the best probe's direction added at its
+    layer, at a few strengths (OUT/steered: accuracy against strength, steering.png); print where
+    everything is; stop everything."""
     settings = Settings()
+    coeffs = [steer.parse_coeff(c) for c in steer_coeffs.split(",") if c.strip()]
     out = out or Path("actq-results") / time.strftime("demo-%Y%m%d-%H%M%S")
     try:
         data.load("hub")
@@ -53,7 +61,7 @@ def run(
     # The jobs' own store is temporary (unless ACTQ_STORAGE_URL is set): every file is downloaded into OUT.
     with local_stack.local_stack(settings, start_timeout, say=typer.echo, temporary_store=True) as local:
         base = local.base_url
-        typer.echo(f"1/2: {problems} problems answered by {settings.served_model_name}")
+        typer.echo(f"1/3: {problems} problems answered by {settings.served_model_name}")
         summary = runner.run(
             out=out / "answers",
             dataset=dataset,
@@ -63,7 +71,7 @@ def run(
             download=True,
             api=base,
         )
-        typer.echo(f"2/2: gold and corrupted solutions of {probe_problems} problems, traced")
+        typer.echo(f"2/3: gold and corrupted solutions of {probe_problems} problems, traced")
         runner.run(
             out=out / "gold-vs-corrupted",
             dataset=probe_dataset,
@@ -77,6 +85,27 @@ def run(
             api=base,
         )
         report = probes.run_with_api(out / "gold-vs-corrupted", api=base, source="all")
+        trained = [p for p in report["probes"] if "skipped" not in p and p.get("direction")]
+        steered = None
+        if trained and coeffs:
+            best = max(trained, key=lambda p: p["balanced_accuracy_mean"])
+            shown = ", ".join(steer.coeff_label(c) for c in coeffs)
+            typer.echo(
+                f"3/3: the {problems} problems again, {best['point']}'s probe direction added there "
+                f"(coeff {shown} times the residual stream's norm)"
+            )
+            directions = out / "gold-vs-corrupted" / probes.DIRECTIONS_FILE
+            options = steer.Options(str(directions), best["point"], coeffs, name=best["direction"], normalize=True)
+            steered = runner.run(
+                out=out / "steered",
+                dataset=dataset,
+                limit=problems,
+                model=settings.served_model_name,
+                max_tokens=max_tokens,
+                no_capture=True,
+                api=base,
+                steer_options=options,
+            )
         typer.echo("stopping worker, API and Redis")
     accuracy = summary["accuracy"]
     typer.echo(
@@ -98,6 +127,10 @@ def run(
         reason = report["probes"][0]["skipped"] if report["probes"] else "no capture points"
         typer.echo(f"probes: not trained ({reason})")
     typer.echo(f"probe plot: {out / 'gold-vs-corrupted' / 'probes.png'}")
+    if steered is not None:
+        by_coeff = ", ".join(f"{steer.coeff_label(r['coeff'])}: {r['flexible']:.3f}" for r in steered["strengths"])
+        typer.echo(f"steered at {steered['module']}, flexible accuracy by coeff: {by_coeff}")
+        typer.echo(f"steering plot: {out / 'steered' / 'steering.png'}")
 
 
 @cli.command("serve")
@@ -156,6 +189,30 @@ API_KEY_OPTION = typer.Option(
     None, "--api-key", help="API key sent as `Authorization: Bearer` (default ACTQ_API_KEY).", show_default=False
 )
 QUIET_OPTION = typer.Option(False, help="No progress bar.")
+STEER_OPTION = typer.Option(
+    None,
+    "--steer",
+    help="Steer the run: a safetensors file of vectors (e.g. `actq probe`'s probe-directions.safetensors, "
+    "uploaded with POST /vectors) or a vector-set id; the whole run goes once per --coeff, into OUT/steer/coeff=C/, "
+    "with OUT/steering.json and OUT/steering.png.",
+)
+AT_OPTION = typer.Option(None, "--at", help="With --steer: the module whose output the vector is added to.")
+COEFF_OPTION = typer.Option(
+    None, "--coeff", help="With --steer: a strength, repeatable; 0 runs without the edit (the reference)."
+)
+STEER_NAME_OPTION = typer.Option(
+    None, "--steer-name", help="With --steer: the tensor to use (default: the one named like --at, or the only one)."
+)
+NORMALIZE_OPTION = typer.Option(
+    False, "--normalize", help="With --steer: scale the vector to each activation's norm (--coeff: a fraction of |x|)."
+)
+
+
+def _steering_done(content: dict, out: Path) -> None:
+    for row in content["strengths"]:
+        shown = {k: row.get(k) for k in ("coeff", "n", "metric", "strict", "flexible", "edited_positions") if k in row}
+        typer.echo(json.dumps(shown))
+    typer.echo(f"wrote {out / 'steering.json'} and {out / 'steering.png'} ({content['metric']} by coeff)")
 
 
 @cli.command("run-file")
@@ -180,17 +237,35 @@ def run_file_command(
     api_key: str | None = API_KEY_OPTION,
     quiet: bool = QUIET_OPTION,
     mode: str = typer.Option("generate", help="generate or trace: the mode of lines that do not set their own `mode`."),
+    steer_vectors: str | None = STEER_OPTION,
+    at: str | None = AT_OPTION,
+    coeff: list[str] | None = COEFF_OPTION,
+    steer_name: str | None = STEER_NAME_OPTION,
+    normalize: bool = NORMALIZE_OPTION,
+    probe: str | None = typer.Option(
+        None,
+        "--probe",
+        help="With --steer: measure each strength by this probe, FILE[:NAME] of a probe-directions.safetensors "
+        "(the mean probability of its positive class; its module is added to the capture); default: mean "
+        "generated tokens.",
+    ),
 ) -> None:
     """Run every prompt of a JSONL file through the queue, capturing activations, with live progress;
     run it again with the same --out to resume (finished lines are kept, queued jobs are not sent twice)."""
     options = dict(locals())
-    from shared.cli import run_file
+    for name in ("steer_vectors", "at", "coeff", "steer_name", "normalize", "probe"):
+        options.pop(name)
+    from shared.cli import run_file, steer
 
+    steering = steer.options(steer_vectors, at, coeff, steer_name, normalize, probe)
     try:
-        summary = run_file.run(**options)
+        summary = run_file.run(**options, steer_options=steering)
     except KeyboardInterrupt:
         typer.echo(f"\ninterrupted: finished prompts are saved in {out}; run the same command to resume", err=True)
         raise typer.Exit(130) from None
+    if steering is not None:
+        _steering_done(summary, out)
+        return
     typer.echo(json.dumps({k: summary[k] for k in ("prompts", "finished", "succeeded", "failed")}))
 
 
@@ -234,15 +309,28 @@ def gsm8k_command(
     api: str | None = API_OPTION,
     api_key: str | None = API_KEY_OPTION,
     quiet: bool = QUIET_OPTION,
+    steer_vectors: str | None = STEER_OPTION,
+    at: str | None = AT_OPTION,
+    coeff: list[str] | None = COEFF_OPTION,
+    steer_name: str | None = STEER_NAME_OPTION,
+    normalize: bool = NORMALIZE_OPTION,
 ) -> None:
     """Run a model over GSM8K through the queue, capturing the residual stream, and score it. Works
     on any architecture (the capture is the model's `residual` preset) and on base models
-    (`--prompt-format auto` sends a plain prompt to a model without a chat template)."""
+    (`--prompt-format auto` sends a plain prompt to a model without a chat template). With --steer,
+    once per --coeff: accuracy against the steering strength."""
+    options = dict(locals())
+    for name in ("steer_vectors", "at", "coeff", "steer_name", "normalize"):
+        options.pop(name)
+    steering = steer.options(steer_vectors, at, coeff, steer_name, normalize)
     try:
-        summary = runner.run(**locals())
+        summary = runner.run(**options, steer_options=steering)
     except KeyboardInterrupt:
         typer.echo(f"\ninterrupted: finished problems are saved in {out}; run the same command to resume", err=True)
         raise typer.Exit(130) from None
+    if steering is not None:
+        _steering_done(summary, out)
+        return
     typer.echo(json.dumps({k: summary[k] for k in ("problems", "finished", "succeeded", "failed", "accuracy")}))
 
 
@@ -282,7 +370,9 @@ def probe_command(
         typer.echo(f"{probe['point']:<44} {probe['pooling']:<15} {score}")
     for note in report["notes"]:  # a pooling left out for some rows says so: nothing is substituted
         typer.echo(f"note: {note}", err=True)
-    typer.echo(f"wrote {results / 'probes.json'} and {results / 'probes.png'}")
+    directions = results / probes.DIRECTIONS_FILE
+    also = f" and {directions} (each probe's direction, for --steer)" if directions.exists() else ""
+    typer.echo(f"wrote {results / 'probes.json'}, {results / 'probes.png'}{also}")
 
 
 @cli.command("export")

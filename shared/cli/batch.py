@@ -98,6 +98,7 @@ class BatchRun:
         else:  # written by save(), once the API has accepted the first jobs
             self.run_id = uuid.uuid4().hex
             self.saved = False
+        self.on_save: Callable[[], None] | None = None  # called once when save() creates the directory
         jobs_file = out / "jobs.json"
         self.jobs: dict[str, str] = json.loads(jobs_file.read_text()) if jobs_file.exists() else {}
 
@@ -105,6 +106,8 @@ class BatchRun:
         """Create the directory with its run.json (the run id, so that a resumed run finds its jobs
         again by their idempotency keys); nothing when it exists."""
         if not self.saved:
+            if self.on_save is not None:
+                self.on_save()
             write_json(self.out / "run.json", {"run_id": self.run_id, "settings": self.settings})
             self.saved = True
 
@@ -171,6 +174,18 @@ def job_result(job: Job) -> dict[str, Any]:
 
 
 Record = Callable[[Item, dict[str, Job]], dict]
+Summarize = Callable[[list[dict]], dict]
+
+
+@dataclass
+class Planned:
+    """One results directory of a multi-run pass (`execute_many`): its items, how to record each
+    and what its summary adds."""
+
+    run: BatchRun
+    items: list[Item]
+    record: Record
+    summarize: Summarize = lambda _: {}
 
 
 def execute(
@@ -180,12 +195,20 @@ def execute(
     record: Record,
     *,
     unit: str = "item",
-    summarize: Callable[[list[dict]], dict] = lambda _: {},
+    summarize: Summarize = lambda _: {},
     quiet: bool = False,
 ) -> dict:
     """Submit the jobs of the items without a sample, follow them to the end, `record` each item
     once all its jobs ended (it returns the sample, with a `status`), and write the results.
-    Ctrl-C leaves a consistent directory and is re-raised as KeyboardInterrupt.
+    Ctrl-C leaves a consistent directory and is re-raised as KeyboardInterrupt."""
+    return execute_many(client, [Planned(run, items, record, summarize)], unit=unit, quiet=quiet)[0]
+
+
+def execute_many(client: Client, plans: list[Planned], *, unit: str = "item", quiet: bool = False) -> list[dict]:
+    """`execute` for several results directories in one pass through the queue (a steering sweep:
+    one directory per strength): their jobs are submitted together, item by item across the
+    directories (item 0 of each, then item 1...), so that the worker batches them together, and
+    each directory gets its samples and summary. Returns the summaries in the plans' order.
 
     Ctrl-C only sets a flag, read between requests: a KeyboardInterrupt raised in the middle of
     an HTTP call can leave the client's connection pool locked, and closing it then hangs (seen
@@ -193,12 +216,14 @@ def execute(
     with _interrupt_flag() as interrupted:
         started = time.monotonic()
         try:
-            _follow(client, run, items, record, unit, quiet, interrupted)
+            _follow(client, plans, unit, quiet, interrupted)
         except KeyboardInterrupt:
-            if run.saved:  # interrupted before any job was queued: nothing to keep
-                run.finish(time.monotonic() - started, False, len(items), unit, summarize)
+            for plan in plans:
+                if plan.run.saved:  # interrupted before any of its jobs was queued: nothing to keep
+                    plan.run.finish(time.monotonic() - started, False, len(plan.items), unit, plan.summarize)
             raise
-        return run.finish(time.monotonic() - started, True, len(items), unit, summarize)
+        wall = time.monotonic() - started
+        return [plan.run.finish(wall, True, len(plan.items), unit, plan.summarize) for plan in plans]
 
 
 @contextmanager
@@ -215,65 +240,74 @@ def _interrupt_flag() -> Iterator[threading.Event]:
         signal.signal(signal.SIGINT, previous)
 
 
-def _follow(
-    client: Client,
-    run: BatchRun,
-    items: list[Item],
-    record: Record,
-    unit: str,
-    quiet: bool,
-    interrupted: threading.Event,
-) -> None:
-    done = run.done()
-    todo = [item for item in items if item.key not in done]
-    bar = tqdm(total=len(items), initial=len(items) - len(todo), unit=unit, disable=quiet, dynamic_ncols=True)
+def _follow(client: Client, plans: list[Planned], unit: str, quiet: bool, interrupted: threading.Event) -> None:
+    todo: list[list[Item]] = []
+    for plan in plans:
+        done = plan.run.done()
+        todo.append([item for item in plan.items if item.key not in done])
+    total = sum(len(plan.items) for plan in plans)
+    left = sum(len(items) for items in todo)
+    bar = tqdm(total=total, initial=total - left, unit=unit, disable=quiet, dynamic_ncols=True)
     counts = {"submitted": 0, "queued": 0, "running": 0, "succeeded": 0, "failed": 0}
-    units = [(item, part) for item in todo for part in item.requests]  # one job each
+    # one job each: (plan index, item, part), item by item across the plans
+    units = [
+        (p, items[row], part)
+        for row in range(max((len(items) for items in todo), default=0))
+        for p, items in enumerate(todo)
+        if row < len(items)
+        for part in items[row].requests
+    ]
     try:
         jobs: list[Job] = []
         for start in range(0, len(units), SUBMIT_CHUNK):
             chunk = units[start : start + SUBMIT_CHUNK]
             jobs += client.submit_many(
-                [item.requests[part] for item, part in chunk],
-                idempotency_keys=[run.idempotency_key(item.key, part) for item, part in chunk],
+                [item.requests[part] for _, item, part in chunk],
+                idempotency_keys=[plans[p].run.idempotency_key(item.key, part) for p, item, part in chunk],
             )
-            run.save()  # the API accepted them: from now on the run is resumable
-            run.jobs.update(
-                {run.job_key(item.key, part): j.id for (item, part), j in zip(chunk, jobs[start:], strict=True)}
-            )
-            write_json(run.out / "jobs.json", dict(sorted(run.jobs.items())))
+            for p in sorted({p for p, _, _ in chunk}):
+                run = plans[p].run
+                run.save()  # the API accepted them: from now on the run is resumable
+                run.jobs.update(
+                    {
+                        run.job_key(item.key, part): j.id
+                        for (q, item, part), j in zip(chunk, jobs[start:], strict=True)
+                        if q == p
+                    }
+                )
+                write_json(run.out / "jobs.json", dict(sorted(run.jobs.items())))
             counts["submitted"] = len(jobs)
             if interrupted.is_set():
                 raise KeyboardInterrupt
-        pending = [(item, part, job) for (item, part), job in zip(units, jobs, strict=True)]
-        ended: dict[int, dict[str, Job]] = {}  # item key -> its ended jobs, until all have
+        pending = [(p, item, part, job) for (p, item, part), job in zip(units, jobs, strict=True)]
+        ended: dict[tuple[int, int], dict[str, Job]] = {}  # (plan, item key) -> its ended jobs, until all have
         while pending:
             if interrupted.is_set():
                 raise KeyboardInterrupt
             # Jobs finish roughly in queue order: long-poll the oldest, then look at the ones
             # behind it until LOOKAHEAD unfinished ones are seen (a worker runs a batch of jobs
             # at once, and they end out of order within it).
-            head = pending[0][2].refresh(wait=2)
-            finished: list[tuple[Item, str, Job]] = []
+            head = pending[0][3].refresh(wait=2)
+            finished: list[tuple[int, Item, str, Job]] = []
             unfinished: list[Job] = []
-            for item, part, job in pending:
+            for p, item, part, job in pending:
                 if len(unfinished) >= LOOKAHEAD:
                     break
                 if job is not head:
                     job.refresh()
                 if job.done:
-                    finished.append((item, part, job))
+                    finished.append((p, item, part, job))
                 else:
                     unfinished.append(job)
-            for item, part, job in finished:
-                ended.setdefault(item.key, {})[part] = job
-                if len(ended[item.key]) == len(item.requests):
-                    sample = record(item, ended.pop(item.key))
-                    run.write_sample(item.key, sample)
+            for p, item, part, job in finished:
+                ended.setdefault((p, item.key), {})[part] = job
+                if len(ended[(p, item.key)]) == len(item.requests):
+                    sample = plans[p].record(item, ended.pop((p, item.key)))
+                    plans[p].run.write_sample(item.key, sample)
                     counts["succeeded" if sample["status"] == "succeeded" else "failed"] += 1
                     bar.update(1)
-            done_ids = {job.id for _, _, job in finished}
-            pending = [(i, p, j) for i, p, j in pending if j.id not in done_ids]
+            done_ids = {job.id for _, _, _, job in finished}
+            pending = [(p, i, part, j) for p, i, part, j in pending if j.id not in done_ids]
             counts["running"] = sum(1 for job in unfinished if job.status == "running")
             counts["queued"] = len(pending) - counts["running"]
             bar.set_postfix(counts, refresh=True)

@@ -18,6 +18,13 @@ reduced is its one row, `reduced_<reduction>`.
 Sources (`--source`): `sample` (each sample's own job: a problem's answer, a prompt line's job; the
 default), `generated` or `trace` (own jobs of that kind), a GSM8K trace name (`gold`,
 `corrupted`), or `all` (every job, one row each).
+
+For a label of two classes, each trained probe is also fitted on all its rows and its direction
+written to `probe-directions.safetensors` (`write_directions`): the unit vector in activation
+space (coef / scale, normalized; toward the positive class, the second in sorted order), named
+`<point>:<pooling>`, and `<point>` for the point's best pooling, with the `norm` and `bias` that
+give the probe's score on a raw pooled activation x: `norm * (unit . x) + bias` (the pipeline's
+decision_function). `actq run-file`/`gsm8k --steer` read it (shared/cli/steer.py).
 """
 
 from __future__ import annotations
@@ -191,6 +198,7 @@ def load_dataset(
     skipped: Counter = Counter()
     refused: dict[tuple[str, str], set[int]] = {}  # (pooling, why) -> the rows it was refused for
     captured: dict[str, set[int]] = {}  # capture point -> the rows that have it
+    points: dict[str, dict] = {}  # capture point -> its module and hook (from the manifests)
     features: dict[tuple[str, str], list[np.ndarray]] = {}
     members: dict[tuple[str, str], list[int]] = {}
     labels: list[str] = []
@@ -240,6 +248,7 @@ def load_dataset(
                 for pooling, reason in why.items():
                     refused.setdefault((pooling, reason), set()).add(row)
                 captured.setdefault(t["name"], set()).add(row)
+                points.setdefault(t["name"], {"module": t.get("module", t["name"]), "hook": t.get("hook", "output")})
             labels.append(_class_label(value))
             groups.append(group)
             sources.append(name)
@@ -259,6 +268,7 @@ def load_dataset(
         "sources": dict(Counter(sources)),
         "skipped": dict(skipped),
         "notes": notes,
+        "points": points,
     }
     return {k: np.stack(v) for k, v in features.items()}, np.array(labels, dtype=object), meta
 
@@ -272,7 +282,13 @@ def point_layer(name: str) -> tuple[int | None, str]:
 
 
 def train_probes(
-    features: dict, labels, folds: int = 5, seed: int = 0, groups=None, members: dict | None = None
+    features: dict,
+    labels,
+    folds: int = 5,
+    seed: int = 0,
+    groups=None,
+    members: dict | None = None,
+    directions: dict | None = None,
 ) -> list[dict]:
     """Cross-validated logistic-regression probes, one entry per (capture point, pooling), each
     over the rows that have that pooling (`members[key]`: their indices into `labels`; all rows
@@ -281,7 +297,9 @@ def train_probes(
 
     Each entry has point, kind, layer, pooling, n, class_counts, the majority baseline
     (majority_accuracy, majority_balanced_accuracy = 1/n_classes) and either folds and
-    balanced_accuracy_mean/_std, or `skipped` giving the reason."""
+    balanced_accuracy_mean/_std, or `skipped` giving the reason. With `directions` (a dict), each
+    trained probe of two classes is also fitted on all its rows and its `Direction` stored there
+    under (capture point, pooling)."""
     from threadpoolctl import threadpool_limits
 
     labels = np.asarray(labels)
@@ -297,8 +315,46 @@ def train_probes(
             rows = np.arange(len(labels)) if members is None else members[key]
             picked = labels[rows]
             counts = Counter(picked.tolist())
-            entries.append(_probe(key[0], key[1], features[key], picked, counts, folds, seed, groups[rows]))
+            entry = _probe(key[0], key[1], features[key], picked, counts, folds, seed, groups[rows])
+            entries.append(entry)
+            if directions is not None and "skipped" not in entry and len(counts) == 2:
+                directions[key] = direction(fit_probe(features[key], picked))
     return entries
+
+
+def fit_probe(X, labels):
+    """The probe `_probe` cross-validates, fitted on all the rows: a standardized, class-balanced
+    logistic regression (a scikit-learn pipeline)."""
+    from sklearn.linear_model import LogisticRegression
+    from sklearn.pipeline import make_pipeline
+    from sklearn.preprocessing import StandardScaler
+
+    model = make_pipeline(StandardScaler(), LogisticRegression(max_iter=5000, class_weight="balanced"))
+    return model.fit(np.asarray(X, dtype=np.float64), np.asarray(labels))
+
+
+class Direction(NamedTuple):
+    """A two-class probe in activation space: its score on a raw activation x (the pipeline's
+    `decision_function`, > 0 for `positive`) is `norm * (unit . x) + bias`."""
+
+    unit: np.ndarray  # float64 [H], unit norm, pointing toward the positive class
+    norm: float  # |w_raw|
+    bias: float  # b_raw
+    positive: str  # the class a positive score predicts (the second in sorted order: "true" for booleans)
+    negative: str
+
+
+def direction(model) -> Direction:
+    """Undo the standardizer: z = (x - mean) / scale, so coef . z + b = w_raw . x + b_raw with
+    w_raw = coef / scale and b_raw = b - coef . (mean / scale)."""
+    scaler, regression = model[0], model[-1]
+    coef = np.asarray(regression.coef_[0], dtype=np.float64)
+    w_raw = coef / scaler.scale_
+    b_raw = float(regression.intercept_[0] - np.dot(coef, scaler.mean_ / scaler.scale_))
+    norm = float(np.linalg.norm(w_raw))
+    unit = w_raw / norm if norm > 0 else w_raw
+    negative, positive = (str(c) for c in regression.classes_)
+    return Direction(unit=unit, norm=norm, bias=b_raw, positive=positive, negative=negative)
 
 
 def _probe(name: str, pooling: str, X, labels, counts: Counter, folds: int, seed: int, groups=None) -> dict:
@@ -385,14 +441,31 @@ def run(
     source: str = SOURCE_DEFAULT,
     group_by: str | None = None,
 ) -> dict:
-    """Load, train, plot: writes `<dir>/probes.json` and `<dir>/probes.png`; returns the JSON content."""
+    """Load, train, plot: writes `<dir>/probes.json`, `<dir>/probes.png` and, for two-class labels,
+    `<dir>/probe-directions.safetensors` (each probe's unit direction in activation space, with
+    what scores it: see `write_directions`); returns the JSON content."""
     results_dir = Path(results_dir)
     features, labels, meta = load_dataset(results_dir, label=label, fetch=fetch, source=source, group_by=group_by)
     if meta["n_samples"] == 0:
         raise ToolError(f"no usable samples in {results_dir} (skipped: {meta['skipped']})")
-    probes = train_probes(features, labels, folds=folds, seed=seed, groups=meta["groups"], members=meta["members"])
+    directions: dict[tuple[str, str], Direction] = {}
+    probes = train_probes(
+        features,
+        labels,
+        folds=folds,
+        seed=seed,
+        groups=meta["groups"],
+        members=meta["members"],
+        directions=directions,
+    )
     summary_path = results_dir / "summary.json"
     model = json.loads(summary_path.read_text()).get("model") if summary_path.exists() else None
+    names = write_directions(results_dir / DIRECTIONS_FILE, probes, directions, label, model, meta["points"])
+    for entry in probes:
+        key = (entry["point"], entry["pooling"])
+        if key in directions:
+            entry["direction"] = names.get(key)
+            entry["positive_class"] = directions[key].positive
     what = ", ".join(f"{n} {s}" for s, n in sorted(meta["sources"].items()))
     title = f"Probes for {label} ({what})" + (f"\n{model}" if model else "")
     plot(probes, results_dir / "probes.png", title=title)
@@ -409,6 +482,66 @@ def run(
     }
     (results_dir / "probes.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+DIRECTIONS_FILE = "probe-directions.safetensors"
+NAME_RE = re.compile(r"^[A-Za-z0-9_.:/-]{1,200}$")  # a vector set's tensor names (POST /vectors)
+
+
+def direction_names(point: str, pooling: str, best: bool) -> list[str]:
+    """A probe's tensor names in the directions file: `<point>:<pooling>`, and `<point>` alone for
+    the pooling with the best balanced accuracy at that point."""
+    return [f"{point}:{pooling}", *([point] if best else [])]
+
+
+def write_directions(
+    path: Path, probes: list[dict], directions: dict, label: str, model: str | None, points: dict[str, dict]
+) -> dict[tuple[str, str], str]:
+    """Write every two-class probe's unit direction in activation space as a safetensors vector
+    set (float32 [H] each) with its metadata; returns (point, pooling) -> its `<point>:<pooling>`
+    name. No trained two-class probe: no file (a stale one is removed)."""
+    from safetensors.numpy import save_file
+
+    trained = [p for p in probes if (p["point"], p["pooling"]) in directions]
+    best: dict[str, dict] = {}
+    for entry in trained:
+        if (
+            entry["point"] not in best
+            or entry["balanced_accuracy_mean"] > best[entry["point"]]["balanced_accuracy_mean"]
+        ):
+            best[entry["point"]] = entry
+    tensors: dict[str, np.ndarray] = {}
+    metadata = {"actq": json.dumps({"kind": "probe-directions", "label": label, "model": model})}
+    named: dict[tuple[str, str], str] = {}
+    for entry in trained:
+        key = (entry["point"], entry["pooling"])
+        found = directions[key]
+        info = {
+            "point": entry["point"],
+            **points.get(entry["point"], {"module": entry["point"], "hook": "output"}),
+            "layer": entry["layer"],
+            "label": label,
+            "positive_class": found.positive,
+            "negative_class": found.negative,
+            "pooling": entry["pooling"],
+            "balanced_accuracy": round(entry["balanced_accuracy_mean"], 6),
+            "n": entry["n"],
+            "norm": found.norm,
+            "bias": found.bias,
+            "model": model,
+        }
+        for name in direction_names(*key, best=best[entry["point"]] is entry):
+            if NAME_RE.match(name):
+                tensors[name] = found.unit.astype(np.float32)
+                metadata[name] = json.dumps(info)
+                named.setdefault(key, name)
+    if not tensors:
+        path.unlink(missing_ok=True)
+        return {}
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file(tensors, str(tmp), metadata=metadata)
+    tmp.replace(path)
+    return named
 
 
 def run_with_api(

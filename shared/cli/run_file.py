@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shared.cli import batch, captures, remote
+from shared.cli import batch, captures, remote, steer
 from shared.cli.batch import Item
 from shared.client import Job
 from shared.errors import ToolError
@@ -127,9 +127,10 @@ def job_request(
     max_tokens: int,
     temperature: float,
     mode: str = "generate",
+    interventions: list[dict] | None = None,
 ) -> dict:
     """The job for one line: its prompt or messages and job fields, the command's model and capture;
-    `mode` (--mode) for a line that does not name its own."""
+    `mode` (--mode) for a line that does not name its own; a steering sweep's `interventions`."""
     request: dict[str, Any] = {"model": model}
     request.update({k: line[k] for k in ("prompt", "messages") if k in line})
     if mode != "generate":
@@ -145,6 +146,8 @@ def job_request(
             ends_with_reply = bool(line.get("messages")) and line["messages"][-1].get("role") == "assistant"
             positions = "completion" if ends_with_reply else "all"
         request["capture"] = {**capture, "positions": positions}
+    if interventions is not None:
+        request["interventions"] = interventions
     return request
 
 
@@ -185,6 +188,7 @@ def record(run: batch.BatchRun, item: Item, job: Job, download: bool, mode: str 
         "logprob_total": logprobs.get("total"),
         "completion_logprob": logprobs.get("completion_total"),
         **run.download(job, f"{number}.safetensors", download),
+        **steer.interventions_of(job),
     }
 
 
@@ -206,12 +210,19 @@ def run(
     api_key: str | None = None,
     quiet: bool = False,
     mode: str = "generate",
+    steer_options: steer.Options | None = None,
 ) -> dict:
     """Read and check the whole file, then submit what is not done and follow it. A resumed run
     must have the same file (by content) and options. Nothing is written to `out` before the API
-    has accepted the first jobs (batch.BatchRun.save), so a refused request leaves no `out`."""
+    has accepted the first jobs (batch.BatchRun.save), so a refused request leaves no `out`. With
+    `steer_options`, the whole file once per strength (shared/cli/steer.py): returns
+    steering.json's content."""
     if mode not in MODES:
         raise ToolError(f"--mode {mode!r}: generate or trace")
+    vector = steer.read_vector(steer_options) if steer_options is not None else None
+    probe = None
+    if steer_options is not None and steer_options.probe is not None:
+        probe = steer.read_probe(steer_options.probe, vector.name if vector is not None else None)
     prompts = Path(prompts)
     lines = read_lines(prompts)
     digest = hashlib.sha256(prompts.read_bytes()).hexdigest()
@@ -220,10 +231,18 @@ def run(
     with remote.reaching(api), remote.client(api, api_key) as client:
         model, info = captures.choose_model(client, model)
         capture = captures.choose_capture(model, info, module, no_capture, positions, dtype, layers, reduce)
-        items = []
-        for number, line in lines:
-            request = _checked(prompts, number, job_request(line, model, capture, max_tokens, temperature, mode))
-            items.append(Item(key=number, requests={"job": request}, data=(number, line)))
+        if probe is not None:
+            capture = steer.capture_with_probe(capture, info, probe)
+
+        def items_for(interventions: list[dict] | None) -> list[Item]:
+            items = []
+            for number, line in lines:
+                request = job_request(line, model, capture, max_tokens, temperature, mode, interventions)
+                items.append(
+                    Item(key=number, requests={"job": _checked(prompts, number, request)}, data=(number, line))
+                )
+            return items
+
         settings = {
             "model": model,
             "prompts_sha256": digest,
@@ -233,12 +252,28 @@ def run(
             "mode": mode,
         }
         # runs written before --mode existed: every line without its own mode generated
-        results = batch.BatchRun(Path(out), "run-file", settings, main="job", defaults={"mode": "generate"})
-        return batch.execute(
-            client,
-            results,
-            items,
-            lambda item, jobs: record(results, item, jobs["job"], download, mode),
-            unit="prompt",
-            quiet=quiet,
-        )
+        defaults = {"mode": "generate", "interventions": None}
+
+        def planned(directory: Path, interventions: list[dict] | None, kind: str = "run-file") -> batch.Planned:
+            results = batch.BatchRun(directory, kind, {**settings, "interventions": interventions}, "job", defaults)
+            return batch.Planned(
+                results,
+                items_for(interventions),
+                lambda item, jobs: record(results, item, jobs["job"], download, mode),
+            )
+
+        if steer_options is None or vector is None:
+            return batch.execute_many(client, [planned(Path(out), None)], unit="prompt", quiet=quiet)[0]
+
+        def strength(directory: Path, interventions: list[dict] | None, label: str) -> batch.Planned:
+            return planned(directory, interventions, f"run-file-coeff={label}")
+
+        swept, summaries = steer.sweep(client, Path(out), steer_options, vector, strength, unit="prompt", quiet=quiet)
+        if probe is None:
+            return steer.report(swept, summaries, steer.length_metric, "mean_completion_tokens", model)
+
+        def fetch(view: dict, name: str):
+            return client.job(view["job_id"]).tensor(name).float().numpy()
+
+        metric = f"probe_probability:{probe.name}"
+        return steer.report(swept, summaries, steer.probe_metric(probe, fetch), metric, model)

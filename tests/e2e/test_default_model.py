@@ -132,5 +132,17 @@ def test_actq_run_does_the_main_job_and_leaves_nothing_behind(smol_dir, tmp_path
     assert {p["pooling"] for p in report["probes"]} == {"reduced_last"}
     assert "probes for 'is this solution's final answer right?' (24 traces, chance 0.50)" in text
     assert (traced / "probes.png").read_bytes()[:4] == b"\x89PNG"
+    # The loop closed: the 3 problems again with the best probe's direction added at its layer, at
+    # -0.25, 0 and 0.25 times the residual stream's norm; coefficient 0 is the unsteered run.
+    steering = json.loads((out / "steered" / "steering.json").read_text())
+    best = max(report["probes"], key=lambda p: p["balanced_accuracy_mean"])
+    assert steering["module"] == best["point"] and steering["normalize"] and steering["metric"] == "accuracy_flexible"
+    assert [row["coeff"] for row in steering["strengths"]] == [-0.25, 0.0, 0.25]
+    assert all(row["n"] == 3 for row in steering["strengths"])
+    assert [row["edited_positions"] > 0 for row in steering["strengths"]] == [True, False, True]
+    assert f"3/3: the 3 problems again, {best['point']}'s probe direction added there" in text
+    assert f"steered at {best['point']}, flexible accuracy by coeff: -0.25: " in text
+    assert f"steering plot: {out / 'steered' / 'steering.png'}" in text
+    assert (out / "steered" / "steering.png").read_bytes()[:4] == b"\x89PNG"
     assert not (home / ".local" / "share" / "actq").exists()  # no second copy of the demo's files
     assert _our_processes() - before == set()  # no worker, API or Redis left running

@@ -28,10 +28,10 @@ is returned, not duplicated, and followed to its end.
 
 from __future__ import annotations
 
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from shared.cli import batch, captures, remote
+from shared.cli import batch, captures, remote, steer
 from shared.cli.batch import Item
 from shared.cli.gsm8k import data
 from shared.cli.gsm8k.scoring import accuracy, flexible_match, is_correct, score
@@ -55,6 +55,8 @@ class RunSettings:
     # What is captured: "generated", "gold", "corrupted", comma-separated (SOURCES); runs from
     # before the field generated only.
     capture_on: str = "generated"
+    # A steering sweep's edit (shared/cli/steer.py), on every job of the run; None: unsteered.
+    interventions: list[dict] | None = None
 
     @property
     def sources(self) -> list[str]:
@@ -69,9 +71,9 @@ class RunSettings:
 class Run(batch.BatchRun):
     """A GSM8K results directory: items are problems (samples/<index>.json), parts are sources."""
 
-    def __init__(self, out: Path, settings: RunSettings) -> None:
+    def __init__(self, out: Path, settings: RunSettings, kind: str = "gsm8k") -> None:
         # a field added since the run was written takes its default (the behaviour of that time)
-        super().__init__(out, "gsm8k", asdict(settings), main="generated", defaults=RunSettings.defaults())
+        super().__init__(out, kind, asdict(settings), main="generated", defaults=RunSettings.defaults())
         self.run_settings = settings
 
     def key(self, index: int, source: str = "generated") -> str:
@@ -94,6 +96,7 @@ class Run(batch.BatchRun):
                 "prompt_tokens": (result.get("usage") or {}).get("prompt_tokens"),
                 "completion_tokens": (result.get("usage") or {}).get("completion_tokens"),
                 **self._activations(generated, f"{problem.index}.safetensors", download),
+                **steer.interventions_of(generated),
             }
         else:  # a trace-only run: the problem succeeded when its traces did
             ok = all(job.data["status"] == "succeeded" for job in jobs.values())
@@ -126,12 +129,25 @@ class Run(batch.BatchRun):
             "logprob_total": logprobs.get("total"),
             "completion_logprob": logprobs.get("completion_total"),
             **self._activations(job, f"{problem.index}.{source}.safetensors", download),
+            **steer.interventions_of(job),
         }
 
 
 def summarize(samples: list[dict]) -> dict:
     scored = accuracy(s for s in samples if s["status"] == "succeeded" and s.get("correct"))
     return {"accuracy": {"strict": scored["strict"], "flexible": scored["flexible"]}}
+
+
+def plan(
+    run: Run, problems: list[data.Problem], exemplars: list[data.Exemplar] | None, download: bool
+) -> batch.Planned:
+    """The run's items (a problem each, a job per source) and how each is recorded."""
+    s = run.run_settings
+    items = [
+        Item(key=p.index, requests={source: job_request(s, p, source, exemplars) for source in s.sources}, data=p)
+        for p in problems
+    ]
+    return batch.Planned(run, items, lambda item, jobs: run.record(item.data, jobs, download), summarize)
 
 
 def execute(
@@ -143,20 +159,7 @@ def execute(
     quiet: bool = False,
 ) -> dict:
     """Submit what is not finished, follow it to the end, score it and write the results."""
-    s = run.run_settings
-    items = [
-        Item(key=p.index, requests={source: job_request(s, p, source, exemplars) for source in s.sources}, data=p)
-        for p in problems
-    ]
-    return batch.execute(
-        client,
-        run,
-        items,
-        lambda item, jobs: run.record(item.data, jobs, download),
-        unit="problem",
-        summarize=summarize,
-        quiet=quiet,
-    )
+    return batch.execute_many(client, [plan(run, problems, exemplars, download)], unit="problem", quiet=quiet)[0]
 
 
 def job_key(index: int, source: str) -> str:
@@ -170,6 +173,7 @@ def job_request(
     """The job for one problem and source: its generation, or a trace over its gold (or
     corrupted) solution as the assistant's reply to the same prompt, scored and captured on that
     reply (positions "completion" where the generation captures "generated")."""
+    edits = {"interventions": s.interventions} if s.interventions is not None else {}
     if source == "generated":
         return {
             "model": s.model,
@@ -177,6 +181,7 @@ def job_request(
             "max_tokens": s.max_tokens,
             "temperature": s.temperature,
             "capture": s.capture,
+            **edits,
         }
     turns = data.messages(problem, s.style, exemplars)
     turns.append({"role": "assistant", "content": data.trace_text(problem, source)})
@@ -184,7 +189,7 @@ def job_request(
     if s.capture is not None:
         positions = s.capture.get("positions", "all")
         capture = {**s.capture, "positions": "completion" if positions == "generated" else positions}
-    return {"model": s.model, "mode": "trace", "messages": turns, "capture": capture, "logprobs": True}
+    return {"model": s.model, "mode": "trace", "messages": turns, "capture": capture, "logprobs": True, **edits}
 
 
 def run(
@@ -213,15 +218,20 @@ def run(
     api: str | None = None,
     api_key: str | None = None,
     quiet: bool = False,
+    steer_options: steer.Options | None = None,
 ) -> dict:
     """`actq gsm8k`: load the problems, choose the prompt format and the capture, submit what is
     not done, follow it, score it. Ctrl-C (KeyboardInterrupt) leaves a consistent directory and is
-    re-raised."""
+    re-raised. With `steer_options`, the whole run once per strength (shared/cli/steer.py):
+    returns steering.json's content."""
     if style not in data.STYLES:
         raise ToolError(f"unknown --style {style!r}: zero-shot or cot-8shot")
     if prompt_format not in data.PROMPT_FORMATS:
         raise ToolError(f"unknown --prompt-format {prompt_format!r}: auto, chat or plain")
     sources = data.capture_sources(capture_on)
+    if steer_options is not None and "generated" not in sources:
+        raise ToolError("--steer measures the accuracy of the generated answers: include generated in --capture-on")
+    vector = steer.read_vector(steer_options) if steer_options is not None else None
     problems = data.select(data.load(dataset, split), offset=offset, limit=limit, sample=sample, seed=seed)
     exemplars = None
     if style == "cot-8shot":
@@ -249,4 +259,12 @@ def run(
             prompt_format=resolved_format,
             capture_on=",".join(sources),
         )
-        return execute(client, Run(Path(out), settings), problems, exemplars, download=download, quiet=quiet)
+        if steer_options is None or vector is None:
+            return execute(client, Run(Path(out), settings), problems, exemplars, download=download, quiet=quiet)
+
+        def planned(directory: Path, interventions: list[dict] | None, label: str) -> batch.Planned:
+            steered = replace(settings, interventions=interventions)
+            return plan(Run(directory, steered, kind=f"gsm8k-coeff={label}"), problems, exemplars, download)
+
+        swept, summaries = steer.sweep(client, Path(out), steer_options, vector, planned, unit="problem", quiet=quiet)
+        return steer.report(swept, summaries, steer.gsm8k_metric, "accuracy_flexible", model)
