@@ -85,10 +85,16 @@ class JobEdits:
 
     def reports(self, ops: list[str], steps: int) -> list[EditReport]:
         """`result.interventions`: per edit and module, positions touched at each of `steps`
-        forward steps (one read of the gated counts from the device)."""
+        forward steps. An ungated edit touches exactly the positions it selects among those each
+        step feeds (step 0: the prompt's, step k: P - 1 + k); a gated one, those where its gate
+        fired, counted on the device as the passes ran (read here once)."""
         out = []
         for edit in self.edits:
             counts = dict(edit.counts)
+            if edit.gate is None:
+                prompt = self.prompt_tokens
+                counts = {0: edit.touched(0, prompt)}
+                counts.update({k: edit.touched(prompt - 1 + k, 1) for k in range(1, steps)})
             if edit.fired:
                 values = torch.stack([t[row] for _, t, row in edit.fired]).tolist()
                 for (step, _, _), value in zip(edit.fired, values, strict=True):
@@ -255,9 +261,10 @@ class BatchEdits:
             self.rows = rows
             return
         self.rows, self._pass = rows, _Pass(spans, width)
-        if not _same(self._plan_for, rows):
-            self._plan = self._make_plan(rows)
-            self._plan_for = _refs(rows)
+        if _same(self._plan_for, rows):  # the same batch as the last pass (most steps): the same hooks
+            return
+        self._plan = self._make_plan(rows)
+        self._plan_for = _refs(rows)
         for key in [k for k in self._handles if k not in self._plan]:
             self._handles.pop(key).remove()
         for key in self._plan.keys() - self._handles.keys():
@@ -349,6 +356,14 @@ class BatchEdits:
         every row (then the edit needs no mask)."""
         pass_ = self._pass
         width = pass_.width
+        if width == 1:  # a decoding step: one position per row, in its selection or not
+            picks = tuple(edit.touched(*pass_.spans[b]) for b, edit in group.members)
+            if group.mask_for != picks or group.mask is None:
+                host = torch.zeros((len(self.rows), 1, 1), dtype=torch.bool)
+                for (b, _), pick in zip(group.members, picks, strict=True):
+                    host[b] = bool(pick)
+                group.mask, group.mask_for = host.to(like.device), picks
+            return group.mask, len(group.members) == len(self.rows) and all(picks)
         rows = []
         full = len(group.members) == len(self.rows)
         for b, edit in group.members:
@@ -395,11 +410,11 @@ class BatchEdits:
             edited = x - (along - p["value"]) * p["vector"]
         else:  # patch
             edited = self._patch_values(group, x)
-        pass_ = self._pass
-        for b, edit in group.members:
-            start, n = pass_.spans[b]
-            step = self.rows[b].step_of(start, n)  # type: ignore[union-attr]
-            self._pending.append((edit, step, (fired, b) if group.gated else edit.touched(start, n)))
+        if group.gated:  # an ungated edit's count per step follows from its selection (`reports`)
+            pass_ = self._pass
+            for b, edit in group.members:
+                start, n = pass_.spans[b]
+                self._pending.append((edit, self.rows[b].step_of(start, n), (fired, b)))  # type: ignore[union-attr]
         if full and not group.gated:  # every position of every row: nothing to keep as it was
             return edited
         return torch.where(where, edited, x)
