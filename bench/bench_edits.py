@@ -2,7 +2,8 @@
 (prefill, then decoding steps, as the worker runs them) with and without edits.
 
 Arms, each timed from the prompts' pass to the last step, end of sequence disabled so every arm
-generates the same `--max-tokens` (medians over `--repeats`, arms interleaved):
+generates the same `--max-tokens`; each ratio is the median over `--repeats` pairs run back to
+back, the pair's order alternating:
   one job:       no edits vs one `add` at 3 layers                              (target <= 1.05x)
   16 jobs:       no edits vs 16 distinct edit sets (add, scale, zero, project_out, at
                  different layers, each job its own vector)                     (target <= 1.10x)
@@ -144,26 +145,35 @@ RATIOS = [  # (what, arm, against, target)
 
 
 def bench(name: str, engine, max_tokens: int, repeats: int) -> dict:
+    """Each ratio from `repeats` pairs run back to back (their order alternating, so drift in the
+    machine's speed falls on both arms alike): the median of the pairs' ratios, and each arm's
+    median time."""
     jobs = arms(engine)
     for arm in jobs.values():  # warm every path once
         timed(engine, arm, 4)
     times: dict[str, list[float]] = {arm: [] for arm in jobs}
-    for _ in range(repeats):
-        for arm, work in jobs.items():
-            times[arm].append(timed(engine, work, max_tokens)[0])
+    ratios: dict[str, list[float]] = {what: [] for what, *_ in RATIOS}
+    for i in range(repeats):
+        for what, arm, against, _ in RATIOS:
+            order = (arm, against) if i % 2 else (against, arm)
+            got = {one: timed(engine, jobs[one], max_tokens)[0] for one in order}
+            times[arm].append(got[arm])
+            times[against].append(got[against])
+            ratios[what].append(got[arm] / got[against])
     reads = {
         arm: timed(engine, jobs[arm], max_tokens, count_reads=True)[1]
         for arm in ("one plain", "one add@3", "16 plain", "16 add", "16 gated add")
     }
-    medians = {arm: statistics.median(values) for arm, values in times.items()}
+    medians = {arm: statistics.median(values) for arm, values in times.items() if values}
     out = {"model": name, "median_seconds": medians, "host_reads_per_step": reads, "ratios": []}
-    print(f"\n{name}: {max_tokens} tokens per job, medians of {repeats}")
+    print(f"\n{name}: {max_tokens} tokens per job, {repeats} pairs per ratio (medians)")
     for arm, seconds in medians.items():
         print(f"  {arm:<16} {seconds * 1e3:9.1f} ms")
-    for what, arm, against, target in RATIOS:
-        ratio = medians[arm] / medians[against]
-        out["ratios"].append({"what": what, "ratio": ratio, "target": target})
-        print(f"  {what:<42} {ratio:5.3f}x (target <= {target})")
+    for what, _, _, target in RATIOS:
+        ratio = statistics.median(ratios[what])
+        spread = f"{min(ratios[what]):.3f}-{max(ratios[what]):.3f}"
+        out["ratios"].append({"what": what, "ratio": ratio, "range": spread, "target": target})
+        print(f"  {what:<42} {ratio:5.3f}x (pairs {spread}; target <= {target})")
     print("  host reads per decoding step: " + ", ".join(f"{k} {v:.2f}" for k, v in reads.items()))
     return out
 
