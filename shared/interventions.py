@@ -45,6 +45,36 @@ _UUID = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 _TENSOR_NAME = r"^[A-Za-z0-9_.:/-]{1,300}$"
 
 
+_SLICE = re.compile(r"^(\d{1,7}):(\d{1,7})$")
+
+
+def check_features(value: str | list[int] | None) -> str | list[int] | None:
+    """`features` as a request writes them (capture and edits alike): a slice "a:b" with a < b,
+    or indices that do not repeat."""
+    if isinstance(value, str):
+        match = _SLICE.match(value)
+        if match is None or int(match.group(1)) >= int(match.group(2)):
+            raise ValueError(f'a feature slice is "a:b" with 0 <= a < b (e.g. "0:64"), not {value!r}')
+    elif isinstance(value, list) and len(set(value)) != len(value):
+        raise ValueError("feature indices must not repeat")
+    return value
+
+
+def feature_indices(features: str | list[int] | None, width: int) -> list[int] | None:
+    """The indices `features` names in a `width`-wide value (None: all); ValueError when out of range."""
+    if features is None:
+        return None
+    if isinstance(features, str):
+        lo, hi = (int(x) for x in features.split(":"))
+        if hi > width:
+            raise ValueError(f'features "{features}" ends past the width {width} (at most "{lo}:{width}")')
+        return list(range(lo, hi))
+    over = [i for i in features if i >= width]
+    if over:
+        raise ValueError(f"feature indices {over[:5]} are out of range for the width {width} (0 to {width - 1})")
+    return list(features)
+
+
 def _finite(value: float, limit: float, what: str) -> float:
     if not math.isfinite(value) or abs(value) > limit:
         raise ValueError(f"{what} must be a finite number of magnitude at most {limit:g}, not {value!r}")
@@ -215,14 +245,8 @@ class Intervention(Strict):
 
     @field_validator("features")
     @classmethod
-    def _feature_syntax(cls, value: object) -> object:
-        if isinstance(value, str):
-            match = re.match(r"^(\d{1,7}):(\d{1,7})$", value)
-            if match is None or int(match.group(1)) >= int(match.group(2)):
-                raise ValueError(f'a feature slice is "a:b" with 0 <= a < b (e.g. "0:64"), not {value!r}')
-        elif isinstance(value, list) and len(set(value)) != len(value):
-            raise ValueError("feature indices must not repeat")
-        return value
+    def _feature_syntax(cls, value: str | list[int] | None) -> str | list[int] | None:
+        return check_features(value)
 
     @model_validator(mode="after")
     def _shape(self) -> Intervention:
@@ -249,17 +273,7 @@ class Intervention(Strict):
 
     def feature_indices(self, width: int) -> list[int] | None:
         """The features a `scale` or `zero` touches (None: all); ValueError when out of range."""
-        if self.features is None:
-            return None
-        if isinstance(self.features, str):
-            lo, hi = (int(x) for x in self.features.split(":"))
-            if hi > width:
-                raise ValueError(f'features "{self.features}" end past the width {width}')
-            return list(range(lo, hi))
-        over = [i for i in self.features if i >= width]
-        if over:
-            raise ValueError(f"feature indices {over[:5]} are out of range for the width {width} (0 to {width - 1})")
-        return list(self.features)
+        return feature_indices(self.features, width)
 
     def vectors(self) -> list[tuple[str, Vector]]:
         """(field, vector) for every vector this edit names: the op's and the gate's probe."""

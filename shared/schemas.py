@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import re
 from datetime import datetime
 from functools import cached_property
 from typing import Annotated, Literal
@@ -11,7 +10,15 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from shared.dtypes import CaptureDtype
-from shared.interventions import MAX_INTERVENTIONS, EditPoint, EditReport, Hook, Intervention
+from shared.interventions import (
+    MAX_INTERVENTIONS,
+    EditPoint,
+    EditReport,
+    Hook,
+    Intervention,
+    check_features,
+    feature_indices,
+)
 from shared.states import JobStatus as JobStatus  # re-exported: the states live in shared.states
 
 Positions = Literal["all", "prompt", "generated", "last", "completion"]
@@ -26,7 +33,6 @@ MAX_STOP_STRINGS = 8
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as vLLM does)
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_FEATURES = 65_536
-_SLICE = re.compile(r"^(\d{1,7}):(\d{1,7})$")
 
 
 class Strict(BaseModel):
@@ -68,27 +74,11 @@ class CaptureSpec(Strict):
     @field_validator("features")
     @classmethod
     def _feature_syntax(cls, value: str | list[int] | None) -> str | list[int] | None:
-        if isinstance(value, str):
-            match = _SLICE.match(value)
-            if match is None or int(match.group(1)) >= int(match.group(2)):
-                raise ValueError(f'a feature slice is "a:b" with 0 <= a < b (e.g. "0:64"), not {value!r}')
-        elif isinstance(value, list) and len(set(value)) != len(value):
-            raise ValueError("feature indices must not repeat")
-        return value
+        return check_features(value)
 
     def feature_indices(self, width: int) -> list[int] | None:
         """The kept indices of a `width`-wide value (None: all); raises ValueError when out of range."""
-        if self.features is None:
-            return None
-        if isinstance(self.features, str):
-            lo, hi = (int(x) for x in self.features.split(":"))
-            if hi > width:
-                raise ValueError(f'features "{self.features}" ends past the width {width} (at most "{lo}:{width}")')
-            return list(range(lo, hi))
-        over = [i for i in self.features if i >= width]
-        if over:
-            raise ValueError(f"feature indices {over[:5]} are out of range for the width {width} (0 to {width - 1})")
-        return list(self.features)
+        return feature_indices(self.features, width)
 
     @model_validator(mode="after")
     def _names_something(self) -> CaptureSpec:
