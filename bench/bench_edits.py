@@ -18,7 +18,7 @@ Models: SmolLM2-135M (the built-in model) and the engine benchmark's tiny random
 hidden 64, where the engine's own work dominates a step).
 
     .venv/bin/python bench/bench_edits.py [--max-tokens 32] [--repeats 5] [--models smollm2,tiny] [--json out.json]
-    .venv/bin/python bench/bench_edits.py --device cuda            # on a GPU
+    .venv/bin/python bench/bench_edits.py --device cuda --models tiny,qwen2-0.5b   # on a GPU
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support and bench, from a checkout
 
 QUESTIONS = [
     f"Question {i}: a farmer has {i + 3} cows and buys {2 * i + 1} more. Explain how many cows there are now."
@@ -41,12 +41,12 @@ QUESTIONS = [
 ]
 
 
-def engine_for(folder: Path, device: str):
+def engine_for(folder: Path, device: str, dtype: str = "auto"):
     from shared.settings import Settings
     from worker.engine import CaptureEngine
     from worker.models import load
 
-    return CaptureEngine(load(Settings(model=str(folder), model_name="m", device=device)))
+    return CaptureEngine(load(Settings(model=str(folder), model_name="m", device=device, dtype=dtype)))
 
 
 def vector(width: int, seed: int, scale: float) -> list[float]:
@@ -194,11 +194,17 @@ def main() -> int:
     smol = ensure_smollm2(Settings().model_cache_dir)
     results = {"command": " ".join([sys.executable, *sys.argv]), "runs": []}
     for name in args.models.split(","):
+        dtype = "auto"
         if name == "smollm2":
             folder = smol
+        elif name == "qwen2-0.5b":  # bench_gpu's random-weight Qwen2-0.5B shape, in bfloat16 (for a GPU)
+            from bench.bench_gpu import QWEN2_05B, build_model
+
+            dtype = "bfloat16"
+            folder = build_model(Path(tempfile.mkdtemp(prefix="bench-edits-")) / "qwen", QWEN2_05B, dtype)
         else:
             folder = build(Path(tempfile.mkdtemp(prefix="bench-edits-")) / "tiny", smol, max_position_embeddings=4096)
-        results["runs"].append(bench(name, engine_for(folder, args.device), args.max_tokens, args.repeats))
+        results["runs"].append(bench(name, engine_for(folder, args.device, dtype), args.max_tokens, args.repeats))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))
     return 0
