@@ -28,6 +28,10 @@ from shared.interventions import EditReport, Intervention, intervals
 from worker.capture import first_input
 
 Key = tuple[str, str]  # (module path, hook)
+# Kinds whose decoding step folds the mask into its parameters: exact for a row that takes no
+# edit whatever its value (x + 0, x * 1, no fill). Not project_out or a normalized add, whose
+# arithmetic on an inf would turn another row's value into NaN.
+FOLDED = frozenset({"add", "scale", "zero"})
 
 
 @dataclass(eq=False)
@@ -187,6 +191,8 @@ class _Group:
     params: dict[str, torch.Tensor] = field(default_factory=dict)  # built at the first pass (dtype, device)
     mask_for: tuple | None = None
     mask: torch.Tensor | None = None
+    folded: dict[str, torch.Tensor] | None = None  # a decoding step's parameters with the mask in them
+    folded_for: tuple | None = None
 
     def build(self, batch: int, width: int, like: torch.Tensor) -> None:
         dtype, device = like.dtype, like.device
@@ -391,6 +397,8 @@ class BatchEdits:
             group.build(len(self.rows), int(x.shape[2]), x)
         p = group.params
         where, full = self._positions(group, x)
+        if not full and not group.gated and self._pass.width == 1 and group.kind in FOLDED:
+            return self._apply_folded(group, x, where)
         if group.gated:
             gate = p["gate"]
             score = (x.to(torch.float32) * p["probe"].to(torch.float32)).sum(-1, keepdim=True) + gate[..., 0:1]
@@ -418,6 +426,27 @@ class BatchEdits:
         if full and not group.gated:  # every position of every row: nothing to keep as it was
             return edited
         return torch.where(where, edited, x)
+
+    @staticmethod
+    def _apply_folded(group: _Group, x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
+        """A decoding step of an ungated `add`, `scale` or `zero` that some rows do not take: the
+        mask folded into the parameters once while it stays the same (a row that takes no edit
+        gets + 0, x 1 or no fill: its value exactly), so each step is one operation, not two."""
+        if group.folded is None or group.folded_for != group.mask_for:
+            p = group.params
+            if group.kind == "add":
+                group.folded = {"vector": p["vector"] * where}
+            elif group.kind == "scale":
+                group.folded = {"factor": torch.where(where, p["factor"], 1.0)}
+            else:
+                group.folded = {"zeroed": p["zeroed"] & where}
+            group.folded_for = group.mask_for
+        folded = group.folded
+        if group.kind == "add":
+            return x + folded["vector"]
+        if group.kind == "scale":
+            return x * folded["factor"]
+        return x.masked_fill(folded["zeroed"], 0)
 
     def _patch_values(self, group: _Group, x: torch.Tensor) -> torch.Tensor:
         """`[B, S, W]`: each member row's source rows at the positions this pass feeds (zeros
