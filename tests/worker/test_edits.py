@@ -466,3 +466,77 @@ def test_a_pass_that_runs_out_of_memory_and_runs_again_counts_its_edits_once(eng
         assert_same(got, alone, f"job {i}")
         if alone.interventions is not None:
             assert [r.applied for r in got.interventions] == [r.applied for r in alone.interventions], i
+
+
+def test_prompts_fed_in_chunks_take_their_edits_at_the_right_positions(engine):
+    """Through the engine thread with chunks shorter than the prompts: edits at prompt windows
+    that straddle chunk boundaries, a gate, and generated steps; every job equals its solo run
+    (tokens, captures, per-step counts)."""
+    import threading
+
+    from worker.scheduler import Entry, Scheduler
+
+    width = engine.info.hidden_size
+    capture = {"modules": ["model.layers.{1,2}"], "positions": "all"}
+    long_question = [
+        {"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then half as many."}
+    ]
+    edit_sets = [
+        None,
+        [
+            {
+                "module": "model.layers.1",
+                "op": "add",
+                "vector": vector(width, 50),
+                "coeff": 2.0,
+                "positions": {"prompt": ["5:17"]},
+            }
+        ],
+        [
+            {
+                "module": "model.layers.2",
+                "op": "scale",
+                "factor": 0.5,
+                "positions": {"prompt": [-1, 3], "generated": ":2"},
+            },
+            {
+                "module": "model.layers.1",
+                "op": "add",
+                "vector": vector(width, 51),
+                "when": {"probe": vector(width, 52), "above": 0.0},
+            },
+        ],
+    ]
+    questions = [MESSAGES, long_question, long_question]
+    jobs = [(request(q, e, capture), 8) for q, e in zip(questions, edit_sets, strict=True)]
+    outcomes: dict[int, object] = {}
+    finished = threading.Event()
+
+    def entry(i: int) -> Entry:
+        req, n = jobs[i]
+        edits = resolve_edits(req.interventions, engine.info, False, n) if req.interventions else []
+
+        def done(outcome) -> None:
+            outcomes[i] = outcome
+            if len(outcomes) == len(jobs):
+                finished.set()
+
+        return Entry(seq=engine.prepare(req, resolve(req.capture, engine.info), n, None, edits), done=done)
+
+    entries = [entry(i) for i in range(len(jobs))]
+    chunk = 7
+    assert all(e.seq.prompt_tokens > 2 * chunk for e in entries[1:])
+    scheduler = Scheduler(engine, max_batch=4, wait_s=0.0, chunk_tokens=chunk)
+    scheduler.submit(entries[0])
+    scheduler.start()
+    try:
+        for e in entries[1:]:
+            scheduler.submit(e)
+        assert finished.wait(120)
+    finally:
+        scheduler.stop()
+    for i, (req, n) in enumerate(jobs):
+        got, alone = engine.finish(outcomes[i], req), run(engine, req, n)
+        assert_same(got, alone, f"job {i}")
+        if alone.interventions is not None:
+            assert [r.applied for r in got.interventions] == [r.applied for r in alone.interventions], i
