@@ -52,7 +52,7 @@ class RowEdit:
     patch_rows: torch.Tensor | None = None
     gate: tuple[torch.Tensor, float, float, float] | None = None  # (probe, bias, threshold, +1 above / -1 below)
     counts: dict[int, int] = field(default_factory=dict)  # step -> positions touched (ungated, and gated once read)
-    fired: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)  # gated: (step, counts [B], row)
+    fired: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)  # gated: (step, where [B, S, 1], row)
 
     @property
     def kind(self) -> str:
@@ -100,7 +100,7 @@ class JobEdits:
                 counts = {0: edit.touched(0, prompt)}
                 counts.update({k: edit.touched(prompt - 1 + k, 1) for k in range(1, steps)})
             if edit.fired:
-                values = torch.stack([t[row] for _, t, row in edit.fired]).tolist()
+                values = torch.stack([t[row].sum() for _, t, row in edit.fired]).tolist()
                 for (step, _, _), value in zip(edit.fired, values, strict=True):
                     counts[step] = counts.get(step, 0) + int(value)
             applied = [counts.get(k, 0) for k in range(steps)]
@@ -214,11 +214,15 @@ class _Group:
         if self.kind == "zero":
             self.params["zeroed"] = stacked(lambda e: e.zeroed, False, torch.bool)  # type: ignore[arg-type,return-value]
         if self.gated:
-            self.params["probe"] = stacked(lambda e: e.gate[0], 0.0, dtype)  # type: ignore[index]
+            # The sign (+1 above, -1 below) goes into the probe, the bias and the threshold: exact
+            # (a negation), so `score > threshold` is one comparison either way, in float32.
+            self.params["probe"] = stacked(lambda e: e.gate[0] * e.gate[3], 0.0, torch.float32)  # type: ignore[index]
             gates = [e.gate for _, e in self.members]
-            host = torch.zeros((batch, 3), dtype=torch.float32)
-            host[[b for b, _ in self.members]] = torch.tensor([[g[1], g[2], g[3]] for g in gates if g is not None])
-            self.params["gate"] = host.to(device=device, dtype=torch.float32).view(batch, 1, 3)
+            host = torch.zeros((batch, 2), dtype=torch.float32)
+            host[[b for b, _ in self.members]] = torch.tensor(
+                [[g[1] * g[3], g[2] * g[3]] for g in gates if g is not None]
+            )
+            self.params["gate"] = host.to(device=device).view(batch, 1, 2)
 
 
 @dataclass
@@ -401,9 +405,9 @@ class BatchEdits:
             return self._apply_folded(group, x, where)
         if group.gated:
             gate = p["gate"]
-            score = (x.to(torch.float32) * p["probe"].to(torch.float32)).sum(-1, keepdim=True) + gate[..., 0:1]
-            where = where & ((score - gate[..., 1:2]) * gate[..., 2:3] > 0)
-            fired = where.sum(dim=(1, 2))
+            score = (x.to(torch.float32) * p["probe"]).sum(-1, keepdim=True) + gate[..., 0:1]
+            where = where & (score > gate[..., 1:2])
+            fired = where  # counted when the job ends (`reports`), not in every step
         kind = group.kind
         if kind == "add":
             edited = x + p["vector"]
