@@ -653,7 +653,7 @@ class Undo:
     mark: Mark | None
     scores: int
     generator: torch.Tensor | None
-    edits: list[tuple[dict[int, int], int]] | None = None
+    edits: list[int] | None = None
 
     @classmethod
     def of(cls, seq: Sequence) -> Undo:

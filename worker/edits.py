@@ -9,9 +9,11 @@ tensor (`[B, 1, W]`) and a per-position mask (`[B, S, 1]`), never a Python loop 
 outside a group, or a position outside its selection, keeps its value exactly (`torch.where`).
 
 Positions, as in capture: a pass feeds row b's positions [start, start + n), right-aligned in the
-pass's S columns (a left-padded prompt pass), and generated step k is position P - 1 + k. Counts
-of the positions each edit touched are kept per step and made final only when the pass has
-succeeded (`flush`), so a pass that failed and ran again counts once.
+pass's S columns (a left-padded prompt pass), and generated step k is position P - 1 + k. An
+ungated edit touches exactly the positions it selects, so its count per step follows from its
+selection; a gated edit's positions are kept per pass (the mask it applied) once the pass has
+succeeded (`flush`), so a pass that failed and ran again counts once, and counted when the job
+ends.
 """
 
 from __future__ import annotations
@@ -51,7 +53,6 @@ class RowEdit:
     patch_first: int = 0  # patch: the token position of `patch_rows[0]`
     patch_rows: torch.Tensor | None = None
     gate: tuple[torch.Tensor, float, float, float] | None = None  # (probe, bias, threshold, +1 above / -1 below)
-    counts: dict[int, int] = field(default_factory=dict)  # step -> positions touched (ungated, and gated once read)
     fired: list[tuple[int, torch.Tensor, int]] = field(default_factory=list)  # gated: (step, where [B, S, 1], row)
 
     @property
@@ -78,23 +79,22 @@ class JobEdits:
         (every chunk of it), k for the pass at position P - 1 + k."""
         return max(0, start + n - self.prompt_tokens)
 
-    def saved(self) -> list[tuple[dict[int, int], int]]:
-        """The counts as they stand (for `Undo`)."""
-        return [(dict(e.counts), len(e.fired)) for e in self.edits]
+    def saved(self) -> list[int]:
+        """How many gated passes each edit has kept (for `Undo`)."""
+        return [len(e.fired) for e in self.edits]
 
-    def restore(self, saved: list[tuple[dict[int, int], int]]) -> None:
-        for edit, (counts, fired) in zip(self.edits, saved, strict=True):
-            edit.counts = counts
+    def restore(self, saved: list[int]) -> None:
+        for edit, fired in zip(self.edits, saved, strict=True):
             del edit.fired[fired:]
 
     def reports(self, ops: list[str], steps: int) -> list[EditReport]:
         """`result.interventions`: per edit and module, positions touched at each of `steps`
         forward steps. An ungated edit touches exactly the positions it selects among those each
         step feeds (step 0: the prompt's, step k: P - 1 + k); a gated one, those where its gate
-        fired, counted on the device as the passes ran (read here once)."""
+        fired, from the masks its passes kept (read from the device here, once)."""
         out = []
         for edit in self.edits:
-            counts = dict(edit.counts)
+            counts: dict[int, int] = {}
             if edit.gate is None:
                 prompt = self.prompt_tokens
                 counts = {0: edit.touched(0, prompt)}
@@ -255,7 +255,7 @@ class BatchEdits:
         self._plan: dict[Key, list[list[_Group]]] = {}
         self._plan_for: tuple[weakref.ref | None, ...] = ()
         self._pass = _Pass([], 0)
-        self._pending: list[tuple[RowEdit, int, int | tuple[torch.Tensor, int]]] = []
+        self._pending: list[tuple[RowEdit, int, torch.Tensor, int]] = []  # gated: (edit, step, where, row)
 
     def close(self) -> None:
         for handle in self._handles.values():
@@ -293,13 +293,10 @@ class BatchEdits:
                 self._handles[key] = module.register_forward_pre_hook(on_input, prepend=True, with_kwargs=True)
 
     def flush(self) -> None:
-        """After a pass that succeeded: its counts become the jobs'."""
+        """After a pass that succeeded: the positions its gates fired at become the jobs'."""
         pending, self._pending = self._pending, []
-        for edit, step, count in pending:
-            if isinstance(count, int):
-                edit.counts[step] = edit.counts.get(step, 0) + count
-            else:
-                edit.fired.append((step, count[0], count[1]))
+        for edit, step, where, row in pending:
+            edit.fired.append((step, where, row))
 
     @staticmethod
     def _make_plan(rows: list[JobEdits | None]) -> dict[Key, list[list[_Group]]]:
@@ -426,7 +423,7 @@ class BatchEdits:
             pass_ = self._pass
             for b, edit in group.members:
                 start, n = pass_.spans[b]
-                self._pending.append((edit, self.rows[b].step_of(start, n), (fired, b)))  # type: ignore[union-attr]
+                self._pending.append((edit, self.rows[b].step_of(start, n), fired, b))  # type: ignore[union-attr]
         if full and not group.gated:  # every position of every row: nothing to keep as it was
             return edited
         return torch.where(where, edited, x)
