@@ -67,6 +67,11 @@ FAILURE_STATUS = {"context_length_exceeded": 400}
 # --- errors -------------------------------------------------------------------------------------
 
 
+# Every OpenAI-compatible answer about a job names it here too: clients that drop the body's
+# extra `actq` field (LangChain, lm-eval) still see which job holds the activations.
+JOB_ID_HEADER = "x-actq-job-id"
+
+
 class OpenAIError(Exception):
     """An error answered in OpenAI's shape (see the module docstring)."""
 
@@ -102,6 +107,8 @@ class OpenAIError(Exception):
             headers["WWW-Authenticate"] = "Bearer"
         if self.retry_after is not None:
             headers["Retry-After"] = str(self.retry_after)
+        if self.job_id is not None:
+            headers[JOB_ID_HEADER] = self.job_id
         return JSONResponse({"error": error, "detail": self.message}, status_code=self.status, headers=headers or None)
 
 

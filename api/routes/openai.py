@@ -60,6 +60,7 @@ from starlette.exceptions import HTTPException
 from api.deps import CallerDep, Services, ServicesDep, get_caller
 from api.errors import redis_trouble
 from api.openai_compat import (
+    JOB_ID_HEADER,
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -147,12 +148,14 @@ async def chat_completions(
     services: ServicesDep,
     caller: CallerDep,
     request: Request,
+    response: Response,
     idempotency_key: IdempotencyKey = None,
 ) -> ChatCompletion:
     """OpenAI's chat completion, run as an actq job (with an optional `capture`): answers once the
     job has finished, with the job id and its activations manifest in the extra field `actq`."""
     job_request = to_job_request(body)
     record = await _finished(services, job_request, body.actq_wait_seconds, idempotency_key, caller)
+    response.headers[JOB_ID_HEADER] = record.id
     return completion(record, request)
 
 
@@ -162,6 +165,7 @@ async def completions(
     services: ServicesDep,
     caller: CallerDep,
     request: Request,
+    response: Response,
     idempotency_key: IdempotencyKey = None,
 ) -> Completion:
     """OpenAI's (legacy) completion: the prompt as raw text, tokenized as it is with no chat
@@ -169,6 +173,7 @@ async def completions(
     with the job id and its activations manifest in the extra field `actq`."""
     job_request = completion_job_request(body)
     record = await _finished(services, job_request, body.actq_wait_seconds, idempotency_key, caller)
+    response.headers[JOB_ID_HEADER] = record.id
     return text_completion(record, request)
 
 
@@ -193,3 +198,26 @@ def retrieve_model(model: str, services: ServicesDep) -> ModelCard:
             404, f"model {model!r} is not served here; served models: {served}", "model_not_found", param="model"
         )
     return ModelCard(id=model)
+
+
+@router.api_route(
+    "/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"], include_in_schema=False, status_code=404
+)
+def no_such_route(path: str, request: Request) -> None:
+    """Every other /v1 path, in OpenAI's error shape (an SDK shows the message, not only the
+    status): a path served here with another method is a 405 naming the methods it takes."""
+    here = f"/v1/{path}"
+    methods = sorted(
+        {
+            m
+            for route in router.routes
+            if isinstance(route, APIRoute) and route.path_regex.match(here) and route.name != "no_such_route"
+            for m in route.methods or ()
+        }
+    )
+    if methods:
+        raise OpenAIError(
+            405, f"{request.method} {here} is not served; use {' or '.join(methods)}", "method_not_allowed"
+        )
+    served = "POST /v1/chat/completions, POST /v1/completions, GET /v1/models, GET /v1/models/{model}"
+    raise OpenAIError(404, f"no route {request.method} {here}; the OpenAI-compatible routes: {served}", "not_found")

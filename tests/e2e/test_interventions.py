@@ -180,6 +180,7 @@ def test_the_openai_route_takes_interventions_and_a_baseline(live, http, referen
     response = http.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     answer = response.json()
+    assert response.headers["x-actq-job-id"] == answer["actq"]["job_id"]  # for clients that drop `actq`
     ids, _, prompt = ref.edited_generate(
         model,
         tokenizer,
