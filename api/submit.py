@@ -99,6 +99,8 @@ def plan(
         raise BadRequest(
             f"max_tokens {max_tokens} leaves no room for a prompt in {info.name}'s context of {info.max_context}"
         )
+    if (problem := capture_spec.token_ids_problem(request, info.vocab_size)) is not None:
+        raise BadRequest(problem)
     try:
         capture_spec.check_prompt_fits(request, info, max_tokens)
     except ContextLengthExceeded as exc:  # at submit it is bad input: 422, nothing queued
@@ -192,17 +194,17 @@ def submit(
 
 
 def submit_batch(
-    services: Services, entries: list[BatchEntry], owner: str | None = None
+    services: Services, entries: list[BatchEntry], owner: str | None = None, label: str = "jobs"
 ) -> list[tuple[JobRecord, bool]]:
-    """Validate every entry first (the first bad one rejects the batch, naming its index), then
-    record all new jobs and their messages in one Redis transaction."""
+    """Validate every entry first (the first bad one rejects the batch, naming its index as
+    `label[i]`), then record all new jobs and their messages in one Redis transaction."""
     cache: dict[tuple[str, ...], object] = {}
     plans = []
     for index, entry in enumerate(entries):
         try:
             plans.append(plan(services, entry.request, cache, owner))
         except ActqError as exc:
-            raise type(exc)(f"jobs[{index}]: {exc.message}") from exc
+            raise type(exc)(f"{label}[{index}]: {exc.message}") from exc
     given = [e.idempotency_key for e in entries]  # as the caller wrote them, for messages
     if len({k for k in given if k}) != len([k for k in given if k]):
         raise BadRequest("two entries of the batch share an idempotency_key")
@@ -217,7 +219,7 @@ def submit_batch(
     for i, old in enumerate(existing):
         if old is not None and old.request != entries[i].request:
             services.idempotency.release(claimed)
-            raise Conflict(f"jobs[{i}]: idempotency_key {given[i]!r} was used for a different request")
+            raise Conflict(f"{label}[{i}]: idempotency_key {given[i]!r} was used for a different request")
     created_at = now()
     out = [
         (old, False)

@@ -201,6 +201,8 @@ def prompt_tokens_upper_bound(request: JobRequest, model: ModelInfo) -> int:
     of content, plus the chat template's own tokens as the worker measured them (a default system
     prompt included); a generous guess where the worker did not measure them. A raw `prompt` has
     no template: only the tokens the tokenizer adds (BOS), well inside the slack of 8."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
     content = request.content_bytes
     if request.messages is None:
         return content + 8
@@ -247,6 +249,8 @@ def span(
 def prompt_tokens_lower_bound(request: JobRequest, model: ModelInfo) -> int:
     """At least this many prompt tokens: no token stands for more than `model.max_token_bytes`
     bytes of text (0 when the worker did not say)."""
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids)
     if not model.max_token_bytes:
         return 0
     return -(-request.content_bytes // model.max_token_bytes)
@@ -258,11 +262,29 @@ def check_prompt_fits(request: JobRequest, model: ModelInfo, max_tokens: int) ->
     least = prompt_tokens_lower_bound(request, model)
     if model.max_context and least + max_tokens > model.max_context:
         what = "prompt is" if request.prompt is not None else "messages are"
+        if request.prompt_token_ids is not None:
+            raise ContextLengthExceeded(
+                f"the prompt is {least:,} token ids and max_tokens is {max_tokens}: over {model.name}'s context of "
+                f"{model.max_context:,}; shorten the prompt or ask for fewer tokens"
+            )
         raise ContextLengthExceeded(
             f"the {what} at least {least:,} tokens ({model.name}'s tokens stand for at most "
             f"{model.max_token_bytes} bytes each) and max_tokens is {max_tokens}: over the model's context of "
             f"{model.max_context:,}; shorten the prompt or ask for fewer tokens"
         )
+
+
+def token_ids_problem(request: JobRequest, vocab_size: int) -> str | None:
+    """What is wrong with a `prompt_token_ids` prompt for a model of `vocab_size` tokens (None: fine);
+    the API refuses it at submit and the worker checks again before the ids reach the embedding."""
+    ids = request.prompt_token_ids
+    if ids is None:
+        return None
+    bad = [(i, t) for i, t in enumerate(ids) if t >= vocab_size]
+    if not bad:
+        return None
+    where = ", ".join(f"prompt_token_ids[{i}]={t}" for i, t in bad[:5]) + (" ..." if len(bad) > 5 else "")
+    return f"token ids must be below the model's vocabulary size {vocab_size}: {where}"
 
 
 def rows_for(positions: str, prompt_tokens: int, new_tokens: int) -> int:
@@ -321,10 +343,15 @@ def working_bytes(model: ModelInfo, prompt_tokens: int, max_tokens: int, all_log
     return kv + activations + logits + model.attention_bytes_per_token_pair * fed * prompt_tokens
 
 
-def all_logits(trace: bool, logprobs: bool, modules: Iterable[str], model: ModelInfo) -> bool:
+def all_logits(
+    trace: bool, logprobs: bool, modules: Iterable[str], model: ModelInfo, prompt_logprobs: bool = False
+) -> bool:
     """Whether a job's passes compute the vocabulary projection at every position: a trace that
     asks for log-probabilities or captures a module generation runs at the last position only
-    (`lm_head`). Other jobs' passes compute it at the last position alone."""
+    (`lm_head`), and a generation whose prefill scores its prompt (`prompt_logprobs`). Other
+    jobs' passes compute it at the last position alone."""
+    if prompt_logprobs:
+        return True
     if not trace:
         return False
     return logprobs or any(not model.modules[model.module_index[m]].all_positions for m in modules)
@@ -348,7 +375,7 @@ def estimate(request: JobRequest, points: list[CapturePoint], model: ModelInfo, 
     prompt_tokens = prompt_tokens_upper_bound(request, model)
     if model.max_context:
         prompt_tokens = max(1, min(prompt_tokens, model.max_context - max_tokens))
-    every = all_logits(request.trace, request.logprobs, [p.module for p in points], model)
+    every = all_logits(request.trace, request.logprobs, [p.module for p in points], model, request.prompt_logprobs)
     return job_memory(request.capture, points, model, prompt_tokens, max_tokens, every)
 
 

@@ -29,10 +29,15 @@ MAX_CAPTURE_PATTERNS = 256
 MAX_MESSAGES = 512
 MAX_MESSAGE_CHARS = 1_000_000
 MAX_PROMPT_CHARS = 1_000_000
+MAX_PROMPT_TOKEN_IDS = 1_000_000
 MAX_STOP_STRINGS = 8
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as vLLM does)
 MAX_TOP_LOGPROBS = 20  # as OpenAI
 MAX_FEATURES = 65_536
+MAX_METADATA_PAIRS = 16  # OpenAI's limits on `metadata` and `user`
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
+MAX_USER_CHARS = 256
 
 
 class Strict(BaseModel):
@@ -99,6 +104,11 @@ class JobRequest(Strict):
     mode: Mode = "generate"
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
     prompt: Annotated[str, Field(min_length=1, max_length=MAX_PROMPT_CHARS)] | None = None
+    # The prompt as token ids, fed as given (no BOS added): what a client that tokenized the text
+    # itself means (lm-eval's tokenized requests); checked against the model's vocabulary.
+    prompt_token_ids: (
+        Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1, max_length=MAX_PROMPT_TOKEN_IDS)] | None
+    ) = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
@@ -112,20 +122,34 @@ class JobRequest(Strict):
     # most likely alternatives at each position (0 to 20; needs logprobs).
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
+    # A generation's logprobs also cover its prompt, before the generated tokens (the prompt's
+    # first token has none): OpenAI's legacy `echo` with generation, from the same prefill.
+    prompt_logprobs: bool = False
     # Edits applied during the job's forward passes (README "Interventions"), in this order on a
     # module that several name; `baseline: true` also runs the job unedited, in the same batch.
     interventions: Annotated[list[Intervention], Field(max_length=MAX_INTERVENTIONS)] | None = None
     baseline: bool = False
+    # The worker also publishes the text as it is generated (keys.job_text): what the OpenAI
+    # routes' `stream: true` reads; the result is the same either way.
+    stream: bool = False
+    # OpenAI's `metadata` (string pairs) and `user`: stored with the job for the caller's own
+    # bookkeeping (GET /jobs shows them and filters on them); they change nothing that runs.
+    metadata: dict[str, str] | None = None
+    user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobRequest:
-        if (self.messages is None) == (self.prompt is None):
+        if sum(x is not None for x in (self.messages, self.prompt, self.prompt_token_ids)) != 1:
             raise ValueError(
-                "give exactly one of `messages` (a chat, rendered with the model's chat template) "
-                "or `prompt` (raw text, tokenized as it is, no template)"
+                "give exactly one of `messages` (a chat, rendered with the model's chat template), "
+                "`prompt` (raw text, tokenized as it is, no template) or `prompt_token_ids` (the tokens themselves)"
             )
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        if self.prompt_logprobs and not self.logprobs:
+            raise ValueError("prompt_logprobs needs logprobs: true")
+        if self.prompt_logprobs and self.trace:
+            raise ValueError("a trace job's logprobs already cover its whole text: leave prompt_logprobs out")
         if self.baseline and not self.interventions:
             raise ValueError("baseline: true runs the job unedited beside its edited run: give `interventions`")
         positions = self.capture.positions if self.capture is not None else None
@@ -175,6 +199,8 @@ class JobRequest(Strict):
         """UTF-8 bytes of the text the user wrote: the prompt, or every message's content."""
         if self.prompt is not None:
             return len(self.prompt.encode())
+        if self.prompt_token_ids is not None:
+            return 0  # no text: shared/capture_spec counts the ids themselves
         return sum(len(m.content.encode()) for m in self.messages or [])
 
     @property
@@ -194,6 +220,29 @@ class JobRequest(Strict):
     @classmethod
     def _stop_as_list(cls, value: object) -> object:
         return [value] if isinstance(value, str) else value  # OpenAI allows a single string
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        return None if value is None else check_metadata(value)
+
+
+def check_metadata(pairs: dict[str, str]) -> dict[str, str]:
+    """OpenAI's limits on `metadata`: at most 16 pairs, keys of 1 to 64 characters, values of at
+    most 512 (each breach named, with its fix)."""
+    if len(pairs) > MAX_METADATA_PAIRS:
+        raise ValueError(f"holds {len(pairs)} pairs; at most {MAX_METADATA_PAIRS} are kept (as OpenAI's metadata)")
+    for key, text in pairs.items():
+        if not 1 <= len(key) <= MAX_METADATA_KEY_CHARS:
+            raise ValueError(
+                f"key {key[:20]!r}{'...' if len(key) > 20 else ''} has {len(key)} characters; "
+                f"keys have 1 to {MAX_METADATA_KEY_CHARS}"
+            )
+        if len(text) > MAX_METADATA_VALUE_CHARS:
+            raise ValueError(
+                f"the value of {key!r} has {len(text)} characters; values have at most {MAX_METADATA_VALUE_CHARS}"
+            )
+    return pairs
 
 
 MAX_BATCH = 5000
@@ -268,6 +317,7 @@ class Logprobs(Strict):
     in_file: bool = False
     total: float  # the sum of the log-probabilities over the entries (the text's log-likelihood)
     completion_total: float | None = None  # trace over a final assistant turn: the sum over that turn
+    prompt_entries: int | None = None  # prompt_logprobs: the first this many entries are the prompt's
 
 
 RESULT_TEXT_INLINE_CHARS = 4096  # a result stored apart keeps its text in the record up to this long
@@ -401,6 +451,8 @@ class JobSummary(Strict):
     error_type: str | None  # a failed or cancelled job's `error.type`
     finish_reason: str | None  # a finished job's `result.finish_reason`
     activations: bool  # the job stored an activations file
+    metadata: dict[str, str] | None = None  # the request's `metadata`
+    user: str | None = None  # the request's `user`
 
 
 def path_shape(segments: list[str] | tuple[str, ...]) -> str:

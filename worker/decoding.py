@@ -165,6 +165,7 @@ class Sequence:
     scores: TokenScores | None = None  # log-probabilities, when the job asked for them
     completion: tuple[int, int] | None = None  # a trace's final assistant turn, [start, stop)
     edits: JobEdits | None = None  # its interventions (worker/edits.py)
+    echo: bool = False  # a generation that also scores its prompt (its prefill keeps every position's logits)
     generated: list[int] = field(default_factory=list)
     ended: str | None = None
     stopped_by: str | None = None  # what the watch answered
@@ -221,10 +222,12 @@ class Decoder:
         first: bool,
         padded: bool,
         lengths: list[int] | None = None,  # a left-padded prefill: each row's own prompt length
+        echo: bool = False,  # a prefill whose rows that ask for it score their prompts
     ) -> torch.Tensor:
         """The last position's logits `[B, V]` (float32) of feeding `new` positions; each row's
         capture gets its rows. `generate` drops an all-ones mask, and so does this (`padded`
-        says whether any row has padding, from the host's count: asking the mask would sync)."""
+        says whether any row has padding, from the host's count: asking the mask would sync).
+        With `echo`, every position's logits are computed and each echo row's prompt scored."""
         self.hooks.use([row.capture for row in rows], lengths, decoding=not first and new == 1)
         edits = [row.edits for row in rows]
         spans: list[tuple[int, int]] = []
@@ -234,7 +237,7 @@ class Decoder:
             else:  # a decoding step: each row's newest token
                 spans = [(row.prompt_tokens + len(row.generated) - 1, 1) for row in rows]
         self.edits.use(edits, spans, new)
-        extra = {"logits_to_keep": 1} if self.logits_to_keep else {}
+        extra = {"logits_to_keep": 0 if echo else 1} if self.logits_to_keep else {}
         inputs = self.model.prepare_inputs_for_generation(
             ids,
             next_sequence_length=new,
@@ -247,6 +250,10 @@ class Decoder:
         )
         out = self.model(**inputs, return_dict=True)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
+        if echo:
+            for index, row in enumerate(rows):
+                if row.echo and row.scores is not None:
+                    self._score_chunk(row, out.logits[index, new - row.prompt_tokens :], 0, row.prompt_tokens)
         self.hooks.flush()  # last: this pass's staged rows count once the pass cannot fail any more
         self.edits.flush()
         for index, failure in self.hooks.failures.items():
@@ -281,7 +288,8 @@ class Decoder:
         pos = (mask.cumsum(dim=1) - 1).clamp(min=0)
         cache = kvcache.new_cache(self.model.config)
         padded = min(lengths) < width
-        logits = self._forward(ids, mask, pos, cache, width, seqs, True, padded, lengths if padded else None)
+        echo = any(seq.echo for seq in seqs)  # the scheduler groups echo prefills apart
+        logits = self._forward(ids, mask, pos, cache, width, seqs, True, padded, lengths if padded else None, echo)
         self._advance(seqs, logits, lambda i: seqs[i].prompt_ids)
         going = [i for i, seq in enumerate(seqs) if not seq.ended]
         if not going:
@@ -365,10 +373,13 @@ class Decoder:
             seq.ended = "failed" if seq.failure is not None else "trace"
 
     def wants_logits(self, seq: Sequence) -> bool:
-        """Whether a trace sequence needs the logits of every position: it asked for
-        log-probabilities, or it captures the vocabulary projection (which then runs on every
-        position, not only the last). The scheduler never puts it in a pass with sequences that do
-        not (what one job costs never depends on its batch-mates)."""
+        """Whether a sequence's prompt pass needs the logits of every position: a generation that
+        scores its prompt (`echo`); a trace that asked for log-probabilities, or captures the
+        vocabulary projection (which then runs on every position, not only the last). The
+        scheduler never puts it in a pass with sequences that do not (what one job costs never
+        depends on its batch-mates)."""
+        if not seq.trace:
+            return seq.echo
         if seq.scores is not None:
             return True
         return seq.capture is not None and any(module == self.lm_head for module, _ in seq.capture.wanted)
@@ -386,7 +397,7 @@ class Decoder:
         end = min(total, start + most)
         if item.cache is None:
             item.cache = kvcache.new_cache(self.model.config)
-        whole = seq.trace and self.wants_logits(seq)  # every position's logits, this chunk's only
+        whole = self.wants_logits(seq)  # every position's logits, this chunk's only
         extra = {"logits_to_keep": 0 if whole else 1} if self.logits_to_keep else {}
         ids = seq.prompt_ids[:, :end]
         pos = torch.arange(end, device=ids.device).unsqueeze(0)
@@ -414,9 +425,9 @@ class Decoder:
             seq.failure, seq.ended = failure, "failed"
             return True
         item.fed = end
+        if seq.scores is not None and (seq.trace or seq.echo):
+            self._score_chunk(seq, out.logits[0], start, end)
         if seq.trace:
-            if seq.scores is not None:
-                self._score_chunk(seq, out.logits[0], start, end)
             if end == total:
                 seq.ended = "trace"
             return end == total
@@ -432,7 +443,8 @@ class Decoder:
 
     @staticmethod
     def _score_chunk(seq: Sequence, logits: torch.Tensor, start: int, end: int) -> None:
-        """A trace's log-probabilities for the tokens that positions [start, end) predict."""
+        """The log-probabilities of the prompt (a trace's text) tokens that positions [start, end)
+        predict, from those positions' logits."""
         scores = seq.scores
         assert scores is not None
         if start == 0:  # the first token: nothing predicts it

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from shared.capture_spec import all_logits, check_prompt_fits, working_bytes
+from shared.capture_spec import all_logits, check_prompt_fits, token_ids_problem, working_bytes
 from shared.edit_refs import References
 from shared.errors import ContextLengthExceeded, InterventionError, JobFailure
 from shared.interventions import EditPoint, EditReport
@@ -71,6 +71,7 @@ class Generation:
     stopped_by: str | None = None  # what the watch answered when it ended generation early
     scores: TokenScores | None = None  # log-probabilities, when asked for
     completion: tuple[int, int] | None = None  # a trace's final assistant turn, [start, stop)
+    prompt_entries: int | None = None  # prompt_logprobs: the first this many `scores` are the prompt's
     interventions: list[EditReport] | None = None  # per edit and module, positions touched per step
 
 
@@ -180,6 +181,13 @@ class CaptureEngine:
         if request.trace:
             max_tokens = 0
         check_prompt_fits(request, self.info, max_tokens)  # before tokenizing megabytes of text
+        if (problem := token_ids_problem(request, self.info.vocab_size)) is not None:
+            raise JobFailure(problem)
+        if request.prompt_logprobs and self.solo_reason is not None:
+            raise JobFailure(
+                f"prompt_logprobs (echo with generation) is not supported for {self.info.name}, which runs one job at "
+                f"a time ({self.solo_reason}); score the prompt with a trace job (echo with max_tokens 0)"
+            )
         completion = None
         if request.trace:
             prompt, completion = self.prompts.encode_trace(request, self.eos_ids)
@@ -223,6 +231,7 @@ class CaptureEngine:
             watch=watch,
             scores=TokenScores(request.top_k) if request.logprobs else None,
             completion=completion,
+            echo=request.prompt_logprobs,
         )
 
     def _edits(
@@ -291,7 +300,7 @@ class CaptureEngine:
     def trace_cost(self, seq: Sequence, padded_tokens: int) -> int:
         """`estimate` for a pass in which the sequence is left-padded to `padded_tokens`."""
         modules = [b.point.module for b in seq.capture.buffers] if seq.capture is not None else []
-        every = all_logits(seq.trace, seq.scores is not None, modules, self.info)
+        every = all_logits(seq.trace, seq.scores is not None, modules, self.info, seq.echo)
         working = working_bytes(self.info, padded_tokens, seq.max_tokens, every)
         return working + (seq.capture.nbytes if seq.capture is not None else 0)
 
@@ -333,6 +342,7 @@ class CaptureEngine:
             stopped_by=seq.stopped_by,
             scores=seq.scores,
             completion=seq.completion,
+            prompt_entries=seq.prompt_tokens if seq.echo else None,
         )
 
     def run(

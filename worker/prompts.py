@@ -40,6 +40,9 @@ class PromptEncoder:
 
     def encode(self, request: JobRequest) -> dict[str, torch.Tensor]:
         """`input_ids` and `attention_mask`, `[1, P]`, on the CPU."""
+        if request.prompt_token_ids is not None:  # fed as given: the client tokenized the text itself
+            tensor = torch.tensor([request.prompt_token_ids], dtype=torch.long)
+            return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
         if request.prompt is not None:
             return self._raw(request.prompt)
         messages = [m.model_dump() for m in request.messages or []]
@@ -54,7 +57,7 @@ class PromptEncoder:
         would have been given), `stop` is one past the turn's first end-of-turn token (the
         model's EOS, which a reply ends with); the template's tokens after it (a newline) are in
         no turn. Other traces: the tokens a generation job would be given, and no range."""
-        if request.prompt is not None or not request.messages or request.messages[-1].role != "assistant":
+        if not request.messages or request.messages[-1].role != "assistant":
             return self.encode(request)["input_ids"], None
         messages = [m.model_dump() for m in request.messages]
         full = self._chat(messages, generation_prompt=False)
@@ -82,6 +85,10 @@ class PromptEncoder:
                 "this model's chat template cannot render a conversation that starts with the assistant; "
                 "put a user turn before it"
             ) from None
+
+    def chat_tokens(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
+        """A chat's token ids exactly as a chat job is given them (POST /tokenize with `messages`)."""
+        return self._chat(messages, generation_prompt)
 
     def _chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
         if not self.has_chat_template:

@@ -247,10 +247,8 @@ class Scheduler:
             self._feed(decoder)
             return
         assert first_waiting is not None
-        kind = first_waiting.seq.trace, decoder.wants_logits(first_waiting.seq) if first_waiting.seq.trace else False
-        alike = [
-            e for e in self._waiting if (e.seq.trace, decoder.wants_logits(e.seq) if e.seq.trace else False) == kind
-        ]
+        kind = first_waiting.seq.trace, decoder.wants_logits(first_waiting.seq)
+        alike = [e for e in self._waiting if (e.seq.trace, decoder.wants_logits(e.seq)) == kind]
         cap = decoder.chunk_tokens if decoder.rows else None  # beside decoding jobs: about a chunk's work
         group = next(g for g in self._passes(alike, cap) if any(e is first_waiting for e in g))
         self._waiting = [e for e in self._waiting if all(e is not g for g in group)]
