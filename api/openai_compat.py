@@ -58,6 +58,7 @@ if TYPE_CHECKING:
     from shared.jobs import JobStore
 
 WAIT_DEFAULT_SECONDS = 300.0
+MAX_JOBS_PER_REQUEST = 256  # prompts x n: each choice is its own job
 WAIT_MAX_SECONDS = 3600.0
 
 # A failed job's error type -> HTTP status. Only a prompt too long for the model is the client's doing.
@@ -193,13 +194,14 @@ class _GenerationRequest(BaseModel):
     actq_wait_seconds: Annotated[float, Field(gt=0, le=WAIT_MAX_SECONDS)] = WAIT_DEFAULT_SECONDS
     # Accepted only with a value actq honours (see UNSUPPORTED)
     n: int | None = None
-    stream: bool | None = None
-    stream_options: Any = None
+    stream: bool | None = None  # server-sent events: api/openai_stream.py
+    stream_options: Any = None  # checked there (include_usage)
     frequency_penalty: Any = None
     presence_penalty: Any = None
     logit_bias: Any = None
-    # Accepted and ignored: no effect on what the model generates
-    user: Any = None
+    # Stored with the job (GET /jobs shows them and filters on them); no effect on what runs
+    user: str | None = None
+    metadata: dict[str, str] | None = None
 
 
 class ChatCompletionRequest(_GenerationRequest):
@@ -225,7 +227,6 @@ class ChatCompletionRequest(_GenerationRequest):
     web_search_options: Any = None
     moderation: Any = None
     # Accepted and ignored: no effect on what the model generates
-    metadata: Any = None
     store: Any = None
     safety_identifier: Any = None
     prompt_cache_key: Any = None
@@ -237,16 +238,6 @@ class ChatCompletionRequest(_GenerationRequest):
 _NO_TOOLS = "actq runs plain chat generation: tools and function calling are not supported"
 # field -> (is the value one actq honours?, the refusal; {value} is the value sent)
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "stream": (
-        lambda v: v in (None, False),
-        "streaming is not supported; send stream=false (the default): the answer comes once the job has "
-        "finished, with its activations manifest",
-    ),
-    "stream_options": (lambda v: v is None, "stream_options is not supported: streaming is not supported"),
-    "n": (
-        lambda v: v in (None, 1),
-        "n={value} is not supported: actq generates one choice per request; send n=1 (or several requests)",
-    ),
     "frequency_penalty": (
         lambda v: v in (None, 0),
         "frequency_penalty={value} is not supported: no penalties; send 0 or leave it out",
@@ -361,9 +352,11 @@ def _chat_logprobs(body: ChatCompletionRequest) -> dict[str, Any]:
     return {"logprobs": bool(body.logprobs), "top_logprobs": top if body.logprobs else None}
 
 
-def to_job_request(body: ChatCompletionRequest) -> JobRequest:
-    """The actq job an OpenAI chat completion request asks for (400 for what it cannot honour)."""
+def to_job_requests(body: ChatCompletionRequest) -> list[JobRequest]:
+    """The actq jobs an OpenAI chat completion request asks for, one per choice (`n`; choice j of
+    a seeded request draws with seed + j); 400 for what it cannot honour."""
     _check_supported(body, UNSUPPORTED)
+    n = _choices(body)
     logprobs = _chat_logprobs(body)
     if (
         body.max_tokens is not None
@@ -382,14 +375,15 @@ def to_job_request(body: ChatCompletionRequest) -> JobRequest:
         "max_tokens": body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
-        "seed": body.seed,
         "stop": body.stop,
         "capture": body.capture,
         "interventions": body.interventions,
         "baseline": body.baseline,
+        "metadata": body.metadata,
+        "user": body.user,
         **logprobs,
     }
-    return _job_request(fields)
+    return [_job_request({**fields, "seed": _choice_seed(body.seed, choice)}) for choice in range(n)]
 
 
 def _job_request(fields: dict[str, Any]) -> JobRequest:
@@ -403,12 +397,19 @@ def _job_request(fields: dict[str, Any]) -> JobRequest:
 
 class CompletionRequest(_GenerationRequest):
     """OpenAI's (legacy) completion request (with the shared fields of `_GenerationRequest`).
-    `prompt` is typed loosely so that what actq cannot run (several prompts, token ids) gets a
-    message saying what to send (`_prompt_text`) rather than pydantic's union errors."""
+    `prompt` is typed loosely so that a bad one gets a message saying what to send (`_prompts`)
+    rather than pydantic's union errors."""
 
-    prompt: Annotated[Any, Field(description="the text to complete: a string, or a list holding exactly one string")]
+    prompt: Annotated[
+        Any,
+        Field(
+            description="the text to complete: a string, a list of strings (one choice each), a list of token ids, "
+            "or a list of lists of token ids"
+        ),
+    ]
     # Legacy `logprobs` is a count: each token's log-probability and its `logprobs` (0 to 20) likeliest
-    # alternatives. `echo` (the prompt in the text) only with max_tokens 0: scoring the prompt.
+    # alternatives. `echo`: the prompt before the text (and with logprobs, its tokens' log-probabilities
+    # first); with max_tokens 0 the prompt is only scored.
     echo: bool | None = None
     logprobs: int | None = None
     # Accepted only with a value actq honours (see COMPLETION_UNSUPPORTED)
@@ -417,12 +418,9 @@ class CompletionRequest(_GenerationRequest):
 
 
 # The chat refusals that mean the same here, plus the completion's own fields (`echo` and
-# `max_tokens` are checked together in `completion_job_request`).
+# `max_tokens` are checked together in `completion_job_requests`).
 COMPLETION_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **{
-        field: UNSUPPORTED[field]
-        for field in ("stream", "stream_options", "n", "frequency_penalty", "presence_penalty", "logit_bias")
-    },
+    **{field: UNSUPPORTED[field] for field in ("frequency_penalty", "presence_penalty", "logit_bias")},
     "suffix": (
         lambda v: v is None,
         "suffix is not supported (no fill-in-the-middle): the model continues the prompt; leave suffix out",
@@ -438,46 +436,76 @@ def _invalid_prompt(message: str) -> OpenAIError:
     return OpenAIError(400, message, "invalid_request", param="prompt")
 
 
-def _prompt_text(prompt: Any) -> str:
-    """The one text a completion request asks to continue. OpenAI also takes several prompts (one
-    choice each) and token ids; an actq job is one text, tokenized by the worker as it is."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
+Prompt = str | list[int]
+
+
+def _token_ids(value: list[Any], where: str) -> list[int]:
+    if not value:
+        raise _invalid_prompt(f"{where} is an empty list of token ids: send at least one token id")
+    for j, token in enumerate(value):
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise _invalid_prompt(f"{where}[{j}]={_short(token)} is not a token id (an integer >= 0)")
+    return value
+
+
+def _prompts(prompt: Any) -> list[Prompt]:
+    """The prompts of a completion request, in order: OpenAI's four shapes (a string, a list of
+    strings, a list of token ids, a list of lists of token ids). A text is tokenized by the worker
+    as it is; token ids are fed as given (no BOS added), checked against the vocabulary at submit."""
     if isinstance(prompt, str):
-        if not prompt:
-            raise _invalid_prompt("prompt is empty: send the text to complete as a non-empty string")
-        return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str) for p in prompt):
-        raise _unsupported(
-            "prompt",
-            f"prompt holds {len(prompt)} prompts: actq runs one prompt per request; send one string "
-            "(or one request per prompt)",
+        prompt = [prompt]
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return [_token_ids(prompt, "prompt")]
+    if not isinstance(prompt, list) or not prompt:
+        raise _invalid_prompt(
+            f"prompt must be the text to complete (a non-empty string), a list of strings, a list of token ids or a "
+            f"list of lists of token ids, not {_short(prompt)}"
         )
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (int, list)) for p in prompt):
-        raise _unsupported(
-            "prompt",
-            "prompt as token ids is not supported: send the text as a string (the worker tokenizes it with "
-            "the model's tokenizer)",
-        )
-    raise _invalid_prompt(
-        f"prompt must be the text to complete, a non-empty string (or a list holding exactly one string), "
-        f"not {_short(prompt)}"
-    )
-
-
-def _scores_prompt(body: CompletionRequest) -> bool:
-    """Whether the request scores its prompt (`echo: true` with `max_tokens: 0`, a trace job) rather
-    than generates; 400 for the combinations actq cannot run."""
-    if body.echo:
-        if body.max_tokens != 0:
-            asked = "no max_tokens (a default length)" if body.max_tokens is None else f"max_tokens={body.max_tokens}"
-            raise _unsupported(
-                "echo",
-                f"echo=true is supported with max_tokens=0 only (scoring the prompt: with logprobs, each prompt "
-                f"token's log-probability), not yet together with generation ({asked}): send max_tokens=0 to score "
-                "the prompt, or echo=false and prepend the prompt to the text yourself",
+    prompts: list[Prompt] = []
+    for i, item in enumerate(prompt):
+        if isinstance(item, str):
+            if not item:
+                raise _invalid_prompt(f"prompt[{i}] is empty: send the text to complete as a non-empty string")
+            prompts.append(item)
+        elif isinstance(item, list):
+            prompts.append(_token_ids(item, f"prompt[{i}]"))
+        else:
+            raise _invalid_prompt(
+                f"prompt[{i}] must be a string or a list of token ids (all prompts of one shape), not {_short(item)}"
             )
-        return True
+    return prompts
+
+
+def _choices(body: _GenerationRequest, prompts: int = 1) -> int:
+    """`n`, checked: each choice is its own job, and one request makes at most MAX_JOBS_PER_REQUEST."""
+    n = 1 if body.n is None else body.n
+    if n < 1:
+        raise OpenAIError(
+            400, f"n={n} is out of range: n is how many choices to generate, at least 1", "invalid_request", param="n"
+        )
+    if prompts * n > MAX_JOBS_PER_REQUEST:
+        what = f"{prompts} prompts x n={n}" if prompts > 1 else f"n={n}"
+        raise OpenAIError(
+            400,
+            f"{what} would make {prompts * n} jobs: one request makes at most {MAX_JOBS_PER_REQUEST}; split it, or "
+            "use POST /jobs/batch",
+            "invalid_request",
+            param="n" if n > 1 else "prompt",
+        )
+    return n
+
+
+def _choice_seed(seed: int | None, choice: int) -> int | None:
+    """Choice j of a seeded request draws with seed + j: reproducible, and the choices differ."""
+    return None if seed is None else (seed + choice) % 2**63
+
+
+def _scoring(body: CompletionRequest) -> Literal["trace", "echo", "plain"]:
+    """What the request asks of its prompt: `trace` scores it alone (`echo: true` with `max_tokens: 0`:
+    one forward pass, nothing generated); `echo` generates and answers the prompt before the text
+    (with `logprobs`, the prompt's log-probabilities from the same prefill); `plain` generates."""
+    if body.echo:
+        return "trace" if body.max_tokens == 0 else "echo"
     if body.max_tokens == 0:
         raise OpenAIError(
             400,
@@ -486,30 +514,54 @@ def _scores_prompt(body: CompletionRequest) -> bool:
             "invalid_request",
             param="max_tokens",
         )
-    return False
+    return "plain"
 
 
-def completion_job_request(body: CompletionRequest) -> JobRequest:
-    """The actq job an OpenAI completion request asks for: its prompt as raw text, tokenized as it
-    is with no chat template (400 for what it cannot honour). With `echo: true` and `max_tokens: 0`
-    it is a trace job over the prompt: nothing is sampled, so temperature, top_p, seed and stop have
-    no effect and are left out (OpenAI and vLLM accept them there too)."""
+def completion_job_requests(body: CompletionRequest) -> list[JobRequest]:
+    """The actq jobs an OpenAI completion request asks for, in choice order (choice i = prompt
+    i // n, its (i % n)th choice): each prompt as raw text (tokenized as it is, no chat template) or
+    as token ids; 400 for what actq cannot honour. With `echo: true` and `max_tokens: 0` a job is a
+    trace over its prompt: nothing is sampled, so temperature, top_p, seed and stop have no effect
+    and are left out (OpenAI and vLLM accept them there too). An echo of token ids always scores
+    the prompt: its log-probability entries give the prompt's text."""
     _check_supported(body, COMPLETION_UNSUPPORTED)
     if body.logprobs is not None:
         what = "the legacy logprobs is how many of the likeliest tokens to return at each place"
         _top_count("logprobs", body.logprobs, f"{what} (0: each token's own log-probability only)")
-    logprobs = {"logprobs": body.logprobs is not None, "top_logprobs": body.logprobs or None}
-    fields: dict[str, Any] = {
+    prompts = _prompts(body.prompt)
+    n = _choices(body, len(prompts))
+    scoring = _scoring(body)
+    common: dict[str, Any] = {
         "model": body.model,
-        "prompt": _prompt_text(body.prompt),
         "capture": body.capture,
         "interventions": body.interventions,
         "baseline": body.baseline,
+        "metadata": body.metadata,
+        "user": body.user,
     }
-    if _scores_prompt(body):
-        return _job_request({**fields, "mode": "trace", **logprobs})
-    sampling = {"temperature": body.temperature, "top_p": body.top_p, "seed": body.seed, "stop": body.stop}
-    return _job_request({**fields, "max_tokens": body.max_tokens, **sampling, **logprobs})
+    jobs = []
+    for prompt in prompts:
+        ids = isinstance(prompt, list)
+        scored = scoring != "plain" and (body.logprobs is not None or ids)
+        fields = {
+            **common,
+            "prompt_token_ids" if ids else "prompt": prompt,
+            "logprobs": body.logprobs is not None or scored,
+            "top_logprobs": body.logprobs or None,
+        }
+        for choice in range(n):
+            if scoring == "trace":
+                jobs.append(_job_request({**fields, "mode": "trace"}))
+                continue
+            sampling = {
+                "temperature": body.temperature,
+                "top_p": body.top_p,
+                "seed": _choice_seed(body.seed, choice),
+                "stop": body.stop,
+                "prompt_logprobs": scored or None,
+            }
+            jobs.append(_job_request({**fields, "max_tokens": body.max_tokens, **sampling}))
+    return jobs
 
 
 # --- response -----------------------------------------------------------------------------------
@@ -545,11 +597,18 @@ class Choice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
 
 
-class ActqExtra(BaseModel):
+class ChoiceExtra(BaseModel):
     job_id: str
     activations: ActivationsManifest | None  # as GET /jobs/{id} renders it, with download_url
     interventions: list[EditReport] | None = None  # per edit, the positions it touched at each step
     baseline: BaselineResult | None = None  # `baseline: true`: the same request without its edits
+
+
+class ActqExtra(ChoiceExtra):
+    """The first choice's job at the top (the only one, for one prompt and n = 1); with several
+    choices, `choices[i]` is choice i's job."""
+
+    choices: list[ChoiceExtra] | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -603,15 +662,35 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
-def _extra(record: JobRecord, request: Request) -> ActqExtra:
-    """The `actq` field: the manifest as GET /jobs/{id} renders it (download_url included)."""
+def _choice_extra(record: JobRecord, request: Request) -> ChoiceExtra:
+    """A job's part of the `actq` field: its manifest as GET /jobs/{id} renders it (download_url included)."""
     result = record.result
-    return ActqExtra(
+    return ChoiceExtra(
         job_id=record.id,
         activations=view(record, request).activations,
         interventions=result.interventions if result is not None else None,
         baseline=result.baseline if result is not None else None,
     )
+
+
+def _extra(records: list[JobRecord], request: Request) -> ActqExtra:
+    """The `actq` field: the first job's manifest, and with several choices every job's."""
+    extras = [_choice_extra(record, request) for record in records]
+    return ActqExtra(**extras[0].model_dump(), choices=extras if len(extras) > 1 else None)
+
+
+def _usage(records: list[JobRecord]) -> Usage:
+    """Tokens over every choice, each prompt counted once (as OpenAI counts `n` choices)."""
+    prompts: dict[tuple, int] = {}
+    completion = 0
+    for record in records:
+        assert record.result is not None
+        request = record.request
+        key = (request.prompt, tuple(request.prompt_token_ids or ()), request.model_dump_json(include={"messages"}))
+        prompts[key] = record.result.usage.prompt_tokens
+        completion += record.result.usage.completion_tokens
+    prompt = sum(prompts.values())
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 
 LOGPROB_FLOOR = -9999.0  # what OpenAI (and vLLM) answer for a token with no probability at all
@@ -689,32 +768,37 @@ def chat_logprobs(record: JobRecord) -> ChoiceLogprobs | None:
     )
 
 
+def _scores_prompt(record: JobRecord) -> bool:
+    """Whether the job's log-probability entries begin with its prompt's (a trace; an echo)."""
+    return record.request.trace or record.request.prompt_logprobs
+
+
 def legacy_logprobs(record: JobRecord) -> CompletionLogprobs | None:
     """The job's log-probabilities in OpenAI's legacy Completion shape (None when not asked for):
-    generated tokens, or with echo (a trace job) every token of the prompt, whose first has no
-    log-probability (None, and None in `top_logprobs`). `top_logprobs[i]` maps the k likeliest
-    tokens' texts to their log-probabilities (tokens that decode to the same text share one key).
-    `text_offset[i]` is where token i starts in the returned text, counted over the tokens' texts
-    before it: exact when the tokens' texts join into the text, which they do but for a BOS the
-    tokenizer adds (its text, e.g. "<s>", is not in the prompt), a character split across tokens
-    (each piece is U+FFFD), and tokens past a stop string (the text ends before the stop string,
-    the tokens go on to the last one generated)."""
+    generated tokens, or with echo every token of the prompt first (then the generated ones), the
+    prompt's first with no log-probability (None, and None in `top_logprobs`). `top_logprobs[i]`
+    maps the k likeliest tokens' texts to their log-probabilities (tokens that decode to the same
+    text share one key). `text_offset[i]` is where token i starts in the returned text, counted
+    over the tokens' texts before it: exact when the tokens' texts join into the text, which they
+    do but for a BOS the tokenizer adds (its text, e.g. "<s>", is not in the prompt), a character
+    split across tokens (each piece is U+FFFD), and tokens past a stop string (the text ends before
+    the stop string, the tokens go on to the last one generated)."""
     logprobs = _inline_logprobs(record)
     if logprobs is None:
         return None
     entries = logprobs.content or []
-    trace = record.request.trace
+    first_unscored = _scores_prompt(record)
     offsets, offset = [], 0
     for entry in entries:
         offsets.append(offset)
         offset += len(entry.token)
     values: list[float | None] = [
-        None if trace and i == 0 else _openai_logprob(entry.logprob) for i, entry in enumerate(entries)
+        None if first_unscored and i == 0 else _openai_logprob(entry.logprob) for i, entry in enumerate(entries)
     ]
     top: list[dict[str, float] | None] | None = None
     if record.request.top_k:
         top = [
-            None if trace and i == 0 else {t.token: _openai_logprob(t.logprob) for t in entry.top_logprobs}
+            None if first_unscored and i == 0 else {t.token: _openai_logprob(t.logprob) for t in entry.top_logprobs}
             for i, entry in enumerate(entries)
         ]
     return CompletionLogprobs(
@@ -722,40 +806,68 @@ def legacy_logprobs(record: JobRecord) -> CompletionLogprobs | None:
     )
 
 
-def completion(record: JobRecord, request: Request) -> ChatCompletion:
-    assert record.result is not None
-    choice = Choice(
-        index=0,
-        message=AssistantMessage(content=record.result.text),
-        finish_reason=record.result.finish_reason,
-        logprobs=chat_logprobs(record),
-    )
+def _first_id(records: list[JobRecord]) -> str:
+    return records[0].id
+
+
+def completion(records: list[JobRecord], request: Request) -> ChatCompletion:
+    """Succeeded jobs, one per choice, as OpenAI's ChatCompletion."""
+    choices = []
+    for index, record in enumerate(records):
+        assert record.result is not None
+        choices.append(
+            Choice(
+                index=index,
+                message=AssistantMessage(content=record.result.text),
+                finish_reason=record.result.finish_reason,
+                logprobs=chat_logprobs(record),
+            )
+        )
     return ChatCompletion(
-        id=f"chatcmpl-{record.id}",
-        created=int(record.created_at.timestamp()),
-        model=record.model,
-        choices=[choice],
-        usage=record.result.usage,
-        actq=_extra(record, request),
+        id=f"chatcmpl-{_first_id(records)}",
+        created=int(records[0].created_at.timestamp()),
+        model=records[0].model,
+        choices=choices,
+        usage=_usage(records),
+        actq=_extra(records, request),
     )
 
 
-def text_completion(record: JobRecord, request: Request) -> Completion:
-    """A succeeded job as OpenAI's Completion (finish_reason as for chat: a succeeded job stopped
-    or ran to its length; cancelled and timed-out jobs are errors, see `unfinished`). A trace job
-    (echo with max_tokens 0) answers its prompt as the text, with finish_reason "length" (as
-    OpenAI: the 0 tokens asked for were generated)."""
+def _prompt_text(record: JobRecord) -> str:
+    """The prompt as text, for echo: as sent, or for token ids their entries' texts joined (an
+    echo of token ids always scores its prompt, see `completion_job_requests`)."""
+    if record.request.prompt is not None:
+        return record.request.prompt
+    result = record.result
+    assert result is not None and result.logprobs is not None
+    logprobs = _inline_logprobs(record)
+    entries = (logprobs.content or []) if logprobs is not None else []
+    prompt = result.usage.prompt_tokens
+    return "".join(entry.token for entry in entries[:prompt])
+
+
+def _text_choice(index: int, record: JobRecord, echo: bool, logprobs: bool) -> TextChoice:
     result = record.result
     assert result is not None
-    text = (record.request.prompt or "") + result.text if record.request.trace else result.text
-    choice = TextChoice(text=text, index=0, finish_reason=result.finish_reason, logprobs=legacy_logprobs(record))
+    text = _prompt_text(record) + result.text if echo else result.text
+    shown = legacy_logprobs(record) if logprobs else None
+    return TextChoice(text=text, index=index, finish_reason=result.finish_reason, logprobs=shown)
+
+
+def text_completion(records: list[JobRecord], request: Request, echo: bool, logprobs: bool) -> Completion:
+    """Succeeded jobs, one per choice, as OpenAI's Completion (finish_reason as for chat: a
+    succeeded job stopped or ran to its length; cancelled and timed-out jobs are errors, see
+    `unfinished`). With `echo` the text begins with the prompt; a trace job (echo with max_tokens
+    0) answers its prompt alone, with finish_reason "length" (as OpenAI: the 0 tokens asked for were
+    generated). `logprobs`: whether the request asked for them (an echo of token ids scores its
+    prompt without being asked, for the prompt's text)."""
     return Completion(
-        id=f"cmpl-{record.id}",
-        created=int(record.created_at.timestamp()),
-        model=record.model,
-        choices=[choice],
-        usage=result.usage,
-        actq=_extra(record, request),
+        id=f"cmpl-{_first_id(records)}",
+        created=int(records[0].created_at.timestamp()),
+        model=records[0].model,
+        choices=[_text_choice(i, record, echo, logprobs) for i, record in enumerate(records)],
+        usage=_usage(records),
+        actq=_extra(records, request),
     )
 
 

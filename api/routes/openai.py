@@ -6,15 +6,23 @@ A chat completion request becomes an ordinary actq job (the same `JobRequest`, t
 in OpenAI's ChatCompletion shape, with an extra `actq` field: the job id and the activations
 manifest exactly as `GET /jobs/{id}` renders it.
 
-A (legacy) completion request goes the same way (`_finished`) as a job with a raw `prompt`: the
+A (legacy) completion request goes the same way (`_finished`) as jobs with a raw `prompt`: the
 text is tokenized as it is (the tokenizer's own BOS included), with no chat template, which is
-what base models and probing on exact text need. The answer is OpenAI's Completion (`id`
-"cmpl-" + job id, `object: "text_completion"`, `choices[0].text`), with the same `actq` field.
-`prompt` is a string or a list holding exactly one string; several prompts or token ids are a 400.
-Refused as for chat: `n` > 1, streaming, penalties, logit bias; and the completion's own `suffix`
-and `best_of` > 1. `user` is accepted and ignored. `echo: true` works with `max_tokens: 0` only:
-that scores the prompt (a trace job, one forward pass, nothing generated) and answers the prompt
-as the text; `echo` with generation is a 400, and so is `max_tokens: 0` without `echo`.
+what base models and probing on exact text need; a prompt of token ids is fed as given (nothing
+added; ids past the vocabulary are a 400). The answer is OpenAI's Completion (`id` "cmpl-" + the
+first job's id, `object: "text_completion"`), with the same `actq` field. `prompt` is a string, a
+list of strings, a list of token ids or a list of such lists. Refused as for chat: penalties,
+logit bias; and the completion's own `suffix` and `best_of` > 1. `echo: true` answers the prompt
+before the text: with `max_tokens: 0` the prompt is only scored (a trace job, one forward pass);
+with generation, `logprobs` covers the prompt's tokens then the generated ones, from the same
+prefill (the job's `prompt_logprobs`). `max_tokens: 0` without `echo` is a 400.
+
+Several prompts and `n` choices: every prompt and each of its `n` choices is its own job (its own
+id, capture, record and activations file), all validated before any is queued and queued in one
+transaction (as POST /jobs/batch); choice i of the answer is prompt i // n, choice i % n. Choice j
+of a seeded request draws with seed + j. An Idempotency-Key covers them all (job i takes the key
+with `#i`). The `x-actq-job-id` header lists the jobs' ids in choice order, comma-separated, and
+`actq.choices[i]` holds job i's manifest. At most MAX_JOBS_PER_REQUEST jobs per request.
 
 Log-probabilities: chat's `logprobs: true` and `top_logprobs` (0 to 20; without logprobs a 400)
 answer `choices[0].logprobs` in OpenAI's chat shape (`content`: token, logprob, bytes,
@@ -24,10 +32,16 @@ the job's own (`result.logprobs` of GET /jobs/{id}): log_softmax of the raw logi
 temperature and top_p. More entries than the worker holds inline (ACTQ_LOGPROBS_INLINE_TOKENS)
 answer a 400 `logprobs_too_long` naming the job, whose activations file has them.
 
+`stream: true` (one prompt, one choice) answers server-sent events in OpenAI's chunk format as the
+job generates, `actq` in the last chunk: api/openai_stream.py, which takes the request at the
+start of each handler.
+
 Differences from OpenAI, each refused with a 400 naming the field rather than silently ignored:
-no streaming, one choice (`n` = 1), no tools or function calls, no penalties or logit bias, text
-only (content parts other than `text`, audio, images), `response_format` text only. `user`,
-`metadata`, `store`, `safety_identifier` and the prompt-cache hints are accepted and ignored. A
+no tools or function calls, no penalties or logit bias, text only (content parts other than
+`text`, audio, images), `response_format` text only. `user` and `metadata` are stored with the
+job (GET /jobs filters on them); `store`, `safety_identifier` and the prompt-cache hints are
+accepted and ignored. A request without a `capture` may get the deployment's default one
+(api/default_capture.py: ACTQ_DEFAULT_CAPTURE_BY_KEY, then ..._BY_MODEL). A
 `developer` message is a `system` message; list content (`[{"type": "text", "text":
 ...}]`) is the concatenation of its text parts, with no separator. Two extra request fields:
 `capture` (as in `POST /jobs`) and `actq_wait_seconds` (how long to wait for the job, default 300,
@@ -46,7 +60,9 @@ this flow (`_finished`), so they cannot drift apart on it.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import time
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -57,6 +73,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from api.default_capture import with_default_capture
 from api.deps import CallerDep, Services, ServicesDep, get_caller
 from api.errors import redis_trouble
 from api.openai_compat import (
@@ -70,17 +87,18 @@ from api.openai_compat import (
     OpenAIError,
     after_queued,
     completion,
-    completion_job_request,
+    completion_job_requests,
     from_actq,
     from_validation,
     text_completion,
-    to_job_request,
+    to_job_requests,
     unfinished,
     whole_result,
 )
-from api.submit import submit
+from api.openai_stream import stream_chat, stream_completion
+from api.submit import submit, submit_batch
 from shared.errors import ActqError
-from shared.schemas import JobRecord, JobRequest, JobStatus
+from shared.schemas import BatchEntry, JobRecord, JobRequest, JobStatus
 
 
 class OpenAIRoute(APIRoute):
@@ -123,23 +141,64 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 IdempotencyKey = Annotated[str | None, Header(min_length=1, max_length=256)]
 
 
+def _keys(idempotency_key: str | None, count: int) -> list[str | None]:
+    """Each fanned-out job's Idempotency-Key: the header's with `#i` (hashed when that is too long)."""
+    if idempotency_key is None:
+        return [None] * count
+    if count == 1:
+        return [idempotency_key]
+    base = idempotency_key if len(idempotency_key) <= 240 else hashlib.sha256(idempotency_key.encode()).hexdigest()
+    return [f"{base}#{i}" for i in range(count)]
+
+
+def _submit_all(
+    services: Services, job_requests: list[JobRequest], idempotency_key: str | None, caller: str | None
+) -> list[JobRecord]:
+    """One job: as POST /jobs. Several (prompts x n): validated together and queued in one
+    transaction (nothing is queued when one is bad), as POST /jobs/batch."""
+    if len(job_requests) == 1:
+        return [submit(services, job_requests[0], idempotency_key, caller)[0]]
+    entries = [
+        BatchEntry.model_construct(request=r, idempotency_key=k)
+        for r, k in zip(job_requests, _keys(idempotency_key, len(job_requests)), strict=True)
+    ]
+    return [record for record, _ in submit_batch(services, entries, owner=caller, label="choice")]
+
+
 async def _finished(
-    services: Services, job_request: JobRequest, wait_seconds: float, idempotency_key: str | None, caller: str | None
-) -> JobRecord:
-    """Submit the job and wait for it; its record once it has succeeded, else the error to answer.
-    The long-poll place is taken before submitting: at capacity the 429 comes before anything is
-    queued, so the client's own retry cannot make a second job."""
+    services: Services,
+    job_requests: list[JobRequest],
+    wait_seconds: float,
+    idempotency_key: str | None,
+    caller: str | None,
+) -> list[JobRecord]:
+    """Submit the jobs (one per choice) and wait for them; their records once all have succeeded,
+    else the error to answer (the first job in choice order that did not). The long-poll place is
+    taken before submitting: at capacity the 429 comes before anything is queued, so the client's
+    own retry cannot make a second job."""
+    job_requests = [with_default_capture(services.settings, r, caller) for r in job_requests]  # when none is sent
     async with services.waiters.slot():
-        record, _ = await run_in_threadpool(submit, services, job_request, idempotency_key, caller)
-        if not record.status.terminal:
+        records = await run_in_threadpool(_submit_all, services, job_requests, idempotency_key, caller)
+        deadline = time.monotonic() + wait_seconds
+        for index, record in enumerate(records):
+            if record.status.terminal:
+                continue
             try:
-                record = await services.waiters.wait(record.id, wait_seconds) or record
+                left = max(deadline - time.monotonic(), 0.001)
+                records[index] = await services.waiters.wait(record.id, left) or record
             except Exception as exc:  # whatever it is, the job is queued: say so, and no retry
                 log.warning("waiting for job %s failed: %r", record.id, exc)
                 raise after_queued(record.id, exc) from exc
-    if record.status is not JobStatus.succeeded:
-        raise unfinished(record, wait_seconds, idempotency_key)
-    return await whole_result(services.jobs, record)  # a result stored apart: its logprobs, its whole text
+    for record in records:
+        if record.status is not JobStatus.succeeded:
+            raise unfinished(record, wait_seconds, idempotency_key)
+    # a result stored apart: its logprobs, its whole text
+    return [await whole_result(services.jobs, record) for record in records]
+
+
+def _name_jobs(response: Response, records: list[JobRecord]) -> None:
+    """The jobs' ids in choice order, for clients that drop the body's `actq` field."""
+    response.headers[JOB_ID_HEADER] = ",".join(record.id for record in records)
 
 
 @router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
@@ -150,13 +209,16 @@ async def chat_completions(
     request: Request,
     response: Response,
     idempotency_key: IdempotencyKey = None,
-) -> ChatCompletion:
-    """OpenAI's chat completion, run as an actq job (with an optional `capture`): answers once the
-    job has finished, with the job id and its activations manifest in the extra field `actq`."""
-    job_request = to_job_request(body)
-    record = await _finished(services, job_request, body.actq_wait_seconds, idempotency_key, caller)
-    response.headers[JOB_ID_HEADER] = record.id
-    return completion(record, request)
+) -> ChatCompletion | Response:
+    """OpenAI's chat completion, run as actq jobs (one per choice, with an optional `capture`):
+    answers once they have finished, with the job ids and activations manifests in the extra
+    field `actq`; with `stream: true`, server-sent events as the job generates."""
+    if body.stream or body.stream_options is not None:
+        return await stream_chat(services, body, request, caller, idempotency_key)
+    job_requests = to_job_requests(body)
+    records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller)
+    _name_jobs(response, records)
+    return completion(records, request)
 
 
 @router.post("/completions", response_model=Completion, responses=ERRORS)
@@ -167,14 +229,17 @@ async def completions(
     request: Request,
     response: Response,
     idempotency_key: IdempotencyKey = None,
-) -> Completion:
-    """OpenAI's (legacy) completion: the prompt as raw text, tokenized as it is with no chat
-    template, run as an actq job (with an optional `capture`); answers like the chat completion,
-    with the job id and its activations manifest in the extra field `actq`."""
-    job_request = completion_job_request(body)
-    record = await _finished(services, job_request, body.actq_wait_seconds, idempotency_key, caller)
-    response.headers[JOB_ID_HEADER] = record.id
-    return text_completion(record, request)
+) -> Completion | Response:
+    """OpenAI's (legacy) completion: each prompt (text, tokenized as it is with no chat template,
+    or token ids) and each of its `n` choices run as an actq job (with an optional `capture`);
+    answers like the chat completion, with the job ids and activations manifests in `actq`; with
+    `stream: true`, server-sent events as the job generates."""
+    if body.stream or body.stream_options is not None:
+        return await stream_completion(services, body, request, caller, idempotency_key)
+    job_requests = completion_job_requests(body)
+    records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller)
+    _name_jobs(response, records)
+    return text_completion(records, request, echo=bool(body.echo), logprobs=body.logprobs is not None)
 
 
 def _live_models(services: Services) -> list[str]:

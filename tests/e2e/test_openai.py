@@ -129,8 +129,15 @@ def test_models(client):
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}]
 REFUSED = [
-    ("stream", dict(stream=True), openai.BadRequestError, "stream", "streaming is not supported; "),
-    ("n", dict(n=2), openai.BadRequestError, "n", "n=2 is not supported: actq generates one choice per request"),
+    (
+        "stream_options without stream",
+        dict(stream_options={"include_usage": True}),
+        openai.BadRequestError,
+        "stream_options",
+        "stream_options is only allowed with stream=true",
+    ),
+    ("n 0", dict(n=0), openai.BadRequestError, "n", "n=0 is out of range"),
+    ("n 257", dict(n=257), openai.BadRequestError, "n", "n=257 would make 257 jobs: one request makes at most 256"),
     ("tools", dict(tools=TOOLS), openai.BadRequestError, "tools", "tools are not supported"),
     (
         "tool_choice",
@@ -239,11 +246,11 @@ def test_refused_with_a_clear_error_and_nothing_enqueued(client, redis_client, c
 
 
 def test_error_body_is_openai_shaped_and_has_detail(http):
-    response = http.post("/v1/chat/completions", json={"model": TINY, "messages": MESSAGES, "stream": True})
+    response = http.post("/v1/chat/completions", json={"model": TINY, "messages": MESSAGES, "logit_bias": {"1": 5}})
     assert response.status_code == 400
     body = response.json()
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "unsupported_parameter"
-    assert body["error"]["message"] == body["detail"] and body["detail"].startswith("streaming is not supported; ")
+    assert body["error"]["message"] == body["detail"] and body["detail"].startswith("logit_bias is not supported")
     bad_json = http.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
 

@@ -213,8 +213,6 @@ CHAT_REFUSED = [
 COMPLETION_REFUSED = [
     ("logprobs 21", dict(logprobs=21), "logprobs", "logprobs=21 is out of range"),
     ("logprobs -1", dict(logprobs=-1), "logprobs", "logprobs=-1 is out of range"),
-    ("echo with generation", dict(echo=True, max_tokens=5), "echo", "echo=true is supported with max_tokens=0 only"),
-    ("echo, default length", dict(echo=True, max_tokens=None), "echo", "not yet together with generation"),
     ("max_tokens 0 alone", dict(max_tokens=0, logprobs=1), "max_tokens", "without echo=true there is nothing"),
 ]
 

@@ -1,0 +1,153 @@
+"""Several prompts and choices per OpenAI request, token-id prompts, and echo with generation, driven
+by the official `openai` client against the live stack: each prompt and each of its `n` choices is
+its own job (its own id, capture and idempotency), and each equals the same request sent alone;
+echoed log-probabilities equal an independent plain forward pass of the tiny model."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from openai import OpenAI
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shared import keys
+from shared.schemas import JobRecord
+from tests.support.stack import TINY, job_count
+
+PROMPTS = ["The capital of France is", "One, two, three,", "def add(a, b):"]
+CAPTURE = {"modules": ["model.layers.1"], "positions": "all"}
+
+
+@pytest.fixture(scope="module")
+def client(live):
+    with OpenAI(base_url=live.base_url + "/v1", api_key="unused", timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, local_files_only=True, dtype=torch.float32)
+    return model.eval(), AutoTokenizer.from_pretrained(tiny_dir, local_files_only=True)
+
+
+def request_of(redis_client, job_id: str):
+    return JobRecord.model_validate_json(redis_client.get(keys.job(job_id))).request
+
+
+def extra(completion) -> dict:
+    return completion.model_extra["actq"]
+
+
+def test_several_prompts_are_one_job_each_answered_in_order_as_if_sent_alone(live, client, http, redis_client):
+    raw = client.completions.with_raw_response.create(
+        model=TINY, prompt=PROMPTS, max_tokens=5, temperature=0, extra_body={"capture": CAPTURE}
+    )
+    completion = raw.parse()
+    assert [c.index for c in completion.choices] == [0, 1, 2]
+    jobs = [c["job_id"] for c in extra(completion)["choices"]]
+    assert len(set(jobs)) == 3 and raw.headers["x-actq-job-id"] == ",".join(jobs)
+    assert extra(completion)["job_id"] == jobs[0] and completion.id == f"cmpl-{jobs[0]}"
+    prompt_tokens = 0
+    for prompt, choice, job_id, manifest in zip(
+        PROMPTS, completion.choices, jobs, extra(completion)["choices"], strict=True
+    ):
+        alone = client.completions.create(model=TINY, prompt=prompt, max_tokens=5, temperature=0)
+        assert choice.text == alone.choices[0].text and choice.finish_reason == alone.choices[0].finish_reason
+        job = http.get(f"/jobs/{job_id}").json()
+        assert request_of(redis_client, job_id).prompt == prompt and job["result"]["text"] == choice.text
+        assert manifest["activations"]["tensors"][0]["name"] == "model.layers.1"  # each job its own capture
+        prompt_tokens += alone.usage.prompt_tokens
+    assert completion.usage.prompt_tokens == prompt_tokens and completion.usage.completion_tokens == 15
+
+
+def test_n_choices_are_n_jobs_and_a_seeded_choice_draws_with_seed_plus_its_index(client, http):
+    sampled = dict(model=TINY, prompt=PROMPTS[0], max_tokens=8, temperature=1.0, seed=40)
+    completion = client.completions.create(n=3, **sampled)
+    assert len(completion.choices) == 3 and len({c["job_id"] for c in extra(completion)["choices"]}) == 3
+    for j, choice in enumerate(completion.choices):
+        alone = client.completions.create(**{**sampled, "seed": 40 + j})
+        assert choice.text == alone.choices[0].text
+    assert completion.usage.prompt_tokens == alone.usage.prompt_tokens  # the prompt counted once
+
+    chat = client.chat.completions.create(
+        model=TINY, messages=[{"role": "user", "content": "Count to five."}], max_tokens=6, temperature=0, n=2
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert chat.choices[0].message.content == chat.choices[1].message.content  # greedy: the same text
+    assert len({c["job_id"] for c in extra(chat)["choices"]}) == 2
+
+
+def test_token_id_prompts_are_fed_as_given(client, redis_client, tiny):
+    _, tokenizer = tiny
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    texts = client.completions.create(model=TINY, prompt=PROMPTS[:2], max_tokens=5, temperature=0)
+    as_ids = client.completions.create(model=TINY, prompt=ids, max_tokens=5, temperature=0)
+    assert [c.text for c in as_ids.choices] == [c.text for c in texts.choices]
+    request = request_of(redis_client, extra(as_ids)["choices"][1]["job_id"])
+    assert request.prompt_token_ids == ids[1] and request.prompt is None
+
+    one = client.completions.create(model=TINY, prompt=ids[0][1:], max_tokens=3, temperature=0)  # nothing added
+    assert one.usage.prompt_tokens == len(ids[0]) - 1
+
+
+def test_echo_with_generation_scores_the_prompt_then_the_tokens_like_a_plain_forward_pass(client, http, tiny):
+    """What lm-eval's loglikelihood requests send: echo, max_tokens 1, logprobs 1 (here with
+    more tokens): the prompt's tokens and log-probabilities, then the generated ones', from one job."""
+    model, tokenizer = tiny
+    completion = client.completions.create(
+        model=TINY, prompt=PROMPTS[0], max_tokens=4, temperature=0, echo=True, logprobs=2
+    )
+    (choice,) = completion.choices
+    prompt_ids = tokenizer(PROMPTS[0])["input_ids"]
+    job = http.get(f"/jobs/{extra(completion)['job_id']}/result").json()
+    generated = [entry["token_id"] for entry in job["logprobs"]["content"][len(prompt_ids) :]]
+    assert len(generated) == 4 and job["logprobs"]["prompt_entries"] == len(prompt_ids)
+    assert choice.text == PROMPTS[0] + job["text"]
+    logprobs = choice.logprobs
+    assert len(logprobs.tokens) == len(prompt_ids) + 4
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+
+    whole = torch.tensor([prompt_ids + generated])
+    with torch.inference_mode():
+        reference = torch.log_softmax(model(input_ids=whole).logits[0].float(), dim=-1)
+    expected = [float(reference[i, whole[0, i + 1]]) for i in range(whole.shape[1] - 1)]
+    assert max(abs(a - b) for a, b in zip(logprobs.token_logprobs[1:], expected, strict=True)) < 1e-4
+    assert all(len(top) <= 2 for top in logprobs.top_logprobs[1:])
+
+    # the same numbers as scoring the prompt alone (echo, max_tokens 0) and as the plain generation
+    scored = client.completions.create(model=TINY, prompt=PROMPTS[0], max_tokens=0, echo=True, logprobs=0)
+    plain = client.completions.create(model=TINY, prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=0)
+    n = len(prompt_ids)
+    assert (
+        max(
+            abs(a - b)
+            for a, b in zip(logprobs.token_logprobs[1:n], scored.choices[0].logprobs.token_logprobs[1:], strict=True)
+        )
+        < 1e-5
+    )
+    assert (
+        max(
+            abs(a - b)
+            for a, b in zip(logprobs.token_logprobs[n:], plain.choices[0].logprobs.token_logprobs, strict=True)
+        )
+        < 1e-5
+    )
+    assert choice.text == PROMPTS[0] + plain.choices[0].text
+
+    # echo without logprobs: the prompt before the text; of token ids, their tokens' texts
+    echoed = client.completions.create(model=TINY, prompt=[prompt_ids], max_tokens=4, temperature=0, echo=True)
+    assert echoed.choices[0].logprobs is None
+    assert echoed.choices[0].text.startswith(PROMPTS[0]) and echoed.choices[0].text != PROMPTS[0]
+
+
+def test_an_idempotency_key_covers_every_job_of_the_request(live, redis_client):
+    body = {"model": TINY, "prompt": PROMPTS[:2], "max_tokens": 2, "temperature": 0, "n": 2}
+    headers = {"Idempotency-Key": "fanout-1"}
+    with httpx.Client(base_url=live.base_url, timeout=120) as http:
+        first = http.post("/v1/completions", json=body, headers=headers)
+        again = http.post("/v1/completions", json=body, headers=headers)
+    assert first.status_code == again.status_code == 200
+    ids = first.headers["x-actq-job-id"].split(",")
+    assert len(ids) == 4 and again.headers["x-actq-job-id"].split(",") == ids
+    assert job_count(redis_client) == 4
