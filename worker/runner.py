@@ -25,6 +25,7 @@ from shared.errors import InternalError, JobCancelled, JobFailure, JobTimeout, O
 from shared.schemas import BaselineResult, JobRecord, JobRequest, JobResult, Logprobs, TokenLogprob, TopLogprob, Usage
 from worker import runtime
 from worker.scheduler import Entry
+from worker.text_stream import TextStream
 
 if TYPE_CHECKING:
     from worker.decoding import Sequence, TokenScores, Watch
@@ -162,11 +163,12 @@ def _prepare(
         seq = rt.engine.prepare(request, record.capture_points, record.max_tokens, watch, record.edit_points, refs)
         twin = None
         if plain is not None:  # the same job without its edits, beside it in the batch
-            twin = rt.engine.prepare(plain, record.capture_points, record.max_tokens, watch)
+            twin = rt.engine.prepare(plain, record.capture_points, record.max_tokens, _watch(rt, record, holder, False))
     except Exception as exc:  # noqa: BLE001 - answered as the job's outcome (_finish logs or records it)
         done(exc)
         return
-    rt.progress.add(job_id)
+    streamed = request.stream and not seq.trace  # a trace has no text to publish step by step
+    rt.progress.add(job_id, TextStream(rt.engine.tokenizer, seq.generated, request.stop) if streamed else None)
     if twin is not None:
         waiting[0] = 2
         rt.scheduler.submit(Entry(seq=twin, done=unedited, estimate=rt.engine.estimate(twin), started=lambda: None))
@@ -275,6 +277,7 @@ def _result(
     logprobs = None
     if generation.scores is not None and tokenizer is not None:
         logprobs = logprobs_result(generation.scores, tokenizer, inline, generation.completion)
+        logprobs.prompt_entries = generation.prompt_entries
     return JobResult(
         text=generation.text,
         finish_reason=finish_reason or generation.finish_reason,
@@ -316,17 +319,18 @@ def time_limit(settings_limit: float, record: JobRecord) -> float:
     return min(settings_limit, record.request.time_limit or float("inf"))
 
 
-def _watch(rt: runtime.Runtime, record: JobRecord, holder: dict[str, Any]) -> Watch:
+def _watch(rt: runtime.Runtime, record: JobRecord, holder: dict[str, Any], counts: bool = True) -> Watch:
     """Asked by the engine thread after every decoding step: stop for the job's time limit
     (counted from when it joined a batch) or a cancel flag (read by the progress thread, see
-    worker/progress.py: no Redis call here)."""
+    worker/progress.py: no Redis call here). `counts`: its token count is the job's progress
+    (not for the unedited twin of a `baseline: true` job)."""
     limit = time_limit(rt.settings.job_soft_time_limit, record)
 
     def watch(generated_tokens: int) -> str | None:
         joined = holder.get("joined")
         if joined is not None and time.monotonic() - joined >= limit:
             return "timeout"
-        return "cancelled" if rt.progress.update(record.id, generated_tokens) else None
+        return "cancelled" if rt.progress.update(record.id, generated_tokens if counts else None) else None
 
     return watch
 

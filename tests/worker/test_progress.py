@@ -1,0 +1,64 @@
+"""worker/progress.py on a real Redis: a round writes every running job's progress and reads its
+cancel flag; a streamed job's new text goes to its Redis Stream with its offset, and an `end` entry
+follows once the job has left; an unedited twin's count is not the job's."""
+
+from __future__ import annotations
+
+import pytest
+import redis
+from tokenizers import Tokenizer, decoders, models
+from transformers import PreTrainedTokenizerFast
+
+from shared import keys
+from shared.jobs import JobStore
+from worker.progress import TEXT_TTL_SECONDS, ProgressWatch
+from worker.text_stream import TextStream
+
+VOCAB = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}
+
+
+@pytest.fixture
+def tokenizer() -> PreTrainedTokenizerFast:
+    backend = Tokenizer(models.WordLevel(VOCAB, unk_token="<unk>"))
+    backend.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend)
+
+
+def entries(client: redis.Redis, job_id: str) -> list[dict[str, str]]:
+    return [{k.decode(): v.decode() for k, v in fields.items()} for _, fields in client.xrange(keys.job_text(job_id))]
+
+
+def test_a_streamed_job_s_text_goes_to_its_stream_then_end(redis_client, tokenizer):
+    watch = ProgressWatch(JobStore(redis_client, 60), interval=1)  # rounds by hand: poll()
+    generated: list[int] = []
+    watch.add("job", TextStream(tokenizer, generated, stops=[" STOP"]))
+    watch.add("plain")
+    generated += [1, 2]
+    assert watch.update("job", 2) is False and watch.update("plain", 5) is False
+    watch.poll()
+    assert redis_client.get(keys.progress("job")) == b"2" and redis_client.get(keys.progress("plain")) == b"5"
+    assert entries(redis_client, "job") == [{"at": "0", "t": "Hello w"}]  # 4 characters held for " STOP"
+    assert not redis_client.exists(keys.job_text("plain"))
+    assert 0 < redis_client.ttl(keys.job_text("job")) <= TEXT_TTL_SECONDS
+    generated.append(3)
+    watch.update("job", 3)
+    watch.poll()
+    watch.poll()  # nothing new: nothing written
+    assert entries(redis_client, "job")[1:] == [{"at": "7", "t": "o"}]
+    watch.remove("job")
+    watch.poll()
+    assert entries(redis_client, "job")[2:] == [{"end": "1"}]
+    watch.poll()
+    assert len(entries(redis_client, "job")) == 3  # `end` once
+
+
+def test_a_cancel_flag_is_seen_and_a_twin_count_is_not_the_job_s(redis_client):
+    jobs = JobStore(redis_client, 60)
+    watch = ProgressWatch(jobs, interval=1)
+    watch.add("job")
+    watch.update("job", 4)
+    assert watch.update("job", None) is False  # the twin: reads the flag, leaves the count
+    jobs.request_cancel("job")
+    watch.poll()
+    assert redis_client.get(keys.progress("job")) == b"4"
+    assert watch.update("job", None) is True and watch.update("job", 5) is True
