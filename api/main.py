@@ -7,7 +7,7 @@ from fastapi import FastAPI
 from api import errors
 from api.deps import build_services
 from api.limits import BodyLimit
-from api.routes import activations, docs, health, jobs, metrics, models, openai, vectors
+from api.routes import activations, docs, health, jobs, metrics, models, openai, tokenizer, vectors
 from shared.settings import Settings, get_settings
 
 
@@ -33,6 +33,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(metrics.router)
     app.include_router(openai.router)
     app.include_router(vectors.router)
+    app.include_router(tokenizer.router)
     if not open_docs:
         app.include_router(docs.router)
     return app

@@ -10,6 +10,7 @@
     ├── Unauthorized           (401)  a missing or wrong API key
     ├── Forbidden              (403)  a valid key that may not do this (operator-only)
     ├── UnknownModel           (404)  no worker has ever served this model
+    ├── NoWorkerAnswer         (503)  no live worker answered in time (POST /tokenize and the like)
     ├── JobNotFound            (404)
     ├── TensorNotFound         (404)  the job exists; the tensor name does not
     ├── VectorSetNotFound      (404)  no such vector set, or another key's (never told apart)
@@ -92,6 +93,14 @@ class Forbidden(ActqError):
 class UnknownModel(ActqError):
     status_code = 404
     error_type = "unknown_model"
+
+
+class NoWorkerAnswer(ActqError):
+    """What only a running worker can answer (its tokenizer): a worker is listed live, but none
+    answered in time (hung, or just gone)."""
+
+    status_code = 503
+    error_type = "no_worker_answer"
 
 
 class JobNotFound(ActqError):

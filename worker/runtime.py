@@ -1,6 +1,6 @@
 """What a worker's engine process holds for its lifetime: the settings, the one model (in the
-capture engine), the scheduler that batches its jobs, the stores, and a heartbeat thread that
-keeps the model listed as live."""
+capture engine), the scheduler that batches its jobs, the stores, a heartbeat thread that
+keeps the model listed as live, and a thread answering the API's tokenizer calls."""
 
 from __future__ import annotations
 
@@ -51,6 +51,7 @@ def start(settings: Settings) -> Runtime:
     from worker.engine import CaptureEngine
     from worker.models import load
     from worker.scheduler import Scheduler
+    from worker.tokenizer_service import TokenizerService
 
     # Timeouts: a Redis that stops answering is an outage (JobStore waits it out), never a hang.
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
@@ -86,6 +87,7 @@ def start(settings: Settings) -> Runtime:
     )
     registry.heartbeat(engine.info, worker_id)
     threading.Thread(target=_beat, args=(_runtime,), name="actq-heartbeat", daemon=True).start()
+    TokenizerService(engine, client, stop).start()  # POST /tokenize etc.; ends with `stop`
     log.info("serving %s (%s on %s, %s) as %s", engine.info.name, loaded.source, loaded.device, loaded.dtype, worker_id)
     return _runtime
 
