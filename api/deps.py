@@ -92,7 +92,12 @@ async def get_caller(request: Request, services: ServicesDep) -> str | None:
         raise Unauthorized("this API needs a key: send `Authorization: Bearer <key>`")
     if not _one_of(token, keys):
         raise Unauthorized("the API key is not valid")
-    return hashlib.sha256(token.encode()).hexdigest()[:16]
+    return key_id(token)
+
+
+def key_id(key: str) -> str:
+    """The stable id of an API key, which its jobs are stored under (the key itself never is)."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 CallerDep = Annotated[str | None, Depends(get_caller)]

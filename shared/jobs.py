@@ -1,9 +1,10 @@
 """The job store: every operation on a job's Redis keys, in one place.
 
 Keys (see shared/keys.py): the JSON JobRecord, the model's queued set (queue positions), the
-owner's index (GET /jobs), the cancel flag and the progress counter of a running job, and the
-Celery message on the model's queue list. State changes are WATCH/MULTI transactions on the record,
-so they cannot race: a terminal record is never changed again.
+owner's indexes (GET /jobs; shared/listing.py says which a listing reads), the cancel flag and the
+progress counter of a running job, and the Celery message on the model's queue list. State changes
+are WATCH/MULTI transactions on the record, so they cannot race: a terminal record is never changed
+again.
 
 Who calls what: the API enqueues, reads, lists, cancels and deletes; the worker claims, reports
 progress (reading the cancel flag), and finishes.
@@ -24,6 +25,7 @@ from celery import Celery
 
 from shared import broker, keys, stats
 from shared.errors import JobCancelled, JobFailure, WorkerLost
+from shared.listing import AFTER, SCAN_LIMIT, JobFilters, JobPage, encode_cursor, tag_indexes
 from shared.redis_faults import refuses_writes
 from shared.schemas import RESULT_PREVIEW_CHARS, RESULT_TEXT_INLINE_CHARS, JobRecord, JobStatus, JobSummary
 
@@ -37,9 +39,10 @@ LIST_CHUNK = 32  # records fetched per MGET while listing: bounds the memory one
 # owner's queued jobs or bytes would pass their limits; otherwise every write of every job and the
 # owner's quota counters. KEYS: quota hash, its held hash. ARGV: max jobs, max bytes (0: none),
 # retention, n, total bytes, then per job: record key, record JSON, queued set, score, id, owner's
-# index, owner's status index, model counters, queue, broker message, estimated bytes.
+# index, owner's status index, model counters, queue, broker message, estimated bytes, and its tag
+# indexes (space-separated; each expires a retention after its newest job).
 _ENQUEUE = """
-local n, per = tonumber(ARGV[4]), 11
+local n, per = tonumber(ARGV[4]), 12
 for i = 0, n - 1 do
   if redis.call('EXISTS', ARGV[6 + i * per]) == 1 then return {'exists', ARGV[10 + i * per]} end
 end
@@ -56,6 +59,10 @@ for i = 0, n - 1 do
   redis.call('HINCRBY', ARGV[a + 8], 'submitted', 1)
   redis.call('LPUSH', ARGV[a + 9], ARGV[a + 10])
   redis.call('HSET', KEYS[2], ARGV[a + 5], ARGV[a + 11])
+  for tag in string.gmatch(ARGV[a + 12], '%S+') do
+    redis.call('ZADD', tag, ARGV[a + 4], ARGV[a + 5])
+    redis.call('EXPIRE', tag, ARGV[3])
+  end
 end
 redis.call('HINCRBY', KEYS[1], 'jobs', n)
 redis.call('HINCRBY', KEYS[1], 'bytes', ARGV[5])
@@ -130,7 +137,10 @@ def split_result(result: dict[str, Any], inline_bytes: int) -> tuple[dict[str, A
 def summarize(record: JobRecord) -> JobSummary:
     """A job as GET /jobs lists it."""
     request = record.request
-    prompt = request.prompt if request.prompt is not None else (request.messages or [])[-1].content
+    if request.prompt_token_ids is not None:
+        prompt = f"[{len(request.prompt_token_ids)} token ids] " + " ".join(map(str, request.prompt_token_ids[:40]))
+    else:
+        prompt = request.prompt if request.prompt is not None else (request.messages or [])[-1].content
     return JobSummary(
         id=record.id,
         status=record.status,
@@ -142,6 +152,8 @@ def summarize(record: JobRecord) -> JobSummary:
         error_type=record.error.type if record.error is not None else None,
         finish_reason=record.result.finish_reason if record.result is not None else None,
         activations=record.activations is not None,
+        metadata=request.metadata,
+        user=request.user,
     )
 
 
@@ -199,13 +211,14 @@ class JobStore:
         assert all(r.owner == owner for r in records), "one owner per enqueue"
         sizes = list(sizes) if sizes is not None else [0] * len(records)
         argv: list[Any] = [limits[0], limits[1], self.retention, len(records), sum(sizes)]
-        for record, size in zip(records, sizes, strict=True):
+        for place, (record, size) in enumerate(zip(records, sizes, strict=True)):
             queue = keys.queue(record.model)
             argv += [
                 keys.job(record.id),
                 record.model_dump_json(),
                 keys.queued(record.model),
-                repr(record.created_at.timestamp()),
+                # a batch's jobs share created_at: a microsecond apiece keeps their order in the indexes
+                repr(record.created_at.timestamp() + place * 1e-6),
                 record.id,
                 keys.jobs_index(owner),
                 keys.jobs_status_index(owner, record.status.value),
@@ -213,6 +226,7 @@ class JobStore:
                 queue,
                 broker.task_message(celery, record.id, queue),
                 int(size),
+                " ".join(tag_indexes(record)),
             ]
         return [keys.quota(owner), keys.quota_held(owner)], argv
 
@@ -367,29 +381,57 @@ class JobStore:
 
     def list(self, owner: str | None, status: JobStatus | None, limit: int) -> list[JobSummary]:
         """An owner's jobs (all jobs when keys are off) as summaries, newest first, all or in one
-        state (read from that state's index, not filtered from all); records past their retention
-        leave the index on the way. Records are fetched LIST_CHUNK at a time and only their
-        summaries kept (results stored apart are never read here)."""
-        index = keys.jobs_index(owner) if status is None else keys.jobs_status_index(owner, status.value)
+        state: the first page of `page`."""
+        return self.page(owner, limit, JobFilters(status=status)).jobs
+
+    def page(
+        self, owner: str | None, limit: int, filters: JobFilters, cursor: tuple[str, str] | None = None
+    ) -> JobPage:
+        """An owner's jobs that pass `filters`, newest first, from after `cursor` (shared/listing.py
+        says which index is read). At most `limit` summaries and SCAN_LIMIT records read; the
+        answer's cursor is set when the index goes on. Records past their retention leave the index
+        on the way. Records are fetched LIST_CHUNK at a time and only their summaries kept (results
+        stored apart are never read here)."""
+        indexes = filters.indexes(owner)
+        if len(indexes) > 1:
+            with self.redis.pipeline(transaction=False) as pipe:
+                for index in indexes:
+                    pipe.zcard(index)
+                sizes = pipe.execute()
+            indexes = [min(zip(sizes, indexes, strict=True))[1]]
+        index = indexes[0]
+        floor = filters.created_after.timestamp() if filters.created_after is not None else None
         found: list[JobSummary] = []
-        start = 0
-        while len(found) < limit:
-            chunk = min(LIST_CHUNK, 2 * (limit - len(found)))
-            ids = [i.decode() for i in cast("list[bytes]", self.redis.zrevrange(index, start, start + chunk - 1))]
-            if not ids:
-                break
-            start += len(ids)
-            raws = self.redis.mget([keys.job(i) for i in ids])
-            expired = [i for i, raw in zip(ids, raws, strict=True) if raw is None]
+        seen: set[str] = set()
+        scanned = 0
+        while scanned < SCAN_LIMIT:
+            # the first read sized to the page; later ones (matches sparser than that) whole chunks
+            chunk = min(LIST_CHUNK, 2 * (limit - len(found)) if scanned == 0 else LIST_CHUNK, SCAN_LIMIT - scanned)
+            score, last = cursor if cursor is not None else ("", "")
+            reply = cast("list[bytes]", self.redis.eval(AFTER, 1, index, score, last, chunk))
+            entries = [(reply[i].decode(), reply[i + 1].decode()) for i in range(0, len(reply), 2)]
+            ended = len(entries) < chunk
+            if floor is not None and any(float(s) <= floor for _, s in entries):
+                entries, ended = [(i, s) for i, s in entries if float(s) > floor], True
+            raws = self.redis.mget([keys.job(i) for i, _ in entries]) if entries else []
+            expired = [i for (i, _), raw in zip(entries, raws, strict=True) if raw is None]
             if expired:
                 self.redis.zrem(index, *expired)
-                start -= len(expired)
-            for raw in raws:
-                if raw is not None:
-                    record = JobRecord.model_validate_json(raw)
-                    if status is None or record.status is status:
-                        found.append(summarize(record))
-        return found[:limit]
+            for place, ((job_id, score), raw) in enumerate(zip(entries, raws, strict=True)):
+                scanned += 1
+                cursor = (score, job_id)
+                if raw is None or job_id in seen:
+                    continue
+                seen.add(job_id)
+                record = JobRecord.model_validate_json(raw)
+                if filters.matches(record):
+                    found.append(summarize(record))
+                    if len(found) == limit:
+                        more = not ended or place < len(entries) - 1
+                        return JobPage(found, encode_cursor(score, job_id) if more else None)
+            if ended:
+                return JobPage(found, None)
+        return JobPage(found, None if cursor is None else encode_cursor(*cursor))
 
     # -- changing ---------------------------------------------------------------------------
 
@@ -589,6 +631,8 @@ class JobStore:
                 pipe.delete(record.idempotency)
             pipe.zrem(keys.jobs_index(record.owner), job_id)
             pipe.zrem(keys.jobs_status_index(record.owner, record.status.value), job_id)
+            for index in tag_indexes(record):
+                pipe.zrem(index, job_id)
             pipe.execute()
 
 

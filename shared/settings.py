@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from shared.schemas import CaptureSpec
 
 DEFAULT_DATA_DIR = Path.home() / ".local" / "share" / "actq"
 DEFAULT_CACHE_DIR = Path.home() / ".cache" / "actq"
@@ -35,6 +38,20 @@ class Settings(BaseSettings):
         description=(
             "Comma-separated operator keys: valid API keys that may also read /metrics and counts across keys "
             "(queue positions, queued jobs per model in /health)."
+        ),
+    )
+    default_capture_by_model: Annotated[dict[str, CaptureSpec], NoDecode] = Field(
+        {},
+        description=(
+            "The capture of an OpenAI-route request that sends none, per served model, for clients that cannot send "
+            'one (lm-eval, LangChain): JSON, `{"<model>": <capture spec>}`, each as `capture` in POST /jobs.'
+        ),
+    )
+    default_capture_by_key: Annotated[dict[str, CaptureSpec], NoDecode] = Field(
+        {},
+        description=(
+            'The same per API key: JSON, `{"<key>": <capture spec>}`, each key one of ACTQ_API_KEYS or '
+            "ACTQ_OPERATOR_KEYS; it wins over the model's."
         ),
     )
     public_docs: bool = Field(
@@ -223,6 +240,30 @@ class Settings(BaseSettings):
     worker_start_timeout: float = Field(
         300.0, gt=0, description="Seconds the worker's engine process may take to load the model."
     )
+
+    @field_validator("default_capture_by_model", "default_capture_by_key", mode="before")
+    @classmethod
+    def _json_object(cls, value: object) -> object:
+        """The environment gives JSON text; a broken one is named with what to give instead."""
+        if not isinstance(value, str):
+            return value
+        try:
+            return json.loads(value) if value.strip() else {}
+        except json.JSONDecodeError as exc:
+            raise ValueError(
+                f'is not JSON ({exc}); give an object of capture specs, e.g. {{"<name>": {{"preset": "residual"}}}}'
+            ) from None
+
+    @model_validator(mode="after")
+    def _default_captures_name_keys(self) -> Settings:
+        unknown = [key for key in self.default_capture_by_key if key not in self.api_key_list]
+        if unknown:
+            shown = ", ".join(f"{key[:4]}..." for key in unknown)
+            raise ValueError(
+                f"ACTQ_DEFAULT_CAPTURE_BY_KEY names {len(unknown)} key(s) ({shown}) that are not in ACTQ_API_KEYS "
+                "or ACTQ_OPERATOR_KEYS: a default capture applies to the callers of a valid key"
+            )
+        return self
 
     @model_validator(mode="after")
     def _limits_are_consistent(self) -> Settings:

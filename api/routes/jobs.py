@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
@@ -12,8 +13,18 @@ from api.deps import CallerDep, SeesAllDep, ServicesDep, get_caller
 from api.presenters import view
 from api.submit import has_references, submit, submit_batch, submit_now
 from api.visibility import load, load_async
-from shared.errors import JobCancelled, JobNotFound, NotReady
-from shared.schemas import BatchItem, BatchRequest, BatchResponse, JobRequest, JobStatus, JobSummary, JobView
+from shared.errors import BadRequest, JobCancelled, JobNotFound, NotReady
+from shared.listing import CURSOR_HEADER, METADATA, JobFilters, as_utc, decode_cursor, parse_tags
+from shared.schemas import (
+    MAX_USER_CHARS,
+    BatchItem,
+    BatchRequest,
+    BatchResponse,
+    JobRequest,
+    JobStatus,
+    JobSummary,
+    JobView,
+)
 from shared.storage import job_prefix
 
 router = APIRouter(prefix="/jobs", tags=["jobs"], dependencies=[Depends(get_caller)])
@@ -55,17 +66,50 @@ def create_jobs(body: BatchRequest, services: ServicesDep, caller: CallerDep) ->
     return BatchResponse(jobs=[BatchItem(id=r.id, status=r.status.value, created=created) for r, created in results])
 
 
-@router.get("", response_model=list[JobSummary])
+LIST_PARAMS = {"status", "limit", "user", "created_after", "cursor"}
+
+
+@router.get("", response_model=list[JobSummary], responses={422: {"description": "A bad filter or cursor"}})
 def list_jobs(
     services: ServicesDep,
     caller: CallerDep,
+    request: Request,
+    response: Response,
     status: JobStatus | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 50,
+    user: Annotated[str | None, Query(max_length=MAX_USER_CHARS, description="Only jobs with this `user`.")] = None,
+    created_after: Annotated[
+        datetime | None, Query(description="Only jobs created after this time (ISO 8601; without a zone, UTC).")
+    ] = None,
+    cursor: Annotated[
+        str | None, Query(max_length=200, description="Go on from a previous answer's x-actq-next-cursor header.")
+    ] = None,
 ) -> list[JobSummary]:
     """The caller's jobs as summaries, newest first (with API keys, only the jobs made with the
-    caller's key): id, status, model, times, a prompt preview, the error type. Results and
-    manifests are read with GET /jobs/{id}."""
-    return services.jobs.list(caller, status, limit)
+    caller's key): id, status, model, times, a prompt preview, the error type, metadata and user.
+    Filters, all of which must hold: `status`, `user`, `created_after` and `metadata.<key>=<value>`
+    (one per key). When more may follow, the answer's `x-actq-next-cursor` header is the `cursor`
+    to go on from. Results and manifests are read with GET /jobs/{id}."""
+    params = request.query_params.multi_items()
+    unknown = sorted({name for name, _ in params if name not in LIST_PARAMS and not name.startswith(METADATA)})
+    if unknown:
+        raise BadRequest(
+            f"unknown query parameter {', '.join(map(repr, unknown))}: GET /jobs takes status, limit, user, "
+            "created_after, cursor and metadata.<key>=<value>"
+        )
+    try:
+        filters = JobFilters(
+            status=status,
+            tags=parse_tags(params),
+            created_after=None if created_after is None else as_utc(created_after),
+        )
+        position = None if cursor is None else decode_cursor(cursor)
+    except ValueError as exc:
+        raise BadRequest(str(exc)) from None
+    page = services.jobs.page(caller, limit, filters, position)
+    if page.cursor is not None:
+        response.headers[CURSOR_HEADER] = page.cursor
+    return page.jobs
 
 
 @router.get("/{job_id}", response_model=JobView, responses=ERRORS)
@@ -84,6 +128,13 @@ async def get_job(
         async with services.waiters.slot():
             record = await services.waiters.wait(job_id, wait) or record
     return view(record, request, _shown(await services.jobs.live_fields_async(record), operator))
+
+
+@router.get("/{job_id}/request", response_model=JobRequest, responses=ERRORS)
+async def get_job_request(job_id: str, services: ServicesDep, caller: CallerDep) -> JobRequest:
+    """The request a job was made from, as stored (the OpenAI routes' translation included): its
+    whole prompt or messages, capture, metadata and user."""
+    return (await load_async(services, job_id, caller)).request
 
 
 @router.get("/{job_id}/result", responses={**ERRORS, 409: {"description": "No result yet"}})

@@ -12,6 +12,7 @@
     probes.py        linear probes on captured activations (`actq probe`)
     steer.py         steering sweeps: run-file and gsm8k --steer, a run per strength, steering.json/.png
     export.py        a results directory as Parquet or a Hugging Face dataset (`actq export`)
+    export_jobs.py   the jobs `actq export --jobs` picks by GET /jobs filters, as export samples
     gsm8k/           GSM8K problems and prompts, harness-style scoring (`actq gsm8k`, on batch.py)
 
 Nothing here is imported by the API or the worker, and nothing here imports them.

@@ -377,23 +377,30 @@ def probe_command(
 
 @cli.command("export")
 def export_command(
-    results: Path = typer.Argument(
-        ..., help="A results directory from `actq run-file` or `actq gsm8k` (or `actq run`'s answers/)."
+    results: Path | None = typer.Argument(
+        None, help="A results directory from `actq run-file` or `actq gsm8k` (or `actq run`'s answers/)."
+    ),
+    jobs: list[str] | None = typer.Option(
+        None,
+        "--jobs",
+        help="Instead of RESULTS, this API key's jobs that pass a GET /jobs filter: metadata.KEY=VALUE, "
+        "user=NAME or created_after=ISO-TIME (repeat to AND them), oldest first.",
     ),
     format: str = typer.Option("parquet", "--format", help="parquet (one file) or hf-dataset (datasets.save_to_disk)."),
     out: Path | None = typer.Option(
-        None, help="Where to write (default: RESULTS/export.parquet or RESULTS/hf-dataset)."
+        None, help="Where to write (default: RESULTS/export.parquet or RESULTS/hf-dataset; with --jobs, here)."
     ),
     api: str | None = typer.Option(None, help="API base URL for activations not downloaded (default ACTQ_API_URL)."),
     api_key: str | None = API_KEY_OPTION,
 ) -> None:
     """A results directory of `actq run-file` (one row per prompt line) or `actq gsm8k` (one row per
-    problem and capture source), a row per capture point: the tensor as an array, the prompt, token
-    ids, positions and the sample's fields as columns; loadable with `datasets` or pandas, without
-    actq installed."""
+    problem and capture source), or the jobs `--jobs` picks (one row per job, with its created_at,
+    user and metadata), a row per capture point: the tensor as an array, the prompt, token ids,
+    positions and the sample's fields as columns; loadable with `datasets` or pandas, without actq
+    installed."""
     from shared.cli import export
 
-    written = export.run(results, format=format, out=out, api=api, api_key=api_key)
+    written = export.run(results, format=format, out=out, api=api, api_key=api_key, jobs=jobs)
     typer.echo(f"wrote {written}")
 
 

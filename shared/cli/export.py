@@ -24,6 +24,10 @@ captured tensor as float32 rows, `list<list<float32>>` of shape [rows, width] (b
 float16 captures are widened exactly); `shape` and `dtype` are the stored tensor's. Sources that
 did not succeed or have no activations are skipped and counted on stderr.
 
+Jobs instead of a results directory: `--jobs` picks the caller's jobs by GET /jobs filters (a
+metadata tag, a user, a time) and exports them in submission order as samples of their own, with
+the columns `created_at`, `user` and `metadata.<key>` added (export_jobs.py).
+
 Formats: `parquet`, one file (default RESULTS/export.parquet) written a row group per sample, so
 that only one sample's tensors are in memory at a time; `hf-dataset`, a `datasets` directory
 (default RESULTS/hf-dataset) for `datasets.load_from_disk`. Both read without actq installed.
@@ -38,7 +42,9 @@ import shutil
 import sys
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -60,7 +66,9 @@ TOKEN_IDS = "token_ids"
 NOT_CAPTURES = (TOKEN_IDS,)  # in the file, but not a capture point
 
 
-def _schema() -> Any:
+def _schema(extra: Iterable[str] = ()) -> Any:
+    """The columns of every export, then `extra` (--jobs: created_at, a timestamp, and strings)."""
+    added = [(name, pa.timestamp("us", tz="UTC") if name == "created_at" else pa.string()) for name in extra]
     return pa.schema(
         [
             ("index", pa.int64()),
@@ -91,6 +99,7 @@ def _schema() -> Any:
             ("shape", pa.list_(pa.int64())),
             ("dtype", pa.string()),
             ("activations", pa.list_(pa.list_(pa.float32()))),
+            *added,
         ]
     )
 
@@ -175,12 +184,14 @@ class _Reader:
     """Tensors of one source as float32 numpy arrays: from its downloaded file, else through the
     API (one client for the whole export, opened at the first tensor that needs it)."""
 
-    def __init__(self, results: Path, api: str | None, api_key: str | None = None) -> None:
+    def __init__(
+        self, results: Path | None, api: str | None, api_key: str | None = None, client: Any = None, url: str = ""
+    ) -> None:
         self.results = results
         self.api = api
         self.api_key = api_key
-        self._client: Any = None
-        self._url = ""
+        self._client: Any = client
+        self._url = url
 
     def close(self) -> None:
         if self._client is not None:
@@ -189,7 +200,7 @@ class _Reader:
 
     def read(self, sample: dict, source: str, fields: dict, names: list[str]) -> dict[str, np.ndarray]:
         file = fields.get("activations_file")
-        if file and (self.results / file).is_file():
+        if file and self.results is not None and (self.results / file).is_file():
             return self._read_file(self.results / file, names)
         return self._fetch(sample, source, fields, names)
 
@@ -238,6 +249,10 @@ class _Reader:
                 pass
             return tensors
         except (httpx.HTTPError, ActqClientError) as exc:
+            if self.results is None:  # --jobs: the API is the only place they are
+                raise ToolError(
+                    f"job {job_id}: fetching its activations failed: {remote.explain(exc, self._url)}"
+                ) from None
             raise ToolError(
                 f"{where}: its activations are not in {self.results} ({fix}), and fetching them failed: "
                 f"{remote.explain(exc, self._url)}"
@@ -265,9 +280,8 @@ def _rows_array(matrix: np.ndarray) -> Any:
     return pa.ListArray.from_arrays(pa.array(np.array([0, rows], dtype=np.int32), type=pa.int32()), inner)
 
 
-def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader, counts: Counter) -> Any:
+def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader, counts: Counter, schema: Any) -> Any:
     """One sample's rows as a pyarrow Table (None when it has none)."""
-    schema = _schema()
     columns: dict[str, list] = {field.name: [] for field in schema if field.name != "activations"}
     arrays: list[Any] = []
     for source, fields in sources:
@@ -308,6 +322,7 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader
                 "features": entry.get("features"),
                 "shape": [int(n) for n in tensor.shape],
                 "dtype": entry.get("dtype"),
+                **sample.get("columns", {}),
             }
             for name, value in row.items():
                 columns[name].append(value)
@@ -315,29 +330,27 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader
             counts[source] += 1
     if not arrays:
         return None
-    data = [pa.array(columns[f.name], type=f.type) for f in schema if f.name != "activations"]
-    data.append(pa.chunked_array(arrays, type=schema.field("activations").type))
+    data = [
+        pa.chunked_array(arrays, type=f.type) if f.name == "activations" else pa.array(columns[f.name], type=f.type)
+        for f in schema
+    ]
     return pa.Table.from_arrays(data, schema=schema)
 
 
 def _write_parquet(
-    results: Path, target: Path, api: str | None, api_key: str | None = None
+    samples: Iterable[dict], total: int, target: Path, reader: _Reader, schema: Any
 ) -> tuple[int, Counter, Counter]:
-    """Write every exportable row to `target`, a row group per sample; (samples, rows by source,
-    skipped by reason)."""
+    """Write every exportable row of `samples` to `target`, a row group per sample; (samples, rows
+    by source, skipped by reason)."""
     from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
 
-    paths = _sample_paths(results)
     skipped: Counter = Counter()
     counts: Counter = Counter()
     exported = 0
-    reader = _Reader(results, api, api_key)
     writer = None
     try:
-        for path in tqdm(paths, desc="export", unit="sample", disable=None, file=sys.stderr):
-            sample = json.loads(path.read_text())
-            sample.setdefault("index", int(path.stem) if path.stem.isdigit() else None)
-            table = _sample_table(sample, list(_sources(sample, skipped)), reader, counts)
+        for sample in tqdm(samples, total=total, desc="export", unit="sample", disable=None, file=sys.stderr):
+            table = _sample_table(sample, list(_sources(sample, skipped)), reader, counts, schema)
             if table is None:
                 continue
             if writer is None:
@@ -350,8 +363,15 @@ def _write_parquet(
             writer.close()
     if writer is None:
         detail = ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items())) or "none"
-        raise ToolError(f"{results}: no sample has activations to export (skipped: {detail})")
+        raise ToolError(f"{reader.results or 'these jobs'}: no sample has activations to export (skipped: {detail})")
     return exported, counts, skipped
+
+
+def _result_samples(paths: list[Path]) -> Iterator[dict]:
+    for path in paths:
+        sample = json.loads(path.read_text())
+        sample.setdefault("index", int(path.stem) if path.stem.isdigit() else None)
+        yield sample
 
 
 def _report(exported: int, counts: Counter, skipped: Counter) -> None:
@@ -372,49 +392,83 @@ def _replace(staged: Path, out: Path) -> None:
 
 
 def run(
-    results: Path,
+    results: Path | None,
     format: str = "parquet",
     out: Path | None = None,
     api: str | None = None,
     api_key: str | None = None,
+    jobs: list[str] | None = None,
 ) -> Path:
-    """Export `results` as `format` to `out` (default inside `results`); returns the path written.
+    """Export `results`, or the jobs the `jobs` filters pick (export_jobs.py), as `format` to `out`
+    (default inside `results`, else in the working directory); returns the path written.
     Activations not downloaded are fetched from `api` (default ACTQ_API_URL) with `api_key`
     (default ACTQ_API_KEY). Nothing is left on disk when it fails: folders made for `out` are
     removed again."""
-    results = Path(results)
     if format not in FORMATS:
         raise ToolError(f"unknown export format {format!r} (one of: {', '.join(FORMATS)})")
-    if not results.is_dir():
-        raise ToolError(f"{results}: no such results directory")
-    out = Path(out) if out is not None else results / DEFAULT_OUT[format]
+    if (results is None) == (not jobs):
+        raise ToolError("give a results directory or --jobs filters (a metadata tag, a user), one of the two")
+    if results is not None:
+        results = Path(results)
+        if not results.is_dir():
+            raise ToolError(f"{results}: no such results directory")
+    out = Path(out) if out is not None else (results or Path()) / DEFAULT_OUT[format]
     if format == "parquet" and out.is_dir():
         raise ToolError(f"{out} is a directory: give a file name for the parquet export")
     if format == "hf-dataset" and out.exists() and not out.is_dir():
         raise ToolError(f"{out} exists and is not a directory: give another --out")
-    _sample_paths(results)  # a directory without samples is refused before anything is made
-    made = [p for p in reversed(out.parent.absolute().parents) if not p.exists()]
-    made += [out.parent.absolute()] if not out.parent.exists() else []
-    out.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        exported, counts, skipped = _export(results, format, out, api, api_key)
-    except BaseException:
-        for folder in reversed(made):  # the folders made for `out`, deepest first, when still empty
-            try:
-                folder.rmdir()
-            except OSError:
-                break
-        raise
+    with _samples(results, jobs or [], api, api_key) as source:  # refused before anything is made
+        made = [p for p in reversed(out.parent.absolute().parents) if not p.exists()]
+        made += [out.parent.absolute()] if not out.parent.exists() else []
+        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            exported, counts, skipped = _export(source, format, out)
+        except BaseException:
+            for folder in reversed(made):  # the folders made for `out`, deepest first, when still empty
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+            raise
     _report(exported, counts, skipped)
     return out
 
 
-def _export(
-    results: Path, format: str, out: Path, api: str | None, api_key: str | None
-) -> tuple[int, Counter, Counter]:
+@dataclass
+class _Source:
+    """What an export reads: its samples (how many), the reader of their tensors, the schema."""
+
+    samples: Iterable[dict]
+    total: int
+    reader: _Reader
+    schema: Any
+
+
+@contextmanager
+def _samples(results: Path | None, jobs: list[str], api: str | None, api_key: str | None) -> Iterator[_Source]:
+    """A results directory's samples, or the picked jobs' (whose reading through the API, here
+    and while exporting, fails as one line naming the API)."""
+    if results is not None:
+        paths = _sample_paths(results)
+        yield _Source(_result_samples(paths), len(paths), _Reader(results, api, api_key), _schema())
+        return
+    from shared.cli import export_jobs, remote
+
+    params = export_jobs.parse_filters(jobs)
+    url, key = remote.resolve(api, api_key)
+    with remote.reaching(url), remote.client(url, key) as client:
+        summaries = export_jobs.picked(client, params)
+        names = export_jobs.columns(summaries)
+        samples = export_jobs.samples(client, summaries, names)
+        yield _Source(samples, len(summaries), _Reader(None, url, key, client=client, url=url), _schema(names))
+
+
+def _export(source: _Source, format: str, out: Path) -> tuple[int, Counter, Counter]:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         staged_parquet = Path(tmp) / "export.parquet"
-        exported, counts, skipped = _write_parquet(results, staged_parquet, api, api_key)
+        exported, counts, skipped = _write_parquet(
+            source.samples, source.total, staged_parquet, source.reader, source.schema
+        )
         if format == "parquet":
             os.replace(staged_parquet, out)
         else:

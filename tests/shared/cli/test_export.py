@@ -510,3 +510,42 @@ def test_command_line(tmp_path):
     )
     assert done.exit_code == 0, done.output
     assert f"wrote {tmp_path / 'x.parquet'}" in done.output
+
+
+def test_jobs_filters_are_checked_before_anything_is_asked(tmp_path):
+    from shared.cli.export_jobs import parse_filters
+
+    assert parse_filters(["metadata.run=lmeval1", "user=alice", "created_after=2025-01-31T12:00:00Z"]) == {
+        "metadata.run": "lmeval1",
+        "user": "alice",
+        "created_after": "2025-01-31T12:00:00Z",
+    }
+    assert parse_filters(["metadata.note=a=b"]) == {"metadata.note": "a=b"}  # the first = splits
+    for bad, message in (
+        ("run=lmeval1", "is not a job filter: give --jobs metadata.run=lmeval1"),
+        ("metadata.=x", "is not a job filter"),
+        ("metadata.run", "is not a job filter"),
+        ("status=failed", "is not a job filter"),
+    ):
+        with pytest.raises(ToolError, match=message):
+            parse_filters([bad])
+    with pytest.raises(ToolError, match="names metadata.run twice"):
+        parse_filters(["metadata.run=a", "metadata.run=b"])
+    port = _closed_port()  # nothing is asked of the API for a bad filter
+    with pytest.raises(ToolError, match="is not a job filter"):
+        export.run(None, jobs=["run=x"], api=f"http://127.0.0.1:{port}", out=tmp_path / "x.parquet")
+    with pytest.raises(ToolError, match="cannot reach the actq API"):
+        export.run(None, jobs=["metadata.run=x"], api=f"http://127.0.0.1:{port}", out=tmp_path / "x.parquet")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_results_directory_or_jobs_one_of_the_two(tmp_path):
+    results = tmp_path / "results"
+    make_results(results)
+    for given in ({"results": None}, {"results": results, "jobs": ["metadata.run=a"]}):
+        with pytest.raises(ToolError, match="give a results directory or --jobs filters"):
+            export.run(**given)
+    from shared.cli.app import cli
+
+    shown = CliRunner().invoke(cli, ["export", "--help"], env={"COLUMNS": "200", "NO_COLOR": "1"})
+    assert "--jobs" in shown.output and "metadata.KEY=VALUE" in shown.output
