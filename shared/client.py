@@ -215,6 +215,11 @@ class Job:
             return whole
         return cached[1]
 
+    def request(self) -> dict:
+        """The request the job was made from, as stored (`GET /jobs/{id}/request`): its whole
+        prompt or messages, capture, metadata and user."""
+        return self._client._request("GET", f"/jobs/{quote(self.id, safe='')}/request").json()
+
     @property
     def manifest(self) -> dict | None:
         """The activations manifest (uri, key, sha256, bytes, tensors[...]) once the job has
@@ -444,6 +449,8 @@ class Client:
         top_logprobs: int | None = None,
         interventions: list[dict] | None = None,
         baseline: bool = False,
+        metadata: dict[str, str] | None = None,
+        user: str | None = None,
     ) -> Job:
         """Queue a completion (`POST /jobs`) of a chat (`messages`) or of raw text (`prompt`, for
         base models); returns the queued `Job`. `interventions` edits the model while it runs
@@ -451,7 +458,8 @@ class Client:
         `{"modules": ["model.layers.*"], "positions": "all"}` or `{"preset": "residual", "layers": [8, 15]}`.
         `mode="trace"` generates nothing: one forward pass over the text (messages may end with
         the assistant turn to score). `logprobs`/`top_logprobs`: each token's log-probability.
-        With `idempotency_key`, a retry returns the job the first request created."""
+        With `idempotency_key`, a retry returns the job the first request created. `metadata` (up to
+        16 string pairs) and `user` are stored with the job, for `jobs()` to filter on."""
         if (messages is None) == (prompt is None):
             raise ValueError("give exactly one of messages (a chat) or prompt (raw text)")
         body: dict[str, Any] = {"model": model, "temperature": temperature, "top_p": top_p}
@@ -464,7 +472,8 @@ class Client:
         if baseline:
             body["baseline"] = True
         fields = (("messages", messages), ("prompt", prompt), ("max_tokens", max_tokens), ("seed", seed))
-        for key, value in (*fields, ("stop", stop), ("capture", capture), ("interventions", interventions)):
+        tags = (("metadata", metadata), ("user", user))
+        for key, value in (*fields, ("stop", stop), ("capture", capture), ("interventions", interventions), *tags):
             if value is not None:
                 body[key] = value
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else None
@@ -512,10 +521,67 @@ class Client:
         """The job with this id (`GET /jobs/{id}`); `NotFound` when there is none."""
         return Job(self, self._get_job(job_id))
 
+    def jobs(
+        self,
+        *,
+        status: str | None = None,
+        metadata: dict[str, str] | None = None,
+        user: str | None = None,
+        created_after: str | None = None,
+        limit: int | None = 50,
+    ) -> list[dict]:
+        """`GET /jobs`: the caller's jobs as summaries (`id`, `status`, `created_at`,
+        `prompt_preview`, `metadata`, `user`...), newest first, that pass every filter given:
+        `metadata` pairs, `user`, `status`, `created_after` (ISO 8601). At most `limit`;
+        `limit=None`: all of them, read 1,000 a request along the API's cursor."""
+        params: dict[str, str | int] = {f"metadata.{key}": value for key, value in (metadata or {}).items()}
+        for name, value in (("status", status), ("user", user), ("created_after", created_after)):
+            if value is not None:
+                params[name] = value
+        found: list[dict] = []
+        cursor = None
+        while limit is None or len(found) < limit:
+            page: dict[str, str | int] = {"limit": 1000 if limit is None else min(1000, limit - len(found))}
+            if cursor is not None:
+                page["cursor"] = cursor
+            response = self._request("GET", "/jobs", params={**params, **page})
+            found += response.json()
+            cursor = response.headers.get("x-actq-next-cursor")
+            if cursor is None:
+                break
+        return found
+
     def models(self, include_offline: bool = False) -> list[dict]:
         """`GET /models`: served models, each with its module paths in forward order."""
         params = {"include_offline": "true"} if include_offline else None
         return self._request("GET", "/models", params=params).json()
+
+    def tokenize(self, text: str, model: str | None = None, add_special_tokens: bool = True) -> list[int]:
+        """`POST /tokenize`: the model's token ids for `text`, from a live worker's own tokenizer
+        (`model`: default the only model served). `add_special_tokens` adds what the tokenizer
+        adds around a text (a BOS for some models)."""
+        body: dict[str, Any] = {"prompt": text, "add_special_tokens": add_special_tokens}
+        if model is not None:
+            body["model"] = model
+        return self._request("POST", "/tokenize", json=body).json()["tokens"]
+
+    def tokenize_chat(
+        self, messages: list[dict], model: str | None = None, add_generation_prompt: bool = True
+    ) -> list[int]:
+        """`POST /tokenize` of a chat: the ids a chat job with these messages is given (rendered
+        with the model's chat template; `add_generation_prompt` opens the assistant's turn)."""
+        body: dict[str, Any] = {"messages": messages, "add_generation_prompt": add_generation_prompt}
+        if model is not None:
+            body["model"] = model
+        return self._request("POST", "/tokenize", json=body).json()["tokens"]
+
+    def detokenize(self, ids: list[int], model: str | None = None) -> str:
+        """`POST /detokenize`: the text of token ids, special tokens included; `BadRequest` naming
+        the first id outside the model's vocabulary."""
+        body: dict[str, Any] = {"tokens": list(ids)}
+        if model is not None:
+            body["model"] = model
+        return self._request("POST", "/detokenize", json=body).json()["prompt"]
 
     def upload_vectors(self, data: bytes, label: str | None = None) -> dict:
         """`POST /vectors`: a safetensors file's bytes (one `[W]` or `[n, W]` float tensor per

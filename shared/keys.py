@@ -34,6 +34,13 @@ def progress(job_id: str) -> str:
     return f"{PREFIX}:progress:{job_id}"
 
 
+def job_text(job_id: str) -> str:
+    """Redis Stream of a streamed job's text as the worker generates it (`stream: true`): entries
+    {at: offset, t: text} appended by the worker's progress thread, then {end: 1} once the job left
+    the engine; read by the API's server-sent events (bounded length, expires after the job)."""
+    return f"{PREFIX}:job-text:{job_id}"
+
+
 def queued(name: str) -> str:
     """Sorted set of a model's queued job ids by enqueue time: a queued job's position."""
     return f"{PREFIX}:queued:{name}"
@@ -47,6 +54,14 @@ def jobs_index(owner: str | None) -> str:
 def jobs_status_index(owner: str | None, status: str) -> str:
     """The same for the jobs in one state, kept with every state change: GET /jobs?status=."""
     return f"{PREFIX}:jobs-index:{owner or '_'}:{status}"
+
+
+def jobs_tag_index(owner: str | None, field: str, value: str) -> str:
+    """The same for the jobs with one request tag: `field` "metadata.<key>" (one `metadata` pair)
+    or "user", equal to `value` (hashed: it is user text): GET /jobs?metadata.<key>=<value>.
+    Written with the job; it expires a retention after its newest job, as their records do."""
+    digest = hashlib.sha256(f"{field}\0{value}".encode()).hexdigest()[:32]
+    return f"{PREFIX}:jobs-index:{owner or '_'}:tag:{digest}"
 
 
 def counters(name: str) -> str:
@@ -119,3 +134,14 @@ def vector_sets_index(owner: str | None) -> str:
     """Sorted set of one API key's vector sets (`_`: callers without keys), by creation time:
     GET /vectors, and the count checked against ACTQ_MAX_VECTOR_SETS_PER_KEY."""
     return f"{PREFIX}:vector-sets:{owner or '_'}"
+
+
+def tokenizer_requests(name: str) -> str:
+    """List of a model's pending tokenizer calls (POST /tokenize, /detokenize, GET /tokenizer_info),
+    JSON, taken by whichever of its live workers pops one first."""
+    return f"{PREFIX}:tokenizer:{name}"
+
+
+def tokenizer_reply(call_id: str) -> str:
+    """A worker's JSON reply to one tokenizer call; expires soon, so an abandoned reply disappears."""
+    return f"{PREFIX}:tokenizer-reply:{call_id}"
