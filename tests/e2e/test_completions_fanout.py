@@ -151,3 +151,18 @@ def test_an_idempotency_key_covers_every_job_of_the_request(live, redis_client):
     ids = first.headers["x-actq-job-id"].split(",")
     assert len(ids) == 4 and again.headers["x-actq-job-id"].split(",") == ids
     assert job_count(redis_client) == 4
+
+
+def test_langchains_legacy_llm_sends_several_prompts_in_one_request_and_gets_each_answer(live, client, redis_client):
+    """LangChain's `OpenAI` LLM `generate` puts its prompts in one request (`"prompt": [...]`), and
+    drops the `actq` field: each answer is still the prompt's own, and each prompt its own job."""
+    from langchain_openai import OpenAI as LangChainLLM
+
+    llm = LangChainLLM(
+        base_url=live.base_url + "/v1", api_key="unused", model=TINY, max_tokens=5, temperature=0, max_retries=0
+    )
+    result = llm.generate(PROMPTS)
+    assert job_count(redis_client) == len(PROMPTS)
+    for prompt, generations in zip(PROMPTS, result.generations, strict=True):
+        alone = client.completions.create(model=TINY, prompt=prompt, max_tokens=5, temperature=0)
+        assert [g.text for g in generations] == [alone.choices[0].text]
