@@ -62,7 +62,14 @@ class RedisCollector:
             ):
                 h = figures["histograms"][name]
                 family.add_metric([model], h["buckets"], h["sum"])
-        yield from (jobs, tokens, captured, depth, workers, duration, wait, batch, occupancy, speed)
+        # this process's own: long polls are held per API process (ACTQ_MAX_LONG_POLLS each)
+        polls = GaugeMetricFamily(
+            "actq_long_polls", "Long-poll places this API process holds now (GET ?wait=, OpenAI waits, streams)."
+        )
+        polls.add_metric([], services.waiters.active)
+        capacity = GaugeMetricFamily("actq_long_poll_capacity", "Long-poll places of this API process.")
+        capacity.add_metric([], services.waiters.capacity)
+        yield from (jobs, tokens, captured, depth, workers, duration, wait, batch, occupancy, speed, polls, capacity)
 
 
 @router.get("/metrics", response_class=Response)

@@ -387,10 +387,19 @@ def test_at_long_poll_capacity_calls_are_refused_before_queueing_and_their_retri
         batch = httpx.post(f"{stack.base_url}/jobs/batch", json={"jobs": [{"request": body}] * 150}, timeout=30)
         ids = [j["id"] for j in batch.json()["jobs"]]
 
+        async def held(client: httpx.AsyncClient) -> float:
+            text = (await client.get("/metrics")).text
+            return float(next(line.split()[-1] for line in text.splitlines() if line.startswith("actq_long_polls ")))
+
         async def scenario():
-            async with httpx.AsyncClient(base_url=stack.base_url, timeout=30) as poller:
-                polls = [asyncio.ensure_future(poller.get(f"/jobs/{i}", params={"wait": 1.5})) for i in ids]
-                await asyncio.sleep(0.5)  # the places are taken
+            limits = httpx.Limits(max_connections=200)  # every poll in flight at once (the default is 100)
+            async with httpx.AsyncClient(base_url=stack.base_url, timeout=30, limits=limits) as poller:
+                # 3 s: past the chats' first retry (Retry-After 2 s), before their second (4 s)
+                polls = [asyncio.ensure_future(poller.get(f"/jobs/{i}", params={"wait": 3})) for i in ids]
+                for _ in range(300):  # the places are taken, however busy the machine
+                    if await held(poller) >= 150:
+                        break
+                    await asyncio.sleep(0.1)
                 chats = await _concurrent_chats(stack.base_url, 200)
                 return [p.status_code for p in await asyncio.gather(*polls)], chats
 
