@@ -49,6 +49,20 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tool_model_dir(tmp_path_factory: pytest.TempPathFactory, smol_dir: Path) -> Path:
+    """A tiny Llama trained to answer word problems with a calculator call, then the answer
+    (tests/support/tool_model.py). Trained once per machine into the cache, keyed by a hash of its
+    inputs (a minute or two the first time); each session gets its own copy."""
+    import shutil
+
+    from shared.settings import DEFAULT_CACHE_DIR
+    from tests.support.tool_model import cached_tool_model
+
+    cached = cached_tool_model(DEFAULT_CACHE_DIR / "test-models", smol_dir)
+    return Path(shutil.copytree(cached, tmp_path_factory.mktemp("models") / "tool-model"))
+
+
+@pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory):
     with RedisServer(tmp_path_factory.mktemp("redis")) as server:
         yield server
