@@ -140,7 +140,7 @@ def summarize(record: JobRecord) -> JobSummary:
     if request.prompt_token_ids is not None:
         prompt = f"[{len(request.prompt_token_ids)} token ids] " + " ".join(map(str, request.prompt_token_ids[:40]))
     else:
-        prompt = request.prompt if request.prompt is not None else (request.messages or [])[-1].content
+        prompt = request.prompt if request.prompt is not None else (request.messages or [])[-1].text
     return JobSummary(
         id=record.id,
         status=record.status,

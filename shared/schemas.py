@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
 import math
 from datetime import datetime
 from functools import cached_property
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from shared.dtypes import CaptureDtype
 from shared.interventions import (
@@ -19,11 +29,23 @@ from shared.interventions import (
     check_features,
     feature_indices,
 )
-from shared.states import JobStatus as JobStatus  # re-exported: the states live in shared.states
+from shared.states import JobStatus as JobStatus
+from shared.tools import (
+    CALL_ID_PATTERN,
+    MAX_TOOL_CALLS,
+    MAX_TOOLS,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    ToolChoice,
+    ToolFormat,
+    check_tools,
+)  # re-exported: the states live in shared.states
 
 Positions = Literal["all", "prompt", "generated", "last", "completion"]
 Reduce = Literal["none", "mean", "sum", "max", "last"]
 Mode = Literal["generate", "trace"]
+FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "timeout"]
 
 MAX_CAPTURE_PATTERNS = 256
 MAX_MESSAGES = 512
@@ -47,8 +69,40 @@ class Strict(BaseModel):
 
 
 class ChatMessage(Strict):
-    role: Literal["system", "user", "assistant"]
-    content: Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)]
+    """One turn. `content` is required but for an assistant turn that makes `tool_calls`; a
+    `tool` turn answers one of those calls (`tool_call_id`) with its result as content."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Annotated[str, Field(max_length=MAX_MESSAGE_CHARS)] | None = None
+    tool_calls: Annotated[list[ToolCall], Field(min_length=1, max_length=MAX_TOOL_CALLS)] | None = None
+    tool_call_id: Annotated[str, Field(pattern=CALL_ID_PATTERN)] | None = None
+
+    @model_validator(mode="after")
+    def _shape(self) -> ChatMessage:
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError(f"tool_calls belong to an assistant message, not a {self.role} one")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError(
+                "a tool message needs `tool_call_id` (the id of the call it answers)"
+                if self.role == "tool"
+                else f"tool_call_id belongs to a tool message, not a {self.role} one"
+            )
+        if self.content is None and self.tool_calls is None:
+            raise ValueError(f"a {self.role} message needs `content` (a string)")
+        return self
+
+    @property
+    def text(self) -> str:
+        return self.content or ""
+
+    @model_serializer(mode="wrap")
+    def _without_unset_tool_fields(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A plain turn stays `{"role", "content"}` in stored requests and answers."""
+        out: dict[str, Any] = handler(self)
+        for key in ("tool_calls", "tool_call_id"):
+            if out.get(key) is None:
+                out.pop(key, None)
+        return out
 
 
 class CaptureSpec(Strict):
@@ -136,6 +190,12 @@ class JobRequest(Strict):
     # bookkeeping (GET /jobs shows them and filters on them); they change nothing that runs.
     metadata: dict[str, str] | None = None
     user: Annotated[str, Field(max_length=MAX_USER_CHARS)] | None = None
+    # Functions the model may call (rendered by its chat template; calls parsed from the reply
+    # into result.tool_calls), which it must call (`tool_choice` "required" or a named function:
+    # constrained decoding), and `response_format` json_object/json_schema (constrained too).
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    tool_choice: ToolChoice | None = None
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobRequest:
@@ -152,6 +212,7 @@ class JobRequest(Strict):
             raise ValueError("a trace job's logprobs already cover its whole text: leave prompt_logprobs out")
         if self.baseline and not self.interventions:
             raise ValueError("baseline: true runs the job unedited beside its edited run: give `interventions`")
+        self._check_tools()
         positions = self.capture.positions if self.capture is not None else None
         if self.mode == "trace":
             self._check_trace(positions)
@@ -161,6 +222,80 @@ class JobRequest(Strict):
                 "a generation job's new tokens are positions 'generated'"
             )
         return self
+
+    def _check_tools(self) -> None:
+        if (self.tools or self.messages_have_tools) and self.messages is None:
+            raise ValueError(
+                "tools and tool turns belong to a chat (`messages`): a raw prompt has no template to render them"
+            )
+        constrained = self.forced_tools is not None or self.output_schema is not None
+        if constrained and self.trace:
+            raise ValueError(
+                "a trace job generates nothing, so tool_choice 'required' or a named function, and response_format "
+                "json_object or json_schema, cannot apply; leave them out (or use mode: generate)"
+            )
+        if self.forced_tools is not None and self.output_schema is not None:
+            raise ValueError(
+                "tool_choice forces a tool call and response_format asks for a JSON reply: give one of them"
+            )
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_turns(cls, messages: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        """Each tool message answers a call made earlier in the conversation, and only once."""
+        open_calls: set[str] = set()  # calls made and not yet answered
+        made: set[str] = set()
+        for i, message in enumerate(messages or []):
+            for call in message.tool_calls or []:
+                if call.id in made:
+                    raise ValueError(
+                        f"messages[{i}]: tool call id {call.id!r} is used twice; give each call its own id"
+                    )
+                made.add(call.id)
+                open_calls.add(call.id)
+            if message.role == "tool":
+                if message.tool_call_id not in open_calls:
+                    raise ValueError(
+                        f"messages[{i}] answers tool call {message.tool_call_id!r}, which no earlier assistant "
+                        "message made (or which is already answered): a tool message follows the assistant message "
+                        "whose tool_calls include its tool_call_id"
+                    )
+                open_calls.discard(message.tool_call_id)
+        return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_tools(cls, tools: list[Tool] | None) -> list[Tool] | None:
+        check_tools(tools, None)
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: ToolChoice | None, info: ValidationInfo) -> ToolChoice | None:
+        if "tools" in info.data:  # else tools failed validation: that error is the one to show
+            check_tools(info.data["tools"], choice)
+        return choice
+
+    @property
+    def messages_have_tools(self) -> bool:
+        return any(m.tool_calls or m.role == "tool" for m in self.messages or [])
+
+    @property
+    def forced_tools(self) -> list[Tool] | None:
+        """The tools one of which the reply must call (constrained decoding), or None."""
+        from shared.tools import forced_calls
+
+        return forced_calls(self.tool_choice, self.tools)
+
+    @property
+    def output_schema(self) -> dict | None:
+        """The JSON Schema the reply must satisfy (response_format json_object/json_schema), or None."""
+        return self.response_format.json_schema_of() if self.response_format is not None else None
+
+    @property
+    def parses_tool_calls(self) -> bool:
+        """Whether the worker reads tool calls from the reply: tools given and tool_choice not 'none'."""
+        return bool(self.tools) and self.tool_choice != "none"
 
     def _check_trace(self, positions: str | None) -> None:
         given = self.model_fields_set
@@ -201,7 +336,14 @@ class JobRequest(Strict):
             return len(self.prompt.encode())
         if self.prompt_token_ids is not None:
             return 0  # no text: shared/capture_spec counts the ids themselves
-        return sum(len(m.content.encode()) for m in self.messages or [])
+        text = sum(len(m.text.encode()) for m in self.messages or [])
+        calls = sum(
+            len(c.function.arguments.encode()) + len(c.function.name)
+            for m in self.messages or []
+            for c in m.tool_calls or []
+        )
+        tools = len(json.dumps([t.rendered() for t in self.tools]).encode()) if self.tools else 0
+        return text + calls + tools
 
     @property
     def samples(self) -> bool:
@@ -337,15 +479,21 @@ class BaselineResult(Strict):
     """The same job run without its interventions, in the same batch (`baseline: true`)."""
 
     text: str
-    finish_reason: Literal["stop", "length", "cancelled", "timeout"]
+    finish_reason: FinishReason
     usage: Usage
     logprobs: Logprobs | None = None
 
 
 class JobResult(Strict):
-    text: str
-    finish_reason: Literal["stop", "length", "cancelled", "timeout"]
+    text: str  # the generated text as it is: with tool calls, the raw text they were read from (for audit)
+    finish_reason: FinishReason
     usage: Usage
+    # A job with `tools` (tool_choice not "none"): the calls read from the text, in OpenAI's shape
+    # (finish_reason "tool_calls"), `content` the text outside them (None when nothing is left),
+    # and `tool_call_problems` what looked like a call but did not parse (its text stays in content).
+    tool_calls: list[ToolCall] | None = None
+    content: str | None = None
+    tool_call_problems: list[str] | None = None
     logprobs: Logprobs | None = None
     # A trace over messages ending with an assistant turn: that turn's token_ids range
     # [start, stop) (positions "completion"; README "Trace jobs").
@@ -515,6 +663,11 @@ class ModelInfo(Strict):
     prefill_chunk_tokens: int | None = None
     # Whether the model has a chat template (takes `messages`); without one, only `prompt`.
     chat_template: bool = True
+    # How the model writes tool calls (the format parsed and, under tool_choice, enforced), and
+    # whether its chat template renders tools itself; False: actq's fallback prompt does
+    # (worker/tool_prompt.py). None: no chat template, so no tools.
+    tool_format: ToolFormat | None = None
+    tool_template: bool = False
     # Named module sets, one path per decoder block (worker/presets.py): residual, attention, mlp.
     presets: dict[str, list[str]] = {}
 
@@ -543,6 +696,8 @@ class ModelView(Strict):
     max_context: int
     dtype: str
     chat_template: bool  # False: a base model, send `prompt` (raw text) rather than `messages`
+    tool_format: ToolFormat | None = None  # how it writes tool calls (None: no tools)
+    tool_template: bool = False  # its template renders tools (False: actq's fallback prompt)
     presets: dict[str, list[str]]  # preset -> one module path per decoder block
     modules: list[str]  # forward-execution order
     # Per module, the hooks a capture may name ("output", "input") and the width each captures; a

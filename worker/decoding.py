@@ -29,6 +29,7 @@ from shared.capture_spec import SCORE_ROWS
 from shared.errors import InternalError, JobFailure, OutOfMemory
 from worker import kvcache
 from worker.capture import BatchHooks, JobCapture, Mark
+from worker.constrained import Constraint, masked_rows
 from worker.edits import BatchEdits, JobEdits
 
 if TYPE_CHECKING:
@@ -152,8 +153,9 @@ def score_rows(scores: list[TokenScores], logits: torch.Tensor, tokens: list[int
 
 @dataclass(eq=False)  # a sequence is itself: compared by identity
 class Sequence:
-    """One job's sequence. `ended` says why it left the batch: eos, length, stop, watch, failed,
-    trace (a trace job: one forward pass over its text, nothing generated)."""
+    """One job's sequence. `ended` says why it left the batch: eos, length, stop (a stop string,
+    or the reply's grammar is complete), watch, failed, trace (a trace job: one forward pass over
+    its text, nothing generated)."""
 
     prompt_ids: torch.Tensor  # [1, P] on the model's device
     max_tokens: int  # 0 for a trace job
@@ -166,6 +168,7 @@ class Sequence:
     completion: tuple[int, int] | None = None  # a trace's final assistant turn, [start, stop)
     edits: JobEdits | None = None  # its interventions (worker/edits.py)
     echo: bool = False  # a generation that also scores its prompt (its prefill keeps every position's logits)
+    constraint: Constraint | None = None  # the grammar its reply follows (worker/constrained.py)
     generated: list[int] = field(default_factory=list)
     ended: str | None = None
     stopped_by: str | None = None  # what the watch answered
@@ -587,12 +590,16 @@ class Decoder:
     ) -> list[int]:
         """The next token of every row (garbage for rows not in `live`): one argmax over the batch
         for greedy rows, each sampled row's own processors and generator on its row of logits,
-        then a single transfer to the host."""
+        the rows with a constraint from a masked copy of theirs (`_constrain`), then a single
+        transfer to the host."""
         picks = torch.argmax(logits, dim=-1)
+        constrained = [i for i in live if rows[i].constraint is not None]
+        if constrained:
+            self._constrain(rows, logits, picks, constrained, ids_of)
         for i in live:
             sampler = rows[i].sampler
             assert sampler is not None  # only trace sequences have none, and they never decode
-            if sampler.plain:
+            if sampler.plain or rows[i].constraint is not None:
                 continue
             try:
                 picks[i] = sampler.pick(ids_of(i), logits[i : i + 1])
@@ -601,14 +608,53 @@ class Decoder:
                 rows[i].ended = "failed"
         return picks.tolist()
 
+    @staticmethod
+    def _constrain(
+        rows: list[Sequence],
+        logits: torch.Tensor,
+        picks: torch.Tensor,
+        constrained: list[int],
+        ids_of: Callable[[int], torch.Tensor],
+    ) -> None:
+        """Rows `constrained` pick from their logits with every token their grammar forbids
+        masked out: a masked copy of those rows (one bitmask fill for all of them), one argmax
+        for the greedy ones, each sampled row's own sampler on its masked row. `logits` itself
+        stays the model's (log-probabilities score it)."""
+        try:
+            index = torch.tensor(constrained, device=logits.device)
+            masked = masked_rows(logits, index, [rows[i].constraint for i in constrained])  # type: ignore[misc]
+            picks[index] = torch.argmax(masked, dim=-1)
+        except Exception as exc:  # noqa: BLE001 - the mask failed: the rows it served fail
+            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+            for i in constrained:
+                rows[i].failure, rows[i].ended = failure, "failed"
+            return
+        for j, i in enumerate(constrained):
+            sampler = rows[i].sampler
+            assert sampler is not None
+            if sampler.plain:
+                continue
+            try:
+                picks[i] = sampler.pick(ids_of(i), masked[j : j + 1])
+            except Exception as exc:  # noqa: BLE001 - this row's sampling fails this row only
+                rows[i].failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+                rows[i].ended = "failed"
+
     def _take(self, row: Sequence, token: int) -> None:
-        """Add `row`'s next token and decide whether it ended."""
+        """Add `row`'s next token and decide whether it ended. A row with a constraint takes the
+        token into its matcher too, and ends ("stop") once its grammar is complete: the mask
+        would allow nothing but EOS, so the step that would pick it is saved."""
         row.generated.append(token)
         count = len(row.generated)
-        if token in self.eos_ids:
+        constraint = row.constraint
+        if constraint is not None and not constraint.consume(token):
+            row.failure, row.ended = InternalError(constraint.error or "the grammar refused a token"), "failed"
+        elif token in self.eos_ids:
             row.ended = "eos"
         elif count >= row.max_tokens:
             row.ended = "length"
+        elif constraint is not None and constraint.done:
+            row.ended = "stop"
         elif row.stops and self._hit_stop(row):
             row.ended = "stop"
         elif row.watch is not None and (why := row.watch(count)) is not None:
@@ -666,6 +712,7 @@ class Undo:
     scores: int
     generator: torch.Tensor | None
     edits: list[int] | None = None
+    constrained: int = 0  # tokens its constraint had taken
 
     @classmethod
     def of(cls, seq: Sequence) -> Undo:
@@ -676,6 +723,7 @@ class Undo:
             len(seq.scores.values) if seq.scores is not None else 0,
             generator.get_state() if generator is not None else None,
             seq.edits.saved() if seq.edits is not None else None,
+            seq.constraint.consumed if seq.constraint is not None else 0,
         )
 
     def apply(self) -> None:
@@ -690,6 +738,8 @@ class Undo:
             seq.sampler.generator.set_state(self.generator)
         if seq.edits is not None and self.edits is not None:
             seq.edits.restore(self.edits)
+        if seq.constraint is not None:
+            seq.constraint.rollback_to(self.constrained)
         seq.generated.clear()
         seq.ended = seq.stopped_by = seq.failure = None
 

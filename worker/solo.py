@@ -13,8 +13,10 @@ a job computes exactly what `generate` computes for it (tested against `generate
 hooks on each such architecture).
 
 Everything else is the batch decoder's: the next token from `Sampler` (the model's own logits
-processors, the job's seeded generator), the end of a sequence (EOS, max_tokens, stop strings, the
-watch callback), log-probabilities and the capture hooks (`BatchHooks`, a batch of one).
+processors, the job's seeded generator), under the job's grammar when it has one (`Decoder._choose`
+masks its row, `Undo` rolls its matcher back: worker/constrained.py), the end of a sequence (EOS,
+max_tokens, stop strings, a complete grammar, the watch callback), log-probabilities and the
+capture hooks (`BatchHooks`, a batch of one).
 """
 
 from __future__ import annotations

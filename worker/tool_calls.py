@@ -49,8 +49,9 @@ import re
 import secrets
 import string
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
+
+from shared.tools import ToolFormat
 
 TOOL_CALL_OPEN = "<tool_call>"
 TOOL_CALL_CLOSE = "</tool_call>"
@@ -64,11 +65,6 @@ _CALL_KEYS = {"name", "arguments", "parameters"}
 _CALL_START = re.compile(r'\{\s*"(?:name|arguments|parameters)"\s*:')
 _ID_ALPHABET = string.ascii_letters + string.digits
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
-
-
-class ToolFormat(StrEnum):
-    HERMES = "hermes"
-    LLAMA3_JSON = "llama3_json"
 
 
 @dataclass(frozen=True)

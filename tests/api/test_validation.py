@@ -26,9 +26,14 @@ BAD = [
         "unknown role",
         body(messages=[{"role": "wizard", "content": "hi"}]),
         422,
-        "messages.0.role: Input should be 'system', 'user' or 'assistant'",
+        "messages.0.role: Input should be 'system', 'user', 'assistant' or 'tool'",
     ),
-    ("missing content", body(messages=[{"role": "user"}]), 422, "messages.0.content: Field required"),
+    (
+        "missing content",
+        body(messages=[{"role": "user"}]),
+        422,
+        "messages.0: Value error, a user message needs `content` (a string)",
+    ),
     (
         "bad capture path",
         body(capture={"modules": ["model.layers.9"]}),

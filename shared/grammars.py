@@ -1,0 +1,150 @@
+"""The grammar a constrained reply follows, and whether the constrained decoder can compile it.
+
+A request is constrained when it forces a tool call (`tool_choice` "required" or a named
+function) or asks for JSON (`response_format` json_object / json_schema). The grammar is
+llguidance's (its JSON grammar text, what `llguidance.LLMatcher` takes), built here without a
+tokenizer so the API can check it at submit (`grammar_problem`) and the worker compile the same
+text (worker/constrained.py).
+
+- JSON output: the schema, as llguidance's JSON compiler reads it.
+- Forced tool calls: a Lark grammar whose calls are written as the model's tool format writes
+  them (worker/tool_calls.py reads them back): HERMES `<tool_call>\\n{"name": "f", "arguments":
+  {...}}\\n</tool_call>`, several separated by "\\n" under "required"; LLAMA3_JSON
+  `{"name": "f", "parameters": {...}}`, several separated by "; ". The call object's frame
+  (the name as a JSON string constant, the key order) is literal text, and only the arguments
+  are a `%json` sub-grammar: each tool's `parameters` schema stays a schema of its own, so its
+  `$ref`s ("#/$defs/...") resolve against it as the client wrote them. A named tool_choice
+  allows exactly one call, "required" one or more, each of any of the tools.
+
+Whitespace is fixed (`whitespace_flexible` off) with the separators `json.dumps` and chat
+templates' `tojson` write, ", " and ": ": the model is made to write JSON the way it saw JSON in
+training, and a model cannot pad a reply with endless whitespace.
+
+What counts as a problem (`grammar_problem`): llguidance's JSON compiler runs strict (never
+`lenient`), so a keyword it cannot enforce (`not`, `if`/`then`, `uniqueItems`, `contains`,
+`propertyNames`, `unevaluatedProperties`, an unknown `format`, a regex look-around) and a `$ref`
+to nowhere are errors, not warnings: a reply "constrained" by a schema whose keywords were
+silently dropped could fail validation, which is what constraining promises never happens. Any
+warning llguidance still gives is treated the same way, for the same reason. Annotations
+(`title`, `description`, `default`, `examples`) are accepted. The check costs well under a
+millisecond per schema (tests/shared/test_grammars.py; bench/bench_constrained.py measures it).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING, Any
+
+from shared.tools import Tool, ToolFormat
+
+if TYPE_CHECKING:
+    from shared.schemas import JobRequest
+
+ITEM_SEPARATOR = ", "
+KEY_SEPARATOR = ": "
+# llguidance's JSON compiler options: fixed whitespace, the separators above, strict keywords
+JSON_OPTIONS: dict[str, Any] = {
+    "whitespace_flexible": False,
+    "item_separator": ITEM_SEPARATOR,
+    "key_separator": KEY_SEPARATOR,
+    "lenient": False,
+}
+HERMES_OPEN, HERMES_CLOSE = "<tool_call>\n", "\n</tool_call>"
+HERMES_BETWEEN = "\n"
+LLAMA3_BETWEEN = "; "
+_ARGUMENT_KEYS = {ToolFormat.HERMES: "arguments", ToolFormat.LLAMA3_JSON: "parameters"}
+
+
+def grammar_for(request: JobRequest, fmt: ToolFormat | None) -> str | None:
+    """The llguidance grammar the reply must follow, or None when the request is unconstrained.
+    ValueError when tool calls are forced and the model has no tool-call format (`fmt` None)."""
+    schema = request.output_schema
+    if schema is not None:
+        return _json_grammar(schema)
+    forced = request.forced_tools
+    if forced is None:
+        return None
+    if fmt is None:
+        raise ValueError(_NO_FORMAT)
+    return _calls_grammar(forced, fmt, several=request.tool_choice == "required")
+
+
+def grammar_problem(request: JobRequest, fmt: ToolFormat | None) -> str | None:
+    """None when the constrained decoder can compile the request's grammar (or there is none);
+    otherwise what is wrong, in the request's terms (which field, llguidance's reason)."""
+    schema = request.output_schema
+    if schema is not None:
+        named = request.response_format is not None and request.response_format.type == "json_schema"
+        return _problem(_json_grammar(schema), "response_format.json_schema.schema" if named else "response_format")
+    forced = request.forced_tools
+    if forced is None:
+        return None
+    if fmt is None:
+        return _NO_FORMAT
+    index = {tool.function.name: i for i, tool in enumerate(request.tools or [])}
+    for tool in forced:
+        where = f"tools[{index[tool.function.name]}].function.parameters"
+        if (problem := _problem(_json_grammar(arguments_schema(tool)), where)) is not None:
+            return problem
+    grammar = _calls_grammar(forced, fmt, several=request.tool_choice == "required")
+    return _problem(grammar, "tool_choice")
+
+
+def arguments_schema(tool: Tool) -> dict[str, Any]:
+    """The schema a call's arguments follow: the tool's parameters as rendered to the model (an
+    empty object schema for a function without any), always an object: parse_tool_calls takes
+    nothing else as arguments. A top-level `type` is added, never a wrapper, so `$ref`s into the
+    schema keep their meaning."""
+    schema = dict(tool.rendered()["function"]["parameters"])
+    schema.setdefault("type", "object")
+    return schema
+
+
+def _json_grammar(schema: dict[str, Any]) -> str:
+    from llguidance import LLMatcher
+
+    return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)  # type: ignore[arg-type]
+
+
+def _calls_grammar(tools: list[Tool], fmt: ToolFormat, several: bool) -> str:
+    """A Lark grammar: one call (`several`: one or more) of any of `tools`, as `fmt` writes calls."""
+    from llguidance import LLMatcher
+
+    key = _ARGUMENT_KEYS[fmt]
+    rules = []
+    for i, tool in enumerate(tools):
+        head = "{" + json.dumps("name") + KEY_SEPARATOR + json.dumps(tool.function.name) + ITEM_SEPARATOR
+        head += json.dumps(key) + KEY_SEPARATOR
+        arguments = {**arguments_schema(tool), "x-guidance": JSON_OPTIONS}
+        rules.append(f"fn_{i}: {_lark_string(head)} %json {json.dumps(arguments)} {_lark_string('}')}")
+    calls = " | ".join(f"fn_{i}" for i in range(len(tools)))
+    if fmt is ToolFormat.HERMES:
+        call = f"call: {_lark_string(HERMES_OPEN)} ({calls}) {_lark_string(HERMES_CLOSE)}"
+        between = HERMES_BETWEEN
+    else:
+        call = f"call: {calls}"
+        between = LLAMA3_BETWEEN
+    start = f"start: call ({_lark_string(between)} call)*" if several else "start: call"
+    return LLMatcher.grammar_from_lark("\n".join([start, call, *rules]) + "\n")
+
+
+def _lark_string(text: str) -> str:
+    """A Lark string literal of `text` (JSON's escapes are Lark's)."""
+    return json.dumps(text)
+
+
+def _problem(grammar: str, where: str) -> str | None:
+    from llguidance import LLMatcher
+
+    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
+    if not messages:
+        return None
+    reason = " ".join(line.strip() for line in messages[0].splitlines() if line.strip())
+    kind = "" if is_error else " (constraining would ignore it)"
+    return f"{where}: {reason[:500]}{kind}"
+
+
+_NO_FORMAT = (
+    "tool_choice 'required' or a named function needs a model whose chat template writes tool calls; "
+    "this model has none (leave tool_choice out or 'auto')"
+)
