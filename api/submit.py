@@ -85,6 +85,7 @@ def plan(
             "(raw text; /v1/completions under the OpenAI API), or give its workers a template "
             "(ACTQ_CHAT_TEMPLATE=path/to/template.jinja)"
         )
+    check_tool_support(request, info)
     max_tokens = 0 if request.trace else request.max_tokens or settings.max_tokens_default
     if max_tokens > settings.max_tokens_limit:
         raise BadRequest(
@@ -121,6 +122,22 @@ def plan(
         estimate = capture_spec.MemoryEstimate(2 * estimate.capture, 2 * estimate.working)
     capture_spec.check_budget(estimate, settings.capture_budget_bytes, settings.job_memory_budget_bytes)
     return max_tokens, points, estimate.capture, edits
+
+
+def check_tool_support(request: JobRequest, info: ModelInfo) -> None:
+    """Tools need a model that publishes how it writes calls; a constrained reply needs a grammar
+    the decoder can compile (checked here, once, so a bad schema is a 400 and nothing queued)."""
+    if not (request.tools or request.messages_have_tools or request.response_format):
+        return
+    if info.tool_format is None and (request.tools or request.messages_have_tools):
+        raise BadRequest(
+            f"model {info.name!r} does not say how it writes tool calls (its workers predate tools, or it has no chat "
+            "template): leave out tools and tool turns"
+        )
+    from shared.grammars import grammar_problem
+
+    if (problem := grammar_problem(request, info.tool_format)) is not None:
+        raise BadRequest(problem)
 
 
 def _limits(services: Services) -> tuple[int, int]:

@@ -11,7 +11,7 @@ What is checked here, on every parse of a request (structure only, cheap): names
 names, a named `tool_choice` among the tools, parameters that are JSON Schemas (the metaschema
 of draft 2020-12), arguments that are JSON objects, tool messages that answer a call made
 earlier in the conversation and not yet answered. The grammar check (whether the constrained
-decoder can compile a schema, `shared/grammar_check.py`) costs more and runs once, at submit.
+decoder can compile a schema, `shared/grammars.py`) costs more and runs once, at submit.
 """
 
 from __future__ import annotations

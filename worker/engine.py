@@ -28,6 +28,7 @@ from shared.errors import ContextLengthExceeded, InterventionError, JobFailure
 from shared.interventions import EditPoint, EditReport
 from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo
 from worker.capture import JobCapture, describe_modules
+from worker.constrained import Grammars
 from worker.decoding import Decoder, Sampler, Sequence, TokenScores, Watch
 from worker.edits import JobEdits, build
 from worker.footprint import footprint
@@ -36,6 +37,7 @@ from worker.models import LoadedModel
 from worker.presets import resolve_presets
 from worker.prompts import PromptEncoder
 from worker.solo import SoloDecoder
+from worker.tool_calls import Parsed, parse_tool_calls
 
 if TYPE_CHECKING:
     pass
@@ -73,6 +75,7 @@ class Generation:
     completion: tuple[int, int] | None = None  # a trace's final assistant turn, [start, stop)
     prompt_entries: int | None = None  # prompt_logprobs: the first this many `scores` are the prompt's
     interventions: list[EditReport] | None = None  # per edit and module, positions touched per step
+    parsed: Parsed | None = None  # a job with tools: the calls read from the text (worker/tool_calls.py)
 
 
 class CaptureEngine:
@@ -92,6 +95,8 @@ class CaptureEngine:
         # Why this model's cache rows cannot move between batches (None: they can): it then runs
         # one job at a time with its own cache (worker/solo.py).
         self.solo_reason = check_supported(new_cache(self.hf.config))
+        # tool_choice and response_format: each such job's grammar, over the model's logits
+        self.grammars = Grammars(self.tokenizer, self.info.vocab_size, self.eos_ids)
 
     # -- describing the model ------------------------------------------------------------
 
@@ -130,6 +135,8 @@ class CaptureEngine:
             not_capturable=not_capturable,
             max_token_bytes=self.prompts.max_token_bytes(),
             chat_template=self.prompts.has_chat_template,
+            tool_format=self.prompts.tool_format,
+            tool_template=self.prompts.tool_template,
             presets=resolve_presets(self.hf, modules, hidden, layers),
             **self.prompts.template_tokens(),
             **footprint(self.hf.config, self.hf.dtype),
@@ -232,6 +239,7 @@ class CaptureEngine:
             scores=TokenScores(request.top_k) if request.logprobs else None,
             completion=completion,
             echo=request.prompt_logprobs,
+            constraint=self.grammars.constraint(request, self.info.tool_format),
         )
 
     def _edits(
@@ -331,8 +339,14 @@ class CaptureEngine:
         if seq.edits is not None and request.interventions:
             steps = 1 if seq.trace else len(generated)
             reports = seq.edits.reports([e.op for e in request.interventions], steps)
+        parsed = None
+        if request.parses_tool_calls and self.info.tool_format is not None:
+            names = {tool.function.name for tool in request.tools or []}
+            parsed = parse_tool_calls(text, self.info.tool_format, names)
+            finish_reason = "tool_calls" if parsed.calls and finish_reason == "stop" else finish_reason
         return Generation(
             interventions=reports,
+            parsed=parsed,
             text=text,
             finish_reason=finish_reason,
             prompt_tokens=seq.prompt_tokens,

@@ -11,13 +11,17 @@ them (ACTQ_ALLOW_SPECIAL_TOKENS). Messages without any special-token string take
 
 from __future__ import annotations
 
+import json
 import re
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from shared.errors import JobFailure
-from shared.schemas import JobRequest
+from shared.schemas import ChatMessage, JobRequest
+from shared.tools import Tool, ToolFormat
+from worker.tool_calls import template_family
+from worker.tool_prompt import fallback_messages, template_messages
 
 if TYPE_CHECKING:
     from transformers import BatchEncoding, PreTrainedTokenizerBase
@@ -38,6 +42,29 @@ class PromptEncoder:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tokenizer, "chat_template", None))
 
+    @property
+    def tool_template(self) -> bool:
+        """Whether the chat template renders tools itself (worker/tool_prompt.py)."""
+        return template_family(getattr(self.tokenizer, "chat_template", None)) is not None
+
+    @property
+    def tool_format(self) -> ToolFormat | None:
+        """How the model writes tool calls: its template's format, else the fallback's (Hermes);
+        None without a chat template."""
+        if not self.has_chat_template:
+            return None
+        return template_family(self.tokenizer.chat_template) or ToolFormat.HERMES
+
+    def conversation(
+        self, messages: list[ChatMessage], tools: list[Tool] | None
+    ) -> tuple[list[dict], list[dict] | None]:
+        """The messages and tools as `apply_chat_template` is given them."""
+        if self.tool_template:
+            return template_messages(messages), [t.rendered() for t in tools] if tools else None
+        if tools or any(m.tool_calls or m.role == "tool" for m in messages):
+            return fallback_messages(messages, tools), None
+        return [{"role": m.role, "content": m.content} for m in messages], None
+
     def encode(self, request: JobRequest) -> dict[str, torch.Tensor]:
         """`input_ids` and `attention_mask`, `[1, P]`, on the CPU."""
         if request.prompt_token_ids is not None:  # fed as given: the client tokenized the text itself
@@ -45,8 +72,8 @@ class PromptEncoder:
             return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
         if request.prompt is not None:
             return self._raw(request.prompt)
-        messages = [m.model_dump() for m in request.messages or []]
-        tensor = torch.tensor([self._chat(messages, generation_prompt=True)], dtype=torch.long)
+        messages, tools = self.conversation(request.messages or [], request.tools)
+        tensor = torch.tensor([self._chat(messages, generation_prompt=True, tools=tools)], dtype=torch.long)
         return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
 
     def encode_trace(self, request: JobRequest, end_of_turn: set[int]) -> tuple[torch.Tensor, tuple[int, int] | None]:
@@ -59,9 +86,14 @@ class PromptEncoder:
         no turn. Other traces: the tokens a generation job would be given, and no range."""
         if not request.messages or request.messages[-1].role != "assistant":
             return self.encode(request)["input_ids"], None
-        messages = [m.model_dump() for m in request.messages]
-        full = self._chat(messages, generation_prompt=False)
-        before = self._chat(messages[:-1], generation_prompt=True) if len(messages) > 1 else self._bare_prompt()
+        messages, tools = self.conversation(request.messages, request.tools)
+        before_messages, _ = self.conversation(request.messages[:-1], request.tools)
+        full = self._chat(messages, generation_prompt=False, tools=tools)
+        before = (
+            self._chat(before_messages, generation_prompt=True, tools=tools)
+            if len(request.messages) > 1 or tools
+            else self._bare_prompt()
+        )
         if full[: len(before)] != before:
             raise JobFailure(
                 "this model's chat template does not render the conversation before the final assistant turn "
@@ -86,27 +118,39 @@ class PromptEncoder:
                 "put a user turn before it"
             ) from None
 
-    def chat_tokens(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
+    def chat_tokens(
+        self, messages: list[dict], generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """A chat's token ids exactly as a chat job is given them (POST /tokenize with `messages`)."""
-        return self._chat(messages, generation_prompt)
+        return self._chat(messages, generation_prompt, tools)
 
-    def _chat(self, messages: list[dict[str, str]], generation_prompt: bool) -> list[int]:
+    def _chat(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         if not self.has_chat_template:
             raise JobFailure(
                 "this model has no chat template, so messages cannot be rendered; send the text as `prompt`, "
                 "or give the deployment a template (ACTQ_CHAT_TEMPLATE)"
             )
-        if (
-            self.allow_special_tokens
-            or self._special is None
-            or not any(self._special.search(m["content"]) for m in messages)
-        ):
-            encoded = cast(
-                "BatchEncoding",
-                self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, return_dict=True),
+        if self.allow_special_tokens or self._special is None:
+            return self._apply(messages, generation_prompt, tools)
+        special = self._special
+        calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
+        if any(special.search(json.dumps(part)) for part in (*calls, tools or [])):
+            raise JobFailure(
+                "special-token strings in tools or tool calls would be read as the template's markup; remove them, "
+                "or ask the deployment to allow them (ACTQ_ALLOW_SPECIAL_TOKENS)"
             )
-            return [int(i) for i in encoded["input_ids"]]
-        return self._as_text(messages, generation_prompt)
+        if not any(special.search(m["content"] or "") for m in messages):
+            return self._apply(messages, generation_prompt, tools)
+        return self._as_text(messages, generation_prompt, tools)
+
+    def _apply(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> list[int]:
+        encoded = cast(
+            "BatchEncoding",
+            self.tokenizer.apply_chat_template(
+                messages, tools=cast(Any, tools), add_generation_prompt=generation_prompt, return_dict=True
+            ),
+        )
+        return [int(i) for i in encoded["input_ids"]]
 
     def _raw(self, prompt: str) -> dict[str, torch.Tensor]:
         """A raw prompt: tokenized as `tokenizer(prompt)` does it (the tokenizer's own BOS
@@ -117,16 +161,23 @@ class PromptEncoder:
         tensor = torch.tensor([ids], dtype=torch.long)
         return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
 
-    def _as_text(self, messages: list[dict[str, str]], generation_prompt: bool = True) -> list[int]:
+    def _as_text(
+        self, messages: list[dict], generation_prompt: bool = True, tools: list[dict] | None = None
+    ) -> list[int]:
         """The template rendered around placeholders; its own pieces tokenized as usual, each
         message's content with special tokens split into text."""
-        marked = [{**m, "content": _SENTINEL.format(i)} for i, m in enumerate(messages)]
+        marked = [
+            {**m, "content": _SENTINEL.format(i) if m["content"] is not None else None} for i, m in enumerate(messages)
+        ]
         rendered = cast(
-            str, self.tokenizer.apply_chat_template(marked, add_generation_prompt=generation_prompt, tokenize=False)
+            str,
+            self.tokenizer.apply_chat_template(
+                marked, tools=cast(Any, tools), add_generation_prompt=generation_prompt, tokenize=False
+            ),
         )
         pieces = re.split("(" + re.escape(_SENTINEL).replace(r"\{\}", r"(\d+)") + ")", rendered)
         found = [int(pieces[k + 1]) for k in range(1, len(pieces), 3)] if len(pieces) > 1 else []
-        if sorted(found) != list(range(len(messages))):
+        if sorted(found) != [i for i, m in enumerate(messages) if m["content"] is not None]:
             raise JobFailure(
                 "this model's chat template does not place message content as written, so special-token "
                 "strings in it cannot be kept as text; remove them, or ask the deployment to allow them"

@@ -23,9 +23,11 @@ from celery.utils.log import get_task_logger
 from shared.edit_refs import References
 from shared.errors import InternalError, JobCancelled, JobFailure, JobTimeout, OutOfMemory
 from shared.schemas import BaselineResult, JobRecord, JobRequest, JobResult, Logprobs, TokenLogprob, TopLogprob, Usage
+from shared.tools import ToolCall
 from worker import runtime
 from worker.scheduler import Entry
 from worker.text_stream import TextStream
+from worker.tool_calls import call_id
 
 if TYPE_CHECKING:
     from worker.decoding import Sequence, TokenScores, Watch
@@ -278,8 +280,14 @@ def _result(
     if generation.scores is not None and tokenizer is not None:
         logprobs = logprobs_result(generation.scores, tokenizer, inline, generation.completion)
         logprobs.prompt_entries = generation.prompt_entries
+    parsed = generation.parsed
     return JobResult(
         text=generation.text,
+        tool_calls=[ToolCall.model_validate(call.openai(call_id())) for call in parsed.calls]
+        if parsed is not None and parsed.calls
+        else None,
+        content=parsed.content if parsed is not None else None,
+        tool_call_problems=[str(p) for p in parsed.problems] if parsed is not None and parsed.problems else None,
         finish_reason=finish_reason or generation.finish_reason,
         usage=usage,
         logprobs=logprobs,

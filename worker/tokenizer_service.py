@@ -129,9 +129,11 @@ class TokenizerService:
                 f"model {self.model!r} has no chat template, so `messages` cannot be rendered: send the text "
                 "as `prompt`, or give the deployment a template (ACTQ_CHAT_TEMPLATE)"
             )
-        messages = [m.model_dump() for m in request.messages or []]
         try:  # the chat jobs' own rendering (special-token strings in content as the deployment says)
-            return self.prompts.chat_tokens(messages, generation_prompt=request.add_generation_prompt is not False)
+            messages, tools = self.prompts.conversation(request.messages or [], None)
+            return self.prompts.chat_tokens(
+                messages, generation_prompt=request.add_generation_prompt is not False, tools=tools
+            )
         except JobFailure as exc:
             raise BadRequest(exc.message) from None
         except (jinja2.TemplateError, ValueError, TypeError) as exc:

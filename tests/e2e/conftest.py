@@ -74,6 +74,17 @@ def live_smol(live: TestStack) -> TestStack:
     return live
 
 
+TOOL_MODEL = "tool-model"
+
+
+@pytest.fixture(scope="session")
+def live_tools(live: TestStack, tool_model_dir: Path) -> TestStack:
+    """The same stack plus a worker serving the tiny model trained to call the calculator
+    (tests/support/tool_model.py), whose chat template renders tools (Hermes 2 Pro)."""
+    live.start_worker(TOOL_MODEL, {"ACTQ_MODEL": str(tool_model_dir), "ACTQ_MODEL_NAME": TOOL_MODEL})
+    return live
+
+
 @pytest.fixture
 def http(live: TestStack):
     with live.client() as client:

@@ -138,13 +138,28 @@ REFUSED = [
     ),
     ("n 0", dict(n=0), openai.BadRequestError, "n", "n=0 is out of range"),
     ("n 257", dict(n=257), openai.BadRequestError, "n", "n=257 would make 257 jobs: one request makes at most 256"),
-    ("tools", dict(tools=TOOLS), openai.BadRequestError, "tools", "tools are not supported"),
     (
-        "tool_choice",
+        "malformed tool schema",
+        dict(
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}]
+        ),
+        openai.BadRequestError,
+        "tools.0.function.parameters",
+        "tools.0.function.parameters: Value error, parameters['properties'] is not a valid JSON Schema",
+    ),
+    (
+        "tool_choice without tools",
         dict(tool_choice="required"),
         openai.BadRequestError,
         "tool_choice",
-        "tool_choice='required' is not supported",
+        "tool_choice: Value error, tool_choice 'required' needs `tools`",
+    ),
+    (
+        "unknown tool_choice function",
+        dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}}),
+        openai.BadRequestError,
+        "tool_choice",
+        "tool_choice names function 'get_time', which is not among the tools (get_weather)",
     ),
     (
         "top_logprobs without logprobs",
@@ -154,11 +169,11 @@ REFUSED = [
         "top_logprobs=2 needs logprobs=true",
     ),
     (
-        "response_format",
-        dict(response_format={"type": "json_object"}),
+        "response_format without its schema",
+        dict(response_format={"type": "json_schema"}),
         openai.BadRequestError,
         "response_format",
-        "only plain text output",
+        "response_format of type 'json_schema' needs `json_schema`",
     ),
     (
         "penalty",
@@ -189,11 +204,18 @@ REFUSED = [
         "content parts of type 'image_url' are not supported",
     ),
     (
-        "tool message",
-        dict(messages=[{"role": "tool", "content": "42", "tool_call_id": "c1"}]),
+        "tool message answering no call",
+        dict(messages=[*MESSAGES, {"role": "tool", "content": "42", "tool_call_id": "c1"}]),
         openai.BadRequestError,
-        "messages[0].role",
-        "role 'tool' is not supported",
+        "messages",
+        "messages: Value error, messages[1] answers tool call 'c1', which no earlier assistant message made",
+    ),
+    (
+        "deprecated function role",
+        dict(messages=[*MESSAGES, {"role": "function", "content": "42", "name": "f"}]),
+        openai.BadRequestError,
+        "messages[1].role",
+        "role 'function' (the deprecated function calling) is not supported",
     ),
     (
         "both token limits",
