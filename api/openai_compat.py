@@ -235,8 +235,8 @@ class ChatCompletionRequest(_GenerationRequest):
     prompt_cache_key: Any = None
     prompt_cache_retention: Any = None
     prompt_cache_options: Any = None
-    # Accepted: with tool_choice "required" the reply may hold several calls, and false is not
-    # enforced (a model that writes two calls gets both)
+    # false: with tool_choice "required" the reply is one call (enforced), not one or more; with
+    # "auto" it is not enforced (a model that writes two calls gets both)
     parallel_tool_calls: bool | None = None
 
 
@@ -394,6 +394,7 @@ def to_job_requests(body: ChatCompletionRequest) -> list[JobRequest]:
         "user": body.user,
         "tools": body.tools,
         "tool_choice": body.tool_choice,
+        "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": None if body.response_format == {"type": "text"} else body.response_format,
         **logprobs,
     }

@@ -9,8 +9,9 @@ text (worker/constrained.py).
 - JSON output: the schema, as llguidance's JSON compiler reads it.
 - Forced tool calls: a Lark grammar whose calls are written as the model's tool format writes
   them (worker/tool_calls.py reads them back): HERMES `<tool_call>\\n{"name": "f", "arguments":
-  {...}}\\n</tool_call>`, several separated by "\\n" under "required"; LLAMA3_JSON
-  `{"name": "f", "parameters": {...}}`, several separated by "; ". The call object's frame
+  {...}}\\n</tool_call>`, several separated by "\\n" under "required" (one when
+  parallel_tool_calls is false); LLAMA3_JSON `{"name": "f", "parameters": {...}}`, several
+  separated by "; ". The call object's frame
   (the name as a JSON string constant, the key order) is literal text, and only the arguments
   are a `%json` sub-grammar: each tool's `parameters` schema stays a schema of its own, so its
   `$ref`s ("#/$defs/...") resolve against it as the client wrote them. A named tool_choice
@@ -66,7 +67,7 @@ def grammar_for(request: JobRequest, fmt: ToolFormat | None) -> str | None:
         return None
     if fmt is None:
         raise ValueError(_NO_FORMAT)
-    return _calls_grammar(forced, fmt, several=request.tool_choice == "required")
+    return _calls_grammar(forced, fmt, several=request.several_calls)
 
 
 def grammar_problem(request: JobRequest, fmt: ToolFormat | None) -> str | None:
@@ -86,7 +87,7 @@ def grammar_problem(request: JobRequest, fmt: ToolFormat | None) -> str | None:
         where = f"tools[{index[tool.function.name]}].function.parameters"
         if (problem := _problem(_json_grammar(arguments_schema(tool)), where)) is not None:
             return problem
-    grammar = _calls_grammar(forced, fmt, several=request.tool_choice == "required")
+    grammar = _calls_grammar(forced, fmt, several=request.several_calls)
     return _problem(grammar, "tool_choice")
 
 

@@ -195,6 +195,8 @@ class JobRequest(Strict):
     # constrained decoding), and `response_format` json_object/json_schema (constrained too).
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
+    # false: a forced reply ("required") is one call, not one or more
+    parallel_tool_calls: bool = True
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
@@ -286,6 +288,12 @@ class JobRequest(Strict):
         from shared.tools import forced_calls
 
         return forced_calls(self.tool_choice, self.tools)
+
+    @property
+    def several_calls(self) -> bool:
+        """Whether a forced reply may hold more than one call: tool_choice "required" with
+        parallel_tool_calls (a named function is called once)."""
+        return self.tool_choice == "required" and self.parallel_tool_calls
 
     @property
     def output_schema(self) -> dict | None:
