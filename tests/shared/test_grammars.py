@@ -189,6 +189,16 @@ def test_required_allows_one_or_more_calls_of_any_tool(fmt):
     assert not accepts(grammar, write_calls(fmt, [("unknown", {})]))
 
 
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_required_without_parallel_calls_allows_exactly_one_call(fmt):
+    req = request(tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    grammar = grammar_for(req, fmt)
+    assert grammar is not None and grammar_problem(req, fmt) is None
+    calls = [("calculator", {"expression": "2 + 3"}), ("now", {})]
+    assert accepts(grammar, write_calls(fmt, calls[:1])) and accepts(grammar, write_calls(fmt, calls[1:]))
+    assert not accepts(grammar, write_calls(fmt, calls))
+
+
 def write_calls(fmt: ToolFormat, calls: list[tuple[str, dict[str, Any]]]) -> str:
     """Calls as the model's format writes them (the templates' `tojson` separators)."""
     if fmt is ToolFormat.HERMES:
