@@ -15,6 +15,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any, cast
 
+import jinja2
 import torch
 
 from shared.errors import JobFailure
@@ -125,6 +126,12 @@ class PromptEncoder:
         return self._chat(messages, generation_prompt, tools)
 
     def _chat(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+        try:
+            return self._render(messages, generation_prompt, tools)
+        except jinja2.TemplateError as exc:  # the template's own refusal (raise_exception), as it words it
+            raise JobFailure(f"this model's chat template cannot render these messages: {exc}") from None
+
+    def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> list[int]:
         if not self.has_chat_template:
             raise JobFailure(
                 "this model has no chat template, so messages cannot be rendered; send the text as `prompt`, "
