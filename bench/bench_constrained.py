@@ -10,6 +10,7 @@ view of the tokenizer (once per model), compiling a job's grammar (once per job)
 submit-time check `grammar_problem` (once per request, in the API).
 
     .venv/bin/python bench/bench_constrained.py [--batches 1 16] [--repeats 5] [--steps 24] [--json out.json]
+    .venv/bin/python bench/bench_constrained.py --model smollm2 --device cuda   # on a GPU
 """
 
 from __future__ import annotations
@@ -77,7 +78,9 @@ def requests(constrained: bool, batch: int) -> list[Any]:
     ]
 
 
-def step_times(model, tokenizer, grammars, constrained: bool, batch: int, steps: int) -> list[float]:
+def step_times(
+    model, tokenizer, grammars, constrained: bool, batch: int, steps: int, device: str = "cpu"
+) -> list[float]:
     """One run: the batch's prefill, then the time of each step while all rows still run."""
     from worker.decoding import Decoder, Sampler, Sequence
 
@@ -87,12 +90,12 @@ def step_times(model, tokenizer, grammars, constrained: bool, batch: int, steps:
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
         ids = tokenizer.apply_chat_template(
             messages, add_generation_prompt=True, return_dict=True, return_tensors="pt"
-        )["input_ids"]
+        )["input_ids"].to(device)
         seqs.append(
             Sequence(
                 prompt_ids=ids,
                 max_tokens=steps + 2,
-                sampler=Sampler(model, greedy, int(ids.shape[1]), None, "cpu"),
+                sampler=Sampler(model, greedy, int(ids.shape[1]), None, device),
                 constraint=grammars.constraint(req, None) if constrained else None,
             )
         )
@@ -105,7 +108,7 @@ def step_times(model, tokenizer, grammars, constrained: bool, batch: int, steps:
             if len(decoder.rows) < batch:
                 break
             started = time.perf_counter()
-            decoder.step()
+            decoder.step()  # its tokens reach the host: the step has finished on the device
             times.append(time.perf_counter() - started)
     decoder.close()
     return times
@@ -156,11 +159,13 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (llguidance's executor has its own)")
+    parser.add_argument("--device", default="cpu", help="e.g. cuda: the model and the batch on that device")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
 
     model, tokenizer = load(args.model)
+    model = model.to(args.device)
     eos_id = model.generation_config.eos_token_id
     eos = set(eos_id if isinstance(eos_id, list) else [eos_id])
     from worker.constrained import Grammars
@@ -169,12 +174,14 @@ def main() -> int:
     grammars = Grammars(tokenizer, model.config.vocab_size, eos)
     rows = []
     for batch in args.batches:
-        step_times(model, tokenizer, grammars, True, batch, 2)  # warm-up: first-call costs out of the figures
+        step_times(
+            model, tokenizer, grammars, True, batch, 2, args.device
+        )  # warm-up: first-call costs out of the figures
         figures: dict[str, list[float]] = {"free": [], "constrained": []}
         counted = {"free": 0, "constrained": 0}
         for _ in range(args.repeats):
             for arm in ("free", "constrained"):  # interleaved: drift hits both arms alike
-                times = step_times(model, tokenizer, grammars, arm == "constrained", batch, args.steps)
+                times = step_times(model, tokenizer, grammars, arm == "constrained", batch, args.steps, args.device)
                 figures[arm].append(statistics.median(times))
                 counted[arm] = len(times)
         free, constrained = (statistics.median(figures[arm]) * 1e3 for arm in ("free", "constrained"))
@@ -189,7 +196,9 @@ def main() -> int:
             }
         )
 
-    print(f"model: {args.model}, vocab {model.config.vocab_size}, torch threads {args.threads}, repeats {args.repeats}")
+    print(
+        f"model: {args.model} on {args.device}, vocab {model.config.vocab_size}, torch threads {args.threads}, repeats {args.repeats}"
+    )
     print(
         f"one-time: llguidance tokenizer {once['tokenizer_ms']:.0f} ms (per model); compile a job's grammar: "
         f"schema {once['compile_schema_ms']:.2f} ms, forced tool call {once['compile_tool_ms']:.2f} ms; "
