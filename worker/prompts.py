@@ -127,8 +127,14 @@ class PromptEncoder:
 
     def _chat(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
         try:
-            return self._render(messages, generation_prompt, tools)
-        except jinja2.TemplateError as exc:  # the template's own refusal (raise_exception), as it words it
+            try:
+                return self._render(messages, generation_prompt, tools)
+            except TypeError:
+                if tools is not None or not self.tool_template:
+                    raise
+                # a template that always lists the tools (vLLM's Hermes 2 Pro) cannot iterate None
+                return self._render(messages, generation_prompt, [])
+        except (jinja2.TemplateError, TypeError) as exc:  # its own refusal (raise_exception), as it words it
             raise JobFailure(f"this model's chat template cannot render these messages: {exc}") from None
 
     def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> list[int]:
