@@ -14,6 +14,7 @@
     export.py        a results directory as Parquet or a Hugging Face dataset (`actq export`)
     export_jobs.py   the jobs `actq export --jobs` picks by GET /jobs filters, as export samples
     gsm8k/           GSM8K problems and prompts, harness-style scoring (`actq gsm8k`, on batch.py)
+    tool_loop.py     tool-calling conversations (gsm8k --mode with-tools, run-file tools lines): a job per turn
 
 Nothing here is imported by the API or the worker, and nothing here imports them.
 """

@@ -249,6 +249,9 @@ def run_file_command(
         "(the mean probability of its positive class; its module is added to the capture); default: mean "
         "generated tokens.",
     ),
+    max_turns: int = typer.Option(
+        4, min=1, help="Lines with `tools` (the calculator): the most turns (jobs) of each line's conversation."
+    ),
 ) -> None:
     """Run every prompt of a JSONL file through the queue, capturing activations, with live progress;
     run it again with the same --out to resume (finished lines are kept, queued jobs are not sent twice)."""
@@ -285,7 +288,9 @@ def gsm8k_command(
     offset: int = typer.Option(0, min=0),
     sample: int | None = typer.Option(None, min=1, help="A random sample of this many problems instead of a slice."),
     seed: int = typer.Option(0, help="Seed for --sample."),
-    style: str = typer.Option("zero-shot", help="zero-shot or cot-8shot."),
+    style: str = typer.Option(
+        "zero-shot", help="zero-shot (question and instruction), cot-8shot, or bare (the question alone)."
+    ),
     prompt_format: str = typer.Option(
         "auto",
         help="chat (`messages`, rendered with the model's chat template), plain (a raw 'Question: ... Answer:' "
@@ -314,11 +319,23 @@ def gsm8k_command(
     coeff: list[str] | None = COEFF_OPTION,
     steer_name: str | None = STEER_NAME_OPTION,
     normalize: bool = NORMALIZE_OPTION,
+    mode: str = typer.Option(
+        "no-tools",
+        help="no-tools (one job per problem) or with-tools: each problem a conversation with a calculator tool, "
+        "a job per turn, the model's calls answered and fed back (OUT/trajectories/<n>.jsonl).",
+    ),
+    max_turns: int = typer.Option(4, min=1, help="With --mode with-tools: the most turns (jobs) per problem."),
+    tool_choice: str = typer.Option(
+        "auto",
+        help="With --mode with-tools: the first turn's tool_choice, auto (the model decides) or required (it must "
+        "call the calculator, by constrained decoding); later turns are auto.",
+    ),
 ) -> None:
     """Run a model over GSM8K through the queue, capturing the residual stream, and score it. Works
     on any architecture (the capture is the model's `residual` preset) and on base models
     (`--prompt-format auto` sends a plain prompt to a model without a chat template). With --steer,
-    once per --coeff: accuracy against the steering strength."""
+    once per --coeff: accuracy against the steering strength. With --mode with-tools, the model
+    may call a calculator: summary.json adds turns and tool calls per problem."""
     options = dict(locals())
     for name in ("steer_vectors", "at", "coeff", "steer_name", "normalize"):
         options.pop(name)
@@ -331,7 +348,10 @@ def gsm8k_command(
     if steering is not None:
         _steering_done(summary, out)
         return
-    typer.echo(json.dumps({k: summary[k] for k in ("problems", "finished", "succeeded", "failed", "accuracy")}))
+    shown = ("problems", "finished", "succeeded", "failed", "accuracy")
+    tools = summary.get("tools")
+    extra = {k: tools[k] for k in ("turns_per_item_mean", "tool_calls_per_item_mean")} if tools else {}
+    typer.echo(json.dumps({**{k: summary[k] for k in shown}, **extra}))
 
 
 @cli.command("probe")
@@ -356,11 +376,30 @@ def probe_command(
     folds: int = typer.Option(5, min=2),
     api: str | None = typer.Option(None, help="API base URL for activations not downloaded (default ACTQ_API_URL)."),
     api_key: str | None = API_KEY_OPTION,
+    turns: str = typer.Option(
+        probes.TURNS_DEFAULT,
+        help="A tool run's turns (gsm8k --mode with-tools): last (the answer's job), first (the turn that read the "
+        "question), or all (one row per turn).",
+    ),
+    versus: Path | None = typer.Option(
+        None,
+        "--versus",
+        help="Another results directory (e.g. the same problems without tools): predict which run a row comes "
+        "from; writes RESULTS/versus-<its name>/.",
+    ),
 ) -> None:
     """Train a logistic-regression probe per capture point and pooling; write probes.json and probes.png."""
     with remote.reaching(api):
         report = probes.run_with_api(
-            results, label=label, folds=folds, api=api, source=source, group_by=group_by, api_key=api_key
+            results,
+            label=label,
+            folds=folds,
+            api=api,
+            source=source,
+            group_by=group_by,
+            api_key=api_key,
+            turns=turns,
+            versus=versus,
         )
     for probe in report["probes"]:
         score = (
@@ -370,9 +409,10 @@ def probe_command(
         typer.echo(f"{probe['point']:<44} {probe['pooling']:<15} {score}")
     for note in report["notes"]:  # a pooling left out for some rows says so: nothing is substituted
         typer.echo(f"note: {note}", err=True)
-    directions = results / probes.DIRECTIONS_FILE
+    written = results if versus is None else probes.versus_dir(results, versus)
+    directions = written / probes.DIRECTIONS_FILE
     also = f" and {directions} (each probe's direction, for --steer)" if directions.exists() else ""
-    typer.echo(f"wrote {results / 'probes.json'}, {results / 'probes.png'}{also}")
+    typer.echo(f"wrote {written / 'probes.json'}, {written / 'probes.png'}{also}")
 
 
 @cli.command("export")
@@ -392,6 +432,9 @@ def export_command(
     ),
     api: str | None = typer.Option(None, help="API base URL for activations not downloaded (default ACTQ_API_URL)."),
     api_key: str | None = API_KEY_OPTION,
+    turns: str = typer.Option(
+        "all", help="A tool run's turns (columns turn, tool_calls): all (a row per turn's job), first or last."
+    ),
 ) -> None:
     """A results directory of `actq run-file` (one row per prompt line) or `actq gsm8k` (one row per
     problem and capture source), or the jobs `--jobs` picks (one row per job, with its created_at,
@@ -400,7 +443,7 @@ def export_command(
     installed."""
     from shared.cli import export
 
-    written = export.run(results, format=format, out=out, api=api, api_key=api_key, jobs=jobs)
+    written = export.run(results, format=format, out=out, api=api, api_key=api_key, jobs=jobs, turns=turns)
     typer.echo(f"wrote {written}")
 
 

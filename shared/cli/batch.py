@@ -51,10 +51,15 @@ SUBMIT_CHUNK = 500
 
 def write_json(path: Path, data: object) -> None:
     """Whole or not at all: a temp file in the same directory, then a rename."""
+    write_text(path, json.dumps(data, indent=2, allow_nan=False))
+
+
+def write_text(path: Path, text: str) -> None:
+    """Whole or not at all: a temp file in the same directory, then a rename."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
     with os.fdopen(fd, "w") as handle:
-        json.dump(data, handle, indent=2, allow_nan=False)
+        handle.write(text)
     os.replace(tmp, path)
 
 
@@ -144,7 +149,8 @@ class BatchRun:
         with open(self.out / "results.jsonl", "w") as handle:
             for sample in samples:
                 handle.write(json.dumps(sample, allow_nan=False) + "\n")
-        tokens = sum(s.get("completion_tokens") or 0 for s in samples)
+        # a tool run's sample counts every turn's tokens in `generated_tokens` (shared/cli/tool_loop.py)
+        tokens = sum(s.get("generated_tokens", s.get("completion_tokens")) or 0 for s in samples)
         summary = {
             "run_id": self.run_id,
             "model": self.settings.get("model"),
@@ -213,7 +219,7 @@ def execute_many(client: Client, plans: list[Planned], *, unit: str = "item", qu
     Ctrl-C only sets a flag, read between requests: a KeyboardInterrupt raised in the middle of
     an HTTP call can leave the client's connection pool locked, and closing it then hangs (seen
     once in sixty seconds of waiting). Long polls are short (2 s) so that the flag is read soon."""
-    with _interrupt_flag() as interrupted:
+    with interrupt_flag() as interrupted:
         started = time.monotonic()
         try:
             _follow(client, plans, unit, quiet, interrupted)
@@ -227,7 +233,7 @@ def execute_many(client: Client, plans: list[Planned], *, unit: str = "item", qu
 
 
 @contextmanager
-def _interrupt_flag() -> Iterator[threading.Event]:
+def interrupt_flag() -> Iterator[threading.Event]:
     """An event set by SIGINT while the block runs (in the main thread; elsewhere never set)."""
     interrupted = threading.Event()
     if threading.current_thread() is not threading.main_thread():

@@ -24,6 +24,12 @@ captured tensor as float32 rows, `list<list<float32>>` of shape [rows, width] (b
 float16 captures are widened exactly); `shape` and `dtype` are the stored tensor's. Sources that
 did not succeed or have no activations are skipped and counted on stderr.
 
+A tool run (`actq gsm8k --mode with-tools`, run-file lines with `tools`) adds the columns `turn`
+(the turn of the problem's conversation, from 0) and `tool_calls` (how many calls that turn made):
+its "generated" rows are one per turn's job (`--turns all`, the default), or the first or last
+turn's only (`--turns first|last`); `text` is the conversation's answer on every row, the turns'
+own texts are in trajectories/<n>.jsonl.
+
 Jobs instead of a results directory: `--jobs` picks the caller's jobs by GET /jobs filters (a
 metadata tag, a user, a time) and exports them in submission order as samples of their own, with
 the columns `created_at`, `user` and `metadata.<key>` added (export_jobs.py).
@@ -60,6 +66,8 @@ except ImportError as exc:
 from shared.cli.probes import point_layer
 
 FORMATS = ("parquet", "hf-dataset")
+TURNS = ("all", "first", "last")
+TURN_COLUMNS = ("turn", "tool_calls")  # a tool run's, after the others
 DEFAULT_OUT = {"parquet": "export.parquet", "hf-dataset": "hf-dataset"}
 GENERATED = "generated"
 TOKEN_IDS = "token_ids"
@@ -68,7 +76,8 @@ NOT_CAPTURES = (TOKEN_IDS,)  # in the file, but not a capture point
 
 def _schema(extra: Iterable[str] = ()) -> Any:
     """The columns of every export, then `extra` (--jobs: created_at, a timestamp, and strings)."""
-    added = [(name, pa.timestamp("us", tz="UTC") if name == "created_at" else pa.string()) for name in extra]
+    types = {"created_at": pa.timestamp("us", tz="UTC"), "turn": pa.int64(), "tool_calls": pa.int64()}
+    added = [(name, types.get(name, pa.string())) for name in extra]
     return pa.schema(
         [
             ("index", pa.int64()),
@@ -115,10 +124,11 @@ def _sample_paths(results: Path) -> list[Path]:
     return paths
 
 
-def _sources(sample: dict, skipped: Counter) -> Iterator[tuple[str, dict]]:
+def _sources(sample: dict, skipped: Counter, turns: str = "all") -> Iterator[tuple[str, dict]]:
     """(source name, fields) for each source of a sample that has activations to export; counts
     the others in `skipped` under "<source>: <reason>". A sample that never generated (a run of
-    traces only: no job_id) has no "generated" source at all."""
+    traces only: no job_id) has no "generated" source at all; a tool run's has one per turn that
+    `turns` picks."""
     correct = sample.get("correct")
     text = sample.get("completion", sample.get("text"))  # gsm8k: completion; run-file: text
     if sample.get("mode") == "trace":  # a prompt file's trace line generated nothing: what it scored
@@ -134,7 +144,11 @@ def _sources(sample: dict, skipped: Counter) -> Iterator[tuple[str, dict]]:
         "activations_file": sample.get("activations_file"),
     }
     candidates: list[tuple[str, dict]] = []
-    if generation["job_id"] is not None or generation["activations"]:
+    turn_jobs = sample.get("turn_jobs")
+    if turn_jobs:
+        picked = turn_jobs if turns == "all" else turn_jobs[:1] if turns == "first" else turn_jobs[-1:]
+        candidates += [(GENERATED, {**generation, **job}) for job in picked]
+    elif generation["job_id"] is not None or generation["activations"]:
         candidates.append((GENERATED, generation))
     for name, trace in (sample.get("traces") or {}).items():
         if isinstance(trace, dict):
@@ -323,6 +337,7 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader
                 "shape": [int(n) for n in tensor.shape],
                 "dtype": entry.get("dtype"),
                 **sample.get("columns", {}),
+                **({k: fields.get(k) for k in TURN_COLUMNS} if "turn" in columns else {}),
             }
             for name, value in row.items():
                 columns[name].append(value)
@@ -338,7 +353,7 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader
 
 
 def _write_parquet(
-    samples: Iterable[dict], total: int, target: Path, reader: _Reader, schema: Any
+    samples: Iterable[dict], total: int, target: Path, reader: _Reader, schema: Any, turns: str = "all"
 ) -> tuple[int, Counter, Counter]:
     """Write every exportable row of `samples` to `target`, a row group per sample; (samples, rows
     by source, skipped by reason)."""
@@ -350,7 +365,7 @@ def _write_parquet(
     writer = None
     try:
         for sample in tqdm(samples, total=total, desc="export", unit="sample", disable=None, file=sys.stderr):
-            table = _sample_table(sample, list(_sources(sample, skipped)), reader, counts, schema)
+            table = _sample_table(sample, list(_sources(sample, skipped, turns)), reader, counts, schema)
             if table is None:
                 continue
             if writer is None:
@@ -398,12 +413,15 @@ def run(
     api: str | None = None,
     api_key: str | None = None,
     jobs: list[str] | None = None,
+    turns: str = "all",
 ) -> Path:
     """Export `results`, or the jobs the `jobs` filters pick (export_jobs.py), as `format` to `out`
     (default inside `results`, else in the working directory); returns the path written.
     Activations not downloaded are fetched from `api` (default ACTQ_API_URL) with `api_key`
     (default ACTQ_API_KEY). Nothing is left on disk when it fails: folders made for `out` are
-    removed again."""
+    removed again. `turns`: a tool run's turns to export (all, first or last)."""
+    if turns not in TURNS:
+        raise ToolError(f"--turns {turns!r}: one of {', '.join(TURNS)}")
     if format not in FORMATS:
         raise ToolError(f"unknown export format {format!r} (one of: {', '.join(FORMATS)})")
     if (results is None) == (not jobs):
@@ -422,7 +440,7 @@ def run(
         made += [out.parent.absolute()] if not out.parent.exists() else []
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
-            exported, counts, skipped = _export(source, format, out)
+            exported, counts, skipped = _export(source, format, out, turns)
         except BaseException:
             for folder in reversed(made):  # the folders made for `out`, deepest first, when still empty
                 try:
@@ -450,7 +468,9 @@ def _samples(results: Path | None, jobs: list[str], api: str | None, api_key: st
     and while exporting, fails as one line naming the API)."""
     if results is not None:
         paths = _sample_paths(results)
-        yield _Source(_result_samples(paths), len(paths), _Reader(results, api, api_key), _schema())
+        # a tool run (trajectories/) adds the turn columns
+        extra = TURN_COLUMNS if (results / "trajectories").is_dir() else ()
+        yield _Source(_result_samples(paths), len(paths), _Reader(results, api, api_key), _schema(extra))
         return
     from shared.cli import export_jobs, remote
 
@@ -463,11 +483,11 @@ def _samples(results: Path | None, jobs: list[str], api: str | None, api_key: st
         yield _Source(samples, len(summaries), _Reader(None, url, key, client=client, url=url), _schema(names))
 
 
-def _export(source: _Source, format: str, out: Path) -> tuple[int, Counter, Counter]:
+def _export(source: _Source, format: str, out: Path, turns: str = "all") -> tuple[int, Counter, Counter]:
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         staged_parquet = Path(tmp) / "export.parquet"
         exported, counts, skipped = _write_parquet(
-            source.samples, source.total, staged_parquet, source.reader, source.schema
+            source.samples, source.total, staged_parquet, source.reader, source.schema, turns
         )
         if format == "parquet":
             os.replace(staged_parquet, out)

@@ -19,6 +19,17 @@ Sources (`--source`): `sample` (each sample's own job: a problem's answer, a pro
 default), `generated` or `trace` (own jobs of that kind), a GSM8K trace name (`gold`,
 `corrupted`), or `all` (every job, one row each).
 
+Tool runs (`actq gsm8k --mode with-tools`, run-file lines with `tools`): a problem is a
+conversation of several jobs (`turn_jobs`), and `--turns` picks which: `last` (the default: the
+turn whose text is the answer, the sample's own job), `first` (the turn that read the question
+and chose whether to call a tool), or `all` (one row per turn, a problem's turns kept in one fold).
+
+Comparing two runs (`--versus OTHER`): the rows of both results directories, the class of a row
+being its run (`run.json`'s mode, "with-tools" or "no-tools", else the directory's name): can a
+probe tell from the activations whether the model had a tool? Rows are grouped by problem across
+both runs (the same problem's rows are never split between training and testing). The report
+goes to RESULTS/versus-<OTHER's name>/.
+
 For a label of two classes, each trained probe is also fitted on all its rows and its direction
 written to `probe-directions.safetensors` (`write_directions`): the unit vector in activation
 space (coef / scale, normalized; toward the positive class, the second in sorted order), named
@@ -42,6 +53,9 @@ from shared.errors import ToolError
 
 LABEL_DEFAULT = "answer_correct"
 SOURCE_DEFAULT = "sample"
+TURNS = ("last", "first", "all")
+TURNS_DEFAULT = "last"
+RUN_LABEL = "run"  # the label of a comparison of two runs (--versus)
 LAYER_RE = re.compile(r"\.(\d+)(?=\.|$)")
 
 Fetch = Callable[[dict, str], np.ndarray]
@@ -149,7 +163,17 @@ def _job(view: dict, kind: str) -> Job:
     )
 
 
-def _views(sample: dict, source: str) -> list[tuple[str, dict, Job]]:
+def _turn_views(sample: dict, view: dict, turns: str) -> list[dict]:
+    """A tool run's sample's own job as the views `turns` picks (first, last or every turn's job,
+    each with its `turn`); a sample without turns: its one view."""
+    jobs = sample.get("turn_jobs")
+    if not jobs or turns == "last":
+        return [view if not jobs else {**view, "turn": jobs[-1].get("turn")}]
+    picked = jobs[:1] if turns == "first" else jobs
+    return [{**view, **job} for job in picked]
+
+
+def _views(sample: dict, source: str, turns: str = TURNS_DEFAULT) -> list[tuple[str, dict, Job]]:
     """(source, view, job) for each capture of a sample that `source` selects.
 
     A sample's own job (a GSM8K problem's answer, a prompt line's job) is the source `generated`
@@ -158,13 +182,15 @@ def _views(sample: dict, source: str) -> list[tuple[str, dict, Job]]:
     own job), `generated`, `trace`, a trace name, or `all`. A view has `status`, `job_id`,
     `activations`, `activations_file` and the label fields: the own job's are the sample's; a
     trace's are its entry in `traces`, then the sample's. `answer_correct` is correct.flexible for
-    a generation, and the trace's `correct`."""
+    a generation, and the trace's `correct`. A tool run's own job is the turns `turns` picks
+    (`_turn_views`), each turn labelled with the conversation's answer."""
     views = []
     if sample.get("job_id"):
         kind = "trace" if sample.get("mode") == "trace" else "generated"
         if source in ("sample", kind, "all"):
             correct = (sample.get("correct") or {}).get("flexible") if kind == "generated" else sample.get("correct")
-            views.append((kind, {**sample, "answer_correct": correct}, _job(sample, kind)))
+            for view in _turn_views(sample, {**sample, "answer_correct": correct}, turns):
+                views.append((kind, view, _job(view, kind)))
     for name, trace in sorted((sample.get("traces") or {}).items()):
         if source in (name, "all"):
             view = {**sample, **trace, "answer_correct": trace.get("correct")}
@@ -178,8 +204,12 @@ def load_dataset(
     fetch: Fetch | None = None,
     source: str = SOURCE_DEFAULT,
     group_by: str | None = None,
+    turns: str = TURNS_DEFAULT,
+    class_label: str | None = None,
 ):
-    """Pooled features and labels for every succeeded capture of the chosen source with activations.
+    """Pooled features and labels for every succeeded capture of the chosen source with activations
+    (of a tool run, of the turns `turns` picks); `class_label`: every row's label is that (a run's
+    name, when two runs are compared), not the `label` field.
 
     Returns `(features, labels, meta)`: `features` maps `(capture point, pooling)` to an
     `[n, H]` float32 array over the rows that have that pooling (`meta["members"][key]`: their
@@ -206,11 +236,11 @@ def load_dataset(
     sources: list[str] = []
     for path in paths:
         sample = json.loads(path.read_text())
-        views = _views(sample, source)
+        views = _views(sample, source, turns)
         if not views:
             skipped[f"no_{source}_capture"] += 1
         for name, view, job in views:
-            value = _lookup(view, label)
+            value = class_label if class_label is not None else _lookup(view, label)
             if view.get("status") != "succeeded":
                 skipped["failed"] += 1
                 continue
@@ -440,12 +470,26 @@ def run(
     seed: int = 0,
     source: str = SOURCE_DEFAULT,
     group_by: str | None = None,
+    turns: str = TURNS_DEFAULT,
+    versus: Path | None = None,
 ) -> dict:
     """Load, train, plot: writes `<dir>/probes.json`, `<dir>/probes.png` and, for two-class labels,
     `<dir>/probe-directions.safetensors` (each probe's unit direction in activation space, with
-    what scores it: see `write_directions`); returns the JSON content."""
+    what scores it: see `write_directions`); returns the JSON content. With `versus` (another
+    results directory), the label is the run and everything goes to `versus_dir(results_dir, versus)`."""
+    if turns not in TURNS:
+        raise ToolError(f"--turns {turns!r}: one of {', '.join(TURNS)}")
     results_dir = Path(results_dir)
-    features, labels, meta = load_dataset(results_dir, label=label, fetch=fetch, source=source, group_by=group_by)
+    if versus is None:
+        features, labels, meta = load_dataset(
+            results_dir, label=label, fetch=fetch, source=source, group_by=group_by, turns=turns
+        )
+        out = results_dir
+    else:
+        label = RUN_LABEL
+        features, labels, meta = load_comparison(results_dir, Path(versus), fetch, source, group_by, turns)
+        out = versus_dir(results_dir, Path(versus))
+        out.mkdir(parents=True, exist_ok=True)
     if meta["n_samples"] == 0:
         raise ToolError(f"no usable samples in {results_dir} (skipped: {meta['skipped']})")
     directions: dict[tuple[str, str], Direction] = {}
@@ -460,7 +504,7 @@ def run(
     )
     summary_path = results_dir / "summary.json"
     model = json.loads(summary_path.read_text()).get("model") if summary_path.exists() else None
-    names = write_directions(results_dir / DIRECTIONS_FILE, probes, directions, label, model, meta["points"])
+    names = write_directions(out / DIRECTIONS_FILE, probes, directions, label, model, meta["points"])
     for entry in probes:
         key = (entry["point"], entry["pooling"])
         if key in directions:
@@ -468,11 +512,13 @@ def run(
             entry["positive_class"] = directions[key].positive
     what = ", ".join(f"{n} {s}" for s, n in sorted(meta["sources"].items()))
     title = f"Probes for {label} ({what})" + (f"\n{model}" if model else "")
-    plot(probes, results_dir / "probes.png", title=title)
+    plot(probes, out / "probes.png", title=title)
     report = {
         "label": label,
         "source": source,
         "group_by": group_by,
+        "turns": turns,
+        **({"runs": meta["runs"]} if versus is not None else {}),
         "model": model,
         "n_samples": meta["n_samples"],
         "sources": meta["sources"],
@@ -480,8 +526,60 @@ def run(
         "notes": meta["notes"],
         "probes": probes,
     }
-    (results_dir / "probes.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out / "probes.json").write_text(json.dumps(report, indent=2) + "\n")
     return report
+
+
+def versus_dir(results_dir: Path, versus: Path) -> Path:
+    """Where a comparison of two runs is written: RESULTS/versus-<OTHER's directory name>."""
+    return Path(results_dir) / f"versus-{Path(versus).resolve().name}"
+
+
+def run_names(first: Path, second: Path) -> tuple[str, str]:
+    """The classes of a comparison: each run's mode (run.json, "with-tools"/"no-tools") when they
+    differ, else the directories' names, else "first" and "second"."""
+
+    def mode(path: Path) -> str | None:
+        state = path / "run.json"
+        return json.loads(state.read_text()).get("settings", {}).get("mode") if state.exists() else None
+
+    for a, b in ((mode(first), mode(second)), (first.resolve().name, second.resolve().name)):
+        if a and b and a != b:
+            return str(a), str(b)
+    return "first", "second"
+
+
+def load_comparison(first: Path, second: Path, fetch: Fetch | None, source: str, group_by: str | None, turns: str):
+    """`load_dataset` of two results directories, each row labelled with its run (`run_names`):
+    the features of both stacked, groups shared across them (a problem's rows of both runs in one
+    fold)."""
+    if first.resolve() == second.resolve():
+        raise ToolError(f"--versus {second}: that is the results directory itself; give another run to compare with")
+    names = run_names(first, second)
+    parts = [
+        load_dataset(path, fetch=fetch, source=source, group_by=group_by, turns=turns, class_label=name)
+        for path, name in zip((first, second), names, strict=True)
+    ]
+    (fa, la, ma), (fb, lb, mb) = parts
+    offset = len(la)
+    features, members = {}, {}
+    for key in sorted(fa.keys() | fb.keys()):
+        stacks = [f[key] for f in (fa, fb) if key in f]
+        features[key] = np.concatenate(stacks)
+        rows = [ma["members"][key]] if key in fa else []
+        rows += [mb["members"][key] + offset] if key in fb else []
+        members[key] = np.concatenate(rows)
+    meta = {
+        "n_samples": offset + len(lb),
+        "groups": ma["groups"] + mb["groups"],
+        "members": members,
+        "sources": {f"{n}:{s}": c for n, m in zip(names, (ma, mb), strict=True) for s, c in m["sources"].items()},
+        "skipped": {f"{n}:{s}": c for n, m in zip(names, (ma, mb), strict=True) for s, c in m["skipped"].items()},
+        "notes": [f"{n}: {note}" for n, m in zip(names, (ma, mb), strict=True) for note in m["notes"]],
+        "points": {**mb["points"], **ma["points"]},
+        "runs": {names[0]: str(first), names[1]: str(second)},
+    }
+    return features, np.concatenate([la, lb]), meta
 
 
 DIRECTIONS_FILE = "probe-directions.safetensors"
@@ -552,6 +650,8 @@ def run_with_api(
     source: str = SOURCE_DEFAULT,
     group_by: str | None = None,
     api_key: str | None = None,
+    turns: str = TURNS_DEFAULT,
+    versus: Path | None = None,
 ) -> dict:
     """`run`, fetching activations that were not downloaded one tensor at a time through the API."""
     from shared.client import Client
@@ -562,4 +662,13 @@ def run_with_api(
         def fetch(view: dict, name: str) -> np.ndarray:
             return client.job(view["job_id"]).tensor(name).float().numpy()
 
-        return run(results, label=label, fetch=fetch, folds=folds, source=source, group_by=group_by)
+        return run(
+            results,
+            label=label,
+            fetch=fetch,
+            folds=folds,
+            source=source,
+            group_by=group_by,
+            turns=turns,
+            versus=versus,
+        )

@@ -5,14 +5,24 @@ Each line is a JSON object with:
 - `prompt` (a raw text prompt) or `messages` (a chat): exactly one;
 - optionally `id` (a string or number, unique in the file; default: the line's number from 0);
 - optionally job fields: `mode` ("generate" or "trace"), `max_tokens`, `temperature`, `top_p`,
-  `seed`, `stop`, `logprobs`, `top_logprobs`, `time_limit`. A line's own value wins over the
-  command's --mode, --max-tokens and --temperature;
+  `seed`, `stop`, `logprobs`, `top_logprobs`, `time_limit`, `tools`, `tool_choice`,
+  `response_format`. A line's own value wins over the command's --mode, --max-tokens and
+  --temperature;
 - any other field: a label, kept in the sample's `labels` (for `actq probe --label FIELD`).
 
 The model and the capture are the command's (--model, --module or the residual preset), the same
 for every line. Blank lines are skipped but keep their number. samples/<n>.json is named after the
 line's number, never after user text; the sample holds the line's `id`, `labels`, the job's text
 and usage, log-probability totals and the activations manifest (and file, with --download).
+
+Lines with `tools`: when any line has them, every line of the file is a conversation
+(shared/cli/tool_loop.py, as `actq gsm8k --mode with-tools`): a job per turn, up to --max-turns,
+the model's tool calls answered and fed back, trajectories/<n>.jsonl with every turn; a line
+without tools is a conversation of one turn. The calculator (shared/calculator.py) is the only
+tool actq can answer, so a line whose `tools` name any other function is refused before anything
+is queued: its calls could only be recorded, never answered, and a conversation cut after its
+first call has no answer to score or compare; run such a line with your own loop over POST /jobs
+(or the OpenAI endpoint), which answers its tools.
 """
 
 from __future__ import annotations
@@ -25,13 +35,27 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from shared.cli import batch, captures, remote, steer
+from shared.calculator import TOOL_NAME
+from shared.cli import batch, captures, remote, steer, tool_loop
 from shared.cli.batch import Item
 from shared.client import Job
 from shared.errors import ToolError
 from shared.schemas import JobRequest
 
-JOB_FIELDS = ("mode", "max_tokens", "temperature", "top_p", "seed", "stop", "logprobs", "top_logprobs", "time_limit")
+JOB_FIELDS = (
+    "mode",
+    "max_tokens",
+    "temperature",
+    "top_p",
+    "seed",
+    "stop",
+    "logprobs",
+    "top_logprobs",
+    "time_limit",
+    "tools",
+    "tool_choice",
+    "response_format",
+)
 MODES = ("generate", "trace")
 COMMAND_FIELDS = {"model": "--model", "capture": "--module and the capture options"}
 
@@ -64,6 +88,7 @@ def read_lines(path: Path) -> list[tuple[int, dict[str, Any]]]:
             if name in line:
                 raise ToolError(f"{where}: `{name}` is the same for the whole file; set it with {option}")
         _check_values(where, line)
+        _check_tools(where, line)
         ident = line.get("id", number)
         if not isinstance(ident, str | int) or isinstance(ident, bool):
             raise ToolError(f"{where}: `id` must be a string or a number")
@@ -118,6 +143,27 @@ def _check_values(where: str, line: dict[str, Any]) -> None:
         if field.startswith("label") and isinstance(value, dict | list):
             kind = "an object" if isinstance(value, dict) else "a list"
             raise ToolError(f"{where}: {field} is {kind}; a label is a string, a finite number, true/false or null")
+
+
+def _check_tools(where: str, line: dict[str, Any]) -> None:
+    """A line's `tools` name only the calculator: the one tool actq answers (the module docstring says why)."""
+    tools = line.get("tools")
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise ToolError(f"{where}: `tools` must be a list of tools in OpenAI's shape")
+    for i, tool in enumerate(tools):
+        name = ((tool.get("function") or {}) if isinstance(tool, dict) else {}).get("name")
+        if name != TOOL_NAME:
+            raise ToolError(
+                f"{where}: tools[{i}] is {name!r}, a tool actq cannot answer: the only tool run-file answers is "
+                f"{TOOL_NAME!r} (shared.calculator.TOOL); run lines with other tools through your own loop over "
+                "POST /jobs or /v1/chat/completions"
+            )
+
+
+def uses_tools(lines: list[tuple[int, dict[str, Any]]]) -> bool:
+    return any(line.get("tools") for _, line in lines)
 
 
 def job_request(
@@ -192,6 +238,20 @@ def record(run: batch.BatchRun, item: Item, job: Job, download: bool, mode: str 
     }
 
 
+def record_conversation(
+    run: batch.BatchRun, conversation: tool_loop.Conversation, turns: list[dict], last: Job, max_turns: int, mode: str
+) -> dict:
+    """A tools file's sample: the line's fields as `record` writes them, the job fields of its
+    last turn, and its conversation (tool_loop.sample_fields)."""
+    item = Item(key=conversation.key, requests={}, data=conversation.data)
+    return {**record(run, item, last, False, mode), **tool_loop.sample_fields(conversation.key, turns, max_turns)}
+
+
+def conversation(number: int, line: dict[str, Any], request: dict[str, Any]) -> tool_loop.Conversation:
+    fields = {k: v for k, v in request.items() if k != "messages"}
+    return tool_loop.Conversation(key=number, messages=request.get("messages"), request=fields, data=(number, line))
+
+
 def run(
     *,
     prompts: Path,
@@ -211,14 +271,18 @@ def run(
     quiet: bool = False,
     mode: str = "generate",
     steer_options: steer.Options | None = None,
+    max_turns: int = tool_loop.MAX_TURNS_DEFAULT,
 ) -> dict:
     """Read and check the whole file, then submit what is not done and follow it. A resumed run
     must have the same file (by content) and options. Nothing is written to `out` before the API
     has accepted the first jobs (batch.BatchRun.save), so a refused request leaves no `out`. With
     `steer_options`, the whole file once per strength (shared/cli/steer.py): returns
-    steering.json's content."""
+    steering.json's content. A file with `tools` runs every line as a conversation of up to
+    `max_turns` jobs (shared/cli/tool_loop.py)."""
     if mode not in MODES:
         raise ToolError(f"--mode {mode!r}: generate or trace")
+    if max_turns < 1:
+        raise ToolError(f"--max-turns {max_turns}: give at least 1")
     vector = steer.read_vector(steer_options) if steer_options is not None else None
     probe = None
     if steer_options is not None and steer_options.probe is not None:
@@ -228,6 +292,11 @@ def run(
     digest = hashlib.sha256(prompts.read_bytes()).hexdigest()
     for number, line in lines:  # each line's own fields, before the API is asked anything
         _checked(prompts, number, job_request(line, "-", None, max_tokens, temperature, mode))
+    tools = uses_tools(lines)
+    if tools and steer_options is not None:
+        raise ToolError(
+            f"{prompts}: lines with `tools` run as conversations, which --steer does not sweep; leave --steer out"
+        )
     with remote.reaching(api), remote.client(api, api_key) as client:
         model, info = captures.choose_model(client, model)
         capture = captures.choose_capture(model, info, module, no_capture, positions, dtype, layers, reduce)
@@ -253,6 +322,21 @@ def run(
         }
         # runs written before --mode existed: every line without its own mode generated
         defaults = {"mode": "generate", "interventions": None}
+        if tools:
+            settings["max_turns"] = max_turns
+            results = batch.BatchRun(Path(out), "run-file", {**settings, "interventions": None}, "job", defaults)
+            talks = [conversation(item.key, item.data[1], item.requests["job"]) for item in items_for(None)]
+            return tool_loop.execute(
+                client,
+                results,
+                talks,
+                lambda c, turns, last: record_conversation(results, c, turns, last, max_turns, mode),
+                max_turns=max_turns,
+                item_name="line",
+                download=download,
+                unit="prompt",
+                quiet=quiet,
+            )
 
         def planned(directory: Path, interventions: list[dict] | None, kind: str = "run-file") -> batch.Planned:
             results = batch.BatchRun(directory, kind, {**settings, "interventions": interventions}, "job", defaults)

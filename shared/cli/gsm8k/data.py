@@ -32,7 +32,9 @@ from shared.errors import ToolError
 
 ZERO_SHOT_INSTRUCTION = "Solve the problem step by step. End your reply with: The answer is <number>."
 FEWSHOT_COUNT = 8
-STYLES = ("zero-shot", "cot-8shot")
+# bare: the question alone, no instruction (a model trained on bare questions, such as the
+# tests' calculator-calling model, tests/support/tool_model.py)
+STYLES = ("zero-shot", "cot-8shot", "bare")
 SOURCES = ("generated", "gold", "corrupted")  # what --capture-on can name
 SYNTHETIC_PROBLEMS = 2000
 PROMPT_FORMATS = ("auto", "chat", "plain")
@@ -131,15 +133,17 @@ def fewshot_exemplars(train: list[Problem]) -> list[Exemplar]:
 
 def _check_style(style: str, exemplars: list[Exemplar] | None) -> None:
     if style not in STYLES:
-        raise ToolError(f"unknown prompt style {style!r} (zero-shot or cot-8shot)")
+        raise ToolError(f"unknown prompt style {style!r} (zero-shot, cot-8shot or bare)")
     if style == "cot-8shot" and not exemplars:
         raise DatasetUnavailable("cot-8shot needs exemplars from a train split")
 
 
 def messages(problem: Problem, style: str, exemplars: list[Exemplar] | None = None) -> list[dict[str, str]]:
     """The chat format: zero-shot is one user turn (question, then the instruction); cot-8shot is
-    the exemplars as user/assistant turns, then the question."""
+    the exemplars as user/assistant turns, then the question; bare is the question alone."""
     _check_style(style, exemplars)
+    if style == "bare":
+        return [{"role": "user", "content": problem.question}]
     if style == "zero-shot":
         return [{"role": "user", "content": f"{problem.question}\n{ZERO_SHOT_INSTRUCTION}"}]
     turns: list[dict[str, str]] = []
@@ -151,8 +155,11 @@ def messages(problem: Problem, style: str, exemplars: list[Exemplar] | None = No
 def plain_prompt(problem: Problem, style: str, exemplars: list[Exemplar] | None = None) -> str:
     """The plain (base-model) format, raw text ending in "Answer:" for the model to continue.
     zero-shot: "Question: Q\n<instruction>\nAnswer:"; cot-8shot: "Question: Q_i\nAnswer: A_i"
-    for each exemplar, separated by a blank line, then "Question: Q\nAnswer:"."""
+    for each exemplar, separated by a blank line, then "Question: Q\nAnswer:"; bare:
+    "Question: Q\nAnswer:"."""
     _check_style(style, exemplars)
+    if style == "bare":
+        return f"Question: {problem.question}\nAnswer:"
     if style == "zero-shot":
         return f"Question: {problem.question}\n{ZERO_SHOT_INSTRUCTION}\nAnswer:"
     shots = [f"Question: {question}\nAnswer: {answer}" for question, answer in exemplars or []]

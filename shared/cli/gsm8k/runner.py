@@ -21,6 +21,14 @@ Results directory:
   activations/<n>.safetensors, activations/<n>.<source>.safetensors   with --download
   results.jsonl      every sample, in index order; summary.json: counts, accuracies, time, tokens/s
 
+With tools (`--mode with-tools`, shared/cli/tool_loop.py): each problem is a conversation of up
+to `--max-turns` jobs, the same prompt as without tools plus the calculator (`tools`, tool_choice
+"auto"); the model's calls are answered by the calculator and fed back, and the turn without calls
+is the answer, scored as ever. Each turn is a job with the run's capture (jobs.json
+"<index>:turn<t>"); trajectories/<n>.jsonl records every turn; a sample's job fields are its last
+turn's, `turn_jobs` lists every turn's job, `turns`, `tool_calls` and `ended` say how it went; and
+summary.json adds `tools` (turns and tool calls per problem, their totals and means).
+
 Resuming: problems with a sample are skipped; the others are submitted again with idempotency keys
 derived from the run id, the problem index and the source, so a job queued before an interruption
 is returned, not duplicated, and followed to its end.
@@ -31,7 +39,7 @@ from __future__ import annotations
 from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from shared.cli import batch, captures, remote, steer
+from shared.cli import batch, captures, remote, steer, tool_loop
 from shared.cli.batch import Item
 from shared.cli.gsm8k import data
 from shared.cli.gsm8k.scoring import accuracy, flexible_match, is_correct, score
@@ -57,6 +65,13 @@ class RunSettings:
     capture_on: str = "generated"
     # A steering sweep's edit (shared/cli/steer.py), on every job of the run; None: unsteered.
     interventions: list[dict] | None = None
+    # "no-tools" (one job per problem, as runs from before the field) or "with-tools" (a
+    # conversation with the calculator of up to max_turns jobs; max_turns None without tools).
+    mode: str = "no-tools"
+    max_turns: int | None = None
+    # With tools: the first turn's tool_choice, "auto" or "required" (the model must call the
+    # calculator first, by constrained decoding; later turns are "auto"). None without tools.
+    tool_choice: str | None = None
 
     @property
     def sources(self) -> list[str]:
@@ -131,6 +146,63 @@ class Run(batch.BatchRun):
             **self._activations(job, f"{problem.index}.{source}.safetensors", download),
             **steer.interventions_of(job),
         }
+
+
+MODES = ("no-tools", "with-tools")
+
+
+def record_conversation(problem: data.Problem, turns: list[dict], max_turns: int) -> dict:
+    """A with-tools problem's sample: the question, the last turn's answer scored as ever, and its
+    conversation (tool_loop.sample_fields: turns, tool calls, every turn's job)."""
+    fields = tool_loop.sample_fields(problem.index, turns, max_turns)
+    completion = fields.pop("text")
+    sample = {"index": problem.index, "question": problem.question, "gold": problem.gold, "completion": completion}
+    return {**sample, **score(completion, problem.gold), **fields}
+
+
+def conversations(s: RunSettings, problems: list[data.Problem], exemplars: list[data.Exemplar] | None) -> list:
+    """A with-tools run's conversations: the prompt of a run without tools, the calculator as the
+    one tool (the first turn's tool_choice --tool-choice, one call when required), the run's
+    sampling and capture at every turn."""
+    forced = s.tool_choice == "required"
+    request = {
+        "model": s.model,
+        "tools": tool_loop.calculator_tools(),
+        "tool_choice": s.tool_choice or "auto",
+        **({"parallel_tool_calls": False} if forced else {}),
+        "max_tokens": s.max_tokens,
+        "temperature": s.temperature,
+        "capture": s.capture,
+    }
+    return [
+        tool_loop.Conversation(key=p.index, messages=data.messages(p, s.style, exemplars), request=request, data=p)
+        for p in problems
+    ]
+
+
+def execute_with_tools(
+    client: Client,
+    run: Run,
+    problems: list[data.Problem],
+    exemplars: list[data.Exemplar] | None,
+    download: bool,
+    quiet: bool = False,
+) -> dict:
+    """Every problem's conversation with the calculator to its end, scored; summary.json adds the
+    tool figures (turns and tool calls per problem)."""
+    max_turns = run.run_settings.max_turns or tool_loop.MAX_TURNS_DEFAULT
+    return tool_loop.execute(
+        client,
+        run,
+        conversations(run.run_settings, problems, exemplars),
+        lambda c, turns, _last: record_conversation(c.data, turns, max_turns),
+        max_turns=max_turns,
+        item_name="problem",
+        download=download,
+        unit="problem",
+        summarize_more=summarize,
+        quiet=quiet,
+    )
 
 
 def summarize(samples: list[dict]) -> dict:
@@ -219,13 +291,34 @@ def run(
     api_key: str | None = None,
     quiet: bool = False,
     steer_options: steer.Options | None = None,
+    mode: str = "no-tools",
+    max_turns: int = tool_loop.MAX_TURNS_DEFAULT,
+    tool_choice: str = "auto",
 ) -> dict:
     """`actq gsm8k`: load the problems, choose the prompt format and the capture, submit what is
     not done, follow it, score it. Ctrl-C (KeyboardInterrupt) leaves a consistent directory and is
     re-raised. With `steer_options`, the whole run once per strength (shared/cli/steer.py):
-    returns steering.json's content."""
+    returns steering.json's content. `mode` "with-tools": each problem a conversation with the
+    calculator of up to `max_turns` jobs."""
+    if mode not in MODES:
+        raise ToolError(f"unknown --mode {mode!r}: no-tools or with-tools")
+    if max_turns < 1:
+        raise ToolError(f"--max-turns {max_turns}: give at least 1")
+    if tool_choice not in ("auto", "required"):
+        raise ToolError(f"unknown --tool-choice {tool_choice!r}: auto or required")
+    tools = mode == "with-tools"
+    if tool_choice == "required" and not tools:
+        raise ToolError("--tool-choice required forces the first turn's calculator call: use it with --mode with-tools")
+    if tools and capture_on != "generated":
+        raise ToolError("--mode with-tools runs the model's own answers: leave --capture-on at generated")
+    if tools and steer_options is not None:
+        raise ToolError("--steer runs without tools: leave --mode at no-tools")
+    if tools and prompt_format == "plain":
+        raise ToolError(
+            "--mode with-tools needs a chat (tools are rendered by the chat template): use --prompt-format chat or auto"
+        )
     if style not in data.STYLES:
-        raise ToolError(f"unknown --style {style!r}: zero-shot or cot-8shot")
+        raise ToolError(f"unknown --style {style!r}: zero-shot, cot-8shot or bare")
     if prompt_format not in data.PROMPT_FORMATS:
         raise ToolError(f"unknown --prompt-format {prompt_format!r}: auto, chat or plain")
     sources = data.capture_sources(capture_on)
@@ -258,7 +351,16 @@ def run(
             indices=[p.index for p in problems],
             prompt_format=resolved_format,
             capture_on=",".join(sources),
+            mode=mode,
+            max_turns=max_turns if tools else None,
+            tool_choice=tool_choice if tools else None,
         )
+        if tools:
+            if resolved_format != "chat":
+                raise ToolError(
+                    f"model {model!r} has no chat template, so it cannot be given tools: use --mode no-tools"
+                )
+            return execute_with_tools(client, Run(Path(out), settings), problems, exemplars, download, quiet=quiet)
         if steer_options is None or vector is None:
             return execute(client, Run(Path(out), settings), problems, exemplars, download=download, quiet=quiet)
 
