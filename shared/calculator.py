@@ -70,6 +70,9 @@ ROUND_PLACES = 10
 TOOL_NAME = "calculator"
 EXAMPLE = "(12.50 * 3) - 4 / 2"
 ALLOWED = "use only numbers, + - * / // % ** and parentheses"
+# The characters of the language, for the tool's schema: what constrained decoding lets a model
+# write in a forced call (every valid expression matches; not every match is valid: "1 +").
+EXPRESSION_PATTERN = r"^[0-9.+\-*/%() ]+$"
 TOOL: dict[str, Any] = {
     "type": "function",
     "function": {
@@ -84,6 +87,8 @@ TOOL: dict[str, Any] = {
                 "expression": {
                     "type": "string",
                     "description": f"the arithmetic expression, at most {MAX_LENGTH} characters",
+                    "maxLength": MAX_LENGTH,
+                    "pattern": EXPRESSION_PATTERN,
                 }
             },
             "required": ["expression"],

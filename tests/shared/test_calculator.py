@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from shared import calculator
@@ -416,6 +417,19 @@ def test_tool_definition():
     assert function["parameters"]["required"] == ["expression"]
     assert "+ - * / // % **" in function["description"]
     json.dumps(TOOL)
+
+
+def test_the_tools_schema_admits_every_expression_in_the_plain_language():
+    """The schema bounds what a forced call may write (constrained decoding follows it): every
+    expression written with the plain characters passes it, and what the calculator refuses for
+    its characters (names, thousands separators, currency) does not."""
+    schema = TOOL["function"]["parameters"]
+    for expression in ["2 + 3", "(12.50 * 3) - 4 / 2", "-7 // 2", "2 ** 10 % 7", ".5 * 3.", "1" * MAX_LENGTH]:
+        jsonschema.validate({"expression": expression}, schema)
+        assert calculate(expression).ok or len(expression) == MAX_LENGTH
+    for refused in ["1,000 + 1", "$5", "x + 1", "__import__('os')", "1" * (MAX_LENGTH + 1), ""]:
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate({"expression": refused}, schema)
 
 
 def test_tool_call_arguments():
