@@ -3,8 +3,10 @@
 The same N problems (default 50; GSM8K's test split beside the repository, else actq's synthetic
 problems) through `actq gsm8k`'s own code path, twice, on a local stack with the built-in model
 (SmolLM2-135M-Instruct, whose template has no tools: the worker's fallback prompt renders them):
-`--mode no-tools` (a job per problem) and `--mode with-tools` (a conversation per problem, up to
---max-turns jobs, the calculator's answers fed back). Both capture the default residual preset.
+`--mode no-tools` (a job per problem), `--mode with-tools` (a conversation per problem, up to
+--max-turns jobs, the calculator's answers fed back; the model decides whether to call) and the
+same with `--tool-choice required` (its first turn must call the calculator: constrained
+decoding; later turns auto). All capture the default residual preset.
 Reported for each: wall time, problems per minute, turns and tool calls per problem (mean and
 distribution), how the conversations ended, tool errors, calls that did not parse, generated
 tokens and accuracy.
@@ -26,6 +28,14 @@ from pathlib import Path
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parent.parent
 DATA = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
+
+
+# arm -> (--mode, --tool-choice)
+ARMS = {
+    "no-tools": ("no-tools", "auto"),
+    "with-tools": ("with-tools", "auto"),
+    "with-tools-required": ("with-tools", "required"),
+}
 
 
 def figures(out: Path, summary: dict, wall: float) -> dict:
@@ -80,8 +90,8 @@ def main() -> int:
                 info = next(m for m in client.models() if m["name"] == settings.served_model_name)
             results["model"] = info["name"]
             results["tool_template"] = info.get("tool_template")
-            for mode in ("no-tools", "with-tools"):
-                out = Path(tmp) / mode
+            for arm, (mode, choice) in ARMS.items():
+                out = Path(tmp) / arm
                 started = time.perf_counter()
                 summary = run_gsm8k(
                     out=out,
@@ -93,14 +103,15 @@ def main() -> int:
                     quiet=True,
                     mode=mode,
                     max_turns=args.max_turns,
+                    tool_choice=choice,
                 )
-                results[mode] = figures(out, summary, time.perf_counter() - started)
-                print(f"{mode}: {json.dumps(results[mode])}")
+                results[arm] = figures(out, summary, time.perf_counter() - started)
+                print(f"{arm}: {json.dumps(results[arm])}")
     print(f"command: {results['command']}")
-    for mode in ("no-tools", "with-tools"):
-        r = results[mode]
+    for arm in ARMS:
+        r = results[arm]
         print(
-            f"  {mode:<10} {r['problems']} problems in {r['wall_seconds']:.1f} s ({r['problems_per_minute']:.1f}/min), "
+            f"  {arm:<19} {r['problems']} problems in {r['wall_seconds']:.1f} s ({r['problems_per_minute']:.1f}/min), "
             f"{r['turns_per_problem_mean']:.2f} turns and {r['tool_calls_per_problem_mean']:.2f} tool calls per problem, "
             f"{r['generated_tokens']} tokens, accuracy strict {r['accuracy']['strict']:.3f} "
             f"flexible {r['accuracy']['flexible']:.3f}"
