@@ -85,6 +85,15 @@ def live_tools(live: TestStack, tool_model_dir: Path) -> TestStack:
     return live
 
 
+@pytest.fixture(scope="module")
+def client(live: TestStack):
+    """The official openai client on the stack's /v1 routes (a module may define its own `client`)."""
+    from openai import OpenAI
+
+    with OpenAI(base_url=live.base_url + "/v1", api_key="unused", timeout=120) as c:
+        yield c
+
+
 @pytest.fixture
 def http(live: TestStack):
     with live.client() as client:

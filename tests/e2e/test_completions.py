@@ -9,7 +9,6 @@ from datetime import datetime
 
 import openai
 import pytest
-from openai import OpenAI
 from transformers import AutoTokenizer
 
 from shared import keys
@@ -17,12 +16,6 @@ from shared.schemas import JobRecord
 from tests.support.stack import TINY, job_count
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    with OpenAI(base_url=live.base_url + "/v1", api_key="unused", timeout=120) as c:
-        yield c
 
 
 def job_of(completion) -> str:

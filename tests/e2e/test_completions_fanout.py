@@ -8,7 +8,6 @@ from __future__ import annotations
 import httpx
 import pytest
 import torch
-from openai import OpenAI
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shared import keys
@@ -17,12 +16,6 @@ from tests.support.stack import TINY, job_count
 
 PROMPTS = ["The capital of France is", "One, two, three,", "def add(a, b):"]
 CAPTURE = {"modules": ["model.layers.1"], "positions": "all"}
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    with OpenAI(base_url=live.base_url + "/v1", api_key="unused", timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")

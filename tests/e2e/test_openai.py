@@ -8,19 +8,12 @@ from datetime import datetime
 
 import openai
 import pytest
-from openai import OpenAI
 from safetensors.torch import load as load_safetensors
 
 from tests.support.stack import TINY, job_count
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 WITH_SYSTEM = [{"role": "system", "content": "You are a terse assistant."}, *MESSAGES]
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    with OpenAI(base_url=live.base_url + "/v1", api_key="unused", timeout=120) as c:
-        yield c
 
 
 def job_of(completion) -> str:

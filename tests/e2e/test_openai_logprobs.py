@@ -10,7 +10,6 @@ import math
 import openai
 import pytest
 import torch
-from openai import OpenAI
 from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -19,12 +18,6 @@ from tests.support.stack import TINY, job_count, queued_messages
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
 PROMPT = "The quick brown fox jumps over the lazy dog, and 12 + 30 = 42."
-
-
-@pytest.fixture(scope="module")
-def client(live):
-    with OpenAI(base_url=live.base_url + "/v1", api_key="unused", timeout=120) as c:
-        yield c
 
 
 @pytest.fixture(scope="module")
