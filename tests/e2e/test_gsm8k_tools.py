@@ -224,7 +224,7 @@ def test_a_run_killed_mid_trajectory_resumes_at_the_next_turn_without_duplicate_
         assert time.monotonic() < deadline and process.poll() is None, (
             process.stderr.read() if process.stderr else "slow"
         )
-        time.sleep(0.02)
+        time.sleep(0.05)
     process.send_signal(signal.SIGKILL)
     process.communicate()
     recorded = {int(p.stem): trajectory(out, int(p.stem)) for p in (out / "trajectories").glob("*.jsonl")}
