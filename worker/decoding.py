@@ -594,15 +594,14 @@ class Decoder:
         transfer to the host."""
         picks = torch.argmax(logits, dim=-1)
         constrained = [i for i in live if rows[i].constraint is not None]
-        if constrained:
-            self._constrain(rows, logits, picks, constrained, ids_of)
+        masked = self._constrain(rows, logits, picks, constrained) if constrained else {}
         for i in live:
             sampler = rows[i].sampler
             assert sampler is not None  # only trace sequences have none, and they never decode
-            if sampler.plain or rows[i].constraint is not None:
+            if sampler.plain or rows[i].ended is not None:  # greedy: picked above; or its mask failed
                 continue
             try:
-                picks[i] = sampler.pick(ids_of(i), logits[i : i + 1])
+                picks[i] = sampler.pick(ids_of(i), masked[i] if i in masked else logits[i : i + 1])
             except Exception as exc:  # noqa: BLE001 - this row's sampling fails this row only
                 rows[i].failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
                 rows[i].ended = "failed"
@@ -610,16 +609,12 @@ class Decoder:
 
     @staticmethod
     def _constrain(
-        rows: list[Sequence],
-        logits: torch.Tensor,
-        picks: torch.Tensor,
-        constrained: list[int],
-        ids_of: Callable[[int], torch.Tensor],
-    ) -> None:
-        """Rows `constrained` pick from their logits with every token their grammar forbids
-        masked out: a masked copy of those rows (one bitmask fill for all of them), one argmax
-        for the greedy ones, each sampled row's own sampler on its masked row. `logits` itself
-        stays the model's (log-probabilities score it)."""
+        rows: list[Sequence], logits: torch.Tensor, picks: torch.Tensor, constrained: list[int]
+    ) -> dict[int, torch.Tensor]:
+        """Rows `constrained` with every token their grammar forbids masked out: a masked copy of
+        those rows (one bitmask fill for all of them), whose argmax is the greedy ones' pick;
+        returns each row's masked logits `[1, V]` for its sampler. `logits` itself stays the
+        model's (log-probabilities score it). If the mask fails, the rows it served fail."""
         try:
             index = torch.tensor(constrained, device=logits.device)
             masked = masked_rows(logits, index, [rows[i].constraint for i in constrained])  # type: ignore[misc]
@@ -628,17 +623,8 @@ class Decoder:
             failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
             for i in constrained:
                 rows[i].failure, rows[i].ended = failure, "failed"
-            return
-        for j, i in enumerate(constrained):
-            sampler = rows[i].sampler
-            assert sampler is not None
-            if sampler.plain:
-                continue
-            try:
-                picks[i] = sampler.pick(ids_of(i), masked[j : j + 1])
-            except Exception as exc:  # noqa: BLE001 - this row's sampling fails this row only
-                rows[i].failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
-                rows[i].ended = "failed"
+            return {}
+        return {i: masked[j : j + 1] for j, i in enumerate(constrained)}
 
     def _take(self, row: Sequence, token: int) -> None:
         """Add `row`'s next token and decide whether it ended. A row with a constraint takes the
