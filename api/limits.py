@@ -5,10 +5,11 @@ the per-key limits on queued jobs and bytes (kept by the job store, atomically w
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from shared.errors import Busy
+from shared.errors import ActqError, Busy
 
 
 class BodyTooLarge(Exception):
@@ -16,23 +17,24 @@ class BodyTooLarge(Exception):
 
 
 class BodyLimit:
-    """Refuses a request body over `max_bytes` (`paths`: a larger limit for routes under those
-    path prefixes, such as a vector set upload, which enforces its own)."""
+    """Refuses a request body over `max_bytes` (`paths`: another limit for those paths, with the
+    refusal that names its own setting, such as a vector set upload's ACTQ_VECTOR_MAX_BYTES)."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int, paths: dict[str, int] | None = None) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, paths: Mapping[str, tuple[int, ActqError]] | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
         self.paths = paths or {}
+        self.default = ActqError(f"the request body is over {max_bytes:,} bytes (ACTQ_MAX_REQUEST_BYTES)")
+        self.default.status_code, self.default.error_type = 413, "request_too_large"
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope.get("path", "")
-        limit = next((most for prefix, most in self.paths.items() if path == prefix), self.max_bytes)
+        limit, refusal = self.paths.get(scope.get("path", ""), (self.max_bytes, self.default))
         declared = dict(scope.get("headers") or []).get(b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
-            await self._refuse(send)
+            await self._refuse(send, refusal)
             return
         seen = 0
 
@@ -48,19 +50,14 @@ class BodyLimit:
         try:
             await self.app(scope, counted, send)
         except BodyTooLarge:
-            await self._refuse(send)
+            await self._refuse(send, refusal)
 
-    async def _refuse(self, send: Send) -> None:
-        body = json.dumps(
-            {
-                "error": "request_too_large",
-                "detail": f"the request body is over {self.max_bytes:,} bytes (ACTQ_MAX_REQUEST_BYTES)",
-            }
-        ).encode()
+    async def _refuse(self, send: Send, refusal: ActqError) -> None:
+        body = json.dumps({"error": refusal.error_type, "detail": refusal.message}).encode()
         await send(
             {
                 "type": "http.response.start",
-                "status": 413,
+                "status": refusal.status_code,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
             }
         )

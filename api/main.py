@@ -23,7 +23,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         openapi_url="/openapi.json" if open_docs else None,
     )
     app.state.services = build_services(settings)
-    uploads = {"/vectors": max(settings.max_request_bytes, settings.vector_max_bytes)}
+    # a vector set upload has its own limit, and its refusal names it (the route checks it too)
+    uploads = {"/vectors": (settings.vector_max_bytes, vectors.too_large(settings.vector_max_bytes))}
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, paths=uploads)
     errors.install(app)
     app.include_router(jobs.router)

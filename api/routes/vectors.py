@@ -38,16 +38,16 @@ async def _body(request: Request, limit: int) -> bytes:
     refused as soon as its bytes pass the limit."""
     declared = request.headers.get("content-length")
     if declared is not None and (not declared.isdigit() or int(declared) > limit):
-        raise _too_large(limit)
+        raise too_large(limit)
     data = bytearray()
     async for chunk in request.stream():
         data += chunk[: limit + 1 - len(data)]
         if len(data) > limit:
-            raise _too_large(limit)
+            raise too_large(limit)
     return bytes(data)
 
 
-def _too_large(limit: int) -> PayloadTooLarge:
+def too_large(limit: int) -> PayloadTooLarge:
     return PayloadTooLarge(f"a vector set file is at most {limit:,} bytes (ACTQ_VECTOR_MAX_BYTES); send fewer tensors")
 
 

@@ -371,3 +371,21 @@ def test_load_vector_refuses_a_file_changed_in_the_store(http, settings, tmp_pat
     path.unlink()
     with pytest.raises(StorageError):
         load_vector(store, record, "v")
+
+
+def test_an_upload_over_a_limit_above_the_request_limit_names_the_vector_limit(app_with, tmp_path):
+    """The body limit in front of every route lets a vector set upload up to its own limit, and
+    refuses one over it in the upload's words (the issue: a 72 MB upload named the 4 MiB
+    ACTQ_MAX_REQUEST_BYTES)."""
+    big = b"\0" * (6 << 20)
+    with app_with(max_request_bytes=1 << 20, vector_max_bytes=5 << 20) as http:
+        for body in (big, iter([big[i : i + (1 << 20)] for i in range(0, len(big), 1 << 20)])):
+            refused = upload(http, body)  # type: ignore[arg-type]
+            assert refused.status_code == 413, refused.text
+            assert refused.json() == {
+                "error": "payload_too_large",
+                "detail": "a vector set file is at most 5,242,880 bytes (ACTQ_VECTOR_MAX_BYTES); send fewer tensors",
+            }
+        # under the vector limit but over the request limit: read, and checked as a file
+        assert upload(http, vectors_file(v=np.zeros(400_000, np.float32))).status_code == 201
+    assert len(stored_files(tmp_path)) == 1
