@@ -26,7 +26,7 @@ import redis
 from anyio import to_thread
 from fastapi import Request
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from api.errors import where
 from api.presenters import view
@@ -191,11 +191,11 @@ class _GenerationRequest(BaseModel):
     stop: str | list[str] | None = None
     capture: CaptureSpec | None = None
     interventions: list[Intervention] | None = None  # README "Interventions": the same as POST /jobs
-    baseline: bool = False
+    baseline: StrictBool = False
     actq_wait_seconds: Annotated[float, Field(gt=0, le=WAIT_MAX_SECONDS)] = WAIT_DEFAULT_SECONDS
     # Accepted only with a value actq honours (see UNSUPPORTED)
     n: int | None = None
-    stream: bool | None = None  # server-sent events: api/openai_stream.py
+    stream: StrictBool | None = None  # server-sent events: api/openai_stream.py
     stream_options: Any = None  # checked there (include_usage)
     frequency_penalty: Any = None
     presence_penalty: Any = None
@@ -211,7 +211,7 @@ class ChatCompletionRequest(_GenerationRequest):
     messages: list[Message]
     max_completion_tokens: int | None = None
     # Each generated token's log-probability, and the `top_logprobs` (0 to 20) likeliest tokens at its place
-    logprobs: bool | None = None
+    logprobs: StrictBool | None = None
     top_logprobs: int | None = None
     # Functions the model may call, whether it must, and JSON output (README "Tools and
     # structured output"); their shape is checked by JobRequest
@@ -237,7 +237,7 @@ class ChatCompletionRequest(_GenerationRequest):
     prompt_cache_options: Any = None
     # false: with tool_choice "required" the reply is one call (enforced), not one or more; with
     # "auto" it is not enforced (a model that writes two calls gets both)
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: StrictBool | None = None
 
 
 _NO_FUNCTIONS = "the deprecated function calling is not supported: use tools and tool_choice"
@@ -425,7 +425,7 @@ class CompletionRequest(_GenerationRequest):
     # Legacy `logprobs` is a count: each token's log-probability and its `logprobs` (0 to 20) likeliest
     # alternatives. `echo`: the prompt before the text (and with logprobs, its tokens' log-probabilities
     # first); with max_tokens 0 the prompt is only scored.
-    echo: bool | None = None
+    echo: StrictBool | None = None
     logprobs: int | None = None
     # Accepted only with a value actq honours (see COMPLETION_UNSUPPORTED)
     suffix: str | None = None

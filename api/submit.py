@@ -59,7 +59,9 @@ def check_references(
             seen.add(point.index)
             for name, vector in edit.vectors():
                 if not isinstance(vector, list):
-                    refs.vector(vector, point.width, f"{where}.{name}")
+                    values = refs.vector(vector, point.width, f"{where}.{name}")
+                    if name == "vector" and edit.divides_by_norm:
+                        intervention_check.check_direction(values, f"{where}.vector", edit.op)
 
 
 def plan(

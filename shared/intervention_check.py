@@ -3,6 +3,8 @@ whether its vectors, features and steps fit them (the API refuses what does not,
 
 from __future__ import annotations
 
+import numpy as np
+
 from shared.capture_spec import check_patterns, names
 from shared.errors import CaptureSpecError, InterventionError
 from shared.interventions import (
@@ -74,6 +76,8 @@ def resolve(edits: list[Intervention], model: ModelInfo, trace: bool, max_tokens
                     raise InterventionError(
                         f"{where}.{field} has {len(vector)} values; module {path!r} ({edit.hook}) is {width} wide"
                     )
+                if isinstance(vector, list) and field == "vector" and edit.divides_by_norm:
+                    check_direction(np.asarray(vector, dtype=np.float32), f"{where}.vector", edit.op)
             try:
                 edit.feature_indices(width)
             except ValueError as exc:
@@ -100,3 +104,13 @@ def _check_where(edit: Intervention, where: str, trace: bool, max_tokens: int) -
                 raise InterventionError(
                     f"{where}: generated step {item!r} starts at or after max_tokens ({max_tokens}): it selects nothing"
                 )
+
+
+def check_direction(values: np.ndarray, where: str, op: str) -> None:
+    """A vector whose direction an op uses (`project_out`, a normalized `add`) is not all zeros
+    once stored as the worker holds it (float32): it has no direction to divide by."""
+    if not values.any():
+        raise InterventionError(
+            f"{where} is all zeros (as float32): {op} {'removes' if op == 'project_out' else 'adds'} its direction, "
+            "and it has none; give a non-zero vector"
+        )

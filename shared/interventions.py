@@ -21,7 +21,7 @@ import math
 import re
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 Op = Literal["add", "scale", "zero", "project_out", "patch"]
 Hook = Literal["output", "input"]  # shared.schemas re-exports it (capture and edits name hooks alike)
@@ -40,19 +40,19 @@ MAX_INLINE_NUMBERS = 1_048_576  # inline vector values in one request, all edits
 MAX_SELECTORS = 256  # indices and windows in one positions list
 MAX_COEFF = 1e4  # |coeff|, |factor|, |value|, |bias|, |above|, |below|
 MAX_VECTOR_VALUE = 1e6  # |each inline vector value|
-_WINDOW = re.compile(r"^(-?\d{1,7})?:(-?\d{1,7})?$")
+_WINDOW = re.compile(r"(-?[0-9]{1,7})?:(-?[0-9]{1,7})?")  # ASCII digits only, matched whole
 _UUID = r"^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$"
 _TENSOR_NAME = r"^[A-Za-z0-9_.:/-]{1,300}$"
 
 
-_SLICE = re.compile(r"^(\d{1,7}):(\d{1,7})$")
+_SLICE = re.compile(r"([0-9]{1,7}):([0-9]{1,7})")
 
 
 def check_features(value: str | list[int] | None) -> str | list[int] | None:
     """`features` as a request writes them (capture and edits alike): a slice "a:b" with a < b,
     or indices that do not repeat."""
     if isinstance(value, str):
-        match = _SLICE.match(value)
+        match = _SLICE.fullmatch(value)
         if match is None or int(match.group(1)) >= int(match.group(2)):
             raise ValueError(f'a feature slice is "a:b" with 0 <= a < b (e.g. "0:64"), not {value!r}')
     elif isinstance(value, list) and len(set(value)) != len(value):
@@ -89,7 +89,7 @@ class JobVector(Strict):
     job: Annotated[str, Field(pattern=_UUID)]
     tensor: Annotated[str, Field(pattern=_TENSOR_NAME)]
     row: Annotated[int, Field(ge=-10_000_000, lt=10_000_000)] | None = None
-    mean: bool = False
+    mean: StrictBool = False
 
     @model_validator(mode="after")
     def _one_row(self) -> JobVector:
@@ -158,7 +158,7 @@ def _check_selectors(value: object) -> object:
         if not value:
             raise ValueError('a positions list selects at least one index or window (or use "all")')
         for item in value:
-            if isinstance(item, str) and not _WINDOW.match(item):
+            if isinstance(item, str) and not _WINDOW.fullmatch(item):
                 raise ValueError(
                     f'a window is "a:b" (either end may be left out, negative counts from the end), not {item!r}'
                 )
@@ -231,7 +231,7 @@ class Intervention(Strict):
     positions: Literal["all", "prompt", "generated"] | EditPositions = "all"
     vector: Vector | None = None
     coeff: float = 1.0
-    normalize: bool = False
+    normalize: StrictBool = False
     factor: float | None = None
     features: Features | None = None
     value: float | None = None
@@ -274,6 +274,12 @@ class Intervention(Strict):
     def feature_indices(self, width: int) -> list[int] | None:
         """The features a `scale` or `zero` touches (None: all); ValueError when out of range."""
         return feature_indices(self.features, width)
+
+    @property
+    def divides_by_norm(self) -> bool:
+        """Whether the op uses its vector's direction (`project_out`, a normalized `add`): an
+        all-zero vector has none, and is refused at submit (the worker checks again)."""
+        return self.op == "project_out" or (self.op == "add" and self.normalize)
 
     def vectors(self) -> list[tuple[str, Vector]]:
         """(field, vector) for every vector this edit names: the op's and the gate's probe."""

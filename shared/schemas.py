@@ -13,6 +13,7 @@ from pydantic import (
     ConfigDict,
     Field,
     SerializerFunctionWrapHandler,
+    StrictBool,
     ValidationInfo,
     field_validator,
     model_serializer,
@@ -174,18 +175,18 @@ class JobRequest(Strict):
     )
     # Log-probabilities of each generated token (trace: of each given token), and the `top_logprobs`
     # most likely alternatives at each position (0 to 20; needs logprobs).
-    logprobs: bool = False
+    logprobs: StrictBool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)] | None = None
     # A generation's logprobs also cover its prompt, before the generated tokens (the prompt's
     # first token has none): OpenAI's legacy `echo` with generation, from the same prefill.
-    prompt_logprobs: bool = False
+    prompt_logprobs: StrictBool = False
     # Edits applied during the job's forward passes (README "Interventions"), in this order on a
     # module that several name; `baseline: true` also runs the job unedited, in the same batch.
     interventions: Annotated[list[Intervention], Field(max_length=MAX_INTERVENTIONS)] | None = None
-    baseline: bool = False
+    baseline: StrictBool = False
     # The worker also publishes the text as it is generated (keys.job_text): what the OpenAI
     # routes' `stream: true` reads; the result is the same either way.
-    stream: bool = False
+    stream: StrictBool = False
     # OpenAI's `metadata` (string pairs) and `user`: stored with the job for the caller's own
     # bookkeeping (GET /jobs shows them and filters on them); they change nothing that runs.
     metadata: dict[str, str] | None = None
@@ -196,7 +197,7 @@ class JobRequest(Strict):
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     # false: a forced reply ("required") is one call, not one or more
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: StrictBool = True
     response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, StrictBool, model_validator
 
 from shared.schemas import MAX_MESSAGES, MAX_PROMPT_CHARS, ChatMessage, Strict
 
@@ -27,9 +27,9 @@ class TokenizeRequest(Strict):
     model: ModelName | None = None
     prompt: Annotated[str, Field(max_length=MAX_PROMPT_CHARS)] | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=MAX_MESSAGES)] | None = None
-    add_special_tokens: bool | None = None
-    add_generation_prompt: bool | None = None
-    return_token_strs: bool = False
+    add_special_tokens: StrictBool | None = None
+    add_generation_prompt: StrictBool | None = None
+    return_token_strs: StrictBool = False
 
     @model_validator(mode="after")
     def _text_or_chat(self) -> TokenizeRequest:

@@ -118,10 +118,15 @@ class JobEdits:
 
 
 def _unit(values: torch.Tensor, what: str) -> torch.Tensor:
+    """`values` over its norm. Values so small that their float32 squares underflow still have a
+    direction, taken in float64: the API refuses only all zeros (intervention_check.check_direction)."""
     norm = torch.linalg.vector_norm(values)
-    if float(norm) == 0.0:
+    if float(norm) != 0.0:
+        return values / norm
+    if not bool(values.any()):
         raise JobFailure(f"{what} is all zeros: it has no direction")
-    return values / norm
+    wide = values.double()
+    return (wide / torch.linalg.vector_norm(wide)).to(values.dtype)
 
 
 def build(
