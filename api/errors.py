@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import cast
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import redis
 from fastapi import FastAPI, Request
@@ -35,10 +36,27 @@ async def actq_error(_: Request, exc: ActqError) -> JSONResponse:
     return JSONResponse(_body(exc.error_type, exc.message), status_code=exc.status_code, headers=headers or None)
 
 
+BODY_DEPTH = 200  # pydantic's JSON parser refuses a body nested deeper (api/bodies.py parses with it)
+
+
+def invalid_json(errors: Sequence[Mapping[str, Any]]) -> str | None:
+    """What is wrong with a body that did not parse as JSON, or None when it did."""
+    bad = next((e for e in errors if e.get("type") == "json_invalid"), None)
+    if bad is None:
+        return None
+    reason = str(bad.get("msg", "")).removeprefix("Invalid JSON: ")
+    if "recursion limit" in reason:
+        return (
+            f"the request body nests objects and arrays more than {BODY_DEPTH} levels deep ({reason}); "
+            "send a flatter body"
+        )
+    return f"the request body is not valid JSON ({reason})"
+
+
 async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
     errors = exc.errors()
-    if any(e.get("type") == "json_invalid" for e in errors):
-        return JSONResponse(_body("invalid_json", "the request body is not valid JSON"), status_code=400)
+    if (problem := invalid_json(errors)) is not None:
+        return JSONResponse(_body("invalid_json", problem), status_code=400)
     messages = [f"{where(tuple(e.get('loc', ())))}: {e.get('msg')}" for e in errors]
     details = [{"loc": [str(p) for p in e.get("loc", ())], "msg": e.get("msg"), "type": e.get("type")} for e in errors]
     return JSONResponse(_body("invalid_request", "; ".join(messages), errors=details), status_code=422)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import FastAPI
 
 from api import errors
+from api.bodies import document_bodies
 from api.deps import build_services
 from api.limits import BodyLimit
 from api.routes import activations, docs, health, jobs, metrics, models, openai, tokenizer, vectors
@@ -37,6 +38,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(tokenizer.router)
     if not open_docs:
         app.include_router(docs.router)
+    document_bodies(app)
     return app
 
 

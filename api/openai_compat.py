@@ -28,7 +28,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
-from api.errors import where
+from api.errors import invalid_json, where
 from api.presenters import view
 from shared.errors import (
     ActqError,
@@ -37,6 +37,7 @@ from shared.errors import (
     CaptureSpecError,
     CaptureTooLarge,
     InterventionError,
+    InvalidSchema,
     NotReady,
     UnknownModel,
 )
@@ -123,8 +124,8 @@ ENDPOINT_FIELDS = {"/v1/chat/completions": "chat completion", "/v1/completions":
 
 
 def from_validation(errors: Sequence[Mapping[str, Any]], endpoint: str = "/v1/chat/completions") -> OpenAIError:
-    if any(e.get("type") == "json_invalid" for e in errors):
-        return OpenAIError(400, "the request body is not valid JSON", "invalid_json")
+    if (problem := invalid_json(errors)) is not None:
+        return OpenAIError(400, problem, "invalid_json")
     messages = []
     for e in errors:
         place = where(tuple(e.get("loc", ())))
@@ -146,6 +147,7 @@ def from_actq(exc: ActqError) -> OpenAIError:
     if isinstance(exc, BadRequest):  # 422 under /jobs; OpenAI's clients expect 400 for a bad request
         param = "capture" if isinstance(exc, (CaptureSpecError, CaptureTooLarge)) else None
         param = "interventions" if isinstance(exc, InterventionError) else param
+        param = exc.field if isinstance(exc, InvalidSchema) else param
         return OpenAIError(400, exc.message, exc.error_type, param=param)
     if isinstance(exc, Busy):  # nothing was queued: the client's own retry (after Retry-After) is right
         return OpenAIError(429, exc.message, "rate_limit_exceeded", retry_after=exc.retry_after)

@@ -39,7 +39,6 @@ from typing import Any
 
 import redis
 from fastapi import Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
@@ -63,7 +62,7 @@ from api.openai_compat import (
     unfinished,
     whole_result,
 )
-from api.submit import submit
+from api.submit import off_loop, submit
 from shared.schemas import JobRecord, JobRequest, JobStatus
 
 log = logging.getLogger("actq.api")
@@ -247,7 +246,7 @@ async def _open(
     held = AsyncExitStack()
     try:
         await held.enter_async_context(services.waiters.slot())
-        record, created = await run_in_threadpool(submit, services, job_request, key, caller)
+        record, created = await off_loop(services, caller, [job_request], submit, services, job_request, key, caller)
         if not created and record.status.terminal:
             fmt.not_live = "the job had already finished (an Idempotency-Key replay)"
         elif not created and not record.request.stream:

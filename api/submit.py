@@ -6,10 +6,17 @@ beyond them, nothing queued."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
+import re
 import uuid
+from collections.abc import Callable
 from datetime import datetime
+from typing import TypeVar
 
 import redis
+from fastapi.concurrency import run_in_threadpool
 
 from api.deps import Services
 from api.limits import QuotaExceeded
@@ -20,15 +27,19 @@ from shared.errors import (
     BadRequest,
     Conflict,
     ContextLengthExceeded,
+    InvalidSchema,
     NoChatTemplate,
+    PayloadTooLarge,
     PromptTooLong,
     UnknownModel,
 )
 from shared.idempotency import scoped
 from shared.interventions import EditPoint
 from shared.jobs import OverQuota, now
+from shared.schema_checks import MAX_SCHEMA_DEPTH, check_schema, json_chars, too_deep
 from shared.schemas import BatchEntry, CapturePoint, JobRecord, JobRequest, JobStatus, ModelInfo
 
+T = TypeVar("T")
 # max_tokens, capture points, estimated capture bytes, the interventions' (edit, module) pairs
 Plan = tuple[int, list[CapturePoint], int, list[EditPoint]]
 
@@ -87,7 +98,7 @@ def plan(
             "(raw text; /v1/completions under the OpenAI API), or give its workers a template "
             "(ACTQ_CHAT_TEMPLATE=path/to/template.jinja)"
         )
-    check_tool_support(request, info)
+    check_tool_format(request, info)
     max_tokens = 0 if request.trace else request.max_tokens or settings.max_tokens_default
     if max_tokens > settings.max_tokens_limit:
         raise BadRequest(
@@ -104,6 +115,7 @@ def plan(
         )
     if (problem := capture_spec.token_ids_problem(request, info.vocab_size)) is not None:
         raise BadRequest(problem)
+    check_schema_budget(request, settings.max_schema_bytes, cache)
     try:
         capture_spec.check_prompt_fits(request, info, max_tokens)
     except ContextLengthExceeded as exc:  # at submit it is bad input: 422, nothing queued
@@ -123,23 +135,129 @@ def plan(
     if request.baseline:  # the unedited run is a second sequence with its own capture
         estimate = capture_spec.MemoryEstimate(2 * estimate.capture, 2 * estimate.working)
     capture_spec.check_budget(estimate, settings.capture_budget_bytes, settings.job_memory_budget_bytes)
+    check_schemas(request, info, cache)  # last: what costs most, once every cheap refusal has had its say
     return max_tokens, points, estimate.capture, edits
 
 
-def check_tool_support(request: JobRequest, info: ModelInfo) -> None:
-    """Tools need a model that publishes how it writes calls; a constrained reply needs a grammar
-    the decoder can compile (checked here, once, so a bad schema is a 400 and nothing queued)."""
-    if not (request.tools or request.messages_have_tools or request.response_format):
-        return
+def has_schemas(request: JobRequest) -> bool:
+    """Whether submitting the request checks JSON Schemas or compiles a grammar (tools or a
+    `response_format`): work that scales with the request, done off the event loop
+    (api/content_checks.py)."""
+    return bool(request.tools) or request.response_format is not None
+
+
+async def off_loop(
+    services: Services, caller: str | None, requests: list[JobRequest], fn: Callable[..., T], *args: object
+) -> T:
+    """`fn(*args)` (a submission) on a thread: one of the content-check threads, in `caller`'s
+    turn, when any of `requests` carries schemas (api/content_checks.py), else the default pool."""
+    if any(has_schemas(r) for r in requests):
+        return await services.checks.run(caller, fn, *args)
+    return await run_in_threadpool(fn, *args)
+
+
+def check_tool_format(request: JobRequest, info: ModelInfo) -> None:
+    """Tools need a model that publishes how it writes calls."""
     if info.tool_format is None and (request.tools or request.messages_have_tools):
         raise BadRequest(
             f"model {info.name!r} does not say how it writes tool calls (its workers predate tools, or it has no chat "
             "template): leave out tools and tool turns"
         )
+
+
+def check_special_tokens(request: JobRequest, info: ModelInfo) -> None:
+    """No special-token string of the model in its tools or tool calls: a chat template renders
+    them into the prompt, where they would be read as its markup (message text stays text)."""
+    if not info.special_tokens or not (request.tools or request.messages_have_tools):
+        return
+    places: list[tuple[str, object]] = [
+        (f"tools[{i}]", [t.function.name, t.function.description, t.function.parameters])
+        for i, t in enumerate(request.tools or [])
+    ]
+    places += [
+        (f"messages[{i}].tool_calls", [c.model_dump() for c in m.tool_calls or []])
+        for i, m in enumerate(request.messages or [])
+        if m.tool_calls
+    ]
+    pattern = _alternation(tuple(info.special_tokens))
+    for where, part in places:
+        if (match := pattern.search(json.dumps(part, ensure_ascii=False))) is not None:
+            found = match.group(0)
+            raise BadRequest(
+                f"{where} holds {found!r}, a special token of {info.name}: its chat template would read it as its own "
+                "markup; remove it (a deployment whose users are trusted may allow it: ACTQ_ALLOW_SPECIAL_TOKENS)"
+            )
+
+
+@functools.lru_cache(maxsize=16)
+def _alternation(tokens: tuple[str, ...]) -> re.Pattern[str]:
+    """One pass over a text finds any of `tokens` (the longest first where one contains another)."""
+    return re.compile("|".join(map(re.escape, sorted(tokens, key=len, reverse=True))))
+
+
+def check_schema_budget(request: JobRequest, budget: int, cache: dict) -> None:
+    """Cheap, and before anything reads a schema: the request's tools and response_format schema
+    within ACTQ_MAX_SCHEMA_BYTES as JSON (one `json.dumps`, in C; a schema repeated across the jobs
+    of one HTTP request, `cache`, counts once), each schema at most MAX_SCHEMA_DEPTH levels deep."""
+    parts: list[object] = [
+        [t.function.name, t.function.description, t.function.parameters] for t in request.tools or []
+    ]
+    parts += [schema for where, schema in request.schemas() if where.startswith("response_format")]
+    if not parts:
+        return
+    try:
+        text = json.dumps(parts)
+    except RecursionError:  # deeper than Python writes: name the schema
+        text = None
+    deep = next((where for where, schema in request.schemas() if text is None and json_chars(schema) is None), None)
+    if text is not None:
+        seen: set[bytes] = cache.setdefault(("schema-texts",), set())
+        digest = hashlib.sha256(text.encode()).digest()
+        if digest not in seen:
+            seen.add(digest)
+            cache[("schema-bytes",)] = total = int(cache.get(("schema-bytes",), 0)) + len(text)
+            if total > budget:
+                raise PayloadTooLarge(
+                    f"the tools and response_format schemas of this request are {total:,} bytes as JSON; at most "
+                    f"{budget:,} (ACTQ_MAX_SCHEMA_BYTES): send fewer or smaller tools"
+                )
+        deep = next((where for where, schema in request.schemas() if too_deep(schema)), None)
+    if deep is not None:
+        raise InvalidSchema(
+            f"{deep} nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep; flatten it, or name the "
+            "repeated part once in `$defs` and `$ref` it",
+            deep,
+        )
+
+
+def check_schemas(request: JobRequest, info: ModelInfo, cache: dict) -> None:
+    """Each schema is a JSON Schema (draft 2020-12's metaschema) and a constrained reply's grammar
+    compiles and allows a value: the costly checks, run once per distinct schema and grammar of
+    an HTTP request (`cache`), off the event loop."""
+    check_special_tokens(request, info)
+    if not has_schemas(request):
+        return
+    for where, schema in request.schemas():
+        key = ("metaschema", where, json.dumps(schema))
+        if key not in cache:
+            try:
+                check_schema(schema, where)
+                cache[key] = None
+            except ValueError as exc:
+                cache[key] = str(exc)
+        if cache[key] is not None:
+            raise InvalidSchema(str(cache[key]), where)
     from shared.grammars import grammar_problem
 
-    if (problem := grammar_problem(request, info.tool_format)) is not None:
-        raise BadRequest(problem)
+    key = ("grammar", info.name, request.model_dump_json(include=GRAMMAR_FIELDS))
+    if key not in cache:
+        cache[key] = grammar_problem(request, info.tool_format)
+    if (problem := cache[key]) is not None:
+        field = str(problem).split(":", 1)[0]
+        raise InvalidSchema(str(problem), None if " " in field else field)
+
+
+GRAMMAR_FIELDS = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # what a grammar is built from
 
 
 def _limits(services: Services) -> tuple[int, int]:

@@ -6,6 +6,7 @@
     │   ├── CaptureTooLarge    (422)  the estimated capture exceeds the budget
     │   ├── JobTooLarge        (422)  the worker memory a job needs exceeds the budget
     │   ├── PromptTooLong      (422)  the prompt cannot fit the model's context (context_length_exceeded)
+    │   ├── InvalidSchema      (422)  a tool's parameters or a response_format schema (names the field)
     │   └── InvalidVectors     (422)  an uploaded vector set is not a usable safetensors file
     ├── Unauthorized           (401)  a missing or wrong API key
     ├── Forbidden              (403)  a valid key that may not do this (operator-only)
@@ -14,7 +15,7 @@
     ├── JobNotFound            (404)
     ├── TensorNotFound         (404)  the job exists; the tensor name does not
     ├── VectorSetNotFound      (404)  no such vector set, or another key's (never told apart)
-    ├── PayloadTooLarge        (413)  an upload over its size limit (ACTQ_VECTOR_MAX_BYTES)
+    ├── PayloadTooLarge        (413)  over a size limit (ACTQ_VECTOR_MAX_BYTES, ACTQ_MAX_SCHEMA_BYTES)
     ├── Conflict               (409)  e.g. an Idempotency-Key reused for another request
     ├── Busy                   (429)  a capacity limit (long polls per process); carries Retry-After
     │   └── TooManyVectorSets  (429)  an API key holds ACTQ_MAX_VECTOR_SETS_PER_KEY vector sets
@@ -70,6 +71,18 @@ class JobTooLarge(BadRequest):
 
 class PromptTooLong(BadRequest):
     error_type = "context_length_exceeded"
+
+
+class InvalidSchema(BadRequest):
+    """A JSON Schema of the request (`field`: e.g. "tools[0].function.parameters") that cannot be
+    checked or enforced: too deep, not a JSON Schema, refused by the grammar compiler, or
+    allowing no value."""
+
+    error_type = "invalid_schema"
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 class NoChatTemplate(BadRequest):

@@ -29,16 +29,32 @@ silently dropped could fail validation, which is what constraining promises neve
 warning llguidance still gives is treated the same way, for the same reason. Annotations
 (`title`, `description`, `default`, `examples`) are accepted. The check costs well under a
 millisecond per schema (tests/shared/test_grammars.py; bench/bench_constrained.py measures it).
+
+A grammar that compiles can still allow nothing: a schema that is only a `$ref` cycle (`{"$ref":
+"#"}`, `a` -> `b` -> `a`) describes no value, and its "constrained" reply used to be "" with
+finish_reason "stop". The check compiles the grammar for a tokenizer of the 256 bytes and asks
+for the first mask: a grammar that allows no byte is refused. A schema whose every value is
+endless (an object that requires itself: `{"x": {"x": ...`) allows a first byte, but forces
+everything after it: llguidance's matcher gave up mid-reply ("Too many items"), failing the job.
+Its forced prefix is measured (`compute_ff_bytes`), and one of MAX_FORCED_BYTES or more is
+refused. A cycle with a choice at each level is not caught this way; its reply ends with
+finish_reason "length", which is what constraining promises for a reply cut short.
+Whatever llguidance raises on a request's schema (its reader's recursion limit, a schema that is
+not an object) is a problem of that field, never an exception.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from shared.tools import Tool, ToolFormat
 
 if TYPE_CHECKING:
+    import llguidance
+
     from shared.schemas import JobRequest
 
 ITEM_SEPARATOR = ", "
@@ -76,7 +92,8 @@ def grammar_problem(request: JobRequest, fmt: ToolFormat | None) -> str | None:
     schema = request.output_schema
     if schema is not None:
         named = request.response_format is not None and request.response_format.type == "json_schema"
-        return _problem(_json_grammar(schema), "response_format.json_schema.schema" if named else "response_format")
+        where = "response_format.json_schema.schema" if named else "response_format"
+        return _problem(lambda: _json_grammar(schema), where)
     forced = request.forced_tools
     if forced is None:
         return None
@@ -85,10 +102,9 @@ def grammar_problem(request: JobRequest, fmt: ToolFormat | None) -> str | None:
     index = {tool.function.name: i for i, tool in enumerate(request.tools or [])}
     for tool in forced:
         where = f"tools[{index[tool.function.name]}].function.parameters"
-        if (problem := _problem(_json_grammar(arguments_schema(tool)), where)) is not None:
+        if (problem := _problem(lambda tool=tool: _json_grammar(arguments_schema(tool)), where)) is not None:  # type: ignore[misc]
             return problem
-    grammar = _calls_grammar(forced, fmt, several=request.several_calls)
-    return _problem(grammar, "tool_choice")
+    return _problem(lambda: _calls_grammar(forced, fmt, several=request.several_calls), "tool_choice")
 
 
 def arguments_schema(tool: Tool) -> dict[str, Any]:
@@ -134,15 +150,79 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)
 
 
-def _problem(grammar: str, where: str) -> str | None:
+def _problem(build: Callable[[], str], where: str) -> str | None:
+    """None when the grammar `build` makes compiles, strictly, and allows a first byte; otherwise
+    what is wrong, naming `where`."""
     from llguidance import LLMatcher
 
-    is_error, messages = LLMatcher.validate_grammar_with_warnings(grammar)
-    if not messages:
-        return None
-    reason = " ".join(line.strip() for line in messages[0].splitlines() if line.strip())
-    kind = "" if is_error else " (constraining would ignore it)"
-    return f"{where}: {reason[:500]}{kind}"
+    try:
+        matcher = LLMatcher(_byte_tokenizer(), build(), log_level=0)
+    except Exception as exc:  # noqa: BLE001 - whatever llguidance raises on a request's schema is that schema's problem
+        return f"{where}: {_reason(str(exc) or type(exc).__name__)}"
+    if matcher.is_error():
+        return f"{where}: {_reason(matcher.get_error())}"
+    warnings = matcher.get_grammar_warnings()
+    if warnings:
+        return f"{where}: {_reason(warnings[0])} (constraining would ignore it)"
+    if not allows_a_value(matcher, BYTE_VOCAB, {BYTE_EOS}):
+        return (
+            f"{where}: allows no value at all (a `$ref` cycle with no base case, e.g. a schema that is only a "
+            "reference to itself): give every reference something to end on"
+        )
+    if len(matcher.compute_ff_bytes()) >= MAX_FORCED_BYTES:
+        return (
+            f"{where}: forces {MAX_FORCED_BYTES:,} bytes or more before the model chooses anything (a required "
+            "property or item that refers back to its own schema, so every value is endless): make the reference "
+            "optional, or give it something to end on"
+        )
+    return None
+
+
+def allows_a_value(matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: set[int]) -> bool:
+    """Whether the grammar, from the matcher's current state, allows some token other than EOS
+    (its mask computed into a scratch bitmask); a grammar with no value puts the matcher in its
+    error state."""
+    import llguidance.numpy
+    import numpy as np
+
+    bitmask = llguidance.numpy.allocate_token_bitmask(1, vocab_size)
+    llguidance.numpy.fill_next_token_bitmask(matcher, bitmask, 0)
+    if matcher.is_error():
+        return False
+    allowed = np.unpackbits(bitmask.view(np.uint8), bitorder="little")[:vocab_size]
+    allowed[[i for i in eos_ids if i < vocab_size]] = 0
+    return bool(allowed.any())
+
+
+def _reason(message: str) -> str:
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())[:500]
+
+
+BYTE_VOCAB, BYTE_EOS = 257, 256  # the 256 bytes, then EOS
+# A grammar that forces this many bytes from its start writes itself without end (`{"x": {"x": ...`
+# for an object that requires itself): llguidance's matcher fails on it mid-reply ("Too many
+# items"), so it is refused at submit. No reply of a useful schema is forced that long.
+MAX_FORCED_BYTES = 8192
+
+
+class _Bytes:
+    """A tokenizer whose tokens are the 256 bytes (and EOS): what a grammar allows for it, any
+    tokenizer that can write every byte can write."""
+
+    eos_token_id = BYTE_EOS
+    bos_token_id = None
+    tokens = [bytes([b]) for b in range(256)] + [b"<eos>"]
+    special_token_ids = [BYTE_EOS]
+
+    def __call__(self, text: str | bytes) -> list[int]:
+        return list(text if isinstance(text, bytes) else text.encode())
+
+
+@cache
+def _byte_tokenizer() -> llguidance.LLTokenizer:
+    import llguidance
+
+    return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()), slices=[])
 
 
 _NO_FORMAT = (

@@ -301,6 +301,18 @@ class JobRequest(Strict):
         """The JSON Schema the reply must satisfy (response_format json_object/json_schema), or None."""
         return self.response_format.json_schema_of() if self.response_format is not None else None
 
+    def schemas(self) -> list[tuple[str, dict[str, Any]]]:
+        """(field, schema) for every JSON Schema the request carries, as a 4xx would name it: each
+        tool's `parameters` and the `response_format` schema (shared/schema_checks.py checks them)."""
+        found = [
+            (f"tools[{i}].function.parameters", tool.function.parameters)
+            for i, tool in enumerate(self.tools or [])
+            if tool.function.parameters is not None
+        ]
+        if self.response_format is not None and self.response_format.json_schema is not None:
+            found.append(("response_format.json_schema.schema", self.response_format.json_schema.schema_))
+        return found
+
     @property
     def parses_tool_calls(self) -> bool:
         """Whether the worker reads tool calls from the reply: tools given and tool_choice not 'none'."""
@@ -677,6 +689,10 @@ class ModelInfo(Strict):
     # (worker/tool_prompt.py). None: no chat template, so no tools.
     tool_format: ToolFormat | None = None
     tool_template: bool = False
+    # The tokenizer's special-token strings (`<|im_start|>`...), which the API refuses in tools and
+    # tool calls: a template would render them as its own markup. Empty: the deployment allows
+    # them (ACTQ_ALLOW_SPECIAL_TOKENS), or its workers predate this field.
+    special_tokens: list[str] = []
     # Named module sets, one path per decoder block (worker/presets.py): residual, attention, mlp.
     presets: dict[str, list[str]] = {}
 

@@ -135,6 +135,24 @@ class Settings(BaseSettings):
         ge=1024,
         description="Largest vector set file POST /vectors accepts (413 above it, refused before it is all read).",
     )
+    max_schema_bytes: int = Field(
+        256 << 10,
+        ge=1024,
+        description="Tools (names, descriptions, parameters) and response_format schemas one request may carry, as "
+        "JSON, all together (a schema repeated across a request's jobs counts once); 413 above it, before any "
+        "schema is checked.",
+    )
+    content_checks_per_key: int = Field(
+        2,
+        ge=1,
+        description="Requests of one API key (all callers together when keys are off) whose JSON Schemas and "
+        "grammars are checked at once, on threads off the event loop; more wait their turn.",
+    )
+    content_check_threads: int = Field(
+        4,
+        ge=1,
+        description="Threads of one API process checking requests' JSON Schemas and grammars, all keys together.",
+    )
     max_vector_sets_per_key: int = Field(
         1000,
         ge=0,

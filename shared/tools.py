@@ -8,10 +8,11 @@ The shapes are OpenAI's: a tool is `{"type": "function", "function": {"name", "d
 written as a string), and a `role: "tool"` message answers one call by its `tool_call_id`.
 
 What is checked here, on every parse of a request (structure only, cheap): names, unique tool
-names, a named `tool_choice` among the tools, parameters that are JSON Schemas (the metaschema
-of draft 2020-12), arguments that are JSON objects, tool messages that answer a call made
-earlier in the conversation and not yet answered. The grammar check (whether the constrained
-decoder can compile a schema, `shared/grammars.py`) costs more and runs once, at submit.
+names, a named `tool_choice` among the tools, arguments that are JSON objects of bounded depth,
+tool messages that answer a call made earlier in the conversation and not yet answered. What
+scales with a schema (its size and depth, the metaschema of draft 2020-12: shared/schema_checks.py;
+whether the constrained decoder can compile it: shared/grammars.py) costs more and runs once, at
+submit, off the API's event loop (`request_schemas` lists what it checks).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import json
 from enum import StrEnum
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+
+from shared.schema_checks import arguments_problem
 
 MAX_TOOLS = 128  # as OpenAI
 MAX_TOOL_CALLS = 128  # per assistant message
-MAX_SCHEMA_CHARS = 100_000  # one tool's parameters, or a response_format schema, as JSON
 MAX_ARGUMENTS_CHARS = 100_000
 MAX_DESCRIPTION_CHARS = 10_000
 NAME_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's function and schema names
@@ -42,33 +44,18 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-def check_schema(schema: dict[str, Any], where: str) -> dict[str, Any]:
-    """`schema` is a JSON Schema (draft 2020-12's metaschema) of bounded size; ValueError says what is wrong."""
-    import jsonschema
-
-    if len(json.dumps(schema)) > MAX_SCHEMA_CHARS:
-        raise ValueError(f"{where} is longer than {MAX_SCHEMA_CHARS} characters as JSON")
-    try:
-        jsonschema.Draft202012Validator.check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        path = "".join(f"[{p!r}]" for p in exc.absolute_path)
-        raise ValueError(f"{where}{path} is not a valid JSON Schema: {exc.message[:300]}") from None
-    return schema
-
-
 class FunctionDefinition(_Strict):
     name: Annotated[str, Field(pattern=NAME_PATTERN)]
     description: Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
     # A JSON Schema of the arguments (an object); none: a function without arguments
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    parameters: dict[str, Any] | None = None  # checked at submit: shared/schema_checks.py
+    strict: StrictBool | None = None
 
     @field_validator("parameters")
     @classmethod
     def _schema(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is None:
             return None
-        check_schema(value, "parameters")
         kind = value.get("type")
         if kind is not None and kind != "object":
             raise ValueError(f"parameters must describe an object (type 'object'), not type {kind!r}")
@@ -105,12 +92,8 @@ class FunctionCall(_Strict):
     @field_validator("arguments")
     @classmethod
     def _json_object(cls, value: str) -> str:
-        try:
-            parsed = json.loads(value)
-        except ValueError as exc:
-            raise ValueError(f"arguments must be a JSON object written as a string; this is not JSON ({exc})") from None
-        if not isinstance(parsed, dict):
-            raise ValueError(f"arguments must be a JSON object written as a string, not {type(parsed).__name__}")
+        if (problem := arguments_problem(value)) is not None:
+            raise ValueError(problem)
         return value
 
     def argument_values(self) -> dict[str, Any]:
@@ -130,13 +113,8 @@ class JsonSchemaFormat(_Strict):
     model_config = ConfigDict(extra="forbid", populate_by_name=True, serialize_by_alias=True)
     name: Annotated[str, Field(pattern=NAME_PATTERN)] = "response"
     description: Annotated[str, Field(max_length=MAX_DESCRIPTION_CHARS)] | None = None
-    schema_: Annotated[dict[str, Any], Field(alias="schema")]
-    strict: bool | None = None
-
-    @field_validator("schema_")
-    @classmethod
-    def _schema(cls, value: dict[str, Any]) -> dict[str, Any]:
-        return check_schema(value, "json_schema.schema")
+    schema_: Annotated[dict[str, Any], Field(alias="schema")]  # checked at submit: shared/schema_checks.py
+    strict: StrictBool | None = None
 
 
 class ResponseFormat(_Strict):

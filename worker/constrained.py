@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.errors import JobFailure
-from shared.grammars import grammar_for
+from shared.grammars import allows_a_value, grammar_for
 
 if TYPE_CHECKING:
     import llguidance
@@ -105,6 +105,8 @@ class Grammars:
         matcher = LLMatcher(self.lltokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise JobFailure(f"the reply's grammar does not compile: {matcher.get_error()[:500]}")
+        if not allows_a_value(matcher, self.vocab_size, self.eos_ids):  # the API refuses these: never "" + "stop"
+            raise JobFailure("the reply's grammar allows no value (a `$ref` cycle with no base case?)")
         return Constraint(self, grammar, matcher)
 
 

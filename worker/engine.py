@@ -137,6 +137,7 @@ class CaptureEngine:
             chat_template=self.prompts.has_chat_template,
             tool_format=self.prompts.tool_format,
             tool_template=self.prompts.tool_template,
+            special_tokens=self.prompts.refused_specials,
             presets=resolve_presets(self.hf, modules, hidden, layers),
             **self.prompts.template_tokens(),
             **footprint(self.hf.config, self.hf.dtype),

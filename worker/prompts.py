@@ -35,6 +35,8 @@ class PromptEncoder:
         self.tokenizer = tokenizer
         self.allow_special_tokens = allow_special_tokens
         specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+        # what the API refuses in tools and tool calls (ModelInfo.special_tokens): none when allowed
+        self.refused_specials = [] if allow_special_tokens else sorted(specials)
         self._special = (
             re.compile("|".join(map(re.escape, sorted(specials, key=len, reverse=True)))) if specials else None
         )

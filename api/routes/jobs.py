@@ -6,12 +6,12 @@ from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import StreamingResponse
 
+from api.bodies import body_schema, parsed
 from api.deps import CallerDep, SeesAllDep, ServicesDep, get_caller
 from api.presenters import view
-from api.submit import has_references, submit, submit_batch, submit_now
+from api.submit import has_references, has_schemas, off_loop, submit, submit_batch, submit_now
 from api.visibility import load, load_async
 from shared.errors import BadRequest, JobCancelled, JobNotFound, NotReady
 from shared.listing import CURSOR_HEADER, METADATA, JobFilters, as_utc, decode_cursor, parse_tags
@@ -32,10 +32,14 @@ ERRORS: dict[int | str, dict[str, object]] = {404: {"description": "No such job"
 
 
 @router.post(
-    "", status_code=202, response_model=JobView, responses={404: {"description": "Unknown model"}, 422: {}, 503: {}}
+    "",
+    status_code=202,
+    response_model=JobView,
+    responses={404: {"description": "Unknown model"}, 413: {}, 422: {}, 503: {}},
+    openapi_extra=body_schema(JobRequest),
 )
 async def create_job(
-    body: JobRequest,
+    body: Annotated[JobRequest, parsed(JobRequest)],
     services: ServicesDep,
     caller: CallerDep,
     request: Request,
@@ -43,10 +47,10 @@ async def create_job(
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=256)] = None,
 ) -> JobView:
     """Queue a chat completion with activation capture."""
-    if idempotency_key is None and not has_references(body):
+    if idempotency_key is None and not has_references(body) and not has_schemas(body):
         record, created = await submit_now(services, body, owner=caller), True
-    else:  # may wait for a concurrent request with the same key, or read stored vectors: off the event loop
-        record, created = await run_in_threadpool(submit, services, body, idempotency_key, caller)
+    else:  # may wait for a concurrent request with the same key, read stored vectors or check schemas: off the loop
+        record, created = await off_loop(services, caller, [body], submit, services, body, idempotency_key, caller)
     response.headers["Location"] = str(request.url_for("get_job", job_id=record.id))
     if not created:
         response.status_code = 200
@@ -57,12 +61,16 @@ async def create_job(
     "/batch",
     status_code=202,
     response_model=BatchResponse,
-    responses={404: {"description": "Unknown model"}, 409: {}, 422: {}, 503: {}},
+    responses={404: {"description": "Unknown model"}, 409: {}, 413: {}, 422: {}, 503: {}},
+    openapi_extra=body_schema(BatchRequest),
 )
-def create_jobs(body: BatchRequest, services: ServicesDep, caller: CallerDep) -> BatchResponse:
+async def create_jobs(
+    body: Annotated[BatchRequest, parsed(BatchRequest)], services: ServicesDep, caller: CallerDep
+) -> BatchResponse:
     """Queue many jobs at once: all are validated first; one bad entry rejects the batch (its index
     is in the message) and nothing is queued. Entries may carry an idempotency_key."""
-    results = submit_batch(services, body.jobs, owner=caller)
+    requests = [entry.request for entry in body.jobs]
+    results = await off_loop(services, caller, requests, submit_batch, services, body.jobs, caller)
     return BatchResponse(jobs=[BatchItem(id=r.id, status=r.status.value, created=created) for r, created in results])
 
 

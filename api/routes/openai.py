@@ -68,11 +68,11 @@ from typing import Annotated, Any
 
 import redis
 from fastapi import APIRouter, Depends, Header, Request, Response
-from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
+from api.bodies import body_schema, parsed
 from api.default_capture import with_default_capture
 from api.deps import CallerDep, Services, ServicesDep, get_caller
 from api.errors import redis_trouble
@@ -96,7 +96,7 @@ from api.openai_compat import (
     whole_result,
 )
 from api.openai_stream import stream_chat, stream_completion
-from api.submit import submit, submit_batch
+from api.submit import off_loop, submit, submit_batch
 from shared.errors import ActqError
 from shared.schemas import BatchEntry, JobRecord, JobRequest, JobStatus
 
@@ -130,6 +130,7 @@ router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute, depen
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     400: {"description": "Invalid or unsupported request"},
+    413: {"description": "Over a size limit (ACTQ_MAX_REQUEST_BYTES, ACTQ_MAX_SCHEMA_BYTES)"},
     404: {"description": "Unknown model"},
     429: {"description": "Every long-poll place of this API process is taken (Retry-After)"},
     500: {"description": "The job failed"},
@@ -178,7 +179,9 @@ async def _finished(
     own retry cannot make a second job."""
     job_requests = [with_default_capture(services.settings, r, caller) for r in job_requests]  # when none is sent
     async with services.waiters.slot():
-        records = await run_in_threadpool(_submit_all, services, job_requests, idempotency_key, caller)
+        records = await off_loop(
+            services, caller, job_requests, _submit_all, services, job_requests, idempotency_key, caller
+        )
         deadline = time.monotonic() + wait_seconds
         for index, record in enumerate(records):
             if record.status.terminal:
@@ -201,9 +204,14 @@ def _name_jobs(response: Response, records: list[JobRecord]) -> None:
     response.headers[JOB_ID_HEADER] = ",".join(record.id for record in records)
 
 
-@router.post("/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+@router.post(
+    "/chat/completions",
+    response_model=ChatCompletion,
+    responses=ERRORS,
+    openapi_extra=body_schema(ChatCompletionRequest),
+)
 async def chat_completions(
-    body: ChatCompletionRequest,
+    body: Annotated[ChatCompletionRequest, parsed(ChatCompletionRequest)],
     services: ServicesDep,
     caller: CallerDep,
     request: Request,
@@ -221,9 +229,9 @@ async def chat_completions(
     return completion(records, request)
 
 
-@router.post("/completions", response_model=Completion, responses=ERRORS)
+@router.post("/completions", response_model=Completion, responses=ERRORS, openapi_extra=body_schema(CompletionRequest))
 async def completions(
-    body: CompletionRequest,
+    body: Annotated[CompletionRequest, parsed(CompletionRequest)],
     services: ServicesDep,
     caller: CallerDep,
     request: Request,

@@ -160,7 +160,7 @@ def test_a_filter_given_twice_is_refused(http):
         ({"metadata": {"": "v"}}, "has 0 characters; keys have 1 to 64"),
         ({"metadata": {"run": "v" * 513}}, "the value of 'run' has 513 characters; values have at most 512"),
         ({"metadata": {"run": 5}}, "metadata.run: Input should be a valid string"),
-        ({"metadata": ["run"]}, "metadata: Input should be a valid dictionary"),
+        ({"metadata": ["run"]}, "metadata: Input should be an object"),
         ({"user": "u" * 257}, "user: String should have at most 256 characters"),
     ],
 )

@@ -89,3 +89,131 @@ HOSTILE += [
     # 256 long paths that name nothing: each would ask for the closest valid names
     ("unknown long paths", _capture([f"model.layers.{k}.{'x' * 200}" for k in range(256)]), None, (422,)),
 ]
+
+
+# --- the surface of tools, structured output, interventions and the OpenAI routes ------------
+# Each entry: (case, path, payload, acceptable statuses); every one is refused with nothing queued.
+
+CHAT = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+
+def nested(kind: str, depth: int) -> dict:
+    """A schema `depth` levels deep: objects whose one required property nests (`properties`),
+    arrays of arrays (`items`) or a chain of `anyOf`."""
+    schema: dict = {"type": "string"}
+    for _ in range(depth):
+        if kind == "properties":
+            schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+        elif kind == "items":
+            schema = {"type": "array", "items": schema}
+        else:
+            schema = {"anyOf": [schema, {"type": "null"}]}
+    return schema
+
+
+def json_schema(schema: dict) -> dict:
+    return {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}
+
+
+def tools(count: int, properties: int, prefix: str = "f") -> list[dict]:
+    """`count` tools whose parameters have `properties` described enum properties (about 290
+    bytes each as JSON)."""
+    parameters = {
+        "type": "object",
+        "properties": {
+            f"p{i}": {"type": "string", "description": "d" * 200, "enum": [f"v{j}" for j in range(5)]}
+            for i in range(properties)
+        },
+    }
+    return [{"type": "function", "function": {"name": f"{prefix}{i}", "parameters": parameters}} for i in range(count)]
+
+
+def _edit(**fields: object) -> dict:
+    return {**CHAT, "interventions": [{"module": "model.layers.1", **fields}]}
+
+
+CYCLE = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
+DEEP_ARGUMENTS = [
+    {"role": "user", "content": "hi"},
+    {
+        "role": "assistant",
+        "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "f0", "arguments": '{"a": ' + "[" * 50_000}}
+        ],
+    },
+]
+SURFACE = [
+    (
+        "100 tools of 27 KB schemas",
+        "/v1/chat/completions",
+        {**CHAT, "tools": tools(100, 90), "tool_choice": "required"},
+        (413,),
+    ),
+    ("100 tools of 27 KB schemas", "/jobs", {**CHAT, "tools": tools(100, 90)}, (413,)),
+    ("a schema 70 levels deep", "/jobs", {**CHAT, "response_format": json_schema(nested("properties", 70))}, (422,)),
+    (
+        "a schema 70 levels deep",
+        "/v1/chat/completions",
+        {**CHAT, "response_format": json_schema(nested("properties", 70))},
+        (400,),
+    ),
+    # deeper than 200 levels the body itself is refused (400, pydantic's JSON parser); below, the schema check
+    ("arrays 300 deep", "/jobs", {**CHAT, "response_format": json_schema(nested("items", 300))}, (400,)),
+    ("arrays 150 deep", "/jobs", {**CHAT, "response_format": json_schema(nested("items", 150))}, (422,)),
+    ("anyOf 60 deep", "/jobs", {**CHAT, "response_format": json_schema(nested("anyOf", 60))}, (422,)),
+    ("anyOf 300 deep", "/v1/chat/completions", {**CHAT, "response_format": json_schema(nested("anyOf", 300))}, (400,)),
+    (
+        "tool parameters 100 deep",
+        "/jobs",
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": nested("properties", 100)}}]},
+        (400,),
+    ),
+    (
+        "tool parameters 40 deep",
+        "/jobs",
+        {**CHAT, "tools": [{"type": "function", "function": {"name": "f", "parameters": nested("properties", 40)}}]},
+        (422,),
+    ),
+    ("a schema that is a $ref to itself", "/jobs", {**CHAT, "response_format": json_schema({"$ref": "#"})}, (422,)),
+    ("$defs a -> b -> a", "/v1/chat/completions", {**CHAT, "response_format": json_schema(CYCLE)}, (400,)),
+    ("project_out along a zero vector", "/jobs", _edit(op="project_out", vector=[0.0] * 64), (422,)),
+    (
+        "a normalized add of a zero vector",
+        "/v1/chat/completions",
+        _edit(op="add", vector=[0.0] * 64, normalize=True),
+        (400,),
+    ),
+    ("a zero vector below float32's smallest", "/jobs", _edit(op="project_out", vector=[1e-50] * 64), (422,)),
+    (
+        "an edit window in Arabic-Indic digits",
+        "/jobs",
+        _edit(op="scale", factor=2.0, positions={"prompt": ["١:٣"]}),
+        (422,),
+    ),
+    (
+        "a window with a trailing newline",
+        "/jobs",
+        _edit(op="scale", factor=2.0, positions={"prompt": ["1:3\n"]}),
+        (422,),
+    ),
+    (
+        "parallel_tool_calls 'yes'",
+        "/v1/chat/completions",
+        {**CHAT, "tools": tools(1, 1), "parallel_tool_calls": "yes"},
+        (400,),
+    ),
+    ("logprobs 'true'", "/jobs", {**CHAT, "logprobs": "true"}, (422,)),
+    ("tool-call arguments 50,000 deep", "/jobs", {**CHAT, "messages": DEEP_ARGUMENTS}, (422,)),
+    (
+        "4 MiB of small messages",
+        "/v1/chat/completions",
+        {**CHAT, "messages": [{"role": "user", "content": "x"}] * 100_000},
+        (400,),
+    ),
+    (
+        "a million prompt token ids",
+        "/jobs",
+        {"model": TINY, "prompt_token_ids": [1] * 1_000_000, "max_tokens": 4},
+        (422,),
+    ),
+]
