@@ -43,6 +43,8 @@ from shared.errors import (
 )
 from shared.interventions import EditReport, Intervention
 from shared.schemas import (
+    MAX_MESSAGES,
+    MAX_STOP_STRINGS,
     MAX_TOP_LOGPROBS,
     ActivationsManifest,
     BaselineResult,
@@ -61,6 +63,7 @@ if TYPE_CHECKING:
 
 WAIT_DEFAULT_SECONDS = 300.0
 MAX_JOBS_PER_REQUEST = 256  # prompts x n: each choice is its own job
+MAX_CONTENT_PARTS = 1024  # parts of one message's list content
 WAIT_MAX_SECONDS = 3600.0
 
 # A failed job's error type -> HTTP status. Only a prompt too long for the model is the client's doing.
@@ -170,7 +173,7 @@ class ContentPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid")
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
-    content: str | list[ContentPart] | None = None
+    content: str | Annotated[list[ContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
     # OpenAI's other message fields: refused unless null (see _message)
     name: str | None = None
     tool_calls: Any = None
@@ -190,7 +193,7 @@ class _GenerationRequest(BaseModel):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     capture: CaptureSpec | None = None
     interventions: list[Intervention] | None = None  # README "Interventions": the same as POST /jobs
     baseline: StrictBool = False
@@ -210,7 +213,7 @@ class _GenerationRequest(BaseModel):
 class ChatCompletionRequest(_GenerationRequest):
     """OpenAI's chat completion request (with the shared fields of `_GenerationRequest`)."""
 
-    messages: list[Message]
+    messages: Annotated[list[Message], Field(max_length=MAX_MESSAGES)]  # bounded as it is validated (api/bodies.py)
     max_completion_tokens: int | None = None
     # Each generated token's log-probability, and the `top_logprobs` (0 to 20) likeliest tokens at its place
     logprobs: StrictBool | None = None

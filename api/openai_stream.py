@@ -43,6 +43,7 @@ from fastapi.responses import StreamingResponse
 from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
+from api.bodies import in_turn, is_large
 from api.default_capture import with_default_capture
 from api.deps import Services
 from api.errors import redis_trouble
@@ -62,7 +63,7 @@ from api.openai_compat import (
     unfinished,
     whole_result,
 )
-from api.submit import off_loop, submit
+from api.submit import heavy, off_loop, submit
 from shared.schemas import JobRecord, JobRequest, JobStatus
 
 log = logging.getLogger("actq.api")
@@ -128,7 +129,7 @@ async def stream_chat(
 ) -> StreamingResponse:
     """POST /v1/chat/completions with `stream: true` (or with `stream_options`, refused without it)."""
     usage = _options(body)
-    job_request = _one(to_job_requests(body), body)
+    job_request = _one(await in_turn(request, services, caller, to_job_requests, body), body)
 
     def render(record: JobRecord, request: Request) -> ChatCompletion:
         return completion([record], request)
@@ -141,7 +142,7 @@ async def stream_completion(
 ) -> StreamingResponse:
     """POST /v1/completions with `stream: true` (or with `stream_options`, refused without it)."""
     usage = _options(body)
-    job_request = _one(completion_job_requests(body), body)
+    job_request = _one(await in_turn(request, services, caller, completion_job_requests, body), body)
     echo, logprobs = bool(body.echo), body.logprobs is not None
 
     def render(record: JobRecord, request: Request) -> Completion:
@@ -246,7 +247,8 @@ async def _open(
     held = AsyncExitStack()
     try:
         await held.enter_async_context(services.waiters.slot())
-        record, created = await off_loop(services, caller, [job_request], submit, services, job_request, key, caller)
+        checks = heavy([job_request], await is_large(request))
+        record, created = await off_loop(services, caller, checks, submit, services, job_request, key, caller)
         if not created and record.status.terminal:
             fmt.not_live = "the job had already finished (an Idempotency-Key replay)"
         elif not created and not record.request.stream:

@@ -36,7 +36,7 @@ from shared.errors import (
 from shared.idempotency import scoped
 from shared.interventions import EditPoint
 from shared.jobs import OverQuota, now
-from shared.schema_checks import MAX_SCHEMA_DEPTH, check_schema, json_chars, too_deep
+from shared.schema_checks import MAX_SCHEMA_DEPTH, check_schema, too_deep
 from shared.schemas import BatchEntry, CapturePoint, JobRecord, JobRequest, JobStatus, ModelInfo
 
 T = TypeVar("T")
@@ -146,12 +146,16 @@ def has_schemas(request: JobRequest) -> bool:
     return bool(request.tools) or request.response_format is not None
 
 
-async def off_loop(
-    services: Services, caller: str | None, requests: list[JobRequest], fn: Callable[..., T], *args: object
-) -> T:
-    """`fn(*args)` (a submission) on a thread: one of the content-check threads, in `caller`'s
-    turn, when any of `requests` carries schemas (api/content_checks.py), else the default pool."""
-    if any(has_schemas(r) for r in requests):
+def heavy(requests: list[JobRequest], large: bool) -> bool:
+    """Whether submitting `requests` is work that scales with what they carry: a large body
+    (api/bodies.py), or schemas to check and grammars to compile."""
+    return large or any(has_schemas(r) for r in requests)
+
+
+async def off_loop(services: Services, caller: str | None, heavy: bool, fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` (a submission) on a thread: when `heavy`, one of the content-check threads in
+    `caller`'s turn (api/content_checks.py), else the default pool."""
+    if heavy:
         return await services.checks.run(caller, fn, *args)
     return await run_in_threadpool(fn, *args)
 
@@ -197,31 +201,33 @@ def _alternation(tokens: tuple[str, ...]) -> re.Pattern[str]:
 
 def check_schema_budget(request: JobRequest, budget: int, cache: dict) -> None:
     """Cheap, and before anything reads a schema: the request's tools and response_format schema
-    within ACTQ_MAX_SCHEMA_BYTES as JSON (one `json.dumps`, in C; a schema repeated across the jobs
-    of one HTTP request, `cache`, counts once), each schema at most MAX_SCHEMA_DEPTH levels deep."""
-    parts: list[object] = [
-        [t.function.name, t.function.description, t.function.parameters] for t in request.tools or []
+    within ACTQ_MAX_SCHEMA_BYTES as JSON (`json.dumps`, in C, one tool at a time, stopping once
+    over; a schema repeated across the jobs of one HTTP request, `cache`, counts once), each
+    schema at most MAX_SCHEMA_DEPTH levels deep."""
+    tools = request.tools or []
+    parts: list[tuple[str, object]] = [
+        (f"tools[{i}]", [t.function.name, t.function.description, t.function.parameters]) for i, t in enumerate(tools)
     ]
-    parts += [schema for where, schema in request.schemas() if where.startswith("response_format")]
-    if not parts:
-        return
-    try:
-        text = json.dumps(parts)
-    except RecursionError:  # deeper than Python writes: name the schema
-        text = None
-    deep = next((where for where, schema in request.schemas() if text is None and json_chars(schema) is None), None)
-    if text is not None:
-        seen: set[bytes] = cache.setdefault(("schema-texts",), set())
+    parts += [(where, schema) for where, schema in request.schemas() if where.startswith("response_format")]
+    seen: set[bytes] = cache.setdefault(("schema-texts",), set())
+    for where, part in parts:
+        try:
+            text = json.dumps(part)
+        except RecursionError:  # deeper than Python writes
+            field = where if where.startswith("response_format") else f"{where}.function.parameters"
+            message = f"{field} nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep"
+            raise InvalidSchema(message, field) from None
         digest = hashlib.sha256(text.encode()).digest()
-        if digest not in seen:
-            seen.add(digest)
-            cache[("schema-bytes",)] = total = int(cache.get(("schema-bytes",), 0)) + len(text)
-            if total > budget:
-                raise PayloadTooLarge(
-                    f"the tools and response_format schemas of this request are {total:,} bytes as JSON; at most "
-                    f"{budget:,} (ACTQ_MAX_SCHEMA_BYTES): send fewer or smaller tools"
-                )
-        deep = next((where for where, schema in request.schemas() if too_deep(schema)), None)
+        if digest in seen:
+            continue
+        seen.add(digest)
+        cache[("schema-bytes",)] = total = int(cache.get(("schema-bytes",), 0)) + len(text)
+        if total > budget:
+            raise PayloadTooLarge(
+                f"the tools and response_format schemas of this request are over {budget:,} bytes as JSON (at "
+                f"{where}, {total:,} so far; ACTQ_MAX_SCHEMA_BYTES): send fewer or smaller tools"
+            )
+    deep = next((where for where, schema in request.schemas() if too_deep(schema)), None)
     if deep is not None:
         raise InvalidSchema(
             f"{deep} nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep; flatten it, or name the "

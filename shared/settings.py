@@ -143,15 +143,16 @@ class Settings(BaseSettings):
         "schema is checked.",
     )
     content_checks_per_key: int = Field(
-        2,
+        1,
         ge=1,
-        description="Requests of one API key (all callers together when keys are off) whose JSON Schemas and "
-        "grammars are checked at once, on threads off the event loop; more wait their turn.",
+        description="Requests of one API key (all callers together when keys are off) whose large bodies, JSON "
+        "Schemas and grammars are checked at once, on threads off the event loop; its next ones wait their turn.",
     )
     content_check_threads: int = Field(
-        4,
+        2,
         ge=1,
-        description="Threads of one API process checking requests' JSON Schemas and grammars, all keys together.",
+        description="Threads of one API process for those checks, all keys together (parsing holds the GIL: more "
+        "threads let more keys wait less, not the work go faster).",
     )
     max_vector_sets_per_key: int = Field(
         1000,

@@ -8,10 +8,10 @@ from typing import Annotated
 from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
-from api.bodies import body_schema, parsed
+from api.bodies import body_schema, is_large, parsed
 from api.deps import CallerDep, SeesAllDep, ServicesDep, get_caller
 from api.presenters import view
-from api.submit import has_references, has_schemas, off_loop, submit, submit_batch, submit_now
+from api.submit import has_references, heavy, off_loop, submit, submit_batch, submit_now
 from api.visibility import load, load_async
 from shared.errors import BadRequest, JobCancelled, JobNotFound, NotReady
 from shared.listing import CURSOR_HEADER, METADATA, JobFilters, as_utc, decode_cursor, parse_tags
@@ -47,10 +47,11 @@ async def create_job(
     idempotency_key: Annotated[str | None, Header(min_length=1, max_length=256)] = None,
 ) -> JobView:
     """Queue a chat completion with activation capture."""
-    if idempotency_key is None and not has_references(body) and not has_schemas(body):
+    checks = heavy([body], await is_large(request))
+    if idempotency_key is None and not has_references(body) and not checks:
         record, created = await submit_now(services, body, owner=caller), True
     else:  # may wait for a concurrent request with the same key, read stored vectors or check schemas: off the loop
-        record, created = await off_loop(services, caller, [body], submit, services, body, idempotency_key, caller)
+        record, created = await off_loop(services, caller, checks, submit, services, body, idempotency_key, caller)
     response.headers["Location"] = str(request.url_for("get_job", job_id=record.id))
     if not created:
         response.status_code = 200
@@ -65,12 +66,12 @@ async def create_job(
     openapi_extra=body_schema(BatchRequest),
 )
 async def create_jobs(
-    body: Annotated[BatchRequest, parsed(BatchRequest)], services: ServicesDep, caller: CallerDep
+    body: Annotated[BatchRequest, parsed(BatchRequest)], services: ServicesDep, caller: CallerDep, request: Request
 ) -> BatchResponse:
     """Queue many jobs at once: all are validated first; one bad entry rejects the batch (its index
     is in the message) and nothing is queued. Entries may carry an idempotency_key."""
-    requests = [entry.request for entry in body.jobs]
-    results = await off_loop(services, caller, requests, submit_batch, services, body.jobs, caller)
+    checks = heavy([entry.request for entry in body.jobs], await is_large(request))
+    results = await off_loop(services, caller, checks, submit_batch, services, body.jobs, caller)
     return BatchResponse(jobs=[BatchItem(id=r.id, status=r.status.value, created=created) for r, created in results])
 
 

@@ -72,7 +72,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
-from api.bodies import body_schema, parsed
+from api.bodies import body_schema, in_turn, is_large, parsed
 from api.default_capture import with_default_capture
 from api.deps import CallerDep, Services, ServicesDep, get_caller
 from api.errors import redis_trouble
@@ -96,7 +96,7 @@ from api.openai_compat import (
     whole_result,
 )
 from api.openai_stream import stream_chat, stream_completion
-from api.submit import off_loop, submit, submit_batch
+from api.submit import heavy, off_loop, submit, submit_batch
 from shared.errors import ActqError
 from shared.schemas import BatchEntry, JobRecord, JobRequest, JobStatus
 
@@ -156,7 +156,9 @@ def _submit_all(
     services: Services, job_requests: list[JobRequest], idempotency_key: str | None, caller: str | None
 ) -> list[JobRecord]:
     """One job: as POST /jobs. Several (prompts x n): validated together and queued in one
-    transaction (nothing is queued when one is bad), as POST /jobs/batch."""
+    transaction (nothing is queued when one is bad), as POST /jobs/batch. A request without a
+    capture gets the deployment's default one."""
+    job_requests = [with_default_capture(services.settings, r, caller) for r in job_requests]
     if len(job_requests) == 1:
         return [submit(services, job_requests[0], idempotency_key, caller)[0]]
     entries = [
@@ -172,16 +174,15 @@ async def _finished(
     wait_seconds: float,
     idempotency_key: str | None,
     caller: str | None,
+    large: bool,
 ) -> list[JobRecord]:
     """Submit the jobs (one per choice) and wait for them; their records once all have succeeded,
     else the error to answer (the first job in choice order that did not). The long-poll place is
     taken before submitting: at capacity the 429 comes before anything is queued, so the client's
-    own retry cannot make a second job."""
-    job_requests = [with_default_capture(services.settings, r, caller) for r in job_requests]  # when none is sent
+    own retry cannot make a second job. `large`: the body was (api/bodies.py)."""
     async with services.waiters.slot():
-        records = await off_loop(
-            services, caller, job_requests, _submit_all, services, job_requests, idempotency_key, caller
-        )
+        checks = heavy(job_requests, large)
+        records = await off_loop(services, caller, checks, _submit_all, services, job_requests, idempotency_key, caller)
         deadline = time.monotonic() + wait_seconds
         for index, record in enumerate(records):
             if record.status.terminal:
@@ -223,8 +224,9 @@ async def chat_completions(
     field `actq`; with `stream: true`, server-sent events as the job generates."""
     if body.stream or body.stream_options is not None:
         return await stream_chat(services, body, request, caller, idempotency_key)
-    job_requests = to_job_requests(body)
-    records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller)
+    job_requests = await in_turn(request, services, caller, to_job_requests, body)
+    large = await is_large(request)
+    records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
     _name_jobs(response, records)
     return completion(records, request)
 
@@ -244,8 +246,9 @@ async def completions(
     `stream: true`, server-sent events as the job generates."""
     if body.stream or body.stream_options is not None:
         return await stream_completion(services, body, request, caller, idempotency_key)
-    job_requests = completion_job_requests(body)
-    records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller)
+    job_requests = await in_turn(request, services, caller, completion_job_requests, body)
+    large = await is_large(request)
+    records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
     _name_jobs(response, records)
     return text_completion(records, request, echo=bool(body.echo), logprobs=body.logprobs is not None)
 

@@ -137,8 +137,8 @@ REFUSED = [
             tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": 5}}}]
         ),
         openai.BadRequestError,
-        "tools.0.function.parameters",
-        "tools.0.function.parameters: Value error, parameters['properties'] is not a valid JSON Schema",
+        "tools[0].function.parameters",
+        "tools[0].function.parameters['properties'] is not a valid JSON Schema",
     ),
     (
         "tool_choice without tools",

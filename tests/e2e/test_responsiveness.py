@@ -14,7 +14,10 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.hostile import HOSTILE
+from shared.registry import ModelRegistry
+from shared.tools import ToolFormat
+from tests.support.hostile import HEAVIEST, HOSTILE, SURFACE, WIDE
+from tests.support.models import tiny_llama
 
 # The target is 50 ms: with two senders at full speed (niced), p99 38.8 and 40.0 ms here while
 # other work ran on the same 2 cores. In the full suite the machine also runs the session's
@@ -24,34 +27,35 @@ from tests.support.hostile import HOSTILE
 # above it.
 P99_LIMIT_S = 0.075
 ROUNDS = 150  # per sender; about 320 probes: the p99 is the 4th-largest sample, not the 2nd (one scheduler hiccup)
+PARSE_FLOOR_BYTES = 1 << 20
+HEAVY_ROUNDS = 6  # per sender: each round is seconds of checks, and well over 1,000 probes in all
 
 # The sender is a process of its own: its JSON and HTTP work must not hold this process's GIL
-# while it times the probes.
+# while it times the probes. Each case: (name, path, acceptable statuses, headers).
 SENDER = """
 import json, sys, httpx
 base, folder, rounds = sys.argv[1], sys.argv[2], int(sys.argv[3])
 cases = json.load(open(f"{folder}/cases.json"))
 bodies = [open(f"{folder}/{i}.json", "rb").read() for i in range(len(cases))]
 wrong = []
-with httpx.Client(base_url=base, timeout=60, headers={"content-type": "application/json"}) as http:
+with httpx.Client(base_url=base, timeout=120, headers={"content-type": "application/json"}) as http:
     for _ in range(rounds):
-        for (case, path, statuses), body in zip(cases, bodies):
-            status = http.post(path, content=body).status_code
-            if status not in statuses:
-                wrong.append(f"{case}: {status}")
+        for (case, path, statuses, headers), body in zip(cases, bodies):
+            response = http.post(path, content=body, headers=headers)
+            if response.status_code not in statuses:
+                wrong.append(f"{case} {path}: {response.status_code} {response.text[:200]}")
 print(json.dumps(wrong))
 """
 
 
-def test_health_stays_fast_while_hostile_requests_arrive(live, tmp_path: Path):
-    cases = []
-    for i, (case, payload, raw, statuses) in enumerate(HOSTILE):
-        (tmp_path / f"{i}.json").write_bytes(raw or json.dumps(payload).encode())
-        cases.append((case, "/jobs/batch" if payload and "jobs" in payload else "/jobs", list(statuses)))
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    cmd = [sys.executable, "-c", SENDER, live.base_url, str(tmp_path), str(ROUNDS)]
+def probe_health(base_url: str, folder: Path, cases: list, bodies: list[bytes], rounds: int) -> list[float]:
+    """/health latencies while two niced senders post `cases` back to back, `rounds` times each."""
+    for i, body in enumerate(bodies):
+        (folder / f"{i}.json").write_bytes(body)
+    (folder / "cases.json").write_text(json.dumps(cases))
+    cmd = [sys.executable, "-c", SENDER, base_url, str(folder), str(rounds)]
     latencies: list[float] = []
-    with httpx.Client(base_url=live.base_url, timeout=10) as http:
+    with httpx.Client(base_url=base_url, timeout=10) as http:
         http.get("/health")  # warm the connection
         # The senders run at a lower priority: on 2 cores, two senders at full speed would otherwise
         # take the CPU from the API itself, and the probes would time the machine, not the API.
@@ -65,7 +69,46 @@ def test_health_stays_fast_while_hostile_requests_arrive(live, tmp_path: Path):
         out, _ = sender.communicate()
         assert sender.returncode == 0 and json.loads(out) == []
     assert len(latencies) >= 50, "the hostile requests were answered too fast to measure anything"
+    return latencies
+
+
+def p99_of(latencies: list[float], what: str) -> float:
     p99 = statistics.quantiles(latencies, n=100, method="inclusive")[98]
-    p50 = statistics.median(latencies)
-    print(f"\n/health during hostile requests: {len(latencies)} probes, p50 {p50 * 1e3:.1f} ms, p99 {p99 * 1e3:.1f} ms")
+    print(
+        f"\n/health during {what}: {len(latencies)} probes, p50 {statistics.median(latencies) * 1e3:.1f} ms, "
+        f"p99 {p99 * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms"
+    )
+    return p99
+
+
+def test_health_stays_fast_while_hostile_requests_arrive(live, tmp_path: Path):
+    cases, bodies = [], []
+    for case, payload, raw, statuses in HOSTILE:
+        bodies.append(raw or json.dumps(payload).encode())
+        cases.append((case, "/jobs/batch" if payload and "jobs" in payload else "/jobs", list(statuses), {}))
+    p99 = p99_of(probe_health(live.base_url, tmp_path, cases, bodies, ROUNDS), "hostile requests")
+    assert p99 < P99_LIMIT_S, f"p99 {p99 * 1e3:.1f} ms"
+
+
+def test_health_stays_fast_while_the_heaviest_requests_of_the_new_surface_arrive(live, redis_client, tmp_path: Path):
+    """Issue 33: tools and schemas at their limits (accepted, and checked in full at every send)
+    and the refused schema bombs: each is checked off the event loop, so /health, served by the
+    same process, stays fast. (Before: a 2.7 MB request of 100 tools held the loop 3 s, and
+    /health's p99 was 1,935 ms.) Bodies over PARSE_FLOOR_BYTES are left to bench/bench_hostile.py:
+    parsing one holds the GIL (about 9 ms per MB of small JSON values) wherever it runs, so what
+    they cost /health is the body limit's to bound (RELIABILITY.md)."""
+    wide = tiny_llama(WIDE).model_copy(update={"max_context": 1 << 20, "tool_format": ToolFormat.HERMES})
+    ModelRegistry(redis_client, 60).publish(wide)  # no worker: its jobs stay queued, its /v1 waits end in 504
+    cases, bodies = [], []
+    for index, (case, path, payload) in enumerate(HEAVIEST):
+        accepted = [200, 202] if path.startswith("/jobs") else [504]
+        cases.append((case, path, accepted, {"Idempotency-Key": f"heaviest-{index}"}))
+        bodies.append(json.dumps(payload).encode())
+    for case, path, payload, statuses in SURFACE:
+        cases.append((case, path, list(statuses), {}))
+        bodies.append(json.dumps(payload).encode())
+    kept = [i for i, body in enumerate(bodies) if len(body) <= PARSE_FLOOR_BYTES]
+    assert len(kept) >= 20
+    cases, bodies = [cases[i] for i in kept], [bodies[i] for i in kept]
+    p99 = p99_of(probe_health(live.base_url, tmp_path, cases, bodies, HEAVY_ROUNDS), "the heaviest requests")
     assert p99 < P99_LIMIT_S, f"p99 {p99 * 1e3:.1f} ms"

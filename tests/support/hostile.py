@@ -217,3 +217,39 @@ SURFACE = [
         (422,),
     ),
 ]
+
+
+def _widest_schema() -> dict:
+    """A response_format schema near both limits: ~99,000 characters, 62 levels deep."""
+    properties: dict = {f"p{i}": {"type": "string", "maxLength": 8, "description": "d" * 200} for i in range(370)}
+    properties["deep"] = nested("properties", 30)
+    return {"type": "object", "properties": properties}
+
+
+# The heaviest requests each kind accepts (tools and schemas at their limits, a batch near the body
+# limit sharing them), for a model whose context holds them (WIDE: published, never served). Each
+# is sent with an Idempotency-Key: every send is checked in full, and only the first queues a job.
+WIDE = "wide"
+WIDE_CHAT = {**CHAT, "model": WIDE}
+HEAVIEST = [
+    (
+        "tools at the schema budget, a forced call",
+        "/jobs",
+        {**WIDE_CHAT, "tools": tools(10, 88), "tool_choice": "required"},
+    ),
+    (
+        "tools at the schema budget, a forced call",
+        "/v1/chat/completions",
+        {**WIDE_CHAT, "tools": tools(10, 88), "tool_choice": "required", "actq_wait_seconds": 0.1},
+    ),
+    (
+        "a response_format schema at the size and depth limits",
+        "/jobs",
+        {**WIDE_CHAT, "response_format": json_schema(_widest_schema())},
+    ),
+    (
+        "a batch near the body limit sharing tools at the budget",
+        "/jobs/batch",
+        {"jobs": [{"request": {**WIDE_CHAT, "tools": tools(10, 88)}, "idempotency_key": f"k{i}"} for i in range(14)]},
+    ),
+]
