@@ -17,9 +17,11 @@ import uuid
 import weakref
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter, Depends, Query
+from fastapi import APIRouter, Depends, Query, Response
+from pydantic import BaseModel
 
-from api.deps import Services, ServicesDep, get_caller
+from api.bodies import INLINE_BYTES, body_schema, parsed
+from api.deps import CallerDep, Services, ServicesDep, get_caller
 from shared import keys
 from shared.errors import ActqError, BadRequest, NoChatTemplate, NoWorkerAnswer, UnknownModel
 from shared.tokenization import (
@@ -46,18 +48,38 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-@router.post("/tokenize", response_model=TokenizeResponse, response_model_exclude_none=True, responses=ERRORS)
-async def tokenize(body: TokenizeRequest, services: ServicesDep) -> TokenizeResponse:
+@router.post(
+    "/tokenize",
+    response_model=TokenizeResponse,
+    response_model_exclude_none=True,
+    responses=ERRORS,
+    openapi_extra=body_schema(TokenizeRequest),
+)
+async def tokenize(
+    body: Annotated[TokenizeRequest, parsed(TokenizeRequest)], services: ServicesDep, caller: CallerDep
+) -> TokenizeResponse | Response:
     """Text (`prompt`) or a chat (`messages`) to the model's token ids (vLLM's /tokenize)."""
-    result = await _call(services, body.model, "tokenize", tokenize=body)
+    result, large = await _call(services, caller, body.model, "tokenize", tokenize=body)
+    if large:  # a long text's ids (and token strings): validated and written off the event loop
+        return await services.checks.run(caller, _json_response, TokenizeResponse, result)
     return TokenizeResponse.model_validate(result)
 
 
-@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
-async def detokenize(body: DetokenizeRequest, services: ServicesDep) -> DetokenizeResponse:
+@router.post(
+    "/detokenize", response_model=DetokenizeResponse, responses=ERRORS, openapi_extra=body_schema(DetokenizeRequest)
+)
+async def detokenize(
+    body: Annotated[DetokenizeRequest, parsed(DetokenizeRequest)], services: ServicesDep, caller: CallerDep
+) -> DetokenizeResponse | Response:
     """Token ids to text, special tokens included (vLLM's /detokenize)."""
-    result = await _call(services, body.model, "detokenize", detokenize=body)
+    result, large = await _call(services, caller, body.model, "detokenize", detokenize=body)
+    if large:
+        return await services.checks.run(caller, _json_response, DetokenizeResponse, result)
     return DetokenizeResponse.model_validate(result)
+
+
+def _json_response(shape: type[BaseModel], result: dict[str, Any]) -> Response:
+    return Response(shape.model_validate(result).model_dump_json(exclude_none=True), media_type="application/json")
 
 
 @router.get("/tokenizer_info", response_model=TokenizerInfo, responses=ERRORS)
@@ -65,7 +87,7 @@ async def tokenizer_info(
     services: ServicesDep, model: Annotated[str | None, Query(min_length=1, max_length=200)] = None
 ) -> TokenizerInfo:
     """The tokenizer's special tokens, lengths and chat template (a subset of vLLM's /tokenizer_info)."""
-    result = await _call(services, model, "info")
+    result, _ = await _call(services, None, model, "info")
     return TokenizerInfo.model_validate(result)
 
 
@@ -89,12 +111,15 @@ async def _served(services: Services, model: str | None) -> str:
 
 async def _call(
     services: Services,
+    caller: str | None,
     model: str | None,
     op: Literal["tokenize", "detokenize", "info"],
     tokenize: TokenizeRequest | None = None,
     detokenize: DetokenizeRequest | None = None,
-) -> dict[str, Any]:
-    """Push the call for the model's workers and wait for the reply: its result, or its error raised."""
+) -> tuple[dict[str, Any], bool]:
+    """Push the call for the model's workers and wait for the reply: its result, and whether the
+    reply was large (parsed off the event loop, in `caller`'s turn: api/content_checks.py); or its
+    error raised."""
     name = await _served(services, model)
     deadline = time.monotonic() + WAIT_SECONDS
     slots = _slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(CONCURRENT_CALLS))
@@ -120,7 +145,11 @@ async def _call(
         slots.release()
     if popped is None:
         raise NoWorkerAnswer(f"no worker of model {name!r} answered within {WAIT_SECONDS:.0f} s; retry in a moment")
-    reply = TokenizerReply.model_validate_json(popped[1])
+    large = len(popped[1]) > INLINE_BYTES
+    if large:
+        reply = await services.checks.run(caller, TokenizerReply.model_validate_json, popped[1])
+    else:
+        reply = TokenizerReply.model_validate_json(popped[1])
     if reply.error is not None:
         raise _ERRORS.get(reply.error.type, ActqError)(reply.error.message)
-    return reply.result or {}
+    return reply.result or {}, large

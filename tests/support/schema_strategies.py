@@ -76,5 +76,9 @@ def nested_schemas() -> st.SearchStrategy[dict[str, Any]]:
 
 
 DIGITS = "0123456789٠١٢٣٤٥٦٧٨٩０１２３"
-# edit windows as a request writes them: ASCII and other digits, signs, colons, spaces, newlines
-windows = st.text(alphabet=DIGITS + "-:+ \n\t.", max_size=12)
+# edit windows as a request writes them: ASCII and other digits, signs, colons, spaces, newlines;
+# half of them shaped like a window ("a:b"), in any script's digits
+windows = st.one_of(
+    st.text(alphabet=DIGITS + "-:+ \n\t.", max_size=12),
+    st.from_regex(r"\A-?[0-9٠-٩０-９]{0,3}:-?[0-9٠-٩]{0,3}\n?\Z", fullmatch=True),
+)

@@ -252,3 +252,16 @@ def test_a_token_the_matcher_refuses_fails_that_row_only(lm, grammars, monkeypat
     assert ended == [bad] and bad.ended == "failed", reply(lm, bad)
     assert isinstance(bad.failure, InternalError) and "outside the reply's grammar" in str(bad.failure)
     assert decoder.rows == [free] and free.ended is None
+
+
+def test_a_grammar_that_allows_no_value_fails_the_job_rather_than_answer_nothing(grammars):
+    """The API refuses such schemas at submit; one that got past it (an older API, a direct
+    engine call) fails its job saying why. Before, its reply was "" with finish_reason "stop"."""
+    from shared.errors import JobFailure
+
+    cycle = {"$ref": "#/$defs/a", "$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}}
+    for schema in ({"$ref": "#"}, cycle):
+        req = request("hi", response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}})
+        with pytest.raises(JobFailure, match="allows no value"):
+            grammars.constraint(req, None)
+    assert grammars.constraint(json_request("hi"), None) is not None
