@@ -16,6 +16,13 @@ class BodyTooLarge(Exception):
     pass
 
 
+class RequestTooLarge(ActqError):
+    """A request body over ACTQ_MAX_REQUEST_BYTES: 413, before anything parses it."""
+
+    status_code = 413
+    error_type = "request_too_large"
+
+
 class BodyLimit:
     """Refuses a request body over `max_bytes` (`paths`: another limit for those paths, with the
     refusal that names its own setting, such as a vector set upload's ACTQ_VECTOR_MAX_BYTES)."""
@@ -24,8 +31,7 @@ class BodyLimit:
         self.app = app
         self.max_bytes = max_bytes
         self.paths = paths or {}
-        self.default = ActqError(f"the request body is over {max_bytes:,} bytes (ACTQ_MAX_REQUEST_BYTES)")
-        self.default.status_code, self.default.error_type = 413, "request_too_large"
+        self.default = RequestTooLarge(f"the request body is over {max_bytes:,} bytes (ACTQ_MAX_REQUEST_BYTES)")
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

@@ -5,7 +5,7 @@ publish them and no worker: `tiny` (the tests' tiny Llama, 256 tokens of context
 same with a context that holds tools at the schema budget). For each case, two sender processes
 (niced, as in tests/e2e/test_responsiveness.py; `--senders`) post it back to back for DURATION seconds while
 this process probes GET /health every 10 ms; reported per case: the senders' requests, /health
-p50, p99 and max. Accepted cases carry an Idempotency-Key, so every send is checked in full and
+p50, p99 and max (status 0: the connection dropped). Accepted cases carry an Idempotency-Key, so every send is checked in full and
 only the first queues a job.
 
 The cases are tests/support/hostile.py's: HEAVIEST (accepted at their limits) and SURFACE (the
@@ -47,11 +47,16 @@ base, path, body_file, key, seconds = sys.argv[1], sys.argv[2], sys.argv[3], sys
 body = open(body_file, "rb").read()
 headers = {"content-type": "application/json", **({"Idempotency-Key": key} if key else {})}
 sent, statuses = 0, set()
-with httpx.Client(base_url=base, timeout=120) as http:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
+http = httpx.Client(base_url=base, timeout=120)
+end = time.monotonic() + seconds
+while time.monotonic() < end:
+    try:
         statuses.add(http.post(path, content=body, headers=headers).status_code)
-        sent += 1
+    except httpx.HTTPError:  # the connection dropped (a bare 500 closes it): 0, and a new connection
+        statuses.add(0)
+        http.close()
+        http = httpx.Client(base_url=base, timeout=120)
+    sent += 1
 print(sent, *sorted(statuses))
 """
 
@@ -92,13 +97,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of sending per case")
     parser.add_argument("--only", default="", help="cases whose name holds this text")
+    parser.add_argument("--path", default="", help="cases whose route starts with this (e.g. /jobs)")
     parser.add_argument("--senders", type=int, default=2, help="processes sending the case back to back")
     parser.add_argument("--max-request-bytes", type=int, help="ACTQ_MAX_REQUEST_BYTES for the API (default: its own)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     cases = [(c, p, b, f"bench-{i}") for i, (c, p, b) in enumerate(HEAVIEST)]
     cases += [(c, p, b, "") for c, p, b, _ in SURFACE]
-    cases = [case for case in cases if args.only in case[0]]
+    cases = [case for case in cases if args.only in case[0] and case[1].startswith(args.path)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="actq-bench-hostile-") as tmp, RedisServer(Path(tmp) / "redis") as server:
         registry = ModelRegistry(redis.Redis.from_url(server.url), 3600)
