@@ -152,10 +152,10 @@ def heavy(requests: list[JobRequest], large: bool) -> bool:
     return large or any(has_schemas(r) for r in requests)
 
 
-async def off_loop(services: Services, caller: str | None, heavy: bool, fn: Callable[..., T], *args: object) -> T:
-    """`fn(*args)` (a submission) on a thread: when `heavy`, one of the content-check threads in
-    `caller`'s turn (api/content_checks.py), else the default pool."""
-    if heavy:
+async def off_loop(services: Services, caller: str | None, costly: bool, fn: Callable[..., T], *args: object) -> T:
+    """`fn(*args)` (a submission) on a thread: when `costly` (see `heavy`), one of the content-check
+    threads in `caller`'s turn (api/content_checks.py), else the default pool."""
+    if costly:
         return await services.checks.run(caller, fn, *args)
     return await run_in_threadpool(fn, *args)
 
