@@ -1,0 +1,133 @@
+"""The decoding step (worker/model_runner.py) is what a CUDA graph can hold, shown on the CPU:
+run under a dispatch mode that fails on every host synchronisation, every persistent tensor at
+the address it had before the first join, and `torch.compile(fullgraph=True)` with no graph
+break."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from tests.worker.test_slots import PROMPTS, SLOT_TOKENS, Row, load, prefill, rows_of
+from worker.input_batch import InputBatch
+from worker.model_runner import DecodeStep
+from worker.sampling import RowSampling
+from worker.slots import SlotCache
+
+pytestmark = pytest.mark.model
+
+aten = torch.ops.aten
+# What reads a device value on the host, or shapes a result by the data (a sync on a GPU).
+HOST_READS = {
+    aten._local_scalar_dense.default,  # .item(), int(t), bool(t)
+    aten.item.default,  # the same under inference mode
+    aten.nonzero.default,
+    aten.masked_select.default,
+    aten.is_nonzero.default,
+    aten.equal.default,
+    aten._unique2.default,
+}
+
+
+class NoHostReads(TorchDispatchMode):
+    """Fails on any operator that needs the data on the host, and on indexing with a boolean
+    mask (its result's size is the data's). (`.tolist()` of a CPU tensor dispatches nothing; on
+    a GPU it is a copy to the host, which the graph capture itself refuses.)"""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        if func in HOST_READS:
+            raise AssertionError(f"host synchronisation in the decoding step: {func}")
+        if func in (aten.index.Tensor, aten.index_put_.default, aten.index_put.default):
+            indices = args[1]
+            if any(i is not None and i.dtype == torch.bool for i in indices):
+                raise AssertionError(f"boolean indexing in the decoding step: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def persistent(step: DecodeStep) -> dict[str, int]:
+    b, t = step.batch, step.batch.sampling
+    named = {
+        "tokens": b.tokens,
+        "positions": b.positions,
+        "live": b.live,
+        "next": b.next,
+        "logits": b.logits,
+        **{name: getattr(t, name) for name in vars(t) if isinstance(getattr(t, name), torch.Tensor)},
+    }
+    named.update({f"cache.{i}": tensor for i, tensor in enumerate(step.cache.tensors())})
+    return {name: tensor.data_ptr() for name, tensor in named.items()}
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return load(tiny_dir)
+
+
+def started(model, tokenizer, slots: int = 8) -> tuple[DecodeStep, list[Row]]:
+    """A batch with three rows running (one greedy, two sampled with filters and penalties)."""
+    rows = rows_of(tokenizer, [40, 40, 40, 40, 40])[:3]
+    settings = [
+        RowSampling(),
+        RowSampling(temperature=0.8, top_k=20, top_p=0.9, min_p=0.05, seed=3, repetition_penalty=1.2),
+        RowSampling(temperature=1.1, seed=4, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={5: 2.0}),
+    ]
+    first = prefill(model, Row(ids=rows[0].ids[:, :1], new=1))
+    cache = SlotCache.like(first, slots, SLOT_TOKENS)
+    batch = InputBatch(slots, model.config.vocab_size, {2}, "cpu", pad_id=0)
+    step = DecodeStep(model, batch, cache)
+    for row, s in zip(rows, settings, strict=True):
+        row.sampling = s
+        cache_of = prefill(model, row)
+        prompt = int(row.ids.shape[1])
+        row.slot = batch.join(row, row.tokens[0], prompt, s, row.ids[0])
+        cache.write(row.slot, cache_of, 0, 0, prompt)
+    return step, rows
+
+
+def test_the_step_reads_nothing_back_and_keeps_every_address(tiny) -> None:
+    model, tokenizer = tiny
+    with torch.inference_mode():
+        step, rows = started(model, tokenizer)
+        addresses = persistent(step)
+        step.run()  # the first step after joins: the staged changes go in one copy (outside the mode)
+        step.batch.flush()
+        for _ in range(3):
+            with NoHostReads() as mode:
+                step.decode(*step.shape())
+            step.batch.advanced()
+            assert mode.ops > 0
+        # a row leaves and another joins a slot; the addresses stay
+        step.batch.leave(rows[1].slot)
+        late = rows_of(tokenizer, [5, 5, 5, 5, 5])[4]
+        cache_of = prefill(model, late)
+        slot = step.batch.join(late, late.tokens[0], int(late.ids.shape[1]), RowSampling(), late.ids[0])
+        step.cache.write(slot, cache_of, 0, 0, int(late.ids.shape[1]))
+        step.batch.flush()
+        with NoHostReads():
+            step.decode(*step.shape())
+        assert persistent(step) == addresses
+    assert slot == rows[1].slot
+
+
+def test_the_step_compiles_whole_with_no_graph_break(tiny) -> None:
+    """torch.compile with fullgraph=True refuses any graph break (a host read, data-dependent
+    Python); the compiled step then chooses the tokens the eager one chooses."""
+    model, tokenizer = tiny
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        eager, _ = started(model, tokenizer)
+        compiled_step, _ = started(model, tokenizer)
+        compiled = torch.compile(compiled_step.decode, fullgraph=True, backend="aot_eager", dynamic=False)
+        for _ in range(4):
+            for step, run in ((eager, eager.decode), (compiled_step, compiled)):
+                step.batch.flush()
+                run(*step.shape())
+                step.batch.advanced()
+            assert eager.batch.next[:3].tolist() == compiled_step.batch.next[:3].tolist()
+    assert len(PROMPTS) >= 3
