@@ -9,14 +9,23 @@ user turn; every row generates exactly --max-tokens greedy tokens (no end-of-seq
 batch size, medians over --repeats (the arms interleaved), in generated tokens per second from the
 prompts' submission to the results on the host:
 
-  generate       HF `generate` on the batch at once, left-padded
-  actq           the same prompts as jobs of actq's scheduler in process (bench/bench_overhead.py's
-                 `engine` arm; no Redis, no API), each job's result finished (text, tensors)
-  capture        the same, each job capturing the residual stream of every layer (the `residual`
-                 preset) at generated positions, in the model's dtype
-  actq/generate, capture/actq   the ratios
+  generate       HF `generate` on the batch at once, left-padded, eager
+  static         HF `generate` with a static cache, compiled (`torch.compile(mode="reduce-overhead")`,
+                 what transformers does for `cache_implementation="static"`): the graph-based peer (CUDA only)
+  eager          the same prompts as jobs of actq's scheduler in process (no Redis, no API), each job's
+                 result finished (text, tensors), its decoding steps run eagerly (ACTQ_CUDA_GRAPHS off)
+  graphs         the same, decoding steps replayed as CUDA graphs (the default)
+  capture        graphs, each job capturing the residual stream of every layer (the `residual` preset) at
+                 generated positions, in the model's dtype (steps with captures run eagerly today)
+  edit           graphs, each job adding a vector at 3 layers (steps with edits run eagerly today)
+  graphs/generate   the speed ratio; capture/graphs and edit/graphs: time with / time without (the cost)
 
-    .venv/bin/python bench/bench_gpu.py [--batches 1 2 4 8 16 32 64] [--max-tokens 128] [--repeats 3]
+Fair arms: every arm runs once at every batch size before anything is timed (kernels, the allocator,
+the CUDA graphs of every bucket the run needs); at least 3 timed repeats, interleaved across arms, the
+median reported; actq's scheduler prefills all the jobs waiting in one left-padded pass, as `generate`
+does (`prefill_padding=1.0`: its length grouping is a CPU economy, not the thing measured here).
+
+    .venv/bin/python bench/bench_gpu.py [--batches 1 8 32 128] [--max-tokens 64] [--repeats 3]
                                         [--dtype bfloat16] [--gsm8k test.jsonl] [--json out.json]
     .venv/bin/python bench/bench_gpu.py --allow-cpu    # without CUDA: a smoke run; its figures mean nothing
 
@@ -88,7 +97,7 @@ def chats(source: Path | None, count: int) -> list[list[dict[str, str]]]:
     return [data.messages(problems[i % len(problems)], "zero-shot") for i in range(count)]
 
 
-def generate_arm(engine, batch: list[list[dict[str, str]]], max_tokens: int, sync: Callable[[], None]):
+def generate_arm(engine, batch: list[list[dict[str, str]]], max_tokens: int, sync: Callable[[], None], **extra):
     """(seconds, generated tokens) of one left-padded HF `generate` over the batch."""
     tokenizer, model = engine.tokenizer, engine.hf
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in batch]
@@ -99,24 +108,39 @@ def generate_arm(engine, batch: list[list[dict[str, str]]], max_tokens: int, syn
         sync()
         started = time.perf_counter()
         out = model.generate(
-            **inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad
+            **inputs, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, pad_token_id=pad, **extra
         )
         sync()
         elapsed = time.perf_counter() - started
     return elapsed, (out.shape[1] - inputs["input_ids"].shape[1]) * len(batch)
 
 
-def engine_arm(engine, batch: list[list[dict[str, str]]], max_tokens: int, capture: dict | None, sync):
+def static_arm(engine, batch: list[list[dict[str, str]]], max_tokens: int, sync: Callable[[], None]):
+    """`generate_arm` with a static cache, which transformers compiles (reduce-overhead)."""
+    return generate_arm(engine, batch, max_tokens, sync, cache_implementation="static")
+
+
+def engine_arm(
+    engine,
+    batch: list[list[dict[str, str]]],
+    max_tokens: int,
+    capture: dict | None,
+    sync,
+    interventions: list[dict] | None = None,
+):
     """(seconds, generated tokens) of the batch as jobs of the scheduler in process, from their
     submission to every job's finished result (its text and captured tensors on the host)."""
     from shared.capture_spec import resolve
+    from shared.intervention_check import resolve as resolve_edits
     from shared.schemas import JobRequest
     from worker.scheduler import Entry, Scheduler
 
-    requests = [JobRequest.model_validate({"model": "m", "messages": c, "capture": capture}) for c in batch]
+    body = {"model": "m", "capture": capture, "interventions": interventions}
+    requests = [JobRequest.model_validate({**body, "messages": c}) for c in batch]
     spec = requests[0].capture  # the same for every job
     points = resolve(spec, engine.info) if spec is not None else []
-    seqs = [engine.prepare(request, points, max_tokens) for request in requests]
+    edits = resolve_edits(requests[0].interventions, engine.info, False, max_tokens) if interventions else None
+    seqs = [engine.prepare(request, points, max_tokens, None, edits) for request in requests]
     outcomes: dict[int, object] = {}
     done = threading.Event()
 
@@ -128,7 +152,7 @@ def engine_arm(engine, batch: list[list[dict[str, str]]], max_tokens: int, captu
 
         return Entry(seq=seqs[i], done=answer)
 
-    scheduler = Scheduler(engine, max_batch=len(seqs))
+    scheduler = Scheduler(engine, max_batch=len(seqs), prefill_padding=1.0)  # one prefill pass, as generate
     sync()
     started = time.perf_counter()
     for i in range(len(seqs)):
@@ -153,20 +177,33 @@ def median_rate(runs: list[tuple[float, int]]) -> float:
     return statistics.median(tokens / seconds for seconds, tokens in runs)
 
 
-def table(engine, prompts, batches: list[int], max_tokens: int, repeats: int, dtype: str, sync) -> list[dict]:
+def table(engines, prompts, batches: list[int], max_tokens: int, repeats: int, dtype: str, sync) -> list[dict]:
     """Print and return one row per batch size: each arm's median tokens/s and the ratios."""
+    graphs, eager = engines
     capture = {"preset": "residual", "positions": "generated", "dtype": dtype}
-    arms = {
-        "generate": lambda batch, n: generate_arm(engine, batch, n, sync),
-        "actq": lambda batch, n: engine_arm(engine, batch, n, None, sync),
-        "capture": lambda batch, n: engine_arm(engine, batch, n, capture, sync),
-    }
-    for warm in arms.values():  # kernels, the allocator, a first scheduler thread
-        warm(prompts[:2], 4)
-    print(
-        f"{'batch':>6}{'generate tok/s':>16}{'actq tok/s':>12}{'capture tok/s':>15}{'actq/generate':>15}{'capture/actq':>14}",
-        flush=True,
+    layers = graphs.info.num_layers
+    width = graphs.info.hidden_size
+    generator = torch.Generator().manual_seed(0)
+    edit = [
+        {"module": f"model.layers.{layer}", "op": "add", "vector": torch.randn(width, generator=generator).tolist()}
+        for layer in (layers // 4, layers // 2, 3 * layers // 4)
+    ]
+    arms: dict[str, Callable] = {"generate": lambda batch, n: generate_arm(graphs, batch, n, sync)}
+    if torch.cuda.is_available():
+        arms["static"] = lambda batch, n: static_arm(graphs, batch, n, sync)
+    arms.update(
+        {
+            "eager": lambda batch, n: engine_arm(eager, batch, n, None, sync),
+            "graphs": lambda batch, n: engine_arm(graphs, batch, n, None, sync),
+            "capture": lambda batch, n: engine_arm(graphs, batch, n, capture, sync),
+            "edit": lambda batch, n: engine_arm(graphs, batch, n, None, sync, edit),
+        }
     )
+    for size in batches:  # warm-up: every arm at every shape it will be timed at
+        for warm in arms.values():
+            warm(prompts[:size], max_tokens)
+    ratios = ["graphs/generate", "capture/graphs", "edit/graphs"]
+    print(f"{'batch':>6}" + "".join(f"{arm + ' tok/s':>15}" for arm in arms) + "".join(f"{r:>17}" for r in ratios))
     rows = []
     for size in batches:
         runs: dict[str, list[tuple[float, int]]] = {arm: [] for arm in arms}
@@ -177,14 +214,16 @@ def table(engine, prompts, batches: list[int], max_tokens: int, repeats: int, dt
         row = {
             "batch": size,
             **rate,
-            "actq_over_generate": rate["actq"] / rate["generate"],
-            "capture_over_actq": rate["capture"] / rate["actq"],
+            "graphs_over_generate": rate["graphs"] / rate["generate"],
+            "capture_over_graphs": rate["graphs"] / rate["capture"],  # time with / time without
+            "edit_over_graphs": rate["graphs"] / rate["edit"],
             "runs": runs,
         }
         rows.append(row)
         print(
-            f"{size:>6}{rate['generate']:>16.1f}{rate['actq']:>12.1f}{rate['capture']:>15.1f}"
-            f"{row['actq_over_generate']:>15.2f}{row['capture_over_actq']:>14.2f}",
+            f"{size:>6}"
+            + "".join(f"{rate[arm]:>15.1f}" for arm in arms)
+            + f"{row['graphs_over_generate']:>17.2f}{row['capture_over_graphs']:>17.2f}{row['edit_over_graphs']:>17.2f}",
             flush=True,
         )
     return rows
@@ -192,8 +231,8 @@ def table(engine, prompts, batches: list[int], max_tokens: int, repeats: int, dt
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", type=int, nargs="+", help="default 1 2 4 8 16 32 64 (smoke: 1 2)")
-    parser.add_argument("--max-tokens", type=int, help="new tokens per row; default 128 (smoke: 8)")
+    parser.add_argument("--batches", type=int, nargs="+", help="default 1 8 32 128 (smoke: 1 2)")
+    parser.add_argument("--max-tokens", type=int, help="new tokens per row; default 64 (smoke: 8)")
     parser.add_argument("--repeats", type=int, help="runs per arm and batch, the median reported; default 3 (smoke: 1)")
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default bfloat16 (smoke: float32)")
     parser.add_argument("--gsm8k", type=Path, help="a GSM8K JSONL file to take the questions from (else synthetic)")
@@ -205,8 +244,8 @@ def main() -> int:
         print("bench_gpu.py needs CUDA (or --allow-cpu for a smoke run)", file=sys.stderr)
         return 2
     smoke = not cuda
-    batches = args.batches or ([1, 2] if smoke else [1, 2, 4, 8, 16, 32, 64])
-    max_tokens = args.max_tokens or (8 if smoke else 128)
+    batches = args.batches or ([1, 2] if smoke else [1, 8, 32, 128])
+    max_tokens = args.max_tokens or (8 if smoke else 64)
     repeats = args.repeats or (1 if smoke else 3)
     dtype = args.dtype or ("float32" if smoke else "bfloat16")
     device = "cpu" if smoke else "cuda"
@@ -226,6 +265,7 @@ def main() -> int:
         folder = build_model(Path(tmp) / "model", shape, dtype)
         engine = CaptureEngine(load(Settings(model=str(folder), model_name="m", device=device, dtype=dtype)))
         engine.hf.generation_config.eos_token_id = None  # a random model: every row generates max_tokens
+        eager = CaptureEngine(engine.loaded, cuda_graphs=False)  # the same weights, steps run eagerly
         name = torch.cuda.get_device_name() if cuda else "CPU (smoke run: the figures mean nothing)"
         parameters = sum(p.numel() for p in engine.hf.parameters())
         print(f"command: {' '.join([sys.executable, *sys.argv])}")
@@ -236,7 +276,8 @@ def main() -> int:
             f"{len(engine.info.presets['residual'])} layers at generated positions; medians of {repeats}",
             flush=True,
         )
-        rows = table(engine, chats(args.gsm8k, max(batches)), batches, max_tokens, repeats, dtype, sync)
+        print(f"decoding: {engine.describe_decoder()}", flush=True)
+        rows = table((engine, eager), chats(args.gsm8k, max(batches)), batches, max_tokens, repeats, dtype, sync)
     if args.json:
         report = {"device": name, "dtype": dtype, "shape": shape, "max_tokens": max_tokens, "rows": rows}
         args.json.write_text(json.dumps(report, indent=2) + "\n")

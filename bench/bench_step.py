@@ -1,5 +1,7 @@
 """What one decoding step of the engine costs, beside Hugging Face `generate`'s own step.
 
+Arms: `generate`; `compacted`, the decoder of one left-padded timeline that models with sliding
+windows keep (worker/decoding.py); `slots`, the persistent batch in slots (worker/slot_decoding.py).
 On a model whose compute is nearly free (a random Llama, 4 layers, hidden 64), a step's time is
 the engine's own work: the part a GPU does not speed up. Per step, for batch sizes and numbers of
 capture points, it reports the mean wall time, the host
@@ -83,7 +85,7 @@ def prompts(batch: int) -> list[str]:
     ]
 
 
-def engine_arm(engine, batch: int, points: int, steps: int, sample: bool) -> dict:
+def engine_arm(engine, batch: int, points: int, steps: int, sample: bool, compacted: bool = False) -> dict:
     from shared.capture_spec import resolve
     from shared.schemas import CaptureSpec, JobRequest
     from tests.support.host_reads import HostReads
@@ -96,7 +98,12 @@ def engine_arm(engine, batch: int, points: int, steps: int, sample: bool) -> dic
         request = JobRequest(model="m", messages=[{"role": "user", "content": text}], capture=spec, **fields)
         seqs.append(engine.prepare(request, resolve(spec, engine.info) if spec else [], 3 * steps + 4))
     with torch.inference_mode():
-        decoder = engine.decoder()
+        if compacted:  # the decoder before slots (still the one of sliding-window models)
+            from worker.decoding import Decoder
+
+            decoder = Decoder(engine.hf, engine.tokenizer, engine._pad()["pad_token_id"])
+        else:
+            decoder = engine.decoder(batch)
         decoder.eos_ids = set()  # a random model: never end early
         try:
             for seq in seqs:
@@ -196,13 +203,13 @@ def main() -> int:
     rows = []
     print(f"{'arm':<10}{'batch':>6}{'points':>7}{'ms/step':>9}{'reads':>7}{'copies':>8}{'gathers':>8}{'ops':>8}")
     for batch in args.batch:
-        arms = [("generate", None)] + [("actq", p) for p in args.points]
+        arms = [("generate", None)] + [("compacted", p) for p in args.points] + [("slots", p) for p in args.points]
         for name, points in arms:
             if points is None:
                 row = generate_arm(engine, batch, args.steps, args.sample)
                 row["points"] = 0
             else:
-                row = engine_arm(engine, batch, points, args.steps, args.sample)
+                row = engine_arm(engine, batch, points, args.steps, args.sample, compacted=name == "compacted")
             row.update(arm=name, batch=batch)
             rows.append(row)
             print(

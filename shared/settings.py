@@ -103,6 +103,13 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Model weights dtype: `auto` is bfloat16 on cuda, float32 on cpu."
     )
+    cuda_graphs: bool = Field(
+        True,
+        description=(
+            "Replay the decoding step as one CUDA graph per batch-size bucket on a GPU (0: run it eagerly, for "
+            "debugging). Steps of batches with captures or edits run eagerly today."
+        ),
+    )
     allow_special_tokens: bool = Field(
         False,
         description=(

@@ -12,7 +12,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-HEADER = ["batch", "generate tok/s", "actq tok/s", "capture tok/s", "actq/generate", "capture/actq"]
+HEADER = [
+    "batch",
+    "generate tok/s",
+    "eager tok/s",
+    "graphs tok/s",
+    "capture tok/s",
+    "edit tok/s",
+    "graphs/generate",
+    "capture/graphs",
+    "edit/graphs",
+]
 ROW = re.compile(r"^\s*(\d+)" + r"\s+(\S+)" * (len(HEADER) - 1) + r"\s*$")
 
 

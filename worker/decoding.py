@@ -31,6 +31,7 @@ from worker import kvcache
 from worker.capture import BatchHooks, JobCapture, Mark
 from worker.constrained import Constraint, masked_rows
 from worker.edits import BatchEdits, JobEdits
+from worker.sampling import RowSampling
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -169,6 +170,7 @@ class Sequence:
     edits: JobEdits | None = None  # its interventions (worker/edits.py)
     echo: bool = False  # a generation that also scores its prompt (its prefill keeps every position's logits)
     constraint: Constraint | None = None  # the grammar its reply follows (worker/constrained.py)
+    sampling: RowSampling | None = None  # its settings for the vectorised sampler (the slots' decoder)
     generated: list[int] = field(default_factory=list)
     ended: str | None = None
     stopped_by: str | None = None  # what the watch answered
@@ -283,7 +285,9 @@ class Decoder:
                 undo.apply()
             raise
 
-    def _admit_many(self, seqs: list[Sequence]) -> None:
+    def _prompt_pass(self, seqs: list[Sequence]) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor, list[int]]:
+        """The prompts of `seqs` in one left-padded pass and each one's first token: (the pass's
+        cache, its ids, mask and positions `[n, width]`, each row's padding)."""
         lengths = [seq.prompt_tokens for seq in seqs]
         width = max(lengths)
         ids = torch.cat([self._pad(seq.prompt_ids, width, self.pad_id) for seq in seqs])
@@ -294,13 +298,18 @@ class Decoder:
         echo = any(seq.echo for seq in seqs)  # the scheduler groups echo prefills apart
         logits = self._forward(ids, mask, pos, cache, width, seqs, True, padded, lengths if padded else None, echo)
         self._advance(seqs, logits, lambda i: seqs[i].prompt_ids)
+        return cache, ids, mask, pos, [width - n for n in lengths]
+
+    def _admit_many(self, seqs: list[Sequence]) -> None:
+        cache, ids, mask, pos, pads = self._prompt_pass(seqs)
+        width = ids.shape[1]
         going = [i for i, seq in enumerate(seqs) if not seq.ended]
         if not going:
             return
         if len(going) < len(seqs):  # some ended with their first token: only the others join
             cache = kvcache.select(cache, going, width)
             ids, mask, pos = ids[going], mask[going], pos[going]
-        self._join([seqs[i] for i in going], cache, ids, mask, pos, [width - lengths[i] for i in going])
+        self._join([seqs[i] for i in going], cache, ids, mask, pos, [pads[i] for i in going])
 
     def _join(self, joining: list[Sequence], cache: Any, ids, mask, pos, pads: list[int]) -> None:
         """Add prefilled sequences (their first token chosen) to the running batch: `ids`, `mask`

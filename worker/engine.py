@@ -16,6 +16,7 @@ and one past its last:
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, cast
@@ -36,6 +37,9 @@ from worker.kvcache import check_supported, new_cache
 from worker.models import LoadedModel
 from worker.presets import resolve_presets
 from worker.prompts import PromptEncoder
+from worker.sampling import RowSampling
+from worker.slot_decoding import SlotDecoder
+from worker.slots import unsupported
 from worker.solo import SoloDecoder
 from worker.tool_calls import Parsed, parse_tool_calls
 
@@ -84,7 +88,7 @@ class CaptureEngine:
     each other's steps, so every run holds `lock`. A model whose cache cannot be batched
     (`solo_reason`) decodes one job at a time (worker/solo.py)."""
 
-    def __init__(self, loaded: LoadedModel, allow_special_tokens: bool = False) -> None:
+    def __init__(self, loaded: LoadedModel, allow_special_tokens: bool = False, cuda_graphs: bool = True) -> None:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.prompts = PromptEncoder(loaded.tokenizer, allow_special_tokens)
@@ -95,6 +99,10 @@ class CaptureEngine:
         # Why this model's cache rows cannot move between batches (None: they can): it then runs
         # one job at a time with its own cache (worker/solo.py).
         self.solo_reason = check_supported(new_cache(self.hf.config))
+        # Why its cache cannot live in slots (None: batches decode in slots, worker/slot_decoding.py;
+        # else in one compacted timeline, worker/decoding.py).
+        self.slot_reason = self.solo_reason or unsupported(self.hf.config)
+        self.cuda_graphs = cuda_graphs
         # tool_choice and response_format: each such job's grammar, over the model's logits
         self.grammars = Grammars(self.tokenizer, self.info.vocab_size, self.eos_ids)
 
@@ -241,7 +249,17 @@ class CaptureEngine:
             completion=completion,
             echo=request.prompt_logprobs,
             constraint=self.grammars.constraint(request, self.info.tool_format),
+            sampling=None if request.trace else self.row_sampling(request),
         )
+
+    @staticmethod
+    def row_sampling(request: JobRequest) -> RowSampling:
+        """The request's settings for the vectorised sampler; a job without a seed gets a random
+        one (its draws are then its own, as with a fresh generator)."""
+        if not request.samples:
+            return RowSampling()
+        seed = request.seed if request.seed is not None else secrets.randbits(63)
+        return RowSampling(temperature=request.temperature, top_p=request.top_p, seed=seed)
 
     def _edits(
         self,
@@ -313,13 +331,26 @@ class CaptureEngine:
         working = working_bytes(self.info, padded_tokens, seq.max_tokens, every)
         return working + (seq.capture.nbytes if seq.capture is not None else 0)
 
-    def decoder(self) -> Decoder:
-        """The running batch, or for a model whose cache cannot be batched (`solo_reason`) the
-        decoder that generates one job at a time with the model's own cache."""
+    def decoder(self, slots: int = 16) -> Decoder:
+        """The running batch of up to `slots` sequences (the scheduler's ACTQ_MAX_BATCH): in slots
+        (worker/slot_decoding.py); for a model whose cache cannot live in slots (`slot_reason`),
+        in one compacted timeline; for one whose cache cannot be batched at all (`solo_reason`),
+        one job at a time with the model's own cache."""
         pad = self._pad()["pad_token_id"]
         if self.solo_reason is not None:
             return SoloDecoder(self.hf, self.tokenizer, pad)
-        return Decoder(self.hf, self.tokenizer, pad)
+        if self.slot_reason is not None:
+            return Decoder(self.hf, self.tokenizer, pad)
+        return SlotDecoder(self.hf, self.tokenizer, pad, slots, self.info.max_context, graphs=self.cuda_graphs)
+
+    def describe_decoder(self) -> str:
+        """How this model's batches decode (said at worker start)."""
+        if self.solo_reason is not None:
+            return f"one job at a time ({self.solo_reason})"
+        if self.slot_reason is not None:
+            return f"in a compacted batch, not in slots ({self.slot_reason})"
+        graphs = self.cuda_graphs and self.loaded.device.startswith("cuda")
+        return "in slots, decoding steps " + ("replayed as CUDA graphs" if graphs else "run eagerly")
 
     def finish(self, seq: Sequence, request: JobRequest) -> Generation:
         """The job's result once its sequence left the batch (a failed one raises its failure)."""
@@ -375,7 +406,7 @@ class CaptureEngine:
         generated and captured until then is kept."""
         seq = self.prepare(request, points, max_tokens, watch, edit_points, references)
         with self.lock, torch.inference_mode():
-            decoder = self.decoder()
+            decoder = self.decoder(1)
             try:
                 if seq.trace:
                     decoder.trace([seq])

@@ -1,13 +1,22 @@
 """The persistent input batch: every running sequence's per-row state in device tensors that keep
 their addresses for the life of the engine, addressed by slot.
 
-Per slot: the token it feeds next, that token's position, whether a sequence holds the slot
-(`live`), the token the last step chose (`next`), the last step's logits, and its sampling row
-(worker/sampling.py). A sequence `join`s a free slot (the lowest, so running rows stay packed at
-the front) and `leave`s it; what a join or leave changes in the per-row tensors is staged on the
-host and reaches the device in one packed copy before the next step (`flush`), so a step with
-joins and leaves costs one host-to-device copy, and a step without costs none. Nothing here is
-moved when a sequence leaves: its slot is only marked free.
+Per slot, one `state` row of four integers: the token it feeds next, that token's position,
+whether a sequence holds the slot (`live`), and its prompt's length (so a row has generated
+`position - prompt + 1` tokens). Beside it: the row's tokens so far by position (`history`, what
+the penalties count), the token the last step chose (`next`), the last step's logits, its
+grammar bitmask row, and its sampling settings (worker/sampling.py).
+
+A decoding step reads `state` and writes the next state back in ONE copy at its very end (every
+other write of the step, the keys and values at the row's position, the history entry, the logits
+and `next`, is the same when the step runs again): a step that fails part-way can run again and
+compute exactly what it would have.
+
+A sequence `join`s a free slot (the lowest, so running rows stay packed at the front) and
+`leave`s it; what a join or leave changes in `state` is staged on the host and reaches the device
+in one packed copy before the next step (`flush`), so a step with joins and leaves costs one
+host-to-device copy, and a step without costs none. Nothing here is moved when a sequence leaves:
+its slot is only marked free.
 """
 
 from __future__ import annotations
@@ -16,26 +25,40 @@ import torch
 
 from worker.sampling import RowSampling, SamplingTable
 
-# Columns of a staged change: slot, token, position, live.
-_SLOT, _TOKEN, _POSITION, _LIVE = range(4)
+TOKEN, POSITION, LIVE, PROMPT = range(4)  # the columns of `state`
 
 
 class InputBatch:
-    def __init__(self, slots: int, vocab: int, eos_ids: set[int], device: torch.device | str, pad_id: int) -> None:
+    def __init__(
+        self, slots: int, slot_tokens: int, vocab: int, eos_ids: set[int], device: torch.device | str, pad_id: int
+    ) -> None:
         self.slots, self.vocab, self.pad_id = slots, vocab, pad_id
         self.device = torch.device(device)
-        self.tokens = torch.full((slots,), pad_id, dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(slots, dtype=torch.int64, device=self.device)
-        self.live = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self.state = torch.zeros(slots, 4, dtype=torch.int64, device=self.device)
+        self.state[:, TOKEN] = pad_id
+        self.history = torch.zeros(slots, slot_tokens, dtype=torch.int64, device=self.device)
         self.next = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.logits = torch.zeros(slots, vocab, dtype=torch.float32, device=self.device)
         self.sampling = SamplingTable(slots, vocab, eos_ids, self.device)
+        words = (vocab + 31) // 32
         pinned = self.device.type == "cuda"
-        self._staged = torch.zeros(slots, 4, dtype=torch.int64, pin_memory=pinned)
-        self._changes: dict[int, tuple[int, int, int]] = {}
+        self.bitmask = torch.full((slots, words), -1, dtype=torch.int32, device=self.device)  # grammar rows
+        self._bitmask_host = torch.full((slots, words), -1, dtype=torch.int32, pin_memory=pinned)
+        self._staged = torch.zeros(slots, 5, dtype=torch.int64, pin_memory=pinned)
+        self._changes: dict[int, tuple[int, int, int, int]] = {}
         self.host_next = torch.zeros(slots, dtype=torch.int64, pin_memory=pinned)  # where `next` is read
         self.owners: list[object | None] = [None] * slots  # the host's view: who holds each slot
         self.host_positions = [0] * slots  # each slot's next position (known on the host: no read)
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self.state[:, POSITION]
+
+    def grow(self, slot_tokens: int) -> None:
+        """Longer slots: a longer history (a new tensor, the old one's tokens kept)."""
+        history = self.history.new_zeros(self.slots, slot_tokens)
+        history[:, : self.history.shape[1]].copy_(self.history)
+        self.history = history
 
     # -- slots -------------------------------------------------------------------------------
 
@@ -54,31 +77,29 @@ class InputBatch:
         """Positions a step attends over: the longest running row's, its new token included."""
         return max((self.host_positions[s] + 1 for s, o in enumerate(self.owners) if o is not None), default=1)
 
-    def join(self, owner: object, token: int, position: int, sampling: RowSampling, prompt: torch.Tensor) -> int:
-        """Give `owner` the lowest free slot: it feeds `token` at `position` next (its first
-        generated token, right after its prompt's `position` tokens). Returns the slot."""
+    def join(self, owner: object, tokens: torch.Tensor, prompt: int, sampling: RowSampling) -> int:
+        """Give `owner` the lowest free slot. `tokens` `[P + n]` are its prompt's `prompt` tokens
+        and the n >= 1 it generated in its prefill; it feeds the last one next. Returns the slot.
+        All or nothing: if it raises, the slot is still free."""
         slot = self.owners.index(None)  # raises ValueError when full: the scheduler never lets it be
-        self.sampling.set_row(slot, sampling, prompt)
+        count = int(tokens.shape[0])
+        if count > self.history.shape[1]:
+            raise ValueError(f"{count} tokens do not fit a slot of {self.history.shape[1]}")
+        last = int(tokens[-1])
+        # What can fail first (device writes to a slot no one holds); then only host assignments.
+        self.sampling.set_row(slot, sampling)
+        self.history[slot, :count].copy_(tokens)
         self.owners[slot] = owner
-        self.host_positions[slot] = position
-        self._changes[slot] = (token, position, 1)
+        self.host_positions[slot] = count - 1
+        self._changes[slot] = (last, count - 1, 1, prompt)
         return slot
-
-    def seen(self, slot: int, tokens: list[int]) -> None:
-        """Tokens the slot's sequence generated before it joined (its prefill chose them): counted
-        as the step that chose them would have."""
-        if tokens:
-            index = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-            table = self.sampling
-            table.seen[slot, index] = True
-            table.counts[slot].index_add_(0, index, torch.ones(len(tokens), device=self.device))
-            table.generated[slot] = len(tokens)
 
     def leave(self, slot: int) -> None:
         """Free `slot`: from the next step it feeds padding at position 0, which nothing reads."""
         self.owners[slot] = None
+        self.sampling.clear(slot)
         self.host_positions[slot] = 0
-        self._changes[slot] = (self.pad_id, 0, 0)
+        self._changes[slot] = (self.pad_id, 0, 0, 0)
 
     def advanced(self) -> None:
         """A step ran: every running row moved one position on (the device did the same)."""
@@ -87,25 +108,26 @@ class InputBatch:
                 self.host_positions[slot] += 1
 
     def flush(self) -> None:
-        """The staged joins and leaves to the device: one copy of a packed `[n, 4]` block, then
-        three in-place index copies (no host synchronisation)."""
+        """The staged joins and leaves to the device: one copy of a packed `[n, 5]` block, then
+        one in-place index copy (no host synchronisation). (The staging block is reused: the
+        step's read of its tokens, after this copy, completed it.)"""
         if not self._changes:
             return
         n = len(self._changes)
         staged = self._staged[:n]
-        for row, (slot, (token, position, live)) in enumerate(sorted(self._changes.items())):
-            staged[row, _SLOT], staged[row, _TOKEN], staged[row, _POSITION], staged[row, _LIVE] = (
-                slot,
-                token,
-                position,
-                live,
-            )
-        self._changes.clear()
+        staged.copy_(torch.tensor([[slot, *row] for slot, row in sorted(self._changes.items())], dtype=torch.int64))
         block = staged.to(self.device, non_blocking=True)
-        slots = block[:, _SLOT]
-        self.tokens.index_copy_(0, slots, block[:, _TOKEN])
-        self.positions.index_copy_(0, slots, block[:, _POSITION])
-        self.live.index_copy_(0, slots, block[:, _LIVE])
+        self.state.index_copy_(0, block[:, 0], block[:, 1:])
+        self._changes.clear()
+
+    def set_masks(self, rows: int, masks: dict[int, torch.Tensor]) -> None:
+        """The grammar's allowed tokens of the next step: `masks[slot]` is that slot's bitmask row
+        (int32, host); every other slot of [0, rows) allows every token. One copy."""
+        host = self._bitmask_host[:rows]
+        host.fill_(-1)
+        for slot, row in masks.items():
+            host[slot].copy_(row)
+        self.bitmask[:rows].copy_(host, non_blocking=True)
 
     def read_next(self, rows: int) -> list[int]:
         """The tokens the last step chose for slots [0, rows): one non-blocking copy to pinned

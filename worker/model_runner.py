@@ -6,7 +6,7 @@ only persistent tensors: the tokens of slots [0, rows) at their positions throug
 logits buffer, the sampler's choice into `next`, and each live row's token and position moved
 on. It does not read anything back to the host, allocate anything that outlives it, or branch in
 Python on a tensor's value: on CUDA it is captured once per (rows, span) bucket as a CUDA graph
-and replayed (`run`); elsewhere, or with graphs off, it runs eagerly. Buckets are powers of two
+and replayed (`replay`); elsewhere, or with graphs off, it runs eagerly. Buckets are powers of two
 (rows up to the batch's slots, positions from 64 up to the slot length); rows past the running
 ones are free slots that feed padding at position 0, and positions past a row's own are masked:
 neither changes what a running row computes.
@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-from worker.input_batch import InputBatch
-from worker.sampling import sample
+from worker.input_batch import LIVE, POSITION, PROMPT, TOKEN, InputBatch
+from worker.sampling import EVERYTHING, Features, sample, token_counts
 from worker.slots import SlotCache, causal_mask
 
 log = logging.getLogger(__name__)
@@ -38,35 +38,82 @@ def bucket(n: int, most: int, least: int = 1) -> int:
 
 
 class DecodeStep:
+    """The decoding step of one persistent batch and its slots, run eagerly (`decode`) or as the
+    CUDA graph of its bucket (`replay`)."""
+
     def __init__(self, model: Any, batch: InputBatch, cache: SlotCache, graphs: bool = False) -> None:
         self.model, self.batch, self.cache = model, batch, cache
         self.dtype = next(model.parameters()).dtype
         self.graphs = graphs and batch.device.type == "cuda"
-        self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[tuple[int, int, bool, Features], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 
-    def decode(self, rows: int, span: int) -> None:
-        """One decoding step of slots [0, rows) over positions [0, span) (graph-safe)."""
+    def use_cache(self, cache: SlotCache) -> None:
+        """Longer slots (new tensors, a longer history too): the graphs, which read the old
+        ones, are dropped."""
+        self.batch.grow(cache.slot_tokens)
+        self.cache = cache
+        self._graphs.clear()
+
+    def decode(
+        self,
+        lo: int,
+        hi: int,
+        span: int,
+        constrained: bool = False,
+        full: bool = False,
+        features: Features = EVERYTHING,
+    ) -> None:
+        """One decoding step of slots [lo, hi) over positions [0, span) (graph-safe). With
+        `constrained`, each row samples only the tokens its row of the batch's bitmask allows;
+        `features`: the sampler's parts the rows need.
+        `full`: every row sees all `span` positions (eager only, known on the host), so no mask
+        is passed: the attention `generate` runs for an unpadded batch, bit for bit."""
         b = self.batch
-        positions = b.positions[:rows]
-        self.cache.prepare(rows, span, positions)
+        part = slice(lo, hi)
+        rows = hi - lo
+        state = b.state[part]
+        tokens, positions, live, prompt = state[:, TOKEN], state[:, POSITION], state[:, LIVE], state[:, PROMPT]
+        self.cache.prepare(part, span, positions)
         out = self.model(
-            input_ids=b.tokens[:rows].view(rows, 1),
-            position_ids=positions.view(rows, 1),
-            attention_mask=causal_mask(positions, span, self.dtype),
+            input_ids=tokens.reshape(rows, 1),
+            position_ids=positions.reshape(rows, 1),
+            attention_mask=None if full else causal_mask(positions, span, self.dtype),
             past_key_values=self.cache,
             use_cache=True,
             return_dict=True,
         )
-        logits = b.logits[:rows]
+        logits = b.logits[part]
         logits.copy_(out.logits[:, -1])
-        chosen = sample(logits, b.sampling, out=b.next)
-        b.sampling.observe(chosen, rows)
-        live = b.live[:rows]
-        b.tokens[:rows].copy_(torch.where(live.bool(), chosen, b.tokens[:rows]))
-        positions.add_(live)
+        generated = positions - prompt + 1  # the fed token is the last one generated
+        penalties = None
+        if features.penalties:
+            penalties = token_counts(b.history[part, :span], torch.zeros_like(prompt), positions, prompt, b.vocab)
+        allowed = allowed_tokens(b.bitmask[part], b.vocab) if constrained else None
+        chosen = sample(logits, b.sampling, generated, penalties, allowed, part, out=b.next[part], features=features)
+        last = b.history.shape[1] - 1
+        b.history[part].scatter_(1, (positions + 1).clamp(max=last).reshape(rows, 1), chosen.reshape(rows, 1))
+        moved = torch.stack([torch.where(live.bool(), chosen, tokens), positions + live], dim=1)
+        state[:, TOKEN : POSITION + 1].copy_(moved)  # the step's one write of its state: last
 
-    # -- running it ----------------------------------------------------------------------------
+    def run(self, constrained: bool = False) -> list[int]:
+        """Flush the batch's staged joins and leaves, run one step of every running row (its
+        graph, or eagerly), and return the chosen token of every slot up to the last running one
+        (free slots' entries are meaningless)."""
+        b = self.batch
+        rows = b.span_rows
+        if not rows:
+            return []
+        b.flush()
+        features = b.sampling.features(slice(0, rows))
+        if self.graphs:
+            self.replay(constrained, features)
+        else:
+            self.decode(0, *self.shape(), constrained, features=features)
+        b.advanced()
+        return b.read_next(rows)
+
+    # -- shapes and graphs -----------------------------------------------------------------------
 
     def shape(self) -> tuple[int, int]:
         """The (rows, span) the next step runs: exact when eager; its bucket with graphs."""
@@ -75,26 +122,17 @@ class DecodeStep:
             return rows, span
         return bucket(rows, self.batch.slots), bucket(span, self.cache.slot_tokens, MIN_SPAN)
 
-    def run(self) -> list[int]:
-        """Flush the batch's staged joins and leaves, run one step, and return the chosen token of
-        every slot up to the last running one (free slots' entries are meaningless)."""
-        b = self.batch
-        rows = b.span_rows
-        if not rows:
-            return []
-        b.flush()
-        shape = self.shape()
-        if self.graphs:
-            self._graph(shape).replay()
-        else:
-            self.decode(*shape)
-        b.advanced()
-        return b.read_next(rows)
+    def replay(self, constrained: bool = False, features: Features = EVERYTHING) -> None:
+        """The step of every running row as the CUDA graph of its bucket and sampler parts
+        (captured the first time they run)."""
+        rows, span = self.shape()
+        self._graph(rows, span, constrained, features).replay()
 
-    def _graph(self, shape: tuple[int, int]) -> torch.cuda.CUDAGraph:
-        """The graph of one bucket, captured the first time it is needed (after warm-up runs on a
-        side stream, as CUDA graph capture requires). Graphs share one memory pool."""
-        graph = self._graphs.get(shape)
+    def _graph(self, rows: int, span: int, constrained: bool, features: Features) -> torch.cuda.CUDAGraph:
+        """After warm-up runs on a side stream (as capture requires), the step recorded once;
+        graphs share one memory pool. What warm-up and capture moved on is put back."""
+        key = (rows, span, constrained, features)
+        graph = self._graphs.get(key)
         if graph is not None:
             return graph
         saved = self._save()
@@ -102,24 +140,29 @@ class DecodeStep:
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.decode(*shape)
+                self.decode(0, rows, span, constrained, features=features)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            self.decode(*shape)
+            self.decode(0, rows, span, constrained, features=features)
         self._pool = graph.pool()
-        self._restore(saved)  # warm-up and capture ran the step: undo what they moved on
-        self._graphs[shape] = graph
-        log.info("captured the decoding step for %d rows over %d positions", *shape)
+        self._restore(saved)
+        self._graphs[key] = graph
+        log.info("captured the decoding step: %d rows, %d positions, grammar %s, %s", rows, span, constrained, features)
         return graph
 
+    def _state(self) -> tuple[torch.Tensor, ...]:
+        return (self.batch.state, self.batch.next, self.batch.history)
+
     def _save(self) -> list[torch.Tensor]:
-        b = self.batch
-        t = b.sampling
-        return [x.clone() for x in (b.tokens, b.positions, b.next, t.seen, t.counts, t.generated)]
+        return [x.clone() for x in self._state()]
 
     def _restore(self, saved: list[torch.Tensor]) -> None:
-        b = self.batch
-        t = b.sampling
-        for target, value in zip((b.tokens, b.positions, b.next, t.seen, t.counts, t.generated), saved, strict=True):
+        for target, value in zip(self._state(), saved, strict=True):
             target.copy_(value)
+
+
+def allowed_tokens(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`[B, vocab]` bool from a bitmask `[B, words]` (int32, bit j of word w: token 32w + j)."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    return ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, :vocab].bool()

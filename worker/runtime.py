@@ -56,7 +56,8 @@ def start(settings: Settings) -> Runtime:
     # Timeouts: a Redis that stops answering is an outage (JobStore waits it out), never a hang.
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
     loaded = load(settings)
-    engine = CaptureEngine(loaded, allow_special_tokens=settings.allow_special_tokens)
+    engine = CaptureEngine(loaded, allow_special_tokens=settings.allow_special_tokens, cuda_graphs=settings.cuda_graphs)
+    log.info("%s decodes %s", engine.info.name, engine.describe_decoder())
     if settings.allow_special_tokens:
         log.warning("ACTQ_ALLOW_SPECIAL_TOKENS is on: special-token strings in messages become special tokens")
     max_batch = engine.max_batch(settings.max_batch)

@@ -2,8 +2,10 @@
 
 Each row of the persistent batch (worker/input_batch.py) has its settings in the rows of
 `SamplingTable`, written once when its job joins: temperature (0 is greedy), top-k, top-p, min-p,
-a seed, repetition / presence / frequency penalties, a dense `logit_bias` row, `min_tokens`, and
-the counts of the tokens it has seen. `sample` applies all of them to all rows in the order
+a seed, repetition / presence / frequency penalties, a dense `logit_bias` row and `min_tokens`.
+What changes per step (how many tokens a row has generated, which tokens it has seen) is passed
+in by the caller, computed from the batch's own state, so the table never changes while rows
+decode. `sample` applies all of them to all rows in the order
 transformers' `generate` applies its own logits processors (bias, repetition penalty, minimum
 length, then temperature, top-k, top-p, min-p), so a batch that mixes settings costs what one
 kind costs, and a row's token depends on its own settings and logits only.
@@ -50,6 +52,42 @@ class RowSampling:
     def greedy(self) -> bool:
         return self.temperature <= 0
 
+    @property
+    def features(self) -> Features:
+        """What `sample` must compute for this row (a greedy row's filters cannot change its argmax)."""
+        return Features(
+            bias=bool(self.logit_bias),
+            penalties=bool(
+                self.repetition_penalty != 1.0 or self.presence_penalty or self.frequency_penalty or self.min_tokens > 0
+            ),
+            filters=not self.greedy and (0 < self.top_k or self.top_p < 1.0 or self.min_p > 0),
+            sampled=not self.greedy,
+        )
+
+
+@dataclass(frozen=True)
+class Features:
+    """The parts of `sample` a batch needs, from its rows' settings (known on the host): each
+    part runs for every row or for none, so a batch costs what its most demanding row needs, and
+    a CUDA graph is recorded per combination in use. A row whose settings are neutral for a part
+    is unchanged by it, exactly."""
+
+    bias: bool = False  # logit_bias (its table is allocated when a row first has one)
+    penalties: bool = False  # repetition, presence, frequency, min_tokens
+    filters: bool = False  # top-k, top-p, min-p (one sort)
+    sampled: bool = False  # some row draws (else every row takes the argmax)
+
+    def __or__(self, other: Features) -> Features:
+        return Features(
+            self.bias or other.bias,
+            self.penalties or other.penalties,
+            self.filters or other.filters,
+            self.sampled or other.sampled,
+        )
+
+
+EVERYTHING = Features(bias=True, penalties=True, filters=True, sampled=True)
+
 
 def fold_seed(seed: int) -> int:
     """A seed of any size as the 32 bits the hash reads."""
@@ -74,116 +112,180 @@ def uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int, out_dtype=torc
 
 
 class SamplingTable:
-    """Per-row sampling settings and token counts in device tensors allocated once, `slots` rows:
-    `set_row` writes a joining job's row, `observe` counts the tokens a step produced; `sample`
-    only reads them."""
+    """Per-row sampling settings in device tensors allocated once, `slots` rows, written when a
+    job joins (`set_row`) and only read by `sample`. The per-row numbers live in two tensors (one
+    write per join); their named columns are views."""
 
     def __init__(self, slots: int, vocab: int, eos_ids: set[int], device: torch.device | str) -> None:
         self.slots, self.vocab = slots, vocab
-
-        def f32(*shape: int, fill: float = 0.0) -> torch.Tensor:
-            return torch.full(shape, fill, dtype=torch.float32, device=device)
-
-        def i64(*shape: int, fill: int = 0) -> torch.Tensor:
-            return torch.full(shape, fill, dtype=torch.int64, device=device)
-
-        self.temperature = f32(slots)
-        self.top_k = i64(slots, fill=vocab)
-        self.top_p = f32(slots, fill=1.0)
-        self.min_p = f32(slots)
-        self.seed = i64(slots)
-        self.repetition = f32(slots, fill=1.0)
-        self.presence = f32(slots)
-        self.frequency = f32(slots)
-        self.min_tokens = i64(slots)
-        self.bias = f32(slots, vocab)
-        self.seen = torch.zeros(slots, vocab, dtype=torch.bool, device=device)  # prompt and generated tokens
-        self.counts = f32(slots, vocab)  # generated tokens
-        self.generated = i64(slots)  # tokens generated so far
+        self.floats = torch.zeros(slots, 6, dtype=torch.float32, device=device)
+        self.ints = torch.zeros(slots, 3, dtype=torch.int64, device=device)
+        self.temperature, self.top_p, self.min_p = self.floats[:, 0], self.floats[:, 1], self.floats[:, 2]
+        self.repetition, self.presence, self.frequency = self.floats[:, 3], self.floats[:, 4], self.floats[:, 5]
+        self.top_k, self.seed, self.min_tokens = self.ints[:, 0], self.ints[:, 1], self.ints[:, 2]
+        self.top_p.fill_(1.0)
+        self.repetition.fill_(1.0)
+        self.top_k.fill_(vocab)
+        self.device = torch.device(device)
+        self.bias: torch.Tensor | None = None  # [slots, vocab], made when a row first has a logit_bias
         self.eos = torch.zeros(vocab, dtype=torch.bool, device=device)
         for token in eos_ids:
             if 0 <= token < vocab:
                 self.eos[token] = True
+        self.settings: list[RowSampling | None] = [None] * slots  # the host's copy, for `features`
+        self._biased = [False] * slots  # rows whose bias row is not zero
 
-    def set_row(self, slot: int, settings: RowSampling, prompt: torch.Tensor) -> None:
-        """A joining job's settings in row `slot`, its prompt's tokens `[P]` counted as seen (eager,
-        at join time, never in the decoding step)."""
-        self.temperature[slot] = max(settings.temperature, 0.0)
-        self.top_k[slot] = settings.top_k if 0 < settings.top_k < self.vocab else self.vocab
-        self.top_p[slot] = settings.top_p
-        self.min_p[slot] = settings.min_p
-        self.seed[slot] = fold_seed(settings.seed)
-        self.repetition[slot] = settings.repetition_penalty
-        self.presence[slot] = settings.presence_penalty
-        self.frequency[slot] = settings.frequency_penalty
-        self.min_tokens[slot] = settings.min_tokens
-        self.bias[slot].zero_()
-        for token, value in settings.logit_bias.items():
-            self.bias[slot, token] = value
-        self.seen[slot].zero_()
-        self.seen[slot, prompt.to(self.seen.device, torch.int64)] = True
-        self.counts[slot].zero_()
-        self.generated[slot] = 0
+    def set_row(self, slot: int, settings: RowSampling) -> None:
+        """A joining job's settings in row `slot` (eager, at join time, never in the decoding step)."""
+        top_k = settings.top_k if 0 < settings.top_k < self.vocab else self.vocab
+        self.floats[slot] = torch.tensor(
+            [
+                max(settings.temperature, 0.0),
+                settings.top_p,
+                settings.min_p,
+                settings.repetition_penalty,
+                settings.presence_penalty,
+                settings.frequency_penalty,
+            ]
+        )
+        self.ints[slot] = torch.tensor([top_k, fold_seed(settings.seed), settings.min_tokens])
+        if settings.logit_bias and self.bias is None:
+            self.bias = torch.zeros(self.slots, self.vocab, dtype=torch.float32, device=self.device)
+        if self.bias is not None and (self._biased[slot] or settings.logit_bias):
+            self.bias[slot].zero_()
+            if settings.logit_bias:
+                tokens = torch.tensor(list(settings.logit_bias), dtype=torch.int64)
+                self.bias[slot, tokens.to(self.device)] = torch.tensor(
+                    list(settings.logit_bias.values()), dtype=torch.float32
+                ).to(self.device)
+            self._biased[slot] = bool(settings.logit_bias)
+        self.settings[slot] = settings
 
-    def observe(self, tokens: torch.Tensor, rows: int) -> None:
-        """Count the tokens `[rows]` that rows 0..rows-1 just produced (graph-safe: in place)."""
-        index = tokens[:rows].view(-1, 1)
-        self.seen[:rows].scatter_(1, index, True)
-        self.counts[:rows].scatter_add_(1, index, torch.ones_like(index, dtype=self.counts.dtype))
-        self.generated[:rows] += 1
+    def clear(self, slot: int) -> None:
+        """The row's job left: its settings no longer count in `features`."""
+        self.settings[slot] = None
+
+    def features(self, part: slice) -> Features:
+        found = Features()
+        for settings in self.settings[part]:
+            if settings is not None:
+                found = found | settings.features
+        return found
 
 
-def process(logits: torch.Tensor, table: SamplingTable, allowed: torch.Tensor | None = None) -> torch.Tensor:
-    """The scores every row samples from: `logits` `[B, V]` float32 (rows 0..B-1 of the table)
-    with bias, penalties, `min_tokens`, the grammar's `allowed` mask `[B, V]` (bool, optional),
-    temperature, top-k, top-p and min-p applied, in transformers' order. A new tensor."""
+def token_counts(
+    tokens: torch.Tensor, seen_from: torch.Tensor, seen_to: torch.Tensor, counted_from: torch.Tensor, vocab: int
+):
+    """What the penalties read, from each row's tokens `[B, L]`: `seen` `[B, vocab]` (bool: the
+    token is among positions [seen_from, seen_to] of its row: prompt and generated) and `counts`
+    `[B, vocab]` (float32: occurrences among positions [counted_from, seen_to]: the generated
+    ones). Positions outside are counted in a spare column that is dropped (graph-safe: no
+    boolean indexing)."""
+    rows, length = tokens.shape
+    at = torch.arange(length, device=tokens.device).view(1, length)
+    upto = at <= seen_to.view(-1, 1)
+    seen_at = torch.where(upto & (at >= seen_from.view(-1, 1)), tokens, vocab)
+    counted_at = torch.where(upto & (at >= counted_from.view(-1, 1)), tokens, vocab)
+    seen = torch.zeros(rows, vocab + 1, dtype=torch.bool, device=tokens.device).scatter_(1, seen_at, True)
+    counts = torch.zeros(rows, vocab + 1, dtype=torch.float32, device=tokens.device)
+    counts.scatter_add_(1, counted_at, torch.ones_like(counted_at, dtype=torch.float32))
+    return seen[:, :vocab], counts[:, :vocab]
+
+
+def process(
+    logits: torch.Tensor,
+    table: SamplingTable,
+    generated: torch.Tensor,
+    penalties: tuple[torch.Tensor, torch.Tensor] | None = None,
+    allowed: torch.Tensor | None = None,
+    part: slice | None = None,
+    features: Features = EVERYTHING,
+) -> torch.Tensor:
+    """The scores every row samples from: `logits` `[B, V]` float32 (the table's rows `part`,
+    by default the first B) with bias, penalties, `min_tokens`, the grammar's `allowed` mask
+    `[B, V]` (bool, optional), temperature, top-k, top-p and min-p applied, in transformers'
+    order; only the parts in `features`. `generated` `[B]`: tokens each row has generated;
+    `penalties`: (seen, counts) from `token_counts` (needed with `features.penalties`). A new
+    tensor (or `logits` itself when nothing applies)."""
     rows, vocab = logits.shape
-    t = table
-    scores = logits + t.bias[:rows, :vocab]
-    # repetition (CTRL): a seen token's score divided by the penalty when positive, times it when not
-    penalty = t.repetition[:rows].view(-1, 1)
-    penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
-    scores = torch.where(t.seen[:rows, :vocab], penalised, scores)
-    counts = t.counts[:rows, :vocab]
-    scores = scores - counts * t.frequency[:rows].view(-1, 1) - (counts > 0) * t.presence[:rows].view(-1, 1)
-    early = (t.generated[:rows] < t.min_tokens[:rows]).view(-1, 1)
-    scores = scores.masked_fill(early & t.eos[:vocab], float("-inf"))
+    t = _Rows(table, part if part is not None else slice(0, rows))
+    scores = logits
+    if features.bias and table.bias is not None:
+        scores = scores + t.bias[:, :vocab]
+    if features.penalties:
+        assert penalties is not None
+        seen, counts = penalties
+        # repetition (CTRL): a seen token's score divided by the penalty when positive, times it when not
+        penalty = t.repetition.view(-1, 1)
+        penalised = torch.where(scores < 0, scores * penalty, scores / penalty)
+        scores = torch.where(seen, penalised, scores)
+        scores = scores - counts * t.frequency.view(-1, 1) - (counts > 0) * t.presence.view(-1, 1)
+        early = (generated < t.min_tokens).view(-1, 1)
+        scores = scores.masked_fill(early & t.eos[:vocab], float("-inf"))
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
+    if not features.sampled:
+        return scores
     # temperature: greedy rows keep their scores (a positive scale changes no argmax)
-    temperature = t.temperature[:rows].view(-1, 1)
+    temperature = t.temperature.view(-1, 1)
     scores = scores / torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    if not features.filters:
+        return scores
     # top-k and top-p from one ascending sort, as transformers' warpers sort
     ordered, order = torch.sort(scores, dim=-1)
-    kth = ordered.gather(1, (vocab - t.top_k[:rows].clamp(1, vocab)).view(-1, 1))
+    kth = ordered.gather(1, (vocab - t.top_k.clamp(1, vocab)).view(-1, 1))
     scores = scores.masked_fill(scores < kth, float("-inf"))  # below the k-th largest value (ties stay)
     ordered = ordered.masked_fill(ordered < kth, float("-inf"))
     # top-p: the tokens whose ascending cumulative probability is <= 1 - p go, the top one stays
-    top_p = t.top_p[:rows].view(-1, 1)
+    top_p = t.top_p.view(-1, 1)
     cut = (ordered.softmax(dim=-1).cumsum(dim=-1) <= 1 - top_p) & (top_p < 1)  # 1: off (zero-probability tokens stay)
     cut[:, -1] = False
     scores = scores.masked_fill(torch.zeros_like(cut).scatter(1, order, cut), float("-inf"))
     # min-p: below min_p times the top token's probability
     probs = scores.softmax(dim=-1)
     top = probs.amax(dim=-1, keepdim=True)
-    small = probs < t.min_p[:rows].view(-1, 1) * top
+    small = probs < t.min_p.view(-1, 1) * top
     small = small & (probs < top)  # the top token always stays
     return scores.masked_fill(small, float("-inf"))
 
 
 def sample(
-    logits: torch.Tensor, table: SamplingTable, allowed: torch.Tensor | None = None, out: torch.Tensor | None = None
+    logits: torch.Tensor,
+    table: SamplingTable,
+    generated: torch.Tensor,
+    penalties: tuple[torch.Tensor, torch.Tensor] | None = None,
+    allowed: torch.Tensor | None = None,
+    part: slice | None = None,
+    out: torch.Tensor | None = None,
+    features: Features = EVERYTHING,
 ) -> torch.Tensor:
     """Every row's next token `[B]` (int64): the argmax of the processed scores for greedy rows,
     else the argmax of the scores plus the row's Gumbel noise (a draw from their softmax).
-    Written into `out` when given (a persistent buffer), else a new tensor."""
+    Written into `out` (`[B]`, a persistent buffer) when given, else a new tensor. `features`:
+    the parts the rows need (`SamplingTable.features`; all by default); `generated` and
+    `penalties` as `process` takes them (a row's draw is a function of its seed and `generated`)."""
     rows, vocab = logits.shape
-    scores = process(logits, table, allowed)
-    u = uniform(table.seed[:rows], table.generated[:rows], vocab)
-    noisy = scores - torch.log(-torch.log(u))
-    greedy = (table.temperature[:rows] <= 0).view(-1, 1)
-    chosen = torch.where(greedy, scores, noisy).argmax(dim=-1)
+    part = part if part is not None else slice(0, rows)
+    scores = process(logits, table, generated, penalties, allowed, part, features)
+    if features.sampled:
+        u = uniform(table.seed[part], generated, vocab)
+        noisy = scores - torch.log(-torch.log(u))
+        greedy = (table.temperature[part] <= 0).view(-1, 1)
+        scores = torch.where(greedy, scores, noisy)
     if out is None:
-        return chosen
-    out[:rows].copy_(chosen)
-    return out[:rows]
+        return scores.argmax(dim=-1)
+    return torch.argmax(scores, dim=-1, out=out)
+
+
+class _Rows:
+    """The table's rows `part`, each column sliced when first read (views: nothing is copied)."""
+
+    def __init__(self, table: SamplingTable, part: slice) -> None:
+        self._table, self._part = table, part
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        if name == "eos":
+            return self._table.eos
+        value = getattr(self._table, name)[self._part]
+        setattr(self, name, value)
+        return value

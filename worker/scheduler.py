@@ -105,8 +105,10 @@ class Scheduler:
         budget_bytes: int = 0,
         on_death: Callable[[BaseException], None] = exit_process,
         chunk_tokens: int | None = None,
+        prefill_padding: float = TRACE_PADDING,
     ) -> None:
         self.engine, self.max_batch, self.wait_s, self.budget = engine, max_batch, wait_s, budget_bytes
+        self.prefill_padding = prefill_padding  # the most of a pass's positions that may be padding
         self.on_death = on_death
         self.chunk_tokens = chunk_tokens  # for the decoder: prompts longer than this feed in chunks
         self.inbox: queue.Queue[Entry] = queue.Queue()
@@ -141,7 +143,7 @@ class Scheduler:
     def _loop(self) -> None:
         try:
             with self.engine.lock, torch.inference_mode():
-                decoder = self.engine.decoder()
+                decoder = self.engine.decoder(self.max_batch)
                 if self.max_batch > 1:  # a batch of one has nothing to interleave with: stays exact
                     decoder.chunk_tokens = self.chunk_tokens
                 try:
@@ -308,8 +310,8 @@ class Scheduler:
 
     def _passes(self, entries: list[Entry], cap: int | None = None) -> list[list[Entry]]:
         """`entries` in passes of similar lengths: sorted, and a pass ends before padding would
-        exceed TRACE_PADDING of its positions (padding is computed and thrown away: on a CPU,
-        where a batch computes no faster per position, it is pure loss), its padded size the
+        exceed `prefill_padding` (TRACE_PADDING) of its positions (padding is computed and thrown
+        away: on a CPU, where a batch computes no faster per position, it is pure loss), its padded size the
         memory budget, or its padded positions `cap` (a job alone always runs)."""
         passes: list[list[Entry]] = []
         group: list[Entry] = []
@@ -319,7 +321,7 @@ class Scheduler:
             positions = padded * (len(group) + 1)
             real = padded + sum(e.seq.prompt_tokens for e in group)
             if group and (
-                positions - real > TRACE_PADDING * positions
+                positions - real > self.prefill_padding * positions
                 or (self.budget and cost > self.budget)
                 or (cap is not None and positions > cap)
             ):

@@ -5,7 +5,7 @@ once. A sequence owns a slot from its join to its end: its prompt's keys and val
 into positions [0, P) of the slot after its prefill (`write`), and every decoding step writes
 each row's new key and value at that row's own position (`update`, a `scatter_` with the
 step's position buffer) and attends over the first `span` positions of the rows [0, B) it runs
-(`SlotCache.prepare`; a view, never a copy). Position i of a slot is token i of its sequence:
+(`SlotCache.prepare`; views, never a copy). Position i of a slot is token i of its sequence:
 no padding, nothing is ever moved, compacted or concatenated, and every tensor keeps its address
 for the life of the engine (what a CUDA graph needs).
 
@@ -43,11 +43,17 @@ def unsupported(config: object) -> str | None:
 
 class SlotCache:
     """Keys and values of every slot, per layer (None for a layer that keeps no cache: KV sharing).
-    `prepare(rows, span, positions)` sets what the next forward pass writes and reads."""
+    `prepare(part, span, positions)` sets what the next forward pass writes and reads."""
 
     is_compileable = False  # transformers asks; nothing here is its static cache
 
-    def __init__(self, shapes: list[tuple[int, int] | None], slots: int, slot_tokens: int, dtype, device) -> None:
+    def __init__(
+        self,
+        shapes: list[tuple[tuple[int, int], tuple[int, int], torch.device] | None],
+        slots: int,
+        slot_tokens: int,
+        dtype,
+    ) -> None:
         self.slots, self.slot_tokens = slots, slot_tokens
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
@@ -56,27 +62,49 @@ class SlotCache:
                 self.keys.append(None)
                 self.values.append(None)
                 continue
-            heads, dim = shape
-            self.keys.append(torch.zeros(slots, heads, slot_tokens, dim, dtype=dtype, device=device))
-            self.values.append(torch.zeros(slots, heads, slot_tokens, dim, dtype=dtype, device=device))
-        self.rows, self.span = 0, 0
+            (key_heads, key_dim), (value_heads, value_dim), device = shape  # MLA: values narrower than keys
+            self.keys.append(torch.zeros(slots, key_heads, slot_tokens, key_dim, dtype=dtype, device=device))
+            self.values.append(torch.zeros(slots, value_heads, slot_tokens, value_dim, dtype=dtype, device=device))
+        self.part, self.span = slice(0, 0), 0
         self.positions: torch.Tensor | None = None
 
     @classmethod
     def like(cls, prefilled: DynamicCache, slots: int, slot_tokens: int) -> SlotCache:
-        """Slots shaped as the layers of a cache a forward pass filled (heads, head size, dtype)."""
-        shapes: list[tuple[int, int] | None] = []
-        dtype = device = None
+        """Slots shaped as the layers of a cache a forward pass filled (heads, head size, dtype,
+        device: a model spread over devices keeps each layer's slots beside it)."""
+        shapes: list[tuple[tuple[int, int], tuple[int, int], torch.device] | None] = []
+        dtype = None
         layer: Any
         for layer in prefilled.layers:
             if not getattr(layer, "is_initialized", False):
                 shapes.append(None)
                 continue
-            shapes.append((int(layer.keys.shape[1]), int(layer.keys.shape[3])))
-            dtype, device = layer.keys.dtype, layer.keys.device
+            keys, values = layer.keys.shape, layer.values.shape
+            shapes.append(((int(keys[1]), int(keys[3])), (int(values[1]), int(values[3])), layer.keys.device))
+            dtype = layer.keys.dtype
         if dtype is None:
             raise ValueError("the model's forward pass filled no cache layer")
-        return cls(shapes, slots, slot_tokens, dtype, device)
+        return cls(shapes, slots, slot_tokens, dtype)
+
+    def grown(self, slot_tokens: int) -> SlotCache:
+        """A longer copy of this cache (what every slot holds kept): new tensors, new addresses."""
+        out = SlotCache.__new__(SlotCache)
+        out.slots, out.slot_tokens = self.slots, slot_tokens
+        out.keys, out.values = [], []
+        for old_list, new_list in ((self.keys, out.keys), (self.values, out.values)):
+            for old in old_list:
+                if old is None:
+                    new_list.append(None)
+                    continue
+                new = old.new_zeros(old.shape[0], old.shape[1], slot_tokens, old.shape[3])
+                new[:, :, : self.slot_tokens].copy_(old)
+                new_list.append(new)
+        out.part, out.span, out.positions = slice(0, 0), 0, None
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return next(t for t in self.keys if t is not None).device
 
     @property
     def nbytes(self) -> int:
@@ -87,28 +115,37 @@ class SlotCache:
 
     # -- what a decoding step does ---------------------------------------------------------
 
-    def prepare(self, rows: int, span: int, positions: torch.Tensor) -> None:
-        """The next pass runs slots [0, rows), each writing at `positions[b]` (`[rows]` int64 on
-        the cache's device) and attending over positions [0, span)."""
-        if not 0 < span <= self.slot_tokens or not 0 < rows <= self.slots:
+    def prepare(self, part: slice, span: int, positions: torch.Tensor) -> None:
+        """The next pass runs the slots `part` (a range), each writing at `positions[b]` (`[rows]`
+        int64 on the cache's device) and attending over positions [0, span)."""
+        lo, hi = part.start, part.stop
+        if not 0 < span <= self.slot_tokens or not 0 <= lo < hi <= self.slots:
             fits = f"{self.slots} slots of {self.slot_tokens}"
-            raise ValueError(f"a pass of {rows} rows over {span} positions does not fit {fits}")
-        self.rows, self.span, self.positions = rows, span, positions
+            raise ValueError(f"a pass of slots [{lo}, {hi}) over {span} positions does not fit {fits}")
+        self.part, self.span, self.positions = part, span, positions
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *_: Any, **__: Any):
         """transformers' cache interface: store one new position per row, return what to attend."""
         keys, values = self.keys[layer_idx], self.values[layer_idx]
         assert keys is not None and values is not None and self.positions is not None
-        rows, heads, new, dim = key.shape
-        if new != 1 or rows != self.rows:
-            raise ValueError(f"slots take one position per row of the prepared {self.rows}, got {list(key.shape)}")
-        index = self.positions.view(rows, 1, 1, 1).expand(rows, heads, 1, dim)
-        keys[:rows].scatter_(2, index, key.to(keys.dtype))
-        values[:rows].scatter_(2, index, value.to(values.dtype))
-        return keys[:rows, :, : self.span], values[:rows, :, : self.span]
+        rows, new = key.shape[0], key.shape[2]
+        if new != 1 or rows != self.part.stop - self.part.start:
+            raise ValueError(f"slots take one position per row of the prepared {self.part}, got {list(key.shape)}")
+        at = self.positions.reshape(rows, 1, 1, 1)
+        keys[self.part].scatter_(2, at.expand(key.shape), key.to(keys.dtype))
+        values[self.part].scatter_(2, at.expand(value.shape), value.to(values.dtype))
+        return keys[self.part, :, : self.span], values[self.part, :, : self.span]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.span
+        return self.span - 1  # before this pass's position
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """transformers' mask helpers ask (when the runner passes no mask: every row sees its whole
+        span): the query is the span's last position."""
+        return self.span - 1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.span, 0
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -131,5 +168,5 @@ def causal_mask(positions: torch.Tensor, span: int, dtype: torch.dtype) -> torch
     (its own tokens, the new one included) and nothing after."""
     rows = positions.shape[0]
     columns = torch.arange(span, device=positions.device)
-    blocked = columns.view(1, span) > positions.view(rows, 1)
+    blocked = columns.view(1, span) > positions.reshape(rows, 1)
     return (blocked.to(dtype) * torch.finfo(dtype).min).view(rows, 1, 1, span)

@@ -11,6 +11,7 @@ job exactly as alone (the batch goes on)."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import pytest
@@ -108,6 +109,14 @@ def requests():
 @pytest.fixture(scope="module")
 def alone(engine, requests):
     return [solo(engine, req, n) for req, n in requests]
+
+
+@pytest.fixture(autouse=True)
+def quiet(caplog):
+    """The engine logs each injected failure with its traceback; pytest keeps every record of a
+    test, and a traceback keeps its frames (and the decoder they reference) alive: thousands of
+    runs in one test would hold thousands of decoders. Nothing here reads the log."""
+    caplog.set_level(logging.CRITICAL, logger="worker")
 
 
 @pytest.fixture(autouse=True)

@@ -6,6 +6,7 @@ the softmax they sample from; and a row's token independent of its batch-mates a
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from worker.sampling import RowSampling, SamplingTable, process, sample, uniform
+from worker.sampling import Features, RowSampling, SamplingTable, process, sample, token_counts, uniform
 
 VOCAB = 97
 EOS = {3, 5}
@@ -75,20 +76,32 @@ def settings(rng: random.Random) -> RowSampling:
     )
 
 
-def fill(table: SamplingTable, rows: list[tuple[RowSampling, list[int], list[int]]]) -> None:
-    """Rows joined with their prompts, then their generated tokens observed a step at a time."""
-    for slot, (s, prompt, _) in enumerate(rows):
-        table.set_row(slot, s, torch.tensor(prompt))
-    for step in range(max(len(g) for _, _, g in rows)):
-        tokens = torch.tensor([g[step] if step < len(g) else 0 for _, _, g in rows])
-        table.observe(tokens, len(rows))
-    for slot, (_, _, generated) in enumerate(rows):  # rows that generated less: their real count
-        table.generated[slot] = len(generated)
-        table.counts[slot].zero_()
-        for token in generated:
-            table.counts[slot, token] += 1
-        table.seen[slot].zero_()
-        table.seen[slot, torch.tensor(rows[slot][1] + generated)] = True
+@dataclass
+class Rows:
+    """A batch's settings in a table, and what `sample` reads per step: generated counts and
+    the (seen, counts) of its tokens."""
+
+    table: SamplingTable
+    generated: torch.Tensor
+    penalties: tuple[torch.Tensor, torch.Tensor]
+
+    def part(self, lo: int, hi: int) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        return self.generated[lo:hi], (self.penalties[0][lo:hi], self.penalties[1][lo:hi])
+
+
+def fill(table: SamplingTable, rows: list[tuple[RowSampling, list[int], list[int]]]) -> Rows:
+    """Rows joined with their settings; their tokens (prompt, then generated) counted by
+    `token_counts` over a left-aligned, zero-padded history."""
+    for slot, (s, _, _) in enumerate(rows):
+        table.set_row(slot, s)
+    width = max(len(p) + len(g) for _, p, g in rows)
+    history = torch.zeros(len(rows), width, dtype=torch.int64)
+    for i, (_, prompt, generated) in enumerate(rows):
+        history[i, : len(prompt) + len(generated)] = torch.tensor(prompt + generated)
+    lengths = torch.tensor([len(p) + len(g) for _, p, g in rows])
+    prompts = torch.tensor([len(p) for _, p, _ in rows])
+    penalties = token_counts(history, torch.zeros_like(lengths), lengths - 1, prompts, table.vocab)
+    return Rows(table, torch.tensor([len(g) for _, _, g in rows]), penalties)
 
 
 def batch(seed: int, size: int) -> tuple[torch.Tensor, list[tuple[RowSampling, list[int], list[int]]]]:
@@ -105,9 +118,8 @@ def batch(seed: int, size: int) -> tuple[torch.Tensor, list[tuple[RowSampling, l
 @pytest.mark.parametrize("seed", range(12))
 def test_processed_scores_equal_transformers_processors_row_by_row(seed: int) -> None:
     logits, rows = batch(seed, 16)
-    table = SamplingTable(16, VOCAB, EOS, "cpu")
-    fill(table, rows)
-    got = process(logits, table)
+    state = fill(SamplingTable(16, VOCAB, EOS, "cpu"), rows)
+    got = process(logits, state.table, state.generated, state.penalties)
     for index, (s, prompt, generated) in enumerate(rows):
         want = reference(logits[index], s, prompt, generated)
         if s.greedy:  # generate does not warp greedy rows: only their argmax matters
@@ -123,12 +135,12 @@ def test_greedy_rows_take_the_argmax_and_min_tokens_hold_off_eos() -> None:
     logits[:, 5] = 10.0  # an end-of-sequence token leads
     logits[:, 11] = 4.0
     table = SamplingTable(4, VOCAB, EOS, "cpu")
-    table.set_row(0, RowSampling(), torch.tensor([1]))
-    table.set_row(1, RowSampling(min_tokens=2), torch.tensor([1]))
-    assert sample(logits, table).tolist() == [5, 11]
-    table.observe(torch.tensor([7, 7]), 2)
-    table.observe(torch.tensor([7, 7]), 2)
-    assert sample(logits, table).tolist() == [5, 5]  # two tokens generated: eos allowed again
+    table.set_row(0, RowSampling())
+    table.set_row(1, RowSampling(min_tokens=2))
+    nothing = (torch.zeros(2, VOCAB, dtype=torch.bool), torch.zeros(2, VOCAB))
+    assert sample(logits, table, torch.tensor([0, 0]), nothing).tolist() == [5, 11]
+    assert sample(logits, table, torch.tensor([1, 1]), nothing).tolist() == [5, 11]
+    assert sample(logits, table, torch.tensor([2, 2]), nothing).tolist() == [5, 5]  # two generated: eos allowed
 
 
 def test_grammar_mask_rules_tokens_out() -> None:
@@ -137,8 +149,12 @@ def test_grammar_mask_rules_tokens_out() -> None:
     allowed[:, [10, 20]] = True
     table = SamplingTable(3, VOCAB, EOS, "cpu")
     for slot, temperature in enumerate([0.0, 1.0, 5.0]):
-        table.set_row(slot, RowSampling(temperature=temperature, seed=slot), torch.tensor([1]))
-    assert set(sample(logits, table, allowed).tolist()) <= {10, 20}
+        table.set_row(slot, RowSampling(temperature=temperature, seed=slot))
+    assert set(
+        sample(
+            logits, table, torch.zeros(3, dtype=torch.int64), allowed=allowed, features=Features(sampled=True)
+        ).tolist()
+    ) <= {10, 20}
 
 
 def test_draws_follow_the_softmax_they_sample_from() -> None:
@@ -150,28 +166,30 @@ def test_draws_follow_the_softmax_they_sample_from() -> None:
     table = SamplingTable(rows, 8, set(), "cpu")
     table.temperature.fill_(0.8)
     table.seed.copy_(torch.randperm(rows * 7)[:rows])
-    tokens = sample(logits, table)
+    tokens = sample(logits, table, torch.zeros(rows, dtype=torch.int64), features=Features(sampled=True))
     share = torch.bincount(tokens, minlength=8).double() / rows
     p = (base / 0.8).softmax(-1).double()
     assert torch.all((share - p).abs() <= 5 * (p * (1 - p) / rows).sqrt() + 1e-4), (share, p)
 
 
 def test_a_rows_draw_depends_on_its_seed_and_step_only() -> None:
-    """Row 0's draw again in another row, beside other rows: the same token; another step or
-    seed: other uniforms."""
+    """Row 0's draw again in another row, beside other rows: the same token at every step; another
+    step or seed: other uniforms."""
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(3))
     alone = SamplingTable(1, VOCAB, EOS, "cpu")
-    alone.set_row(0, RowSampling(temperature=1.0, seed=42), torch.tensor([1]))
+    alone.set_row(0, RowSampling(temperature=1.0, seed=42))
     crowd = SamplingTable(6, VOCAB, EOS, "cpu")
     for slot in range(6):
-        crowd.set_row(slot, RowSampling(temperature=1.0 + slot, seed=slot), torch.tensor([2]))
-    crowd.set_row(4, RowSampling(temperature=1.0, seed=42), torch.tensor([1]))
+        crowd.set_row(slot, RowSampling(temperature=1.0 + slot, seed=slot))
+    crowd.set_row(4, RowSampling(temperature=1.0, seed=42))
     many = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(4))
     many[4] = logits[0]
-    for _ in range(5):
-        assert int(sample(logits, alone)[0]) == int(sample(many, crowd)[4])
-        alone.observe(torch.tensor([9]), 1)
-        crowd.observe(torch.tensor([9] * 6), 6)
+    draws = set()
+    for step in range(5):
+        token = int(sample(logits, alone, torch.tensor([step]), features=Features(sampled=True))[0])
+        assert token == int(sample(many, crowd, torch.full((6,), step), features=Features(sampled=True))[4])
+        draws.add(token)
+    assert len(draws) > 1
     u = uniform(torch.tensor([1, 1, 2]), torch.tensor([0, 1, 0]), VOCAB)
     assert not torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
     assert float(u.min()) > 0 and float(u.max()) < 1
@@ -181,6 +199,27 @@ def test_writes_into_a_persistent_buffer() -> None:
     table = SamplingTable(4, VOCAB, EOS, "cpu")
     out = torch.zeros(4, dtype=torch.int64)
     logits = torch.randn(2, VOCAB)
-    got = sample(logits, table, out=out)
-    assert got.data_ptr() == out.data_ptr()
+    got = sample(logits, table, torch.zeros(2, dtype=torch.int64), part=slice(2, 4), out=out[2:], features=Features())
+    assert got.data_ptr() == out[2:].data_ptr()
     assert got.tolist() == logits.argmax(-1).tolist()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_parts_a_batch_skips_change_none_of_its_tokens(seed: int) -> None:
+    """`sample` runs only the parts its rows' settings need (`SamplingTable.features`); a part
+    that a row's settings leave neutral changes nothing of it, so every subset of rows draws
+    what it draws with every part on."""
+    logits, rows = batch(seed, 16)
+    rng = random.Random(seed)
+    for index, (s, prompt, generated) in enumerate(rows):  # some rows plain greedy, some greedy with penalties
+        if rng.random() < 0.4:
+            rows[index] = (RowSampling(seed=s.seed, repetition_penalty=s.repetition_penalty), prompt, generated)
+    state = fill(SamplingTable(16, VOCAB, EOS, "cpu"), rows)
+    every = sample(logits, state.table, state.generated, state.penalties)
+    for lo, hi in [(0, 16), (0, 5), (5, 9), (9, 16), (3, 4)]:
+        part = slice(lo, hi)
+        needed = state.table.features(part)
+        generated, penalties = state.part(lo, hi)
+        got = sample(logits[lo:hi], state.table, generated, penalties, part=part, features=needed)
+        assert got.tolist() == every[lo:hi].tolist(), (lo, hi, needed)
+    assert state.table.features(slice(0, 16)) == Features(bias=True, penalties=True, filters=True, sampled=True)

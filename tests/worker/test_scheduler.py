@@ -120,7 +120,7 @@ class FakeEngine:
         self.lock = threading.Lock()
         self.batch = batch
 
-    def decoder(self) -> FakeBatch:
+    def decoder(self, slots: int = 1) -> FakeBatch:
         return self.batch
 
     def trace_cost(self, seq: FakeSeq, padded: int) -> int:
@@ -288,7 +288,7 @@ def test_by_default_a_dead_engine_thread_ends_the_process_with_the_reason_logged
             def close(self):
                 pass
         engine = FakeEngine(Broken())
-        def decoder():
+        def decoder(slots=1):
             raise ZeroDivisionError("the engine's own bug")
         engine.decoder = decoder
         logging.basicConfig(level=logging.INFO)

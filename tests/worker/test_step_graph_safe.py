@@ -53,11 +53,11 @@ class NoHostReads(TorchDispatchMode):
 def persistent(step: DecodeStep) -> dict[str, int]:
     b, t = step.batch, step.batch.sampling
     named = {
-        "tokens": b.tokens,
-        "positions": b.positions,
-        "live": b.live,
+        "state": b.state,
+        "history": b.history,
         "next": b.next,
         "logits": b.logits,
+        "bitmask": b.bitmask,
         **{name: getattr(t, name) for name in vars(t) if isinstance(getattr(t, name), torch.Tensor)},
     }
     named.update({f"cache.{i}": tensor for i, tensor in enumerate(step.cache.tensors())})
@@ -79,13 +79,13 @@ def started(model, tokenizer, slots: int = 8) -> tuple[DecodeStep, list[Row]]:
     ]
     first = prefill(model, Row(ids=rows[0].ids[:, :1], new=1))
     cache = SlotCache.like(first, slots, SLOT_TOKENS)
-    batch = InputBatch(slots, model.config.vocab_size, {2}, "cpu", pad_id=0)
+    batch = InputBatch(slots, SLOT_TOKENS, model.config.vocab_size, {2}, "cpu", pad_id=0)
     step = DecodeStep(model, batch, cache)
     for row, s in zip(rows, settings, strict=True):
         row.sampling = s
         cache_of = prefill(model, row)
         prompt = int(row.ids.shape[1])
-        row.slot = batch.join(row, row.tokens[0], prompt, s, row.ids[0])
+        row.slot = batch.join(row, torch.cat([row.ids[0], torch.tensor(row.tokens)]), prompt, s)
         cache.write(row.slot, cache_of, 0, 0, prompt)
     return step, rows
 
@@ -99,18 +99,19 @@ def test_the_step_reads_nothing_back_and_keeps_every_address(tiny) -> None:
         step.batch.flush()
         for _ in range(3):
             with NoHostReads() as mode:
-                step.decode(*step.shape())
+                step.decode(0, *step.shape())
             step.batch.advanced()
             assert mode.ops > 0
         # a row leaves and another joins a slot; the addresses stay
         step.batch.leave(rows[1].slot)
         late = rows_of(tokenizer, [5, 5, 5, 5, 5])[4]
         cache_of = prefill(model, late)
-        slot = step.batch.join(late, late.tokens[0], int(late.ids.shape[1]), RowSampling(), late.ids[0])
+        tokens = torch.cat([late.ids[0], torch.tensor(late.tokens)])
+        slot = step.batch.join(late, tokens, int(late.ids.shape[1]), RowSampling())
         step.cache.write(slot, cache_of, 0, 0, int(late.ids.shape[1]))
         step.batch.flush()
         with NoHostReads():
-            step.decode(*step.shape())
+            step.decode(0, *step.shape())
         assert persistent(step) == addresses
     assert slot == rows[1].slot
 
@@ -127,7 +128,8 @@ def test_the_step_compiles_whole_with_no_graph_break(tiny) -> None:
         for _ in range(4):
             for step, run in ((eager, eager.decode), (compiled_step, compiled)):
                 step.batch.flush()
-                run(*step.shape())
+                run(0, *step.shape())
                 step.batch.advanced()
             assert eager.batch.next[:3].tolist() == compiled_step.batch.next[:3].tolist()
+            assert torch.equal(eager.batch.state, compiled_step.batch.state)
     assert len(PROMPTS) >= 3

@@ -1,0 +1,114 @@
+"""The decoding step replayed as CUDA graphs (worker/model_runner.py) against the same engine run
+eagerly (ACTQ_CUDA_GRAPHS off), on the tiny random Llama, in float32 and bfloat16:
+
+- greedy and seeded sampled jobs, joining at different steps and leaving at others, give the
+  eager run's tokens: identical in float32; in bfloat16 the graph runs the bucket's padded shapes
+  (more rows, a longer masked span) whose kernels can round differently, so tokens may part only
+  at a near tie (the check of tests/gpu/test_gpu_engine.py, same tolerance);
+- every rows bucket (1, 2, 4, 8) is replayed, and a row's tokens do not depend on its bucket or
+  slot: each job batched equals the same job alone (bucket 1, slot 0);
+- jobs that capture run the same step eagerly beside graph-replayed batches, and still equal
+  forward hooks on the plain model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.gpu.test_gpu_engine import (
+    DEVICE,
+    TOLERANCE,
+    assert_close_to_solo,
+    assert_equals_forward_hooks,
+    load_engine,
+    plain_model,
+)
+from tests.worker.test_batching import CAPTURE, QUESTIONS, job, run_batched, solo
+
+GREEDY = [(QUESTIONS[i], 6 + 3 * i, {}) for i in range(6)]
+SAMPLED = [(QUESTIONS[i], 12, {"temperature": 0.9, "top_p": 0.95, "seed": 100 + i}) for i in range(4)]
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+def dtype(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_dir, dtype):
+    from worker.engine import CaptureEngine
+
+    graphs = load_engine(tiny_dir, device=DEVICE, dtype=dtype)
+    eager = CaptureEngine(graphs.loaded, cuda_graphs=False)  # the same weights
+    assert "CUDA graphs" in graphs.describe_decoder() and "eagerly" in eager.describe_decoder()
+    return graphs, eager
+
+
+def requests(specs):
+    return [job(question, n, None, **fields) for question, n, fields in specs]
+
+
+@pytest.mark.parametrize("specs", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
+def test_graph_replay_gives_the_eager_tokens(engines, dtype, specs):
+    graphs, eager = engines
+    jobs = requests(specs)
+    join_at = [0, 0, 2, 3, 5, 8][: len(jobs)]
+    replayed, largest = run_batched(graphs, jobs, join_at=join_at)
+    eagerly, _ = run_batched(eager, jobs, join_at=join_at)
+    assert largest >= 3
+    for index, (got, want) in enumerate(zip(replayed, eagerly, strict=True)):
+        if dtype == "float32":
+            assert torch.equal(got.token_ids, want.token_ids), index
+        else:
+            assert_close_to_solo(
+                got,
+                want,
+                None if torch.equal(got.token_ids, want.token_ids) else _logits(eager, jobs[index]),
+                TOLERANCE[dtype],
+                str(index),
+            )
+
+
+def _logits(engine, request_and_tokens):
+    """The eager run's logits of each new token (for a near-tie check), from a forward pass over
+    its prompt and completion."""
+    request, n = request_and_tokens
+    alone = solo(engine, request, n)
+    with torch.inference_mode():
+        out = engine.hf(alone.token_ids.unsqueeze(0).to(DEVICE))
+    return out.logits[0, alone.prompt_tokens - 1 : -1].float().cpu()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
+def test_every_bucket_replays_each_rows_own_result(engines, dtype, rows):
+    graphs, _ = engines
+    specs = [GREEDY[i % len(GREEDY)] for i in range(rows)]
+    jobs = requests(specs)
+    batched, largest = run_batched(graphs, jobs, join_at=[0] * rows)
+    assert largest == rows
+    for index, ((request, n), got) in enumerate(zip(jobs, batched, strict=True)):
+        alone = solo(graphs, request, n)
+        if dtype == "float32":
+            assert torch.equal(got.token_ids, alone.token_ids), (rows, index)
+        else:
+            assert_close_to_solo(
+                got,
+                alone,
+                None if torch.equal(got.token_ids, alone.token_ids) else _logits(graphs, (request, n)),
+                TOLERANCE[dtype],
+                str(index),
+            )
+
+
+def test_capturing_jobs_beside_replayed_batches_equal_forward_hooks(engines, dtype, tiny_dir):
+    graphs, _ = engines
+    reference = plain_model(tiny_dir, dtype)
+    plain = requests(GREEDY[:3])
+    capturing = [job(QUESTIONS[4], 8, CAPTURE), job(QUESTIONS[5], 6, {**CAPTURE, "positions": "generated"})]
+    batched, _ = run_batched(graphs, plain + capturing, join_at=[0, 0, 1, 4, 6])
+    for (request, n), got in zip(capturing, batched[3:], strict=True):
+        alone = solo(graphs, request, n)
+        positions = request.capture.positions
+        assert_equals_forward_hooks(alone, request.messages[0].content, n, positions, reference)
+        assert_close_to_solo(got, alone, None, TOLERANCE[dtype], positions)

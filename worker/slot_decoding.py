@@ -1,0 +1,314 @@
+"""The running batch in slots: `Decoder`'s prefills, trace passes and chunked prompts, with the
+decoding steps of worker/model_runner.py over a persistent batch (worker/input_batch.py) and a
+KV cache in slots (worker/slots.py).
+
+A prefilled sequence takes the lowest free slot, its prompt's keys and values are copied there,
+and it decodes in it until it ends; then its slot is free. No step moves, compacts or
+concatenates anything. Every row's token comes from the vectorised sampler (worker/sampling.py),
+its first one (chosen by its prefill) too, with the row's own settings and seed.
+
+A step runs as its bucket's CUDA graph when the model is on a GPU and no running row captures
+or edits; rows that capture or edit run the same step eagerly, with the hooks of
+worker/capture.py and worker/edits.py over the slots [0, rows) (a free slot is a row that
+captures and edits nothing). Out of memory in an eager step, the slots run in halves (what
+the failed pass wrote is written again: each row writes only its own position), down to one
+row, which then fails alone; later batches stay at the half.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shared.errors import InternalError, OutOfMemory
+from worker.constrained import fill_bitmask
+from worker.decoding import OUT_OF_MEMORY, Decoder, Sequence, is_oom, score_rows, unexpected_failure
+from worker.input_batch import InputBatch
+from worker.model_runner import DecodeStep, allowed_tokens, bucket
+from worker.sampling import Features, RowSampling, SamplingTable, sample, token_counts
+from worker.slots import SlotCache
+
+log = logging.getLogger(__name__)
+FIRST_SLOT_TOKENS = 256  # the slots' first length; they grow by doubling when a longer sequence joins
+
+
+def row_sampling(seq: Sequence) -> RowSampling:
+    """A sequence's sampler settings (greedy when it has none: a sequence built by hand)."""
+    if seq.sampling is not None:
+        return seq.sampling
+    if seq.sampler is not None and seq.sampler.do_sample:
+        raise InternalError("a sampled sequence joined the slots without its sampling settings")
+    return RowSampling()
+
+
+class SlotDecoder(Decoder):
+    def __init__(
+        self, model: Any, tokenizer: Any, pad_id: int, slots: int, max_tokens: int, graphs: bool = False
+    ) -> None:
+        super().__init__(model, tokenizer, pad_id)
+        self.slots = slots
+        self.max_tokens = max_tokens  # the model's context: no slot grows past it (0: no limit)
+        self.graphs = graphs
+        self.batch: InputBatch | None = None
+        self.runner: DecodeStep | None = None
+        self._prefill_table: SamplingTable | None = None
+
+    @property
+    def cache_slots(self) -> SlotCache | None:
+        return self.runner.cache if self.runner is not None else None
+
+    # -- joining ---------------------------------------------------------------------------
+
+    def _admit_many(self, seqs: list[Sequence]) -> None:
+        cache, _, _, _, pads = self._prompt_pass(seqs)
+        going = [i for i, seq in enumerate(seqs) if not seq.ended]
+        if going:
+            self._take_slots([(seqs[i], i, pads[i]) for i in going], cache)
+
+    def _join(self, joining: list[Sequence], cache: Any, ids, mask, pos, pads: list[int]) -> None:
+        """A chunked prompt, all fed (`Decoder.feed`): into a slot."""
+        self._take_slots([(seq, i, pads[i]) for i, seq in enumerate(joining)], cache)
+
+    def _take_slots(self, joining: list[tuple[Sequence, int, int]], prefilled: Any) -> None:
+        """Each (sequence, its row in `prefilled`, its padding there) into a free slot, its prompt's
+        keys and values copied in. All or nothing: on failure no slot was taken."""
+        self._ensure(prefilled, max(seq.prompt_tokens + seq.max_tokens for seq, _, _ in joining))
+        assert self.batch is not None and self.runner is not None
+        taken: list[int] = []
+        try:
+            for seq, row, pad in joining:
+                settings = row_sampling(seq)
+                generated = torch.tensor(seq.generated, dtype=torch.int64, device=seq.prompt_ids.device)
+                tokens = torch.cat([seq.prompt_ids[0], generated])
+                slot = self.batch.join(seq, tokens, seq.prompt_tokens, settings)
+                taken.append(slot)
+                self.runner.cache.write(slot, prefilled, row, pad, seq.prompt_tokens)
+        except BaseException:
+            for slot in taken:
+                self.batch.leave(slot)
+            raise
+        self.rows += [seq for seq, _, _ in joining]
+
+    def _ensure(self, prefilled: Any, tokens: int) -> None:
+        """Slots exist and hold `tokens` positions: made at the first join (shaped as the
+        prefill's cache), doubled when a longer sequence joins (new tensors, graphs dropped)."""
+        limit = self.max_tokens or max(tokens, FIRST_SLOT_TOKENS)
+        if self.runner is None:
+            length = bucket(tokens, max(limit, tokens), FIRST_SLOT_TOKENS)
+            cache = SlotCache.like(prefilled, self.slots, length)
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            self.batch = InputBatch(self.slots, length, vocab, self.eos_ids, cache.device, self.pad_id)
+            self.runner = DecodeStep(self.model, self.batch, cache, graphs=self.graphs)
+            log.info("%d slots of %d positions (%.1f MB of KV cache)", self.slots, length, cache.nbytes / 1e6)
+            return
+        cache = self.runner.cache
+        if tokens > cache.slot_tokens:
+            length = bucket(tokens, max(limit, tokens), cache.slot_tokens * 2)
+            self.runner.use_cache(cache.grown(length))
+            log.info("slots grown to %d positions (%.1f MB of KV cache)", length, self.runner.cache.nbytes / 1e6)
+
+    def _choose(
+        self, rows: list[Sequence], logits: torch.Tensor, live: list[int], ids_of: Callable[[int], torch.Tensor]
+    ) -> list[int]:
+        """A prefill's first tokens, from the vectorised sampler with each row's settings (a table
+        of the pass's rows, made for it) and its grammar's mask."""
+        features = Features()
+        for i in live:
+            features = features | row_sampling(rows[i]).features
+        if features == Features() and not any(rows[i].constraint is not None for i in live):
+            return logits.argmax(dim=-1).tolist()  # greedy rows: the batch's one argmax
+        table = self._scratch(len(rows), logits)
+        for i in live:
+            table.set_row(i, row_sampling(rows[i]))
+        penalties = None
+        if features.penalties:  # the prompts' tokens are seen; nothing is generated yet
+            width = max(row.prompt_tokens for row in rows)
+            ids = torch.cat([self._pad(row.prompt_ids, width, 0) for row in rows]).to(logits.device)
+            first = torch.tensor([width - row.prompt_tokens for row in rows], device=logits.device)
+            last = torch.full_like(first, width - 1)
+            penalties = token_counts(ids, first, last, last + 1, logits.shape[1])
+        allowed = None
+        constrained = [i for i in live if rows[i].constraint is not None]
+        if constrained:
+            try:
+                bits = fill_bitmask([rows[i].constraint for i in constrained])  # type: ignore[misc]
+                allowed = torch.ones_like(logits, dtype=torch.bool)
+                index = torch.tensor(constrained, device=logits.device)
+                allowed[index] = allowed_tokens(bits.to(logits.device), logits.shape[1])
+            except Exception as exc:  # noqa: BLE001 - the mask failed: the rows it served fail
+                failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+                for i in constrained:
+                    rows[i].failure, rows[i].ended = failure, "failed"
+                allowed = None
+        generated = torch.zeros(len(rows), dtype=torch.int64, device=logits.device)
+        return sample(logits, table, generated, penalties, allowed, features=features).tolist()
+
+    def _scratch(self, rows: int, logits: torch.Tensor) -> SamplingTable:
+        """A sampling table for a prefill's rows (kept for the next prefill, grown when too small)."""
+        if self._prefill_table is None or self._prefill_table.slots < rows:
+            self._prefill_table = SamplingTable(rows, logits.shape[1], self.eos_ids, logits.device)
+        return self._prefill_table
+
+    # -- one decoding step -----------------------------------------------------------------
+
+    def step(self) -> list[Sequence]:
+        """Every running row's next token; returns the rows that ended (their slots freed)."""
+        if not self.rows:
+            return []
+        batch, runner = self.batch, self.runner
+        assert batch is not None and runner is not None
+        n = batch.span_rows
+        owners: list[Sequence | None] = [o if isinstance(o, Sequence) else None for o in batch.owners[:n]]
+        constrained = self._masks(owners)
+        eager = not runner.graphs or any(
+            s is not None and (s.capture is not None or s.edits is not None) for s in owners
+        )
+        try:
+            batch.flush()
+            features = batch.sampling.features(slice(0, n))
+            if eager:
+                self._eager(0, n, owners, constrained, features, top=True)
+            else:
+                runner.replay(constrained, features)
+            batch.advanced()
+            tokens = batch.read_next(n)
+        except Exception as exc:  # noqa: BLE001 - rows that ended keep their results; the others cannot go on
+            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+            for row in self.rows:
+                if row.ended is None:
+                    row.failure, row.ended = failure, "failed"
+            failed = list(self.rows)
+            self.reset()
+            return failed
+        self.hooks.synced(batch.logits.device)
+        self._after(owners, tokens)
+        ending = {slot for slot, s in enumerate(owners) if s is not None and s.ended is not None}
+        if not ending:
+            return []
+        self.hooks.drain(ending, [s.capture if s is not None else None for s in owners])
+        ended: list[Sequence] = []
+        for slot in sorted(ending):
+            leaving = owners[slot]
+            assert leaving is not None
+            if leaving.failure is None and leaving.capture is not None and leaving.capture.failure is not None:
+                leaving.failure, leaving.ended = leaving.capture.failure, "failed"
+            batch.leave(slot)
+            ended.append(leaving)
+        self.rows = [row for row in self.rows if row.ended is None]
+        return ended
+
+    def _masks(self, owners: list[Sequence | None]) -> bool:
+        """The grammar masks of the rows with a constraint, into the batch's bitmask (one fill,
+        one copy); False when no row has one. A fill that fails fails the rows it served."""
+        assert self.batch is not None
+        constrained = [slot for slot, s in enumerate(owners) if s is not None and s.constraint is not None]
+        if not constrained:
+            return False
+        try:
+            bits = fill_bitmask([owners[slot].constraint for slot in constrained])  # type: ignore[union-attr,misc]
+        except Exception as exc:  # noqa: BLE001 - the mask failed: the rows it served fail
+            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+            for slot in constrained:
+                row = owners[slot]
+                assert row is not None
+                row.failure, row.ended = failure, "failed"
+            bits = None
+        masks = {slot: bits[i] for i, slot in enumerate(constrained)} if bits is not None else {}
+        self.batch.set_masks(len(owners), masks)
+        return True
+
+    def _eager(
+        self, lo: int, hi: int, owners: list[Sequence | None], constrained: bool, features: Features, top: bool
+    ) -> None:
+        """The step of slots [lo, hi) with the hooks of the rows that capture and edit; out of
+        memory, in halves (see the module)."""
+        assert self.batch is not None and self.runner is not None
+        part = owners[lo:hi]
+        captures = [s.capture if s is not None else None for s in part]
+        self.hooks.settle(captures)
+        marks = [c.mark() if c is not None else None for c in captures]
+        self.hooks.use(captures, None, decoding=True)
+        spans = [(s.prompt_tokens + len(s.generated) - 1, 1) if s is not None else (0, 1) for s in part]
+        self.edits.use([s.edits if s is not None else None for s in part], spans, 1)
+        span = self.batch.span_positions()
+        full = all(s is not None and self.batch.host_positions[lo + i] + 1 == span for i, s in enumerate(part))
+        try:
+            self.runner.decode(lo, hi, span, constrained, full, features)
+        except Exception as exc:
+            if not is_oom(exc):
+                raise
+        else:
+            self.hooks.flush()
+            self.edits.flush()
+            for index, failure in self.hooks.failures.items():
+                row = part[index]
+                if row is not None and row.failure is None:
+                    row.failure = failure
+            return
+        for capture, mark in zip(captures, marks, strict=True):
+            if capture is not None and mark is not None:
+                capture.reset(mark)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        if hi - lo == 1:
+            if part[0] is not None and part[0].ended is None:
+                part[0].failure, part[0].ended = OutOfMemory(OUT_OF_MEMORY), "failed"
+            return
+        half = (hi - lo) // 2
+        if top:
+            self.most_rows = min(self.most_rows or (hi - lo), half)
+            log.warning("out of memory at a step of %d slots: running it in halves; batches now at most %d", hi, half)
+        self._eager(lo, lo + half, owners, constrained, features, top=False)
+        self._eager(lo + half, hi, owners, constrained, features, top=False)
+
+    def _after(self, owners: list[Sequence | None], tokens: list[int]) -> None:
+        """Each running row's log-probabilities (from the step's logits, one transfer) and its
+        token taken: whether it ended. A failure in one row's own work fails that row."""
+        assert self.batch is not None
+        for row in owners:
+            if row is None:
+                continue
+            if row.failure is None and row.capture is not None:
+                row.failure = row.capture.failure
+            if row.ended is None and row.failure is not None:
+                row.ended = "failed"
+        scored = [slot for slot, s in enumerate(owners) if s is not None and s.ended is None and s.scores is not None]
+        if scored:
+            try:
+                index = torch.tensor(scored, device=self.batch.logits.device)
+                score_rows(
+                    [owners[slot].scores for slot in scored],  # type: ignore[union-attr,misc]
+                    self.batch.logits[index],
+                    [tokens[slot] for slot in scored],
+                )
+            except Exception as exc:  # noqa: BLE001 - scoring failed: the rows that asked for it fail
+                failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+                for slot in scored:
+                    row = owners[slot]
+                    assert row is not None
+                    row.failure, row.ended = failure, "failed"
+        for slot, row in enumerate(owners):
+            if row is not None and row.ended is None:
+                try:
+                    self._take(row, tokens[slot])
+                except Exception as exc:  # noqa: BLE001 - one row's stop check or watch fails that row only
+                    row.failure, row.ended = unexpected_failure(exc), "failed"
+
+    def close(self) -> None:
+        """Hooks removed, and the slots and tables let go (a frame kept alive by a logged
+        traceback may still reference this decoder: it then holds no memory worth keeping)."""
+        super().close()
+        self.batch = self.runner = self._prefill_table = None
+        self.rows = []
+
+    def reset(self) -> None:
+        """Drop the running batch (after a step failed: its rows were answered with the failure)."""
+        self.hooks.discard()
+        if self.batch is not None:
+            for slot, owner in enumerate(self.batch.owners):
+                if owner is not None:
+                    self.batch.leave(slot)
+        self.rows = []
