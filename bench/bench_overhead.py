@@ -17,7 +17,7 @@ process spent in the arm (API, Redis, the Celery worker, its engine process, thi
 the engine arm's own, to show what bounds the end-to-end figure on this machine. On a GPU a small model's step is a few milliseconds, so what this measures on the CPU
 (everything around the forward pass) is the throughput a GPU would see.
 
-    .venv/bin/python bench/bench_overhead.py [--prompts 32] [--max-tokens 64] [--repeats 3]
+    .venv/bin/python bench/bench_overhead.py [--prompts 32] [--max-tokens 64] [--repeats 3] [--gsm8k test.jsonl]
 """
 
 from __future__ import annotations
@@ -39,7 +39,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.support, from a checkout
 
 
-def questions(n: int) -> list[str]:
+def questions(n: int, source: Path | None = None) -> list[str]:
+    """`n` questions: the first of a GSM8K JSONL file's (real prompts of varied length), or one
+    template with a number changed (every prompt the same length: one prefill group)."""
+    if source is not None:
+        lines = [json.loads(line) for line in source.read_text().splitlines() if line.strip()]
+        return [lines[i % len(lines)]["question"] for i in range(n)]
     base = (
         "Natalia sold clips to {a} of her friends in April, and then she sold half as many clips in May. "
         "How many clips did Natalia sell altogether in April and May? Think step by step."
@@ -195,6 +200,7 @@ def main() -> int:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--gsm8k", type=Path, help="a GSM8K JSONL file: its first questions (varied lengths)")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -206,7 +212,7 @@ def main() -> int:
     from worker.engine import CaptureEngine
     from worker.models import ensure_smollm2, load
 
-    texts = questions(args.prompts)
+    texts = questions(args.prompts, args.gsm8k)
     rows: dict[str, list[tuple[float, int]]] = {}
     with tempfile.TemporaryDirectory(prefix="actq-bench-overhead-") as tmp:
         folder = build(Path(tmp) / "tiny", ensure_smollm2(Settings().model_cache_dir), max_position_embeddings=4096)
