@@ -1,1 +1,1 @@
-"""The actq worker: a Celery app whose child process holds one model and runs one job at a time."""
+"""The actq worker: a Celery app whose engine process holds one model and runs its jobs together."""

@@ -1,5 +1,9 @@
-"""Iteration-level batched decoding: a sequence joins the running batch after its own prefill and
-leaves it at the step it ends, so a finished sequence frees its slot for the next one at once.
+"""Iteration-level batched decoding in one compacted timeline: a sequence joins the running batch
+after its own prefill and leaves it at the step it ends, so a finished sequence frees its place for
+the next one at once. Models whose cache lives in slots decode in worker/slot_decoding.py, which
+reuses this class's prompt passes, trace passes and chunked prompts; this timeline is kept for the
+caches slots do not hold (sliding windows). Also here: the `Sequence` of a job, its log-probability
+records and the failure helpers both decoders share.
 
 Each step feeds every sequence's newest token in one forward pass of `[B, 1]`. New sequences'
 prompts run in one left-padded pass (`admit_many`; a batch of one is exactly a solo job's), or, when

@@ -1,4 +1,7 @@
-"""The capture engine: chat template -> generate with capture hooks -> kept rows on the CPU -> [T, H].
+"""The capture engine: the model's description, a job's sequence (chat template, tokens, capture
+buffers, edits, sampler settings) and its result (text, [T, H] tensors); the decoders it makes run
+the sequences, many at once (worker/slot_decoding.py, worker/decoding.py) or one at a time
+(worker/solo.py), on the engine thread (worker/scheduler.py).
 
 It knows nothing of Celery or Redis and can be driven directly (tests, benchmarks).
 
@@ -83,10 +86,10 @@ class Generation:
 
 
 class CaptureEngine:
-    """Runs generations on the loaded model (one copy of the weights) with capture hooks for the
-    duration of each job. One generate at a time: the hooks of two jobs on one model would see
-    each other's steps, so every run holds `lock`. A model whose cache cannot be batched
-    (`solo_reason`) decodes one job at a time (worker/solo.py)."""
+    """Prepares and finishes the jobs of the loaded model (one copy of the weights) and makes the
+    decoder that runs them together (`decoder`). One thread drives the model at a time: the
+    scheduler's engine thread, or `run` for a job alone, holds `lock`. A model whose cache cannot
+    be batched (`solo_reason`) decodes one job at a time (worker/solo.py)."""
 
     def __init__(self, loaded: LoadedModel, allow_special_tokens: bool = False, cuda_graphs: bool = True) -> None:
         self.loaded = loaded
