@@ -56,6 +56,8 @@ class InputBatch:
 
     def grow(self, slot_tokens: int) -> None:
         """Longer slots: a longer history (a new tensor, the old one's tokens kept)."""
+        if slot_tokens <= self.history.shape[1]:
+            return
         history = self.history.new_zeros(self.slots, slot_tokens)
         history[:, : self.history.shape[1]].copy_(self.history)
         self.history = history

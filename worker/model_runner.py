@@ -120,7 +120,7 @@ class DecodeStep:
         rows, span = self.batch.span_rows, self.batch.span_positions()
         if not self.graphs:
             return rows, span
-        return bucket(rows, self.batch.slots), bucket(span, self.cache.slot_tokens, MIN_SPAN)
+        return bucket(rows, self.cache.slots), bucket(span, self.cache.slot_tokens, MIN_SPAN)
 
     def replay(self, constrained: bool = False, features: Features = EVERYTHING) -> None:
         """The step of every running row as the CUDA graph of its bucket and sampler parts

@@ -32,7 +32,7 @@ from worker.sampling import Features, RowSampling, SamplingTable, sample, token_
 from worker.slots import SlotCache
 
 log = logging.getLogger(__name__)
-FIRST_SLOT_TOKENS = 256  # the slots' first length; they grow by doubling when a longer sequence joins
+FIRST_SLOT_TOKENS = 256  # the slots' least length; they grow by doubling when a longer sequence joins
 
 
 def row_sampling(seq: Sequence) -> RowSampling:
@@ -75,7 +75,9 @@ class SlotDecoder(Decoder):
     def _take_slots(self, joining: list[tuple[Sequence, int, int]], prefilled: Any) -> None:
         """Each (sequence, its row in `prefilled`, its padding there) into a free slot, its prompt's
         keys and values copied in. All or nothing: on failure no slot was taken."""
-        self._ensure(prefilled, max(seq.prompt_tokens + seq.max_tokens for seq, _, _ in joining))
+        free = [slot for slot, owner in enumerate(self.batch.owners) if owner is None] if self.batch else []
+        highest = free[len(joining) - 1] if len(free) >= len(joining) else len(joining) - 1
+        self._ensure(prefilled, max(seq.prompt_tokens + seq.max_tokens for seq, _, _ in joining), highest + 1)
         assert self.batch is not None and self.runner is not None
         taken: list[int] = []
         try:
@@ -92,23 +94,26 @@ class SlotDecoder(Decoder):
             raise
         self.rows += [seq for seq, _, _ in joining]
 
-    def _ensure(self, prefilled: Any, tokens: int) -> None:
-        """Slots exist and hold `tokens` positions: made at the first join (shaped as the
-        prefill's cache), doubled when a longer sequence joins (new tensors, graphs dropped)."""
+    def _ensure(self, prefilled: Any, tokens: int, slots: int) -> None:
+        """The slots' KV cache holds `slots` slots of `tokens` positions: made at the first join
+        (shaped as the prefill's cache), and grown to the next power of two in either dimension
+        when a job needs more (new tensors, graphs dropped): its memory follows the most jobs
+        that ran at once and the longest one, never more than twice each."""
         limit = self.max_tokens or max(tokens, FIRST_SLOT_TOKENS)
+        length = bucket(tokens, max(limit, tokens), FIRST_SLOT_TOKENS)
+        count = bucket(slots, self.slots)
         if self.runner is None:
-            length = bucket(tokens, max(limit, tokens), FIRST_SLOT_TOKENS)
-            cache = SlotCache.like(prefilled, self.slots, length)
+            cache = SlotCache.like(prefilled, count, length)
             vocab = self.model.get_output_embeddings().weight.shape[0]
             self.batch = InputBatch(self.slots, length, vocab, self.eos_ids, cache.device, self.pad_id)
             self.runner = DecodeStep(self.model, self.batch, cache, graphs=self.graphs)
-            log.info("%d slots of %d positions (%.1f MB of KV cache)", self.slots, length, cache.nbytes / 1e6)
-            return
-        cache = self.runner.cache
-        if tokens > cache.slot_tokens:
-            length = bucket(tokens, max(limit, tokens), cache.slot_tokens * 2)
-            self.runner.use_cache(cache.grown(length))
-            log.info("slots grown to %d positions (%.1f MB of KV cache)", length, self.runner.cache.nbytes / 1e6)
+        else:
+            cache = self.runner.cache
+            if length <= cache.slot_tokens and count <= cache.slots:
+                return
+            cache = cache.grown(max(count, cache.slots), max(length, cache.slot_tokens))
+            self.runner.use_cache(cache)
+        log.info("KV cache: %d slots of %d positions (%.1f MB)", cache.slots, cache.slot_tokens, cache.nbytes / 1e6)
 
     def _choose(
         self, rows: list[Sequence], logits: torch.Tensor, live: list[int], ids_of: Callable[[int], torch.Tensor]

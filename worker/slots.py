@@ -86,18 +86,19 @@ class SlotCache:
             raise ValueError("the model's forward pass filled no cache layer")
         return cls(shapes, slots, slot_tokens, dtype)
 
-    def grown(self, slot_tokens: int) -> SlotCache:
-        """A longer copy of this cache (what every slot holds kept): new tensors, new addresses."""
+    def grown(self, slots: int, slot_tokens: int) -> SlotCache:
+        """A larger copy of this cache, more slots or longer ones (what every slot holds kept):
+        new tensors, new addresses."""
         out = SlotCache.__new__(SlotCache)
-        out.slots, out.slot_tokens = self.slots, slot_tokens
+        out.slots, out.slot_tokens = slots, slot_tokens
         out.keys, out.values = [], []
         for old_list, new_list in ((self.keys, out.keys), (self.values, out.values)):
             for old in old_list:
                 if old is None:
                     new_list.append(None)
                     continue
-                new = old.new_zeros(old.shape[0], old.shape[1], slot_tokens, old.shape[3])
-                new[:, :, : self.slot_tokens].copy_(old)
+                new = old.new_zeros(slots, old.shape[1], slot_tokens, old.shape[3])
+                new[: self.slots, :, : self.slot_tokens].copy_(old)
                 new_list.append(new)
         out.part, out.span, out.positions = slice(0, 0), 0, None
         return out

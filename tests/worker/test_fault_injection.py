@@ -101,6 +101,15 @@ def engine(tiny_dir):
     return load_engine(tiny_dir)
 
 
+@pytest.fixture(params=["slots", "compacted"])
+def decoder_kind(request, engine, monkeypatch):
+    """The decoder in slots (this model's), and the compacting one that sliding-window models
+    keep, forced on the same model."""
+    if request.param == "compacted":
+        monkeypatch.setattr(engine, "slot_reason", "forced by the test: the compacting decoder")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def requests():
     return [job(q, n, CAPTURE, **fields) for q, n, fields in JOBS]
@@ -175,7 +184,9 @@ def operations(engine, requests) -> int:
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError, RuntimeError], ids=["out-of-memory", "other"])
-def test_any_operation_failing_once_leaves_every_job_one_answer_of_its_own(engine, requests, alone, error):
+def test_any_operation_failing_once_leaves_every_job_one_answer_of_its_own(
+    engine, requests, alone, error, decoder_kind
+):
     total = operations(engine, requests)
     assert total > 50  # the scenario runs joins, steps, leaves and a trace pass
     failed_jobs = 0
@@ -187,6 +198,7 @@ def test_any_operation_failing_once_leaves_every_job_one_answer_of_its_own(engin
             mode.remove()
         assert mode.failed, at
         where = f"failure injected at operation {at} of {total}"
+        assert type(decoder).__name__ == {"slots": "SlotDecoder", "compacted": "Decoder"}[decoder_kind]
         assert sorted(answers.got) == [*range(len(requests)), 99], where
         assert all(len(a) == 1 for a in answers.got.values()), where  # exactly one answer each
         assert not scheduler._active and not scheduler._feeding and not decoder.rows, where

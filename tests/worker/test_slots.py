@@ -150,3 +150,18 @@ def test_a_seeded_rows_draws_do_not_depend_on_its_slot_or_batch(tiny) -> None:
     alone = sampled([0], [0])
     crowded = sampled([3, 0, 0, 0, 1], [0, 1, 2, 3, 4])  # joins last, in slot 3 or later
     assert alone == crowded
+
+
+def test_a_grown_cache_keeps_every_slots_keys_and_values(tiny) -> None:
+    model, tokenizer = tiny
+    rows = rows_of(tokenizer, [3, 3, 3, 3, 3])
+    with torch.inference_mode():
+        prefilled = prefill(model, rows[1])
+        cache = SlotCache.like(prefilled, 2, 32)
+        length = int(rows[1].ids.shape[1])
+        cache.write(1, prefilled, 0, 0, length)
+        bigger = cache.grown(8, 64)
+    assert (bigger.slots, bigger.slot_tokens) == (8, 64)
+    for old, new in zip(cache.tensors(), bigger.tensors(), strict=True):
+        assert torch.equal(new[:2, :, :32], old) and not new[2:].any() and not new[:, :, 32:].any()
+    assert bigger.tensors()[0][1, :, :length].abs().sum() > 0
