@@ -45,6 +45,9 @@ def row_sampling(seq: Sequence) -> RowSampling:
 
 
 class SlotDecoder(Decoder):
+    """The running batch of up to `slots` sequences in slots (see the module). Not thread-safe:
+    one thread drives it (the scheduler's engine thread)."""
+
     def __init__(
         self, model: Any, tokenizer: Any, pad_id: int, slots: int, max_tokens: int, graphs: bool = False
     ) -> None:
@@ -55,10 +58,6 @@ class SlotDecoder(Decoder):
         self.batch: InputBatch | None = None
         self.runner: DecodeStep | None = None
         self._prefill_table: SamplingTable | None = None
-
-    @property
-    def cache_slots(self) -> SlotCache | None:
-        return self.runner.cache if self.runner is not None else None
 
     # -- joining ---------------------------------------------------------------------------
 
