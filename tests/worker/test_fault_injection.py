@@ -115,8 +115,10 @@ def requests():
     return [job(q, n, CAPTURE, **fields) for q, n, fields in JOBS]
 
 
-@pytest.fixture(scope="module")
-def alone(engine, requests):
+@pytest.fixture
+def alone(engine, requests, decoder_kind):
+    """Each job run alone by the decoder under test (their seeded draws differ: the slots' sampler
+    is counter-based, the compacting decoder's is transformers' own with a generator per job)."""
     return [solo(engine, req, n) for req, n in requests]
 
 
