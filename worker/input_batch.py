@@ -50,10 +50,6 @@ class InputBatch:
         self.owners: list[object | None] = [None] * slots  # the host's view: who holds each slot
         self.host_positions = [0] * slots  # each slot's next position (known on the host: no read)
 
-    @property
-    def positions(self) -> torch.Tensor:
-        return self.state[:, POSITION]
-
     def grow(self, slot_tokens: int) -> None:
         """Longer slots: a longer history (a new tensor, the old one's tokens kept)."""
         if slot_tokens <= self.history.shape[1]:
