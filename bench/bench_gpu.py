@@ -16,9 +16,10 @@ prompts' submission to the results on the host:
                  result finished (text, tensors), its decoding steps run eagerly (ACTQ_CUDA_GRAPHS off)
   graphs         the same, decoding steps replayed as CUDA graphs (the default)
   capture        graphs, each job capturing the residual stream of every layer (the `residual` preset) at
-                 generated positions, in the model's dtype (steps with captures run eagerly today)
-  edit           graphs, each job adding a vector at 3 layers (steps with edits run eagerly today)
-  graphs/generate   the speed ratio; capture/graphs and edit/graphs: time with / time without (the cost)
+                 generated positions, in the model's dtype (recorded inside the replayed step)
+  edit           graphs, each job adding a vector at 3 layers (steps with edits run eagerly)
+  graphs/generate, graphs/static   speed ratios; capture/graphs and edit/graphs: time with / time
+                 without (the cost); a ratio is printed where both its arms ran (--arms)
 
 Fair arms: every arm runs once at every batch size before anything is timed (kernels, the allocator,
 the CUDA graphs of every bucket the run needs); at least 3 timed repeats, interleaved across arms, the
@@ -49,6 +50,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # shared, worker, from a checkout
 
+ARMS = ["generate", "static", "eager", "graphs", "capture", "edit"]
 QWEN2_05B = {
     "hidden_size": 896,
     "num_hidden_layers": 24,
@@ -177,7 +179,9 @@ def median_rate(runs: list[tuple[float, int]]) -> float:
     return statistics.median(tokens / seconds for seconds, tokens in runs)
 
 
-def table(engines, prompts, batches: list[int], max_tokens: int, repeats: int, dtype: str, sync) -> list[dict]:
+def table(
+    engines, prompts, batches: list[int], max_tokens: int, repeats: int, dtype: str, sync, only: list[str] | None = None
+) -> list[dict]:
     """Print and return one row per batch size: each arm's median tokens/s and the ratios."""
     graphs, eager = engines
     capture = {"preset": "residual", "positions": "generated", "dtype": dtype}
@@ -199,10 +203,19 @@ def table(engines, prompts, batches: list[int], max_tokens: int, repeats: int, d
             "edit": lambda batch, n: engine_arm(graphs, batch, n, None, sync, edit),
         }
     )
+    if only:
+        arms = {arm: run for arm, run in arms.items() if arm in only}
     for size in batches:  # warm-up: every arm at every shape it will be timed at
         for warm in arms.values():
             warm(prompts[:size], max_tokens)
-    ratios = ["graphs/generate", "capture/graphs", "edit/graphs"]
+    # name: (faster arm, slower arm); speed ratios, and for capture and edit the time with / without
+    ratios = {
+        "graphs/generate": ("graphs", "generate"),
+        "graphs/static": ("graphs", "static"),
+        "capture/graphs": ("graphs", "capture"),
+        "edit/graphs": ("graphs", "edit"),
+    }
+    ratios = {name: pair for name, pair in ratios.items() if all(arm in arms for arm in pair)}
     print(f"{'batch':>6}" + "".join(f"{arm + ' tok/s':>15}" for arm in arms) + "".join(f"{r:>17}" for r in ratios))
     rows = []
     for size in batches:
@@ -211,19 +224,12 @@ def table(engines, prompts, batches: list[int], max_tokens: int, repeats: int, d
             for arm, run in arms.items():  # interleaved: drift hits every arm alike
                 runs[arm].append(run(prompts[:size], max_tokens))
         rate = {arm: median_rate(arm_runs) for arm, arm_runs in runs.items()}
-        row = {
-            "batch": size,
-            **rate,
-            "graphs_over_generate": rate["graphs"] / rate["generate"],
-            "capture_over_graphs": rate["graphs"] / rate["capture"],  # time with / time without
-            "edit_over_graphs": rate["graphs"] / rate["edit"],
-            "runs": runs,
-        }
-        rows.append(row)
+        ratio = {name: rate[a] / rate[b] for name, (a, b) in ratios.items()}
+        rows.append({"batch": size, **rate, **ratio, "runs": runs})
         print(
             f"{size:>6}"
             + "".join(f"{rate[arm]:>15.1f}" for arm in arms)
-            + f"{row['graphs_over_generate']:>17.2f}{row['capture_over_graphs']:>17.2f}{row['edit_over_graphs']:>17.2f}",
+            + "".join(f"{v:>17.2f}" for v in ratio.values()),
             flush=True,
         )
     return rows
@@ -237,6 +243,7 @@ def main() -> int:
     parser.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], help="default bfloat16 (smoke: float32)")
     parser.add_argument("--gsm8k", type=Path, help="a GSM8K JSONL file to take the questions from (else synthetic)")
     parser.add_argument("--json", type=Path, help="also write the table and every run here")
+    parser.add_argument("--arms", nargs="+", choices=ARMS, help="only these arms (default all; the ratios need theirs)")
     parser.add_argument("--allow-cpu", action="store_true", help="without CUDA, a smoke run on the CPU (tiny model)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
@@ -277,7 +284,9 @@ def main() -> int:
             flush=True,
         )
         print(f"decoding: {engine.describe_decoder()}", flush=True)
-        rows = table((engine, eager), chats(args.gsm8k, max(batches)), batches, max_tokens, repeats, dtype, sync)
+        rows = table(
+            (engine, eager), chats(args.gsm8k, max(batches)), batches, max_tokens, repeats, dtype, sync, args.arms
+        )
     if args.json:
         report = {"device": name, "dtype": dtype, "shape": shape, "max_tokens": max_tokens, "rows": rows}
         args.json.write_text(json.dumps(report, indent=2) + "\n")
