@@ -169,6 +169,12 @@ def load(settings: Settings) -> LoadedModel:
         placement["offload_folder"] = str(settings.model_cache_dir / "offload" / digest)
     device = pick_device(settings.device)
     dtype = pick_dtype(settings.dtype, device)
+    if device.startswith("cuda") or settings.device_map is not None:
+        # cuDNN's attention builds an execution plan per shape and stride: a decoding step over
+        # the slots' strided views of a growing span paid ~1.6 ms of host time per layer for it
+        # (an H200, bench/profile_gpu.py), 4x the step of `generate`. Flash and memory-efficient
+        # attention take any stride. Process-wide: a reference model beside it computes alike.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     local = Path(source).is_dir()  # no hub lookups for a local folder
     remote = settings.trust_remote_code
     if remote:
