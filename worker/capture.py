@@ -456,9 +456,15 @@ class BatchHooks:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """The hooks removed (until the next `use`): the slots' decoding steps capture through
+        worker/step_capture.py, and no hook of a prefill may run inside them."""
         for handle in self._handles.values():
             handle.remove()  # type: ignore[attr-defined]  # a torch RemovableHandle
         self._handles.clear()
+        self._wanted_for = ()
 
     def use(self, rows: list[JobCapture | None], lengths: list[int] | None = None, decoding: bool = False) -> None:
         """The sequences of the next forward pass, in batch order: hooks for what they capture.

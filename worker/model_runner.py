@@ -24,6 +24,7 @@ import torch
 from worker.input_batch import LIVE, POSITION, PROMPT, TOKEN, InputBatch
 from worker.sampling import EVERYTHING, Features, sample, token_counts
 from worker.slots import SlotCache, causal_mask
+from worker.step_capture import Key, StepRings
 
 log = logging.getLogger(__name__)
 MIN_SPAN = 64  # the smallest positions bucket
@@ -45,15 +46,18 @@ class DecodeStep:
         self.model, self.batch, self.cache = model, batch, cache
         self.dtype = next(model.parameters()).dtype
         self.graphs = graphs and batch.device.type == "cuda"
-        self._graphs: dict[tuple[int, int, bool, Features], torch.cuda.CUDAGraph] = {}
+        self.rings = StepRings(model, cache.slots, batch.device)  # captures recorded inside the step
+        self._graphs: dict[tuple[int, int, bool, Features, frozenset[Key]], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 
     def use_cache(self, cache: SlotCache) -> None:
         """Longer slots (new tensors, a longer history too): the graphs, which read the old
-        ones, are dropped."""
+        ones, are dropped, and their memory pool with them."""
         self.batch.grow(cache.slot_tokens)
         self.cache = cache
+        self.rings.grown(cache.slots)
         self._graphs.clear()
+        self._pool = None  # a pool whose graphs are all gone cannot take another capture
 
     def decode(
         self,
@@ -66,7 +70,9 @@ class DecodeStep:
     ) -> None:
         """One decoding step of slots [lo, hi) over positions [0, span) (graph-safe). With
         `constrained`, each row samples only the tokens its row of the batch's bitmask allows;
-        `features`: the sampler's parts the rows need.
+        `features`: the sampler's parts the rows need. Values captured at the step are written
+        by the rings' hooks, registered around it (`StepRings.recording`; hooks are host
+        bookkeeping, kept out of the step so that it compiles whole).
         `full`: every row sees all `span` positions (eager only, known on the host), so no mask
         is passed: the attention `generate` runs for an unpadded batch, bit for bit."""
         b = self.batch
@@ -122,37 +128,58 @@ class DecodeStep:
             return rows, span
         return bucket(rows, self.cache.slots), bucket(span, self.cache.slot_tokens, MIN_SPAN)
 
-    def replay(self, constrained: bool = False, features: Features = EVERYTHING) -> None:
-        """The step of every running row as the CUDA graph of its bucket and sampler parts
-        (captured the first time they run)."""
+    def replay(
+        self, constrained: bool = False, features: Features = EVERYTHING, capture: frozenset[Key] = frozenset()
+    ) -> None:
+        """The step of every running row as the CUDA graph of its bucket, sampler parts and
+        captured keys (recorded the first time they run); a step that captures moves the rings'
+        cursor on inside the graph."""
         rows, span = self.shape()
-        self._graph(rows, span, constrained, features).replay()
+        self._graph(rows, span, constrained, features, capture).replay()
 
-    def _graph(self, rows: int, span: int, constrained: bool, features: Features) -> torch.cuda.CUDAGraph:
-        """After warm-up runs on a side stream (as capture requires), the step recorded once;
-        graphs share one memory pool. What warm-up and capture moved on is put back."""
-        key = (rows, span, constrained, features)
+    def _graph(
+        self, rows: int, span: int, constrained: bool, features: Features, capture: frozenset[Key]
+    ) -> torch.cuda.CUDAGraph:
+        """After warm-up runs on a side stream (as capture requires; the rings are allocated
+        there), the step recorded once; graphs share one memory pool. What warm-up and capture
+        moved on is put back."""
+        key = (rows, span, constrained, features, capture)
         graph = self._graphs.get(key)
         if graph is not None:
             return graph
         saved = self._save()
+
+        def body() -> None:
+            self.decode(0, rows, span, constrained, features=features)
+            if capture:
+                self.rings.advance()
+
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.decode(0, rows, span, constrained, features=features)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            self.decode(0, rows, span, constrained, features=features)
+        with self.rings.recording(capture, 0, rows):
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.rings.cursor.zero_()  # each warm-up writes ring step 0: never past a ring's end
+                    body()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                body()
         self._pool = graph.pool()
         self._restore(saved)
         self._graphs[key] = graph
-        log.info("captured the decoding step: %d rows, %d positions, grammar %s, %s", rows, span, constrained, features)
+        log.info(
+            "captured the decoding step: %d rows, %d positions, grammar %s, %s, %d captured values",
+            rows,
+            span,
+            constrained,
+            features,
+            len(capture),
+        )
         return graph
 
     def _state(self) -> tuple[torch.Tensor, ...]:
-        return (self.batch.state, self.batch.next, self.batch.history)
+        return (self.batch.state, self.batch.next, self.batch.history, self.rings.cursor)
 
     def _save(self) -> list[torch.Tensor]:
         return [x.clone() for x in self._state()]

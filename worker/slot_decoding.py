@@ -7,10 +7,11 @@ and it decodes in it until it ends; then its slot is free. No step moves, compac
 concatenates anything. Every row's token comes from the vectorised sampler (worker/sampling.py),
 its first one (chosen by its prefill) too, with the row's own settings and seed.
 
-A step runs as its bucket's CUDA graph when the model is on a GPU and no running row captures
-or edits; rows that capture or edit run the same step eagerly, with the hooks of
-worker/capture.py and worker/edits.py over the slots [0, rows) (a free slot is a row that
-captures and edits nothing). Out of memory in an eager step, the slots run in halves (what
+A step runs as its bucket's CUDA graph when the model is on a GPU and no running row edits; a
+row's captures are recorded inside the step, graph or not (worker/step_capture.py: device rings,
+drained to the jobs' captures when full, when a capturing row leaves and before the slots grow).
+Rows that edit run the same step eagerly, with the hooks of worker/edits.py over the slots
+[0, rows) (a free slot is a row that edits nothing). Out of memory in an eager step, the slots run in halves (what
 the failed pass wrote is written again: each row writes only its own position), down to one
 row, which then fails alone; later batches stay at the half.
 """
@@ -111,6 +112,7 @@ class SlotDecoder(Decoder):
             if length <= cache.slot_tokens and count <= cache.slots:
                 return
             cache = cache.grown(max(count, cache.slots), max(length, cache.slot_tokens))
+            self._drain_rings()  # the running rows' recorded steps, before the rings are made anew
             self.runner.use_cache(cache)
         log.info("KV cache: %d slots of %d positions (%.1f MB)", cache.slots, cache.slot_tokens, cache.nbytes / 1e6)
 
@@ -166,17 +168,25 @@ class SlotDecoder(Decoder):
         assert batch is not None and runner is not None
         n = batch.span_rows
         owners: list[Sequence | None] = [o if isinstance(o, Sequence) else None for o in batch.owners[:n]]
+        captures = [s.capture if s is not None else None for s in owners]
+        keys = runner.rings.keys(captures)
         constrained = self._masks(owners)
-        eager = not runner.graphs or any(
-            s is not None and (s.capture is not None or s.edits is not None) for s in owners
-        )
+        eager = not runner.graphs or any(s is not None and s.edits is not None for s in owners)
         try:
+            self.hooks.release()  # a prefill's hooks: never inside a decoding step (nor its graph)
+            if keys and (runner.rings.full or not runner.rings.ready(keys)):
+                self._drain_rings()  # a ring written to its end, or one to make: from step 0
             batch.flush()
             features = batch.sampling.features(slice(0, n))
             if eager:
-                self._eager(0, n, owners, constrained, features, top=True)
+                self._eager(0, n, owners, constrained, features, keys, top=True)
+                if keys:
+                    runner.rings.advance()
             else:
-                runner.replay(constrained, features)
+                self.edits.use([], [], 1)  # an earlier pass's edit hooks: not in the graph
+                runner.replay(constrained, features, keys)
+            if keys:
+                runner.rings.stepped(captures)
             batch.advanced()
             tokens = batch.read_next(n)
         except Exception as exc:  # noqa: BLE001 - rows that ended keep their results; the others cannot go on
@@ -187,12 +197,12 @@ class SlotDecoder(Decoder):
             failed = list(self.rows)
             self.reset()
             return failed
-        self.hooks.synced(batch.logits.device)
         self._after(owners, tokens)
         ending = {slot for slot, s in enumerate(owners) if s is not None and s.ended is not None}
         if not ending:
             return []
-        self.hooks.drain(ending, [s.capture if s is not None else None for s in owners])
+        if any(owners[slot].capture is not None for slot in ending):  # type: ignore[union-attr]
+            self._drain_rings()
         ended: list[Sequence] = []
         for slot in sorted(ending):
             leaving = owners[slot]
@@ -203,6 +213,14 @@ class SlotDecoder(Decoder):
             ended.append(leaving)
         self.rows = [row for row in self.rows if row.ended is None]
         return ended
+
+    def _drain_rings(self) -> None:
+        """The rings' recorded steps to the rows' captures; a row whose rows do not fit fails."""
+        assert self.runner is not None and self.batch is not None
+        for slot in self.runner.rings.drain():
+            row = self.batch.owners[slot]
+            if isinstance(row, Sequence) and row.capture is not None and row.failure is None:
+                row.failure = row.capture.failure
 
     def _masks(self, owners: list[Sequence | None]) -> bool:
         """The grammar masks of the rows with a constraint, into the batch's bitmask (one fill,
@@ -225,36 +243,32 @@ class SlotDecoder(Decoder):
         return True
 
     def _eager(
-        self, lo: int, hi: int, owners: list[Sequence | None], constrained: bool, features: Features, top: bool
+        self,
+        lo: int,
+        hi: int,
+        owners: list[Sequence | None],
+        constrained: bool,
+        features: Features,
+        keys: frozenset,
+        top: bool,
     ) -> None:
-        """The step of slots [lo, hi) with the hooks of the rows that capture and edit; out of
-        memory, in halves (see the module)."""
+        """The step of slots [lo, hi) with the edit hooks of the rows that edit (captures go to
+        the rings: `keys`); out of memory, in halves (see the module)."""
         assert self.batch is not None and self.runner is not None
         part = owners[lo:hi]
-        captures = [s.capture if s is not None else None for s in part]
-        self.hooks.settle(captures)
-        marks = [c.mark() if c is not None else None for c in captures]
-        self.hooks.use(captures, None, decoding=True)
         spans = [(s.prompt_tokens + len(s.generated) - 1, 1) if s is not None else (0, 1) for s in part]
         self.edits.use([s.edits if s is not None else None for s in part], spans, 1)
         span = self.batch.span_positions()
         full = all(s is not None and self.batch.host_positions[lo + i] + 1 == span for i, s in enumerate(part))
         try:
-            self.runner.decode(lo, hi, span, constrained, full, features)
+            with self.runner.rings.recording(keys, lo, hi - lo):
+                self.runner.decode(lo, hi, span, constrained, full, features)
         except Exception as exc:
             if not is_oom(exc):
                 raise
         else:
-            self.hooks.flush()
             self.edits.flush()
-            for index, failure in self.hooks.failures.items():
-                row = part[index]
-                if row is not None and row.failure is None:
-                    row.failure = failure
             return
-        for capture, mark in zip(captures, marks, strict=True):
-            if capture is not None and mark is not None:
-                capture.reset(mark)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         if hi - lo == 1:
@@ -265,8 +279,8 @@ class SlotDecoder(Decoder):
         if top:
             self.most_rows = min(self.most_rows or (hi - lo), half)
             log.warning("out of memory at a step of %d slots: running it in halves; batches now at most %d", hi, half)
-        self._eager(lo, lo + half, owners, constrained, features, top=False)
-        self._eager(lo + half, hi, owners, constrained, features, top=False)
+        self._eager(lo, lo + half, owners, constrained, features, keys, top=False)
+        self._eager(lo + half, hi, owners, constrained, features, keys, top=False)
 
     def _after(self, owners: list[Sequence | None], tokens: list[int]) -> None:
         """Each running row's log-probabilities (from the step's logits, one transfer) and its
@@ -311,6 +325,8 @@ class SlotDecoder(Decoder):
     def reset(self) -> None:
         """Drop the running batch (after a step failed: its rows were answered with the failure)."""
         self.hooks.discard()
+        if self.runner is not None:
+            self.runner.rings.discard()
         if self.batch is not None:
             for slot, owner in enumerate(self.batch.owners):
                 if owner is not None:

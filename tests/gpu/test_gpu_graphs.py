@@ -7,8 +7,9 @@ eagerly (ACTQ_CUDA_GRAPHS off), on the tiny random Llama, in float32 and bfloat1
   at a near tie (the check of tests/gpu/test_gpu_engine.py, same tolerance);
 - every rows bucket (1, 2, 4, 8) is replayed, and a row's tokens do not depend on its bucket or
   slot: each job batched equals the same job alone (bucket 1, slot 0);
-- jobs that capture run the same step eagerly beside graph-replayed batches, and still equal
-  forward hooks on the plain model.
+- jobs that capture ride in the replayed step (worker/step_capture.py: the rings written inside
+  the graph) beside jobs that do not: their solo eager runs equal forward hooks on the plain model
+  bit for bit, and their replayed rows are within the tolerance above of those.
 """
 
 from __future__ import annotations
@@ -102,13 +103,25 @@ def test_every_bucket_replays_each_rows_own_result(engines, dtype, rows):
 
 
 def test_capturing_jobs_beside_replayed_batches_equal_forward_hooks(engines, dtype, tiny_dir):
-    graphs, _ = engines
+    graphs, eager = engines
     reference = plain_model(tiny_dir, dtype)
     plain = requests(GREEDY[:3])
     capturing = [job(QUESTIONS[4], 8, CAPTURE), job(QUESTIONS[5], 6, {**CAPTURE, "positions": "generated"})]
-    batched, _ = run_batched(graphs, plain + capturing, join_at=[0, 0, 1, 4, 6])
+    recorded: list[tuple] = []
+
+    def keep_keys(decoder) -> None:  # the graphs the decoder recorded, read before it closes
+        close = decoder.close
+
+        def closing() -> None:
+            recorded.extend(decoder.runner._graphs)
+            close()
+
+        decoder.close = closing
+
+    batched, _ = run_batched(graphs, plain + capturing, join_at=[0, 0, 1, 4, 6], wrap=keep_keys)
+    assert any(key[4] for key in recorded), f"no graph recorded a capture: {recorded}"
     for (request, n), got in zip(capturing, batched[3:], strict=True):
-        alone = solo(graphs, request, n)
+        alone = solo(eager, request, n)
         positions = request.capture.positions
         assert_equals_forward_hooks(alone, request.messages[0].content, n, positions, reference)
         assert_close_to_solo(got, alone, None, TOLERANCE[dtype], positions)

@@ -329,9 +329,11 @@ def test_long_prompts_fed_in_chunks_beside_a_running_batch_each_get_their_solo_r
 
 
 def test_rings_that_fill_many_times_hand_every_step_to_its_job(engine, monkeypatch):
-    """Staging rings of 3 steps: a full ring goes to its jobs before the next pass needs its slot,
-    across joins and leaves, so each job still gets exactly its solo rows."""
+    """Rings of 3 steps (the slots' device rings, and the compacted decoder's staging rings): a
+    full ring goes to its jobs before the next step needs its slot, across joins and leaves, so
+    each job still gets exactly its solo rows."""
     import worker.capture
+    import worker.step_capture
 
     generated = {**CAPTURE, "positions": "generated"}
     jobs = [
@@ -342,6 +344,7 @@ def test_rings_that_fill_many_times_hand_every_step_to_its_job(engine, monkeypat
     ]
     alone = [solo(engine, req, n) for req, n in jobs]  # default rings (32 steps): none fills
     monkeypatch.setattr(worker.capture, "STAGED_STEPS", 3)
+    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 3)
     batched, largest = run_batched(engine, jobs, join_at=[0, 1, 1, 4])
     assert largest == 4
     for i, (got, want) in enumerate(zip(batched, alone, strict=True)):

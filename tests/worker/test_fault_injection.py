@@ -139,9 +139,11 @@ def steady_clock(monkeypatch):
 
     import worker.capture
     import worker.scheduler
+    import worker.step_capture
 
     monkeypatch.setattr(worker.scheduler, "clock", itertools.count().__next__)
     monkeypatch.setattr(worker.capture, "STAGED_STEPS", 8)  # so that the scenario fills the rings
+    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 8)
 
 
 def run(engine, requests, mode: FailAt | None) -> tuple[Answers, Scheduler, object]:

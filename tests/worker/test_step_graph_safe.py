@@ -133,3 +133,109 @@ def test_the_step_compiles_whole_with_no_graph_break(tiny) -> None:
             assert eager.batch.next[:3].tolist() == compiled_step.batch.next[:3].tolist()
             assert torch.equal(eager.batch.state, compiled_step.batch.state)
     assert len(PROMPTS) >= 3
+
+
+# Six capture points: blocks' outputs, an MLP, an attention's input, the final norm and lm_head.
+CAPTURED = frozenset(
+    {
+        ("model.layers.0", "output"),
+        ("model.layers.3", "output"),
+        ("model.layers.1.mlp", "output"),
+        ("model.layers.2.self_attn", "input"),
+        ("model.norm", "output"),
+        ("lm_head", "output"),
+    }
+)
+
+
+def values_at_step(model, step: DecodeStep, keys) -> dict:
+    """Forward hooks that clone each key's value on a plain call of the model with the step's
+    inputs (the reference for what the rings hold)."""
+    from worker.capture import first_input, first_tensor
+
+    seen: dict = {}
+    handles = []
+    for module_path, hook in keys:
+        module = model.get_submodule(module_path)
+        if hook == "output":
+            handles.append(
+                module.register_forward_hook(
+                    lambda _m, _a, out, k=(module_path, hook): seen.__setitem__(k, first_tensor(out).clone())
+                )
+            )
+        else:
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda _m, a, kw, k=(module_path, hook): seen.__setitem__(
+                        k, first_tensor(first_input(a, kw)).clone()
+                    ),
+                    with_kwargs=True,
+                )
+            )
+    return {"seen": seen, "handles": handles}
+
+
+def test_a_step_that_captures_reads_nothing_back_and_records_each_row(tiny) -> None:
+    """With six capture points the step still reads nothing on the host; each point's values of
+    the step land in its ring at the cursor, which the step moves on; the rings keep their
+    addresses across steps."""
+    model, tokenizer = tiny
+    with torch.inference_mode():
+        step, rows = started(model, tokenizer)
+        step.batch.flush()
+        with step.rings.recording(CAPTURED, 0, step.shape()[0]):
+            step.decode(0, *step.shape())  # the rings are made at their first write
+        step.rings.advance()
+        step.batch.advanced()
+        rings = {key: ring.data_ptr() for key, ring in step.rings.rings.items()}
+        assert rings.keys() == CAPTURED
+        for at in range(1, 4):
+            step.batch.flush()
+            reference = values_at_step(model, step, CAPTURED)
+            with step.rings.recording(CAPTURED, 0, step.shape()[0]), NoHostReads():
+                step.decode(0, *step.shape())
+                step.rings.advance()
+            for handle in reference["handles"]:
+                handle.remove()
+            step.batch.advanced()
+            assert int(step.rings.cursor) == at + 1
+            for key, value in reference["seen"].items():
+                written = step.rings.rings[key][at, : len(rows)]
+                assert torch.equal(written, value.reshape(value.shape[0], -1)[: len(rows)]), key
+        assert {key: ring.data_ptr() for key, ring in step.rings.rings.items()} == rings
+
+
+def test_a_step_that_captures_compiles_whole(tiny) -> None:
+    """torch.compile(fullgraph=True) takes the step with its capture hooks and the cursor's move:
+    no graph break; the compiled step chooses the eager step's tokens and its rings hold the
+    eager values (within float32 rounding: the compiler decomposes some operators)."""
+    model, tokenizer = tiny
+    torch._dynamo.reset()
+    keys = frozenset(sorted(CAPTURED)[:3])
+    with torch.inference_mode():
+        eager, _ = started(model, tokenizer)
+        compiled_step, _ = started(model, tokenizer)
+        for step in (eager, compiled_step):  # the rings made eagerly (as a graph's warm-up does)
+            step.batch.flush()
+            with step.rings.recording(keys, 0, step.shape()[0]):
+                step.decode(0, *step.shape())
+            step.rings.advance()
+            step.batch.advanced()
+
+        def body(step, rows, span):
+            step.decode(0, rows, span)
+            step.rings.advance()
+
+        compiled = torch.compile(body, fullgraph=True, backend="aot_eager", dynamic=False)
+        for _ in range(3):
+            for step, run in ((eager, body), (compiled_step, compiled)):
+                step.batch.flush()
+                with step.rings.recording(keys, 0, step.shape()[0]):
+                    run(step, *step.shape())
+                step.batch.advanced()
+            assert torch.equal(eager.batch.state, compiled_step.batch.state)
+            assert torch.equal(eager.rings.cursor, compiled_step.rings.cursor)
+            for key in keys:  # aot_eager's decompositions (SiLU, ...) round a few ulps apart
+                torch.testing.assert_close(
+                    compiled_step.rings.rings[key], eager.rings.rings[key], rtol=1e-4, atol=1e-4, msg=str(key)
+                )
