@@ -17,7 +17,7 @@ prompts' submission to the results on the host:
   graphs         the same, decoding steps replayed as CUDA graphs (the default)
   capture        graphs, each job capturing the residual stream of every layer (the `residual` preset) at
                  generated positions, in the model's dtype (recorded inside the replayed step)
-  edit           graphs, each job adding a vector at 3 layers (steps with edits run eagerly)
+  edit           graphs, each job adding a vector at 3 layers (applied from the edit tables inside the replayed step)
   graphs/generate, graphs/static   speed ratios; capture/graphs and edit/graphs: time with / time
                  without (the cost); a ratio is printed where both its arms ran (--arms)
 

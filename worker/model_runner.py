@@ -25,6 +25,7 @@ from worker.input_batch import LIVE, POSITION, PROMPT, TOKEN, InputBatch
 from worker.sampling import EVERYTHING, Features, sample, token_counts
 from worker.slots import SlotCache, causal_mask
 from worker.step_capture import Key, StepRings
+from worker.step_edits import EditPlan, StepEdits
 
 log = logging.getLogger(__name__)
 MIN_SPAN = 64  # the smallest positions bucket
@@ -47,7 +48,8 @@ class DecodeStep:
         self.dtype = next(model.parameters()).dtype
         self.graphs = graphs and batch.device.type == "cuda"
         self.rings = StepRings(model, cache.slots, batch.device)  # captures recorded inside the step
-        self._graphs: dict[tuple[int, int, bool, Features, frozenset[Key]], torch.cuda.CUDAGraph] = {}
+        self.edits = StepEdits(model, batch.state)  # edits applied inside the step
+        self._graphs: dict[tuple[int, int, bool, Features, frozenset[Key], EditPlan], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 
     def use_cache(self, cache: SlotCache) -> None:
@@ -129,21 +131,25 @@ class DecodeStep:
         return bucket(rows, self.cache.slots), bucket(span, self.cache.slot_tokens, MIN_SPAN)
 
     def replay(
-        self, constrained: bool = False, features: Features = EVERYTHING, capture: frozenset[Key] = frozenset()
+        self,
+        constrained: bool = False,
+        features: Features = EVERYTHING,
+        capture: frozenset[Key] = frozenset(),
+        edits: EditPlan = frozenset(),
     ) -> None:
-        """The step of every running row as the CUDA graph of its bucket, sampler parts and
-        captured keys (recorded the first time they run); a step that captures moves the rings'
-        cursor on inside the graph."""
+        """The step of every running row as the CUDA graph of its bucket, sampler parts, captured
+        keys and edit ops (recorded the first time they run); a step that captures moves the
+        rings' cursor on inside the graph."""
         rows, span = self.shape()
-        self._graph(rows, span, constrained, features, capture).replay()
+        self._graph(rows, span, constrained, features, capture, edits).replay()
 
     def _graph(
-        self, rows: int, span: int, constrained: bool, features: Features, capture: frozenset[Key]
+        self, rows: int, span: int, constrained: bool, features: Features, capture: frozenset[Key], edits: EditPlan
     ) -> torch.cuda.CUDAGraph:
         """After warm-up runs on a side stream (as capture requires; the rings are allocated
         there), the step recorded once; graphs share one memory pool. What warm-up and capture
         moved on is put back."""
-        key = (rows, span, constrained, features, capture)
+        key = (rows, span, constrained, features, capture, edits)
         graph = self._graphs.get(key)
         if graph is not None:
             return graph
@@ -156,7 +162,7 @@ class DecodeStep:
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with self.rings.recording(capture, 0, rows):
+        with self.edits.recording(edits, 0, rows), self.rings.recording(capture, 0, rows):
             with torch.cuda.stream(stream):
                 for _ in range(2):
                     self.rings.cursor.zero_()  # each warm-up writes ring step 0: never past a ring's end
@@ -169,12 +175,13 @@ class DecodeStep:
         self._restore(saved)
         self._graphs[key] = graph
         log.info(
-            "captured the decoding step: %d rows, %d positions, grammar %s, %s, %d captured values",
+            "captured the decoding step: %d rows, %d positions, grammar %s, %s, %d captured values, %d edit ops",
             rows,
             span,
             constrained,
             features,
             len(capture),
+            len(edits),
         )
         return graph
 

@@ -7,11 +7,12 @@ and it decodes in it until it ends; then its slot is free. No step moves, compac
 concatenates anything. Every row's token comes from the vectorised sampler (worker/sampling.py),
 its first one (chosen by its prefill) too, with the row's own settings and seed.
 
-A step runs as its bucket's CUDA graph when the model is on a GPU and no running row edits; a
-row's captures are recorded inside the step, graph or not (worker/step_capture.py: device rings,
-drained to the jobs' captures when full, when a capturing row leaves and before the slots grow).
-Rows that edit run the same step eagerly, with the hooks of worker/edits.py over the slots
-[0, rows) (a free slot is a row that edits nothing). Out of memory in an eager step, the slots run in halves (what
+A step runs as its bucket's CUDA graph when the model is on a GPU. A row's captures are
+recorded inside the step, graph or not (worker/step_capture.py: device rings, drained to the
+jobs' captures when full, when a capturing row leaves and before the slots grow), and so are its
+edits (worker/step_edits.py: per-slot tables). A batch with a gated edit or a patch runs its
+steps eagerly with the hooks of worker/edits.py over the slots [0, rows) (a free slot is a row
+that edits nothing). Out of memory in an eager step, the slots run in halves (what
 the failed pass wrote is written again: each row writes only its own position), down to one
 row, which then fails alone; later batches stay at the half.
 """
@@ -31,6 +32,7 @@ from worker.input_batch import InputBatch
 from worker.model_runner import DecodeStep, allowed_tokens, bucket
 from worker.sampling import Features, RowSampling, SamplingTable, sample, token_counts
 from worker.slots import SlotCache
+from worker.step_edits import EditPlan, fits
 
 log = logging.getLogger(__name__)
 FIRST_SLOT_TOKENS = 256  # the slots' least length; they grow by doubling when a longer sequence joins
@@ -171,20 +173,27 @@ class SlotDecoder(Decoder):
         captures = [s.capture if s is not None else None for s in owners]
         keys = runner.rings.keys(captures)
         constrained = self._masks(owners)
-        eager = not runner.graphs or any(s is not None and s.edits is not None for s in owners)
+        row_edits = [s.edits if s is not None else None for s in owners]
+        tabled = all(e is None or fits(e) for e in row_edits)  # else worker/edits.py's hooks, eagerly
+        eager = not runner.graphs or not tabled
         try:
             self.hooks.release()  # a prefill's hooks: never inside a decoding step (nor its graph)
             if keys and (runner.rings.full or not runner.rings.ready(keys)):
                 self._drain_rings()  # a ring written to its end, or one to make: from step 0
+            plan: EditPlan | None = None
+            if tabled:
+                self.edits.use([], [], 1)  # an earlier pass's edit hooks: not in the step (nor its graph)
+                runner.edits.sync(row_edits)
+                plan = runner.edits.plan(n)
             batch.flush()
             features = batch.sampling.features(slice(0, n))
             if eager:
-                self._eager(0, n, owners, constrained, features, keys, top=True)
+                self._eager(0, n, owners, constrained, features, keys, plan, top=True)
                 if keys:
                     runner.rings.advance()
             else:
-                self.edits.use([], [], 1)  # an earlier pass's edit hooks: not in the graph
-                runner.replay(constrained, features, keys)
+                assert plan is not None
+                runner.replay(constrained, features, keys, plan)
             if keys:
                 runner.rings.stepped(captures)
             batch.advanced()
@@ -250,18 +259,22 @@ class SlotDecoder(Decoder):
         constrained: bool,
         features: Features,
         keys: frozenset,
+        plan: EditPlan | None,
         top: bool,
     ) -> None:
-        """The step of slots [lo, hi) with the edit hooks of the rows that edit (captures go to
-        the rings: `keys`); out of memory, in halves (see the module)."""
+        """The step of slots [lo, hi): captures to the rings (`keys`), edits from the tables
+        (`plan`) or, when a row's edits do not fit them (None), with worker/edits.py's hooks;
+        out of memory, in halves (see the module)."""
         assert self.batch is not None and self.runner is not None
         part = owners[lo:hi]
-        spans = [(s.prompt_tokens + len(s.generated) - 1, 1) if s is not None else (0, 1) for s in part]
-        self.edits.use([s.edits if s is not None else None for s in part], spans, 1)
+        if plan is None:
+            spans = [(s.prompt_tokens + len(s.generated) - 1, 1) if s is not None else (0, 1) for s in part]
+            self.edits.use([s.edits if s is not None else None for s in part], spans, 1)
         span = self.batch.span_positions()
         full = all(s is not None and self.batch.host_positions[lo + i] + 1 == span for i, s in enumerate(part))
         try:
-            with self.runner.rings.recording(keys, lo, hi - lo):
+            tables = self.runner.edits.recording(plan or frozenset(), lo, hi - lo)
+            with tables, self.runner.rings.recording(keys, lo, hi - lo):
                 self.runner.decode(lo, hi, span, constrained, full, features)
         except Exception as exc:
             if not is_oom(exc):
@@ -279,8 +292,8 @@ class SlotDecoder(Decoder):
         if top:
             self.most_rows = min(self.most_rows or (hi - lo), half)
             log.warning("out of memory at a step of %d slots: running it in halves; batches now at most %d", hi, half)
-        self._eager(lo, lo + half, owners, constrained, features, keys, top=False)
-        self._eager(lo + half, hi, owners, constrained, features, keys, top=False)
+        self._eager(lo, lo + half, owners, constrained, features, keys, plan, top=False)
+        self._eager(lo + half, hi, owners, constrained, features, keys, plan, top=False)
 
     def _after(self, owners: list[Sequence | None], tokens: list[int]) -> None:
         """Each running row's log-probabilities (from the step's logits, one transfer) and its

@@ -125,3 +125,58 @@ def test_capturing_jobs_beside_replayed_batches_equal_forward_hooks(engines, dty
         positions = request.capture.positions
         assert_equals_forward_hooks(alone, request.messages[0].content, n, positions, reference)
         assert_close_to_solo(got, alone, None, TOLERANCE[dtype], positions)
+
+
+def test_editing_jobs_ride_in_the_replayed_step_and_give_the_eager_results(engines, dtype):
+    """Jobs whose edits fit the edit tables (worker/step_edits.py) beside plain jobs: the graphs
+    recorded hold edit ops, and each job's tokens are the eager run's (float32: identical;
+    bfloat16: parting only at a near tie)."""
+    from shared.intervention_check import resolve as resolve_edits
+    from shared.schemas import JobRequest
+
+    graphs, eager = engines
+    width = graphs.info.hidden_size
+    generator = torch.Generator().manual_seed(5)
+    edits = [
+        [{"module": "model.layers.1", "op": "add", "vector": torch.randn(width, generator=generator).tolist()}],
+        None,
+        [{"module": "model.layers.2", "op": "scale", "factor": 0.5, "positions": "generated"}],
+        [{"module": "model.layers.1", "op": "zero", "features": "0:8"}],
+    ]
+    jobs = []
+    for i, edit in enumerate(edits):
+        body = {"model": "m", "messages": [{"role": "user", "content": QUESTIONS[i]}], "interventions": edit}
+        jobs.append((JobRequest.model_validate(body), 8 + i))
+
+    def prepare(engine, req, n, w=None):
+        points = resolve_edits(req.interventions, engine.info, False, n) if req.interventions else []
+        return engine.prepare(req, [], n, None, points)
+
+    import tests.worker.test_batching as tb
+
+    recorded: list[tuple] = []
+
+    def keep_keys(decoder) -> None:
+        close = decoder.close
+
+        def closing() -> None:
+            recorded.extend(decoder.runner._graphs)
+            close()
+
+        decoder.close = closing
+
+    original = tb.prepare
+    tb.prepare = prepare  # solo runs (the near-tie logits) prepare their jobs with the edits too
+    try:
+        replayed, _ = run_batched(graphs, jobs, join_at=[0, 0, 1, 3], wrap=keep_keys)
+        eagerly, _ = run_batched(eager, jobs, join_at=[0, 0, 1, 3])
+        assert any(key[5] for key in recorded), f"no graph recorded an edit: {recorded}"
+        for index, (got, want) in enumerate(zip(replayed, eagerly, strict=True)):
+            if dtype == "float32":
+                assert torch.equal(got.token_ids, want.token_ids), index
+                continue
+            same = torch.equal(got.token_ids, want.token_ids)
+            logits = None if same else _logits(eager, jobs[index])
+            assert_close_to_solo(got, want, logits, TOLERANCE[dtype], str(index))
+    finally:
+        tb.prepare = original

@@ -286,6 +286,66 @@ def test_a_batch_mixing_steered_gated_and_plain_jobs_gives_each_its_solo_result(
     assert RELATIVE_TOLERANCE <= 1e-4
 
 
+def test_a_batch_of_table_edits_gives_each_job_its_solo_result(engine, monkeypatch):
+    """Edits that fit the slots' edit tables (worker/step_edits.py: every op but patch, ungated),
+    jobs joining at different steps: the decoding steps apply them from the tables (seen), and
+    each job gets its solo result and counts."""
+    from tests.worker.test_batching import run_batched
+    from worker.step_edits import StepEdits
+
+    plans: list[frozenset] = []
+    recording = StepEdits.recording
+
+    def spy(self, plan, lo, rows):
+        plans.append(plan)
+        return recording(self, plan, lo, rows)
+
+    monkeypatch.setattr(StepEdits, "recording", spy)
+    width = engine.info.hidden_size
+    capture = {"modules": ["model.layers.{1,2}", "model.norm"], "positions": "all"}
+    questions = [MESSAGES, OTHER, [{"role": "user", "content": "Count to five."}], MESSAGES, OTHER]
+    edit_sets = [
+        [{"module": "model.layers.1", "op": "add", "vector": vector(width, 20), "coeff": 3.0}],
+        None,
+        [
+            {"module": "model.layers.2", "op": "project_out", "vector": vector(width, 21), "value": 1.0},
+            {"module": "model.layers.1", "op": "scale", "factor": 0.5, "features": "0:16", "positions": "generated"},
+            {"module": "model.layers.1", "op": "zero", "features": [1, 2], "positions": {"generated": ["1:3", 6]}},
+        ],
+        [
+            {
+                "module": "model.layers.1",
+                "op": "add",
+                "vector": vector(width, 22),
+                "coeff": -2.0,
+                "normalize": True,
+                "positions": {"generated": ["2:5"]},
+            },
+            {"module": "model.layers.1.mlp", "hook": "input", "op": "add", "vector": vector(width, 23)},
+        ],
+        [{"module": "model.layers.2", "op": "zero", "features": "0:32"}],
+    ]
+    jobs = [(request(q, e, capture), 10) for q, e in zip(questions, edit_sets, strict=True)]
+
+    def prepare_with_edits(eng, req, n, w=None):
+        points = resolve(req.capture, engine.info)
+        edits = resolve_edits(req.interventions, engine.info, False, n) if req.interventions else []
+        return engine.prepare(req, points, n, None, edits)
+
+    import tests.worker.test_batching as tb
+
+    monkeypatch.setattr(tb, "prepare", prepare_with_edits)
+    batched, largest = run_batched(engine, jobs, join_at=[0, 0, 2, 3, 3])
+    assert largest >= 4
+    assert {kind for plan in plans for _, _, kind in plan} == {1, 2, 3, 4, 5}, plans
+    monkeypatch.undo()
+    for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
+        alone = run(engine, req, n)
+        assert_same(got, alone, f"job {i}")
+        if got.interventions is not None:
+            assert [r.applied for r in got.interventions] == [r.applied for r in alone.interventions], i
+
+
 def test_a_trace_job_edits_its_one_pass(engine):
     width = engine.info.hidden_size
     v = vector(width, 14)

@@ -239,3 +239,120 @@ def test_a_step_that_captures_compiles_whole(tiny) -> None:
                 torch.testing.assert_close(
                     compiled_step.rings.rings[key], eager.rings.rings[key], rtol=1e-4, atol=1e-4, msg=str(key)
                 )
+
+
+def row_edits(width: int, start: int = 45, skip: int = 43):
+    """Three rows' edits, every kind the tables hold: an add at every position and a normalized
+    add from position `start` at one block; a scale of some features (not at position `skip`)
+    and a zero; a project_out at an attention's input (row 2 takes none)."""
+    from worker.edits import JobEdits, RowEdit
+
+    generator = torch.Generator().manual_seed(0)
+
+    def vector() -> torch.Tensor:
+        return torch.randn(width, generator=generator)
+
+    unit = vector()
+    unit = unit / unit.norm()
+    chosen = torch.zeros(width, dtype=torch.bool)
+    chosen[:8] = True
+    first = JobEdits(
+        [
+            RowEdit(0, "model.layers.1", "output", "add", [(0, 1000)], vector=2 * vector()),
+            RowEdit(1, "model.layers.1", "output", "add", [(start, 1000)], vector=0.5 * unit, normalize=True),
+        ],
+        40,
+    )
+    second = JobEdits(
+        [
+            RowEdit(
+                0,
+                "model.layers.2",
+                "output",
+                "scale",
+                [(0, skip), (skip + 1, 1000)],
+                factor=torch.where(chosen, -1.5, 1.0),
+            ),
+            RowEdit(1, "model.layers.2", "output", "zero", [(0, 1000)], zeroed=~chosen),
+            RowEdit(2, "model.layers.0.self_attn", "input", "project_out", [(0, 1000)], vector=unit, value=1.0),
+        ],
+        40,
+    )
+    return [first, second, None]
+
+
+def test_a_step_that_edits_and_captures_compiles_whole_and_reads_nothing_back(tiny) -> None:
+    """The edit tables' hooks and the rings' hooks in one step: no host read under the dispatch
+    mode; torch.compile(fullgraph=True) takes it whole; the compiled step chooses the eager
+    step's tokens and its rings hold the eager values (within float32 rounding)."""
+    model, tokenizer = tiny
+    torch._dynamo.reset()
+    keys = frozenset({("model.layers.1", "output"), ("model.layers.2", "output"), ("model.norm", "output")})
+    with torch.inference_mode():
+        eager, _ = started(model, tokenizer)
+        compiled_step, _ = started(model, tokenizer)
+        edits = row_edits(model.config.hidden_size)
+        for step in (eager, compiled_step):
+            step.edits.sync(edits)
+        plan = eager.edits.plan(3)
+        assert {kind for _, _, kind in plan} == {1, 2, 3, 4, 5}
+        for step in (eager, compiled_step):  # the rings made eagerly (as a graph's warm-up does)
+            step.batch.flush()
+            with step.edits.recording(plan, 0, 8), step.rings.recording(keys, 0, 8), NoHostReads():
+                step.decode(0, 8, step.shape()[1])
+                step.rings.advance()
+            step.batch.advanced()
+
+        def body(step, rows, span):
+            step.decode(0, rows, span)
+            step.rings.advance()
+
+        compiled = torch.compile(body, fullgraph=True, backend="aot_eager", dynamic=False)
+        for _ in range(3):
+            for step, run in ((eager, body), (compiled_step, compiled)):
+                step.batch.flush()
+                with step.edits.recording(plan, 0, 8), step.rings.recording(keys, 0, 8):
+                    run(step, 8, step.shape()[1])
+                step.batch.advanced()
+            assert torch.equal(eager.batch.state, compiled_step.batch.state)
+            for key in keys:  # aot_eager's decompositions round a few ulps apart
+                torch.testing.assert_close(
+                    compiled_step.rings.rings[key], eager.rings.rings[key], rtol=1e-4, atol=1e-4, msg=str(key)
+                )
+
+
+def test_the_edit_tables_give_each_row_what_the_edit_hooks_give(tiny) -> None:
+    """The same step with the tables (worker/step_edits.py) and with worker/edits.py's hooks (the
+    eager path of gated edits and patches): every captured value and every token identical, the
+    positions each edit selects (a normalized add that starts, a scale that skips a position, both
+    inside the steps run) included."""
+    from worker.edits import BatchEdits
+
+    model, tokenizer = tiny
+    keys = frozenset({("model.layers.1", "output"), ("model.layers.2", "output"), ("model.norm", "output")})
+    with torch.inference_mode():
+        tables, _ = started(model, tokenizer)
+        hooks, _ = started(model, tokenizer)
+        first, second = tables.batch.host_positions[:2]
+        edits = row_edits(model.config.hidden_size, start=first + 3, skip=second + 2)
+        tables.edits.sync(edits)
+        plan = tables.edits.plan(3)
+        batch_edits = BatchEdits(model)
+        for at in range(8):
+            tables.batch.flush()
+            with tables.edits.recording(plan, 0, 3), tables.rings.recording(keys, 0, 3):
+                tables.decode(0, 3, tables.shape()[1])
+            hooks.batch.flush()
+            positions = hooks.batch.host_positions[:3]
+            batch_edits.use(edits, [(p, 1) for p in positions], 1)
+            with hooks.rings.recording(keys, 0, 3):
+                hooks.decode(0, 3, hooks.shape()[1])
+            batch_edits.flush()
+            batch_edits.use([], [], 1)  # its hooks off the model before the tables' step
+            for step in (tables, hooks):
+                step.rings.advance()
+                step.batch.advanced()
+            for key in keys:
+                a, b = tables.rings.rings[key][at, :3], hooks.rings.rings[key][at, :3]
+                assert torch.equal(a, b), (at, key, (a - b).abs().amax(-1).tolist())
+            assert torch.equal(tables.batch.state, hooks.batch.state), at

@@ -1,0 +1,203 @@
+"""Edits at the slots' decoding steps as tensor operations on persistent tables, so a step that
+edits is graph-safe and replays as a CUDA graph like one that does not.
+
+Each edited (module, hook) has, per depth (a row's first, second... edit there, applied in the
+request's order, as worker/edits.py does), tables indexed by slot: the op's kind (0: none, the
+row keeps its value exactly), its vector (`add`, normalized `add`, `project_out`'s unit
+direction), factor (`scale`), features (`zero`), `project_out`'s value, and up to SPANS
+intervals of token positions it applies to. The step's hook computes, for the whole batch, the
+rows an op of each kind present selects at the position each row feeds (read from the batch's
+state on the device) and applies it with `torch.where`: the arithmetic of worker/edits.py's
+groups, in the same order and dtype, so a row's values are what its eager step gives. A row that
+joins writes its rows of the tables in place (`sync`); one that leaves sets its kind back to 0.
+Tables have a row per slot of the batch (its most slots) and are never rebuilt.
+
+Gated edits (`when`), patches and edits over more than SPANS intervals are not in tables: a batch
+with any of them runs its steps eagerly with worker/edits.py (`fits`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from shared.errors import JobFailure
+from worker.capture import first_input
+from worker.edits import JobEdits, RowEdit
+from worker.input_batch import POSITION
+
+Key = tuple[str, str]  # (module path, hook)
+SPANS = 4  # position intervals an edit in a table may have
+KINDS = {"add": 1, "add_norm": 2, "scale": 3, "zero": 4, "project_out": 5}
+NEVER = (0, 0)  # an empty interval
+EditPlan = frozenset[tuple[Key, int, int]]  # (key, depth, kind) of each op a step applies
+
+
+def fits(edits: JobEdits) -> bool:
+    """Whether a job's edits can live in the tables (see the module)."""
+    return all(e.gate is None and e.kind in KINDS and len(e.spans) <= SPANS for e in edits.edits)
+
+
+class _Table:
+    """One depth of one (module, hook): per slot, its op and parameters."""
+
+    def __init__(self, slots: int, width: int, device: torch.device) -> None:
+        self.width = width
+        self.kind = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.spans = torch.zeros((slots, SPANS, 2), dtype=torch.int64, device=device)
+        # float32, as the jobs' edits are: cast to the value's dtype where applied, as worker/edits.py does
+        self.vector = torch.zeros((slots, width), dtype=torch.float32, device=device)
+        self.factor = torch.ones((slots, width), dtype=torch.float32, device=device)
+        self.zeroed = torch.zeros((slots, width), dtype=torch.bool, device=device)
+        self.value = torch.zeros((slots, 1), dtype=torch.float32, device=device)
+        self.kinds = [0] * slots  # the host's copy of `kind`
+
+    def set_row(self, slot: int, edit: RowEdit) -> None:
+        kind = edit.kind
+        spans = (list(edit.spans) + [NEVER] * SPANS)[:SPANS]
+        self.spans[slot].copy_(torch.tensor(spans, dtype=torch.int64))
+        if kind in ("add", "add_norm", "project_out"):
+            assert edit.vector is not None
+            self.vector[slot].copy_(edit.vector)
+        if kind == "project_out":
+            self.value[slot, 0] = edit.value
+        if kind == "scale":
+            assert edit.factor is not None
+            self.factor[slot].copy_(edit.factor)
+        if kind == "zero":
+            assert edit.zeroed is not None
+            self.zeroed[slot].copy_(edit.zeroed)
+        self.kind[slot] = KINDS[kind]
+        self.kinds[slot] = KINDS[kind]
+
+    def clear_row(self, slot: int) -> None:
+        if self.kinds[slot]:
+            self.kind[slot] = 0
+            self.kinds[slot] = 0
+
+
+class StepEdits:
+    """The edit tables of one persistent batch of `slots` slots (see the module)."""
+
+    def __init__(self, model: torch.nn.Module, state: torch.Tensor) -> None:
+        self.model, self.slots = model, int(state.shape[0])
+        self.state = state  # the batch's [slots, 4] state: column POSITION, what each slot feeds next
+        self.tables: dict[Key, list[_Table]] = {}
+        self._rows: list[Any] = [None] * self.slots  # weakref to each slot's JobEdits (None: no edits)
+
+    def sync(self, rows: list[JobEdits | None]) -> None:
+        """The tables hold `rows`' edits (each a running slot's, None: none; slots past them:
+        none): rows that changed since the last step are written, in place."""
+        for slot in range(self.slots):
+            edits = rows[slot] if slot < len(rows) else None
+            ref = self._rows[slot]
+            if (ref() if ref is not None else None) is edits:
+                continue
+            for layers in self.tables.values():
+                for table in layers:
+                    table.clear_row(slot)
+            self._rows[slot] = weakref.ref(edits) if edits is not None else None
+            if edits is not None:
+                for key, key_edits in edits.by_key.items():
+                    for depth, edit in enumerate(key_edits):
+                        self._table(key, depth, edit).set_row(slot, edit)
+
+    def _table(self, key: Key, depth: int, edit: RowEdit) -> _Table:
+        layers = self.tables.setdefault(key, [])
+        while len(layers) <= depth:
+            like = edit.vector if edit.vector is not None else edit.factor if edit.factor is not None else edit.zeroed
+            assert like is not None
+            layers.append(_Table(self.slots, int(like.shape[0]), self.state.device))
+        return layers[depth]
+
+    def plan(self, rows: int) -> EditPlan:
+        """(key, depth, kind) of every op a slot in [0, rows) takes: what a step's graph holds."""
+        return frozenset(
+            (key, depth, kind)
+            for key, layers in self.tables.items()
+            for depth, table in enumerate(layers)
+            for kind in set(table.kinds[:rows])
+            if kind
+        )
+
+    @contextmanager
+    def recording(self, plan: EditPlan, lo: int, rows: int):
+        """Hooks (in front of any other on the module) that apply `plan` to slots [lo, lo + rows)
+        for one forward pass of a decoding step."""
+        handles = []
+        by_key: dict[Key, list[tuple[int, int]]] = {}
+        for key, depth, kind in sorted(plan):
+            by_key.setdefault(key, []).append((depth, kind))
+        try:
+            for key, ops in by_key.items():
+                module = self.model.get_submodule(key[0])
+                if key[1] == "output":
+
+                    def on_output(_module, _args, output, key=key, ops=ops):
+                        return self._edit_output(key, ops, output, lo, rows)
+
+                    handles.append(module.register_forward_hook(on_output, prepend=True))
+                else:
+
+                    def on_input(_module, args, kwargs, key=key, ops=ops):
+                        return self._edit_input(key, ops, args, kwargs, lo, rows)
+
+                    handles.append(module.register_forward_pre_hook(on_input, prepend=True, with_kwargs=True))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _edit_output(self, key: Key, ops, output: Any, lo: int, rows: int) -> Any:
+        if isinstance(output, torch.Tensor):
+            return self._apply(key, ops, output, lo, rows)
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            return type(output)([self._apply(key, ops, output[0], lo, rows), *output[1:]])
+        raise JobFailure(f"{key[0]}: its output is not a tensor this edit can change")
+
+    def _edit_input(self, key: Key, ops, args: tuple, kwargs: dict, lo: int, rows: int) -> tuple[tuple, dict]:
+        value = first_input(args, kwargs)
+        if not isinstance(value, torch.Tensor):
+            raise JobFailure(f"{key[0]}: its input is not a tensor this edit can change")
+        edited = self._apply(key, ops, value, lo, rows)
+        if args:
+            return (edited, *args[1:]), kwargs
+        name = next(iter(kwargs))
+        return args, {**kwargs, name: edited}
+
+    def _apply(self, key: Key, ops, value: torch.Tensor, lo: int, rows: int) -> torch.Tensor:
+        """`value` of a decoding step (`[B, 1, ...]` or `[B, W]`) with the ops applied, depth by
+        depth and kind by kind, each to the rows it selects."""
+        if value.shape[0] != rows or (value.dim() > 2 and value.shape[1] != 1):
+            raise JobFailure(f"{key[0]}: a decoding step's value of shape {list(value.shape)} for {rows} rows")
+        x = value.reshape(rows, 1, -1)
+        part = slice(lo, lo + rows)
+        position = self.state[part, POSITION].reshape(rows, 1)
+        for depth, kind in ops:
+            table = self.tables[key][depth]
+            if x.shape[2] != table.width:
+                raise JobFailure(f"{key[0]}: {x.shape[2]} features, the edit has {table.width}")
+            spans = table.spans[part]
+            inside = ((spans[:, :, 0] <= position) & (position < spans[:, :, 1])).any(-1)
+            where = (inside & (table.kind[part] == kind)).reshape(rows, 1, 1)
+            x = torch.where(where, self._edited(table, kind, x, part), x)
+        return x.reshape(value.shape)
+
+    @staticmethod
+    def _edited(table: _Table, kind: int, x: torch.Tensor, part: slice) -> torch.Tensor:
+        """`x` under the op `kind` with every row's parameters (the rows that take it are chosen
+        by the caller): worker/edits.py's arithmetic."""
+        if kind == KINDS["zero"]:
+            return x.masked_fill(table.zeroed[part].unsqueeze(1), 0)
+        if kind == KINDS["scale"]:
+            return x * table.factor[part].unsqueeze(1).to(x.dtype)
+        vector = table.vector[part].unsqueeze(1).to(x.dtype)
+        if kind == KINDS["add"]:
+            return x + vector
+        if kind == KINDS["add_norm"]:
+            return x + vector * torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        along = (x * vector).sum(-1, keepdim=True)  # project_out
+        return x - (along - table.value[part].unsqueeze(1).to(x.dtype)) * vector
