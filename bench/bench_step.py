@@ -85,18 +85,36 @@ def prompts(batch: int) -> list[str]:
     ]
 
 
-def engine_arm(engine, batch: int, points: int, steps: int, sample: bool, compacted: bool = False) -> dict:
+def engine_arm(
+    engine, batch: int, points: int, steps: int, sample: bool, compacted: bool = False, edits: int = 0
+) -> dict:
     from shared.capture_spec import resolve
+    from shared.intervention_check import resolve as resolve_edits
     from shared.schemas import CaptureSpec, JobRequest
     from tests.support.host_reads import HostReads
 
     modules = [m.path for m in engine.info.modules if m.output_dim is not None and m.all_positions][:points]
     spec = CaptureSpec(modules=modules, positions="generated") if points else None
     fields = {"temperature": 0.8, "seed": 1} if sample else {}
+    layers = engine.info.num_layers
+    width = engine.info.hidden_size
+    edited = [
+        {"module": f"model.layers.{(i * layers) // max(1, edits)}", "op": "add", "vector": [0.01] * width}
+        for i in range(edits)
+    ]
     seqs = []
     for text in prompts(batch):
-        request = JobRequest(model="m", messages=[{"role": "user", "content": text}], capture=spec, **fields)
-        seqs.append(engine.prepare(request, resolve(spec, engine.info) if spec else [], 3 * steps + 4))
+        request = JobRequest(
+            model="m",
+            messages=[{"role": "user", "content": text}],
+            capture=spec,
+            interventions=edited or None,
+            **fields,
+        )
+        n = 3 * steps + 4
+        points_of = resolve(spec, engine.info) if spec else []
+        edit_points = resolve_edits(request.interventions, engine.info, False, n) if edited else None
+        seqs.append(engine.prepare(request, points_of, n, None, edit_points))
     with torch.inference_mode():
         if compacted:  # the decoder before slots (still the one of sliding-window models)
             from worker.decoding import Decoder
@@ -130,6 +148,7 @@ def engine_arm(engine, batch: int, points: int, steps: int, sample: bool, compac
         "gathers": gathers / steps,
         "ops": ops / steps,
         "points": len(modules),
+        "edits": edits,
     }
 
 
@@ -182,6 +201,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--points", type=int, nargs="+", default=[0, 6, 60])
+    parser.add_argument("--edits", type=int, nargs="+", default=[0], help="an add at this many layers (slots arm)")
     parser.add_argument(
         "--steps", type=int, default=64, help="a multiple of 32 (captured rows reach the jobs every 32 steps)"
     )
@@ -201,19 +221,24 @@ def main() -> int:
     folder = build_model(Path(tempfile.mkdtemp(prefix="bench-step-")) / "model", args.hidden, args.layers)
     engine = CaptureEngine(load(Settings(model=str(folder), model_name="m", device=args.device, dtype=args.dtype)))
     rows = []
-    print(f"{'arm':<10}{'batch':>6}{'points':>7}{'ms/step':>9}{'reads':>7}{'copies':>8}{'gathers':>8}{'ops':>8}")
+    print(
+        f"{'arm':<10}{'batch':>6}{'points':>7}{'edits':>6}{'ms/step':>9}{'reads':>7}{'copies':>8}{'gathers':>8}{'ops':>8}"
+    )
     for batch in args.batch:
-        arms = [("generate", None)] + [("compacted", p) for p in args.points] + [("slots", p) for p in args.points]
-        for name, points in arms:
+        arms: list[tuple[str, int | None, int]] = [("generate", None, 0)]
+        arms += [("compacted", p, 0) for p in args.points]
+        arms += [("slots", p, e) for e in args.edits for p in args.points]
+        for name, points, edits in arms:
             if points is None:
                 row = generate_arm(engine, batch, args.steps, args.sample)
-                row["points"] = 0
+                row.update(points=0, edits=0)
             else:
-                row = engine_arm(engine, batch, points, args.steps, args.sample, compacted=name == "compacted")
+                compacted = name == "compacted"
+                row = engine_arm(engine, batch, points, args.steps, args.sample, compacted=compacted, edits=edits)
             row.update(arm=name, batch=batch)
             rows.append(row)
             print(
-                f"{name:<10}{batch:>6}{row['points']:>7}{row['step_ms']:>9.2f}{row['syncs']:>7.1f}"
+                f"{name:<10}{batch:>6}{row['points']:>7}{row['edits']:>6}{row['step_ms']:>9.2f}{row['syncs']:>7.1f}"
                 f"{row['copies']:>8.1f}{row['gathers']:>8.1f}{row['ops']:>8.0f}",
                 flush=True,
             )

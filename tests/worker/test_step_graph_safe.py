@@ -356,3 +356,48 @@ def test_the_edit_tables_give_each_row_what_the_edit_hooks_give(tiny) -> None:
                 a, b = tables.rings.rings[key][at, :3], hooks.rings.rings[key][at, :3]
                 assert torch.equal(a, b), (at, key, (a - b).abs().amax(-1).tolist())
             assert torch.equal(tables.batch.state, hooks.batch.state), at
+
+
+def test_a_running_batch_that_captures_and_edits_reads_one_value_per_step(tiny_dir) -> None:
+    """The decoder's whole step (joins staged, the step, the tokens back, stop checks) at batch 8
+    with 6 capture points and 3 edits per job, for 64 steps (the rings drained twice): one read of
+    device values per step, the tokens', however many points and edits ride in it."""
+    from shared.capture_spec import resolve
+    from shared.intervention_check import resolve as resolve_edits
+    from shared.schemas import JobRequest
+    from shared.settings import Settings
+    from tests.support.host_reads import HostReads
+    from worker.engine import CaptureEngine
+    from worker.models import load as load_model
+
+    engine = CaptureEngine(load_model(Settings(model=str(tiny_dir), model_name="m")))
+    width = engine.info.hidden_size
+    capture = {"modules": ["model.layers.*", "model.layers.1.mlp", "model.norm"], "positions": "generated"}
+    edits = [{"module": f"model.layers.{i}", "op": "add", "vector": [0.01] * width} for i in (0, 1, 3)]
+    steps = 64
+    seqs = []
+    for i in range(8):
+        body = {"model": "m", "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
+        req = JobRequest.model_validate({**body, "capture": capture, "interventions": edits})
+        points = resolve(req.capture, engine.info)
+        assert len(points) == 6
+        seqs.append(
+            engine.prepare(
+                req, points, steps + 4, None, resolve_edits(req.interventions, engine.info, False, steps + 4)
+            )
+        )
+    with torch.inference_mode():
+        decoder = engine.decoder(8)
+        decoder.eos_ids = set()  # a random model: no row ends inside the count
+        try:
+            for seq in seqs:
+                decoder.admit(seq)
+            decoder.step()
+            with HostReads() as reads:
+                for _ in range(steps):
+                    assert decoder.step() == []
+            assert len(decoder.rows) == 8 and decoder.runner.rings.rings
+            assert decoder.runner.edits.plan(8)
+        finally:
+            decoder.close()
+    assert reads.count <= steps, reads.count / steps
