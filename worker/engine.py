@@ -105,7 +105,13 @@ class CaptureEngine:
         # Why its cache cannot live in slots (None: batches decode in slots, worker/slot_decoding.py;
         # else in one compacted timeline, worker/decoding.py).
         self.slot_reason = self.solo_reason or unsupported(self.hf.config)
-        self.cuda_graphs = cuda_graphs
+        # A model a device map spreads over several devices (or offloads) runs its steps eagerly:
+        # one CUDA graph records one device's stream, and offloading moves weights on the host.
+        places = {str(d) for d in (getattr(self.hf, "hf_device_map", None) or {}).values()}
+        self.graphs_reason = f"a device map places it on {sorted(places)}" if len(places) > 1 else None
+        if places & {"cpu", "disk"}:
+            self.graphs_reason = f"a device map offloads it ({sorted(places)})"
+        self.cuda_graphs = cuda_graphs and self.graphs_reason is None
         # tool_choice and response_format: each such job's grammar, over the model's logits
         self.grammars = Grammars(self.tokenizer, self.info.vocab_size, self.eos_ids)
 
@@ -353,7 +359,10 @@ class CaptureEngine:
         if self.slot_reason is not None:
             return f"in a compacted batch, not in slots ({self.slot_reason})"
         graphs = self.cuda_graphs and self.loaded.device.startswith("cuda")
-        return "in slots, decoding steps " + ("replayed as CUDA graphs" if graphs else "run eagerly")
+        how = "replayed as CUDA graphs" if graphs else "run eagerly"
+        if self.graphs_reason is not None and self.loaded.device.startswith("cuda"):
+            how += f" ({self.graphs_reason})"
+        return "in slots, decoding steps " + how
 
     def finish(self, seq: Sequence, request: JobRequest) -> Generation:
         """The job's result once its sequence left the batch (a failed one raises its failure)."""

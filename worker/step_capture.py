@@ -128,9 +128,10 @@ class StepRings:
         owners = [ref() if ref is not None else None for ref in self._owner]
         used = max((slot + 1 for slot, c in enumerate(owners) if c is not None), default=0)
         wanted = self.keys(owners)
-        blocks = {key: self._to_host(ring[:count, :used]) for key, ring in self.rings.items() if key in wanted}
-        if any(block.is_pinned() for block in blocks.values()):
-            torch.cuda.current_stream(self.cursor.device).synchronize()  # the one wait of a drain
+        rings = {key: ring for key, ring in self.rings.items() if key in wanted}
+        blocks = {key: self._to_host(ring[:count, :used]) for key, ring in rings.items()}
+        for device in {ring.device for ring in rings.values() if ring.device.type == "cuda"}:
+            torch.cuda.current_stream(device).synchronize()  # the one wait of a drain (per GPU of a device map)
         for slot, capture in enumerate(owners[:used]):
             if capture is None or capture.failure is not None:
                 continue

@@ -97,6 +97,7 @@ def test_the_map_places_each_module_through_accelerate(placed):
     offloaded = engine.hf.get_submodule("model.layers.1.mlp.up_proj")
     assert hasattr(offloaded, "_hf_hook") and offloaded.weight.device.type == "meta"  # loaded at each forward
     assert engine.hf.get_submodule("model.layers.0.mlp.up_proj").weight.device.type == "cpu"
+    assert not engine.cuda_graphs and "offloads" in (engine.graphs_reason or "")  # no graphs: steps run eagerly
 
 
 @pytest.mark.model
