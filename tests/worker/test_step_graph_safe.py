@@ -215,30 +215,36 @@ def test_a_step_that_captures_compiles_whole(tiny) -> None:
     with torch.inference_mode():
         eager, _ = started(model, tokenizer)
         compiled_step, _ = started(model, tokenizer)
-        for step in (eager, compiled_step):  # the rings made eagerly (as a graph's warm-up does)
+        assert_compiles_as_eager(eager, compiled_step, keys, frozenset(), rows=3)
+
+
+def assert_compiles_as_eager(eager: DecodeStep, compiled_step: DecodeStep, keys, plan, rows: int) -> None:
+    """A first step of both, eager under the dispatch mode (the rings are made there, as a graph's
+    warm-up makes them); then three steps, `compiled_step`'s compiled with fullgraph=True (no
+    graph break allowed): the same state, cursor and (within float32 rounding: aot_eager's
+    decompositions, SiLU..., round a few ulps apart) ring values."""
+
+    def body(step, rows, span):
+        step.decode(0, rows, span)
+        step.rings.advance()
+
+    compiled = torch.compile(body, fullgraph=True, backend="aot_eager", dynamic=False)
+    for at in range(4):
+        for step, run in ((eager, body), (compiled_step, body if at == 0 else compiled)):
             step.batch.flush()
-            with step.rings.recording(keys, 0, step.shape()[0]):
-                step.decode(0, *step.shape())
-            step.rings.advance()
+            with step.edits.recording(plan, 0, rows), step.rings.recording(keys, 0, rows):
+                if at == 0:
+                    with NoHostReads():
+                        run(step, rows, step.shape()[1])
+                else:
+                    run(step, rows, step.shape()[1])
             step.batch.advanced()
-
-        def body(step, rows, span):
-            step.decode(0, rows, span)
-            step.rings.advance()
-
-        compiled = torch.compile(body, fullgraph=True, backend="aot_eager", dynamic=False)
-        for _ in range(3):
-            for step, run in ((eager, body), (compiled_step, compiled)):
-                step.batch.flush()
-                with step.rings.recording(keys, 0, step.shape()[0]):
-                    run(step, *step.shape())
-                step.batch.advanced()
-            assert torch.equal(eager.batch.state, compiled_step.batch.state)
-            assert torch.equal(eager.rings.cursor, compiled_step.rings.cursor)
-            for key in keys:  # aot_eager's decompositions (SiLU, ...) round a few ulps apart
-                torch.testing.assert_close(
-                    compiled_step.rings.rings[key], eager.rings.rings[key], rtol=1e-4, atol=1e-4, msg=str(key)
-                )
+        assert torch.equal(eager.batch.state, compiled_step.batch.state), at
+        assert torch.equal(eager.rings.cursor, compiled_step.rings.cursor), at
+        for key in keys:
+            torch.testing.assert_close(
+                compiled_step.rings.rings[key], eager.rings.rings[key], rtol=1e-4, atol=1e-4, msg=str(key)
+            )
 
 
 def row_edits(width: int, start: int = 45, skip: int = 43):
@@ -296,29 +302,7 @@ def test_a_step_that_edits_and_captures_compiles_whole_and_reads_nothing_back(ti
             step.edits.sync(edits)
         plan = eager.edits.plan(3)
         assert {kind for _, _, kind in plan} == {1, 2, 3, 4, 5}
-        for step in (eager, compiled_step):  # the rings made eagerly (as a graph's warm-up does)
-            step.batch.flush()
-            with step.edits.recording(plan, 0, 8), step.rings.recording(keys, 0, 8), NoHostReads():
-                step.decode(0, 8, step.shape()[1])
-                step.rings.advance()
-            step.batch.advanced()
-
-        def body(step, rows, span):
-            step.decode(0, rows, span)
-            step.rings.advance()
-
-        compiled = torch.compile(body, fullgraph=True, backend="aot_eager", dynamic=False)
-        for _ in range(3):
-            for step, run in ((eager, body), (compiled_step, compiled)):
-                step.batch.flush()
-                with step.edits.recording(plan, 0, 8), step.rings.recording(keys, 0, 8):
-                    run(step, 8, step.shape()[1])
-                step.batch.advanced()
-            assert torch.equal(eager.batch.state, compiled_step.batch.state)
-            for key in keys:  # aot_eager's decompositions round a few ulps apart
-                torch.testing.assert_close(
-                    compiled_step.rings.rings[key], eager.rings.rings[key], rtol=1e-4, atol=1e-4, msg=str(key)
-                )
+        assert_compiles_as_eager(eager, compiled_step, keys, plan, rows=8)
 
 
 def test_the_edit_tables_give_each_row_what_the_edit_hooks_give(tiny) -> None:
