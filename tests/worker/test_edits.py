@@ -231,8 +231,29 @@ def test_a_patch_copies_the_source_rows_at_its_positions(engine):
         run(engine, request(MESSAGES, [far], None), 40, Stored(0, rows[:3]))
 
 
+def run_edit_batch(engine, questions, edit_sets, capture):
+    """Each (question, edits) as a job of 10 tokens, joining at steps 0, 0, 2, 3, 3 of one batch
+    (tests/worker/test_batching.py's run_batched, its jobs prepared with their edits): the jobs,
+    their results and the largest batch."""
+    import tests.worker.test_batching as tb
+
+    jobs = [(request(q, e, capture), 10) for q, e in zip(questions, edit_sets, strict=True)]
+
+    def prepare_with_edits(eng, req, n, w=None):
+        points = resolve(req.capture, engine.info)
+        edits = resolve_edits(req.interventions, engine.info, False, n) if req.interventions else []
+        return engine.prepare(req, points, n, None, edits)
+
+    original = tb.prepare
+    tb.prepare = prepare_with_edits
+    try:
+        batched, largest = tb.run_batched(engine, jobs, join_at=[0, 0, 2, 3, 3])
+    finally:
+        tb.prepare = original
+    return jobs, batched, largest
+
+
 def test_a_batch_mixing_steered_gated_and_plain_jobs_gives_each_its_solo_result(engine):
-    from tests.worker.test_batching import run_batched
 
     width = engine.info.hidden_size
     capture = {"modules": ["model.layers.{1,2}", "model.norm"], "positions": "all"}
@@ -261,21 +282,7 @@ def test_a_batch_mixing_steered_gated_and_plain_jobs_gives_each_its_solo_result(
         ],
         [{"module": "model.layers.2", "op": "zero", "features": "0:32"}],
     ]
-    jobs = [(request(q, e, capture), 10) for q, e in zip(questions, edit_sets, strict=True)]
-
-    def prepare_with_edits(req, n):
-        points = resolve(req.capture, engine.info)
-        edits = resolve_edits(req.interventions, engine.info, False, n) if req.interventions else []
-        return engine.prepare(req, points, n, None, edits)
-
-    import tests.worker.test_batching as tb
-
-    original = tb.prepare
-    tb.prepare = lambda eng, req, n, w=None: prepare_with_edits(req, n)
-    try:
-        batched, largest = run_batched(engine, jobs, join_at=[0, 0, 2, 3, 3])
-    finally:
-        tb.prepare = original
+    jobs, batched, largest = run_edit_batch(engine, questions, edit_sets, capture)
     assert largest >= 4
     for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
         alone = run(engine, req, n)
@@ -290,7 +297,6 @@ def test_a_batch_of_table_edits_gives_each_job_its_solo_result(engine, monkeypat
     """Edits that fit the slots' edit tables (worker/step_edits.py: every op but patch, ungated),
     jobs joining at different steps: the decoding steps apply them from the tables (seen), and
     each job gets its solo result and counts."""
-    from tests.worker.test_batching import run_batched
     from worker.step_edits import StepEdits
 
     plans: list[frozenset] = []
@@ -325,17 +331,7 @@ def test_a_batch_of_table_edits_gives_each_job_its_solo_result(engine, monkeypat
         ],
         [{"module": "model.layers.2", "op": "zero", "features": "0:32"}],
     ]
-    jobs = [(request(q, e, capture), 10) for q, e in zip(questions, edit_sets, strict=True)]
-
-    def prepare_with_edits(eng, req, n, w=None):
-        points = resolve(req.capture, engine.info)
-        edits = resolve_edits(req.interventions, engine.info, False, n) if req.interventions else []
-        return engine.prepare(req, points, n, None, edits)
-
-    import tests.worker.test_batching as tb
-
-    monkeypatch.setattr(tb, "prepare", prepare_with_edits)
-    batched, largest = run_batched(engine, jobs, join_at=[0, 0, 2, 3, 3])
+    jobs, batched, largest = run_edit_batch(engine, questions, edit_sets, capture)
     assert largest >= 4
     assert {kind for plan in plans for _, _, kind in plan} == {1, 2, 3, 4, 5}, plans
     monkeypatch.undo()
