@@ -43,19 +43,19 @@ QUESTIONS = [
 
 def engine_for(folder: Path, device: str, dtype: str = "auto"):
     from shared.settings import Settings
-    from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.served_model import ServedModel
 
-    return CaptureEngine(load(Settings(model=str(folder), model_name="m", device=device, dtype=dtype)))
+    return ServedModel(load(Settings(model=str(folder), model_name="m", device=device, dtype=dtype)))
 
 
 def vector(width: int, seed: int, scale: float) -> list[float]:
     return (torch.randn(width, generator=torch.Generator().manual_seed(seed)) * scale).tolist()
 
 
-def edit_set(engine, i: int) -> list[dict]:
+def edit_set(served, i: int) -> list[dict]:
     """Job i's own edits: one of four kinds, at its own layers, with its own vector."""
-    width, layers = engine.info.hidden_size, len(engine.info.presets["residual"])
+    width, layers = served.info.hidden_size, len(served.info.presets["residual"])
     at = [i % layers, (i + 1) % layers]
     kind = i % 4
     if kind == 0:
@@ -67,9 +67,9 @@ def edit_set(engine, i: int) -> list[dict]:
     return [{"preset": "residual", "layers": at, "op": "project_out", "vector": vector(width, 100 + i, 1.0)}]
 
 
-def steering(engine, i: int, gated: bool = False) -> list[dict]:
-    width = engine.info.hidden_size
-    layers = len(engine.info.presets["residual"])
+def steering(served, i: int, gated: bool = False) -> list[dict]:
+    width = served.info.hidden_size
+    layers = len(served.info.presets["residual"])
     edit = {
         "preset": "residual",
         "layers": [layers // 4, layers // 2, 3 * layers // 4],
@@ -82,25 +82,25 @@ def steering(engine, i: int, gated: bool = False) -> list[dict]:
     return [edit]
 
 
-def sequences(engine, jobs: list[tuple[str, list[dict] | None]], max_tokens: int):
+def sequences(served, jobs: list[tuple[str, list[dict] | None]], max_tokens: int):
     from shared.intervention_check import resolve
     from shared.schemas import JobRequest
 
     seqs = []
     for text, edits in jobs:
         request = JobRequest(model="m", messages=[{"role": "user", "content": text}], interventions=edits)
-        points = resolve(request.interventions, engine.info, False, max_tokens) if edits else []
-        seqs.append(engine.prepare(request, [], max_tokens, None, points))
+        points = resolve(request.interventions, served.info, False, max_tokens) if edits else []
+        seqs.append(served.prepare(request, [], max_tokens, None, points))
     return seqs
 
 
-def timed(engine, jobs, max_tokens: int, count_reads: bool = False) -> tuple[float, float | None]:
+def timed(served, jobs, max_tokens: int, count_reads: bool = False) -> tuple[float, float | None]:
     """Seconds from the prompts' pass to the last step; host reads per decoding step."""
     from tests.support.host_reads import HostReads
 
-    seqs = sequences(engine, jobs, max_tokens)
+    seqs = sequences(served, jobs, max_tokens)
     with torch.inference_mode():
-        decoder = engine.decoder()
+        decoder = served.decoder()
         decoder.eos_ids = set()  # every arm generates max_tokens
         try:
             started = time.perf_counter()
@@ -115,24 +115,24 @@ def timed(engine, jobs, max_tokens: int, count_reads: bool = False) -> tuple[flo
             else:
                 while decoder.rows:
                     decoder.step()
-            if engine.loaded.device.startswith("cuda"):
+            if served.loaded.device.startswith("cuda"):
                 torch.cuda.synchronize()
             return time.perf_counter() - started, reads
         finally:
             decoder.close()
 
 
-def arms(engine) -> dict[str, list[tuple[str, list[dict] | None]]]:
+def arms(served) -> dict[str, list[tuple[str, list[dict] | None]]]:
     one = QUESTIONS[0]
-    steered = steering(engine, 0)
+    steered = steering(served, 0)
     return {
         "one plain": [(one, None)],
         "one add@3": [(one, steered)],
         "16 plain": [(q, None) for q in QUESTIONS],
-        "16 edit sets": [(q, edit_set(engine, i)) for i, q in enumerate(QUESTIONS)],
+        "16 edit sets": [(q, edit_set(served, i)) for i, q in enumerate(QUESTIONS)],
         "baseline pair": [(one, steered), (one, None)],
-        "16 add": [(q, steering(engine, i)) for i, q in enumerate(QUESTIONS)],
-        "16 gated add": [(q, steering(engine, i, gated=True)) for i, q in enumerate(QUESTIONS)],
+        "16 add": [(q, steering(served, i)) for i, q in enumerate(QUESTIONS)],
+        "16 gated add": [(q, steering(served, i, gated=True)) for i, q in enumerate(QUESTIONS)],
     }
 
 
@@ -144,24 +144,24 @@ RATIOS = [  # (what, arm, against, target)
 ]
 
 
-def bench(name: str, engine, max_tokens: int, repeats: int) -> dict:
+def bench(name: str, served, max_tokens: int, repeats: int) -> dict:
     """Each ratio from `repeats` pairs run back to back (their order alternating, so drift in the
     machine's speed falls on both arms alike): the median of the pairs' ratios, and each arm's
     median time."""
-    jobs = arms(engine)
+    jobs = arms(served)
     for arm in jobs.values():  # warm every path once
-        timed(engine, arm, 4)
+        timed(served, arm, 4)
     times: dict[str, list[float]] = {arm: [] for arm in jobs}
     ratios: dict[str, list[float]] = {what: [] for what, *_ in RATIOS}
     for i in range(repeats):
         for what, arm, against, _ in RATIOS:
             order = (arm, against) if i % 2 else (against, arm)
-            got = {one: timed(engine, jobs[one], max_tokens)[0] for one in order}
+            got = {one: timed(served, jobs[one], max_tokens)[0] for one in order}
             times[arm].append(got[arm])
             times[against].append(got[against])
             ratios[what].append(got[arm] / got[against])
     reads = {
-        arm: timed(engine, jobs[arm], max_tokens, count_reads=True)[1]
+        arm: timed(served, jobs[arm], max_tokens, count_reads=True)[1]
         for arm in ("one plain", "one add@3", "16 plain", "16 add", "16 gated add")
     }
     medians = {arm: statistics.median(values) for arm, values in times.items() if values}

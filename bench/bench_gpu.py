@@ -99,12 +99,12 @@ def chats(source: Path | None, count: int) -> list[list[dict[str, str]]]:
     return [data.messages(problems[i % len(problems)], "zero-shot") for i in range(count)]
 
 
-def generate_arm(engine, batch: list[list[dict[str, str]]], max_tokens: int, sync: Callable[[], None], **extra):
+def generate_arm(served, batch: list[list[dict[str, str]]], max_tokens: int, sync: Callable[[], None], **extra):
     """(seconds, generated tokens) of one left-padded HF `generate` over the batch."""
-    tokenizer, model = engine.tokenizer, engine.hf
+    tokenizer, model = served.tokenizer, served.hf
     texts = [tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in batch]
     tokenizer.padding_side = "left"
-    inputs = tokenizer(texts, return_tensors="pt", padding=True).to(engine.loaded.device)
+    inputs = tokenizer(texts, return_tensors="pt", padding=True).to(served.loaded.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with torch.inference_mode():
         sync()
@@ -117,13 +117,13 @@ def generate_arm(engine, batch: list[list[dict[str, str]]], max_tokens: int, syn
     return elapsed, (out.shape[1] - inputs["input_ids"].shape[1]) * len(batch)
 
 
-def static_arm(engine, batch: list[list[dict[str, str]]], max_tokens: int, sync: Callable[[], None]):
+def static_arm(served, batch: list[list[dict[str, str]]], max_tokens: int, sync: Callable[[], None]):
     """`generate_arm` with a static cache, which transformers compiles (reduce-overhead)."""
-    return generate_arm(engine, batch, max_tokens, sync, cache_implementation="static")
+    return generate_arm(served, batch, max_tokens, sync, cache_implementation="static")
 
 
 def engine_arm(
-    engine,
+    served,
     batch: list[list[dict[str, str]]],
     max_tokens: int,
     capture: dict | None,
@@ -135,14 +135,15 @@ def engine_arm(
     from shared.capture_spec import resolve
     from shared.intervention_check import resolve as resolve_edits
     from shared.schemas import JobRequest
-    from worker.scheduler import Entry, Scheduler
+    from worker.engine_core import EngineCore
+    from worker.scheduler import Entry
 
     body = {"model": "m", "capture": capture, "interventions": interventions}
     requests = [JobRequest.model_validate({**body, "messages": c}) for c in batch]
     spec = requests[0].capture  # the same for every job
-    points = resolve(spec, engine.info) if spec is not None else []
-    edits = resolve_edits(requests[0].interventions, engine.info, False, max_tokens) if interventions else None
-    seqs = [engine.prepare(request, points, max_tokens, None, edits) for request in requests]
+    points = resolve(spec, served.info) if spec is not None else []
+    edits = resolve_edits(requests[0].interventions, served.info, False, max_tokens) if interventions else None
+    seqs = [served.prepare(request, points, max_tokens, None, edits) for request in requests]
     outcomes: dict[int, object] = {}
     done = threading.Event()
 
@@ -154,22 +155,22 @@ def engine_arm(
 
         return Entry(seq=seqs[i], done=answer)
 
-    scheduler = Scheduler(engine, max_batch=len(seqs), prefill_padding=1.0)  # one prefill pass, as generate
+    core = EngineCore(served, max_batch=len(seqs), prefill_padding=1.0)  # one prefill pass, as generate
     sync()
     started = time.perf_counter()
     for i in range(len(seqs)):
-        scheduler.submit(entry(i))
-    scheduler.start()
+        core.submit(entry(i))
+    core.start()
     try:
         done.wait()
         failed = [outcome for outcome in outcomes.values() if isinstance(outcome, Exception)]
         if failed:
             raise failed[0]
-        results = [engine.finish(outcomes[i], request) for i, request in enumerate(requests)]
+        results = [served.finish(outcomes[i], request) for i, request in enumerate(requests)]
         sync()
         elapsed = time.perf_counter() - started
     finally:
-        scheduler.stop()
+        core.stop()
     if any(len(result.captured) != len(points) for result in results):
         raise RuntimeError("a job came back without its captured tensors")
     return elapsed, sum(result.completion_tokens for result in results)
@@ -264,28 +265,28 @@ def main() -> int:
             torch.cuda.synchronize()
 
     from shared.settings import Settings
-    from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.served_model import ServedModel
 
     shape = SMOKE if smoke else QWEN2_05B
     with tempfile.TemporaryDirectory(prefix="actq-bench-gpu-") as tmp:
         folder = build_model(Path(tmp) / "model", shape, dtype)
-        engine = CaptureEngine(load(Settings(model=str(folder), model_name="m", device=device, dtype=dtype)))
-        engine.hf.generation_config.eos_token_id = None  # a random model: every row generates max_tokens
-        eager = CaptureEngine(engine.loaded, cuda_graphs=False)  # the same weights, steps run eagerly
+        served = ServedModel(load(Settings(model=str(folder), model_name="m", device=device, dtype=dtype)))
+        served.hf.generation_config.eos_token_id = None  # a random model: every row generates max_tokens
+        eager = ServedModel(served.loaded, cuda_graphs=False)  # the same weights, steps run eagerly
         name = torch.cuda.get_device_name() if cuda else "CPU (smoke run: the figures mean nothing)"
-        parameters = sum(p.numel() for p in engine.hf.parameters())
+        parameters = sum(p.numel() for p in served.hf.parameters())
         print(f"command: {' '.join([sys.executable, *sys.argv])}")
         print(
             f"device: {name}; {dtype}; model: {'tiny Qwen2' if smoke else 'Qwen2-0.5B shape'}, random weights, "
             f"{parameters / 1e6:.1f}M parameters; {max_tokens} greedy new tokens a row; "
             f"prompts: {args.gsm8k or 'synthetic GSM8K-style'}; capture: the residual stream of "
-            f"{len(engine.info.presets['residual'])} layers at generated positions; medians of {repeats}",
+            f"{len(served.info.presets['residual'])} layers at generated positions; medians of {repeats}",
             flush=True,
         )
-        print(f"decoding: {engine.describe_decoder()}", flush=True)
+        print(f"decoding: {served.describe_decoder()}", flush=True)
         rows = table(
-            (engine, eager), chats(args.gsm8k, max(batches)), batches, max_tokens, repeats, dtype, sync, args.arms
+            (served, eager), chats(args.gsm8k, max(batches)), batches, max_tokens, repeats, dtype, sync, args.arms
         )
     if args.json:
         report = {"device": name, "dtype": dtype, "shape": shape, "max_tokens": max_tokens, "rows": rows}

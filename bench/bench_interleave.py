@@ -37,18 +37,19 @@ PROBLEM = (
 )
 
 
-def trace_text(engine, tokens: int) -> list[dict[str, str]]:
+def trace_text(served, tokens: int) -> list[dict[str, str]]:
     """A user turn and an assistant turn of about `tokens` tokens in all."""
-    each = len(engine.tokenizer(PROBLEM)["input_ids"])
+    each = len(served.tokenizer(PROBLEM)["input_ids"])
     body = PROBLEM * max(1, tokens // each - 1)
     return [{"role": "user", "content": body}, {"role": "assistant", "content": "72"}]
 
 
-def run_arm(engine, chunk: int | None, max_tokens: int, trace_tokens: int | None) -> dict[str, float]:
+def run_arm(served, chunk: int | None, max_tokens: int, trace_tokens: int | None) -> dict[str, float]:
     """Start the generation; once it decodes, submit the trace (if any); wait for both."""
     from shared.capture_spec import resolve
     from shared.schemas import JobRequest
-    from worker.scheduler import Entry, Scheduler
+    from worker.engine_core import EngineCore
+    from worker.scheduler import Entry
 
     answered: dict[str, float] = {}
     done = threading.Event()
@@ -64,25 +65,25 @@ def run_arm(engine, chunk: int | None, max_tokens: int, trace_tokens: int | None
 
         return record
 
-    scheduler = Scheduler(engine, max_batch=4, chunk_tokens=chunk).start()
+    core = EngineCore(served, max_batch=4, chunk_tokens=chunk).start()
     try:
         request = JobRequest(model="m", messages=[{"role": "user", "content": PROBLEM}], max_tokens=max_tokens)
-        generation = engine.prepare(request, [], max_tokens)
+        generation = served.prepare(request, [], max_tokens)
         started = time.perf_counter()
-        scheduler.submit(Entry(seq=generation, done=answer("generation", started)))
+        core.submit(Entry(seq=generation, done=answer("generation", started)))
         if trace_tokens is not None:
             while not generation.generated:  # the generation is decoding
                 time.sleep(0.001)
             capture = {"modules": ["model.layers.1"], "positions": "all", "dtype": "float16"}
-            body = {"model": "m", "mode": "trace", "messages": trace_text(engine, trace_tokens), "capture": capture}
+            body = {"model": "m", "mode": "trace", "messages": trace_text(served, trace_tokens), "capture": capture}
             trace = JobRequest.model_validate(body)
-            seq = engine.prepare(trace, resolve(trace.capture, engine.info), 0)
+            seq = served.prepare(trace, resolve(trace.capture, served.info), 0)
             answered["trace_tokens"] = seq.prompt_tokens
-            scheduler.submit(Entry(seq=seq, done=answer("trace", time.perf_counter())))
+            core.submit(Entry(seq=seq, done=answer("trace", time.perf_counter())))
         if not done.wait(1800):
             raise SystemExit("the jobs did not finish in 30 minutes")
     finally:
-        scheduler.stop()
+        core.stop()
     return answered
 
 
@@ -97,16 +98,16 @@ def main() -> int:
     args = parser.parse_args()
 
     from shared.settings import Settings
-    from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.served_model import ServedModel
 
-    engine = CaptureEngine(load(Settings(model=args.model, model_name="m")))
-    engine.hf.generation_config.eos_token_id = None  # every arm generates exactly max_tokens
+    served = ServedModel(load(Settings(model=args.model, model_name="m")))
+    served.hf.generation_config.eos_token_id = None  # every arm generates exactly max_tokens
     arms = {"alone": (None, None), "chunked": (args.chunk, args.trace_tokens), "one pass": (None, args.trace_tokens)}
     results: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
     for _ in range(args.repeats):
         for name, (chunk, trace_tokens) in arms.items():
-            results[name].append(run_arm(engine, chunk, args.max_tokens, trace_tokens))
+            results[name].append(run_arm(served, chunk, args.max_tokens, trace_tokens))
     table = {}
     print(
         f"model {args.model}, {args.max_tokens} generated tokens, trace ~{args.trace_tokens} tokens, torch threads {torch.get_num_threads()}"

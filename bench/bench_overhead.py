@@ -52,8 +52,8 @@ def questions(n: int, source: Path | None = None) -> list[str]:
     return [base.format(a=12 + 2 * i) for i in range(n)]
 
 
-def generate_arm(engine, texts: list[str], max_tokens: int) -> tuple[float, int]:
-    tokenizer, model = engine.tokenizer, engine.hf
+def generate_arm(served, texts: list[str], max_tokens: int) -> tuple[float, int]:
+    tokenizer, model = served.tokenizer, served.hf
     chats = [
         tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
         for t in texts
@@ -69,12 +69,13 @@ def generate_arm(engine, texts: list[str], max_tokens: int) -> tuple[float, int]
         return time.perf_counter() - started, max_tokens * len(texts)
 
 
-def engine_arm(engine, texts: list[str], max_tokens: int) -> tuple[float, int]:
+def engine_arm(served, texts: list[str], max_tokens: int) -> tuple[float, int]:
     from shared.schemas import JobRequest
-    from worker.scheduler import Entry, Scheduler
+    from worker.engine_core import EngineCore
+    from worker.scheduler import Entry
 
     seqs = [
-        engine.prepare(JobRequest(model="m", messages=[{"role": "user", "content": t}]), [], max_tokens) for t in texts
+        served.prepare(JobRequest(model="m", messages=[{"role": "user", "content": t}]), [], max_tokens) for t in texts
     ]
     done = threading.Event()
     ended: list[object] = []
@@ -84,14 +85,14 @@ def engine_arm(engine, texts: list[str], max_tokens: int) -> tuple[float, int]:
         if len(ended) == len(seqs):
             done.set()
 
-    scheduler = Scheduler(engine, max_batch=len(seqs))
+    core = EngineCore(served, max_batch=len(seqs))
     started = time.perf_counter()
     for seq in seqs:
-        scheduler.submit(Entry(seq=seq, done=answer))
-    scheduler.start()
+        core.submit(Entry(seq=seq, done=answer))
+    core.start()
     done.wait()
     elapsed = time.perf_counter() - started
-    scheduler.stop()
+    core.stop()
     return elapsed, sum(len(s.generated) for s in seqs)
 
 
@@ -110,10 +111,10 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
         for process in family:
             try:
                 times = process.cpu_times()
-                engine = any("worker.engine_process" in part for part in process.cmdline())
+                is_engine = any("worker.engine_process" in part for part in process.cmdline())
             except psutil.NoSuchProcess:
                 continue
-            spent["engine" if engine else name] += times.user + times.system
+            spent["engine" if is_engine else name] += times.user + times.system
     return spent
 
 
@@ -209,15 +210,15 @@ def main() -> int:
     from shared.client import Client
     from shared.settings import Settings
     from tests.support.tiny_model import build
-    from worker.engine import CaptureEngine
     from worker.models import ensure_smollm2, load
+    from worker.served_model import ServedModel
 
     texts = questions(args.prompts, args.gsm8k)
     rows: dict[str, list[tuple[float, int]]] = {}
     with tempfile.TemporaryDirectory(prefix="actq-bench-overhead-") as tmp:
         folder = build(Path(tmp) / "tiny", ensure_smollm2(Settings().model_cache_dir), max_position_embeddings=4096)
-        engine = CaptureEngine(load(Settings(model=str(folder), model_name="m")))
-        engine.hf.generation_config.eos_token_id = None  # a random model: every arm generates max_tokens
+        served = ServedModel(load(Settings(model=str(folder), model_name="m")))
+        served.hf.generation_config.eos_token_id = None  # a random model: every arm generates max_tokens
         with RedisServer(Path(tmp) / "redis") as redis:
             env = {"ACTQ_REDIS_URL": redis.url, "ACTQ_STORAGE_URL": Path(tmp, "data").as_uri()}
             with Stack(Path(tmp), env) as stack:
@@ -249,9 +250,9 @@ def main() -> int:
                 captures = {"actq": None, "actq+capture": capture, "actq+narrow": narrow}
                 stack_arm(stack, "tiny", texts[:2], 4, None)  # warm
                 for _ in range(args.repeats):
-                    rows.setdefault("generate", []).append(generate_arm(engine, texts, args.max_tokens))
+                    rows.setdefault("generate", []).append(generate_arm(served, texts, args.max_tokens))
                     cpu = sum(psutil.Process().cpu_times()[:2])
-                    rows.setdefault("engine", []).append(engine_arm(engine, texts, args.max_tokens))
+                    rows.setdefault("engine", []).append(engine_arm(served, texts, args.max_tokens))
                     profiles["engine"].add("ran", rows["engine"][-1][0])
                     profiles["engine"].add("cpu client", sum(psutil.Process().cpu_times()[:2]) - cpu)
                     profiles["engine"].add("steps", args.max_tokens - 1)  # all join at once; prefill gives the first

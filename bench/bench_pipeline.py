@@ -5,7 +5,7 @@ decoder layers plus their input_layernorm and post_attention_layernorm at every 
 this times three arms:
 
   (a) plain  - `model.generate` (Hugging Face) with no capture, under torch.inference_mode;
-  (b) engine - `CaptureEngine.run` alone, in this process: capture hooks copying the kept rows
+  (b) engine - `ServedModel.run` alone, in this process: capture hooks copying the kept rows
                of every step to the CPU, the [T, H] tensors (what the capture itself costs);
   (c) job    - a whole job: POST /jobs -> API -> Redis -> Celery worker (the same engine) ->
                safetensors file + manifest -> record -> GET /jobs/{id} shows `succeeded`
@@ -52,8 +52,9 @@ from shared.cli.local_stack import Stack
 from shared.cli.redis_server import RedisServer
 from shared.schemas import CaptureSpec, ChatMessage, JobRequest
 from shared.settings import Settings
-from worker.engine import CaptureEngine
+from worker.job_prep import generate_settings
 from worker.models import load
+from worker.served_model import ServedModel
 
 LAYERS = (7, 15, 23)
 # A word problem whose greedy completion runs past 32 tokens (every run checks it did).
@@ -79,7 +80,7 @@ class BenchError(RuntimeError):
 class Setup:
     tokens: int
     request: JobRequest
-    engine: CaptureEngine
+    served: ServedModel
     points: list
     prompt: dict  # input_ids, attention_mask: exactly what the engine feeds the model
     kwargs: dict  # generation kwargs, the engine's own
@@ -110,16 +111,16 @@ def build_request(model: str, tokens: int, layers: tuple[int, ...]) -> JobReques
 
 def setup(settings: Settings, tokens: int, layers: tuple[int, ...]) -> Setup:
     loaded = load(settings)
-    engine = CaptureEngine(loaded)
+    served = ServedModel(loaded)
     request = build_request(settings.served_model_name, tokens, layers)
-    points = resolve(request.capture, engine.info)
+    points = resolve(request.capture, served.info)
     expected_points = 3 * len(layers)
     if len(points) != expected_points:
         raise BenchError(f"capture spec resolved to {len(points)} points, expected {expected_points}")
-    prompt = engine.encode(request)
+    prompt = served.encode(request)
     pad = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else loaded.tokenizer.eos_token_id
-    kwargs = {"max_new_tokens": tokens, "pad_token_id": pad, **engine.sampling(request)}
-    return Setup(tokens, request, engine, points, prompt, kwargs)
+    kwargs = {"max_new_tokens": tokens, "pad_token_id": pad, **generate_settings(request)}
+    return Setup(tokens, request, served, points, prompt, kwargs)
 
 
 def check_tokens(s: Setup, arm: str, new_ids: list[int]) -> None:
@@ -140,7 +141,7 @@ def check_tokens(s: Setup, arm: str, new_ids: list[int]) -> None:
 
 def run_plain(s: Setup) -> float:
     prompt_len = s.prompt["input_ids"].shape[1]
-    model = s.engine.hf
+    model = s.served.hf
     start = time.perf_counter()
     with torch.inference_mode():
         ids = model.generate(**s.prompt, **s.kwargs)
@@ -151,7 +152,7 @@ def run_plain(s: Setup) -> float:
 
 def run_engine(s: Setup) -> tuple[float, int]:
     start = time.perf_counter()
-    generation = s.engine.run(s.request, s.points, s.tokens)
+    generation = s.served.run(s.request, s.points, s.tokens)
     elapsed = time.perf_counter() - start
     if generation.completion_tokens != s.tokens or generation.finish_reason != "length":
         raise BenchError(f"arm b: {generation.completion_tokens} tokens, finish_reason={generation.finish_reason}")
@@ -204,7 +205,7 @@ def check_job(s: Setup, job: dict) -> None:
         raise BenchError(
             f"arm c: the worker saw {usage['prompt_tokens']} prompt tokens, this process encoded a different count"
         )
-    expected_text = s.engine.tokenizer.decode(s.expected, skip_special_tokens=True)
+    expected_text = s.served.tokenizer.decode(s.expected, skip_special_tokens=True)
     if job["result"]["text"] != expected_text:
         raise BenchError("arm c generated a different text from arms a and b")
     names = [t["name"] for t in job["activations"]["tensors"]]
@@ -321,7 +322,7 @@ def summarize(times: dict[str, list[float]]) -> dict:
 def environment(s: Setup, threads: int) -> dict:
     import transformers
 
-    loaded = s.engine.loaded
+    loaded = s.served.loaded
     return {
         "python": platform.python_version(),
         "platform": platform.platform(),

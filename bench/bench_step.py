@@ -86,18 +86,18 @@ def prompts(batch: int) -> list[str]:
 
 
 def engine_arm(
-    engine, batch: int, points: int, steps: int, sample: bool, compacted: bool = False, edits: int = 0
+    served, batch: int, points: int, steps: int, sample: bool, compacted: bool = False, edits: int = 0
 ) -> dict:
     from shared.capture_spec import resolve
     from shared.intervention_check import resolve as resolve_edits
     from shared.schemas import CaptureSpec, JobRequest
     from tests.support.host_reads import HostReads
 
-    modules = [m.path for m in engine.info.modules if m.output_dim is not None and m.all_positions][:points]
+    modules = [m.path for m in served.info.modules if m.output_dim is not None and m.all_positions][:points]
     spec = CaptureSpec(modules=modules, positions="generated") if points else None
     fields = {"temperature": 0.8, "seed": 1} if sample else {}
-    layers = engine.info.num_layers
-    width = engine.info.hidden_size
+    layers = served.info.num_layers
+    width = served.info.hidden_size
     edited = [
         {"module": f"model.layers.{(i * layers) // max(1, edits)}", "op": "add", "vector": [0.01] * width}
         for i in range(edits)
@@ -112,16 +112,16 @@ def engine_arm(
             **fields,
         )
         n = 3 * steps + 4
-        points_of = resolve(spec, engine.info) if spec else []
-        edit_points = resolve_edits(request.interventions, engine.info, False, n) if edited else None
-        seqs.append(engine.prepare(request, points_of, n, None, edit_points))
+        points_of = resolve(spec, served.info) if spec else []
+        edit_points = resolve_edits(request.interventions, served.info, False, n) if edited else None
+        seqs.append(served.prepare(request, points_of, n, None, edit_points))
     with torch.inference_mode():
         if compacted:  # the decoder before slots (still the one of sliding-window models)
             from worker.decoding import Decoder
 
-            decoder = Decoder(engine.hf, engine.tokenizer, engine._pad()["pad_token_id"])
+            decoder = Decoder(served.hf, served.tokenizer, served._pad()["pad_token_id"])
         else:
-            decoder = engine.decoder(batch)
+            decoder = served.decoder(batch)
         decoder.eos_ids = set()  # a random model: never end early
         try:
             for seq in seqs:
@@ -152,10 +152,10 @@ def engine_arm(
     }
 
 
-def generate_arm(engine, batch: int, steps: int, sample: bool) -> dict:
+def generate_arm(served, batch: int, steps: int, sample: bool) -> dict:
     from tests.support.host_reads import HostReads
 
-    tokenizer, model = engine.tokenizer, engine.hf
+    tokenizer, model = served.tokenizer, served.hf
     texts = [
         tokenizer.apply_chat_template([{"role": "user", "content": t}], tokenize=False, add_generation_prompt=True)
         for t in prompts(batch)
@@ -215,11 +215,11 @@ def main() -> int:
     torch.set_num_threads(1)
 
     from shared.settings import Settings
-    from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.served_model import ServedModel
 
     folder = build_model(Path(tempfile.mkdtemp(prefix="bench-step-")) / "model", args.hidden, args.layers)
-    engine = CaptureEngine(load(Settings(model=str(folder), model_name="m", device=args.device, dtype=args.dtype)))
+    served = ServedModel(load(Settings(model=str(folder), model_name="m", device=args.device, dtype=args.dtype)))
     rows = []
     print(
         f"{'arm':<10}{'batch':>6}{'points':>7}{'edits':>6}{'ms/step':>9}{'reads':>7}{'copies':>8}{'gathers':>8}{'ops':>8}"
@@ -230,11 +230,11 @@ def main() -> int:
         arms += [("slots", p, e) for e in args.edits for p in args.points]
         for name, points, edits in arms:
             if points is None:
-                row = generate_arm(engine, batch, args.steps, args.sample)
+                row = generate_arm(served, batch, args.steps, args.sample)
                 row.update(points=0, edits=0)
             else:
                 compacted = name == "compacted"
-                row = engine_arm(engine, batch, points, args.steps, args.sample, compacted=compacted, edits=edits)
+                row = engine_arm(served, batch, points, args.steps, args.sample, compacted=compacted, edits=edits)
             row.update(arm=name, batch=batch)
             rows.append(row)
             print(

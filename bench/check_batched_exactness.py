@@ -42,22 +42,23 @@ def main() -> int:
     from shared.cli.gsm8k import data as gsm8k
     from shared.schemas import CaptureSpec, JobRequest
     from shared.settings import Settings
-    from worker.engine import CaptureEngine
+    from worker.engine_core import EngineCore
     from worker.models import load
-    from worker.scheduler import Entry, Scheduler
+    from worker.scheduler import Entry
+    from worker.served_model import ServedModel
 
-    engine = CaptureEngine(load(Settings(dtype="float32")))
-    info = engine.info.model_dump()
+    served = ServedModel(load(Settings(dtype="float32")))
+    info = served.info.model_dump()
     capture = gsm8k.residual_capture(info, positions="all", dtype="float32")
     problems = gsm8k.load(str(DATA))[: args.problems]
     requests = [
-        JobRequest(model=engine.info.name, messages=gsm8k.messages(p, "zero-shot"), capture=CaptureSpec(**capture))
+        JobRequest(model=served.info.name, messages=gsm8k.messages(p, "zero-shot"), capture=CaptureSpec(**capture))
         for p in problems
     ]
-    points = resolve(requests[0].capture, engine.info)
+    points = resolve(requests[0].capture, served.info)
 
     started = time.perf_counter()
-    alone = [engine.run(r, points, args.max_tokens) for r in requests]
+    alone = [served.run(r, points, args.max_tokens) for r in requests]
     solo_seconds = time.perf_counter() - started
     print(f"solo: {len(alone)} problems in {solo_seconds:.0f} s", flush=True)
 
@@ -70,17 +71,17 @@ def main() -> int:
             if len(outcomes) == len(requests):
                 finished.set()
 
-        return Entry(seq=engine.prepare(requests[i], points, args.max_tokens), done=done)
+        return Entry(seq=served.prepare(requests[i], points, args.max_tokens), done=done)
 
-    scheduler = Scheduler(engine, max_batch=args.batch)
+    core = EngineCore(served, max_batch=args.batch)
     for i in range(len(requests)):
-        scheduler.submit(entry(i))
+        core.submit(entry(i))
     started = time.perf_counter()
-    scheduler.start()
+    core.start()
     finished.wait()
     batched_seconds = time.perf_counter() - started
-    scheduler.stop()
-    batched = [engine.finish(outcomes[i], r) for i, r in enumerate(requests)]  # type: ignore[arg-type]
+    core.stop()
+    batched = [served.finish(outcomes[i], r) for i, r in enumerate(requests)]  # type: ignore[arg-type]
 
     mismatches, ratios, shape_errors = [], [], []
     for i, (b, a) in enumerate(zip(batched, alone, strict=True)):
@@ -115,7 +116,7 @@ def main() -> int:
         },
         "solo_seconds": solo_seconds,
         "batched_seconds": batched_seconds,
-        "largest_batch": scheduler.stats.largest,
+        "largest_batch": core.stats.largest,
     }
     print(json.dumps(results, indent=2))
     verdict = identical / len(requests) >= 0.99 and not shape_errors and (not ratios or ratios[-1] <= 1e-4)

@@ -99,10 +99,10 @@ def profiled(run):
     return prof, reads.count
 
 
-def generate_arm(engine, texts: list[str], steps: int, out: Path | None, name: str) -> dict:
-    tokenizer, model = engine.tokenizer, engine.hf
+def generate_arm(served, texts: list[str], steps: int, out: Path | None, name: str) -> dict:
+    tokenizer, model = served.tokenizer, served.hf
     tokenizer.padding_side = "left"
-    inputs = tokenizer(texts, return_tensors="pt", padding=True).to(engine.loaded.device)
+    inputs = tokenizer(texts, return_tensors="pt", padding=True).to(served.loaded.device)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def run(n: int):
@@ -153,9 +153,9 @@ def arms(graphs, eager, batch: int, steps: int, gsm8k: Path | None, out: Path | 
     conversations = chats(gsm8k, batch)
     texts = [graphs.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
 
-    def seqs(engine):
+    def seqs(served):
         requests = [JobRequest.model_validate({"model": "m", "messages": c}) for c in conversations]
-        return [engine.prepare(request, [], 4 * steps + 8) for request in requests]
+        return [served.prepare(request, [], 4 * steps + 8) for request in requests]
 
     pad = graphs._pad()["pad_token_id"]
     yield "generate", generate_arm(graphs, texts, steps, out, f"generate-{batch}")
@@ -181,16 +181,16 @@ def main() -> int:
         return 2
     from bench.bench_gpu import QWEN2_05B, SMOKE, build_model
     from shared.settings import Settings
-    from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.served_model import ServedModel
 
     steps = args.steps
     with tempfile.TemporaryDirectory(prefix="actq-profile-") as tmp:
         device, dtype = ("cuda", "bfloat16") if cuda else ("cpu", "float32")
         folder = build_model(Path(tmp) / "model", QWEN2_05B if cuda else SMOKE, dtype)
-        graphs = CaptureEngine(load(Settings(model=str(folder), model_name="m", device=device, dtype=dtype)))
+        graphs = ServedModel(load(Settings(model=str(folder), model_name="m", device=device, dtype=dtype)))
         graphs.hf.generation_config.eos_token_id = None
-        eager = CaptureEngine(graphs.loaded, cuda_graphs=False)
+        eager = ServedModel(graphs.loaded, cuda_graphs=False)
         name = torch.cuda.get_device_name() if cuda else "CPU (smoke run: the figures mean nothing)"
         print(f"device: {name}; torch {torch.__version__}; {'Qwen2-0.5B shape' if cuda else 'tiny Qwen2'}, {dtype}")
         header = ["arm", "batch", "step_ms", "kernel_ms", "launches", "graph_launches", "waits", "reads", "threads"]

@@ -2,7 +2,8 @@
 
 - `api/` never imports `worker/` or torch (the API stays light: no model, no GPU libraries);
 - `shared/` (the client and the CLI included) never imports `api/` or `worker/`;
-- `worker/` never imports `api/`;
+- `worker/` never imports `api/`, and its scheduler holds no tensor (it imports neither torch nor
+  a module that does: what runs on the device is the engine core's and the model runner's);
 - nothing in the product evaluates, unpickles or torch.loads anything;
 - `SystemExit` is raised only by the CLI's entry point.
 
@@ -52,10 +53,24 @@ def test_no_layer_imports_what_it_must_not():
     assert violations(ROOT) == []
 
 
+def test_the_scheduler_is_tensor_free():
+    """worker/scheduler.py decides and never computes: it imports no tensor library, and the
+    worker modules it imports are only named for type checking."""
+    imported = {name for name, _ in imported_packages(ROOT / "worker/scheduler.py", "worker")}
+    assert imported <= {"__future__", "itertools", "queue", "time", "collections", "dataclasses", "typing", "worker"}
+    tree = ast.parse((ROOT / "worker/scheduler.py").read_text())
+    runtime = [
+        node.module
+        for node in tree.body  # module level, outside `if TYPE_CHECKING:`
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("worker")
+    ]
+    assert runtime == []
+
+
 def test_the_check_catches_a_forbidden_import(tmp_path):
     for package in FORBIDDEN_IMPORTS:
         (tmp_path / package).mkdir()
-    (tmp_path / "api" / "routes.py").write_text("def f():\n    from worker.engine import CaptureEngine\n")
+    (tmp_path / "api" / "routes.py").write_text("def f():\n    from worker.served_model import ServedModel\n")
     (tmp_path / "shared" / "client.py").write_text("import api.main\nfrom . import keys\n")
     (tmp_path / "worker" / "runner.py").write_text("import torch\nfrom api import deps\n")
     assert violations(tmp_path) == [
@@ -105,7 +120,7 @@ def test_interventions_look_nothing_up_by_request_text():
     """The modules that handle interventions and vector sets never resolve a name they were given:
     every getattr/setattr/hasattr/delattr names a literal attribute, nothing imports by name, and
     the one submodule lookup (worker/edits.py) takes paths the engine checked against the model's
-    published module list (worker/engine.py `_edits`)."""
+    published module list (worker/job_prep.py `_edits`)."""
     import ast
 
     found = []
@@ -125,6 +140,6 @@ def test_interventions_look_nothing_up_by_request_text():
                 found.append(f"{relative}:{node.lineno}: get_submodule")
     assert found == []
     assert (
-        "unknown = [p.module for p in edit_points if p.module not in self._module_paths]"
-        in (ROOT / "worker/engine.py").read_text()
+        "unknown = [p.module for p in edit_points if p.module not in served.module_paths]"
+        in (ROOT / "worker/job_prep.py").read_text()
     )

@@ -15,7 +15,7 @@ from shared.schemas import ActivationsManifest, CaptureSpec, TensorInfo
 from shared.storage import ArtifactStore, activations_key, job_prefix, manifest_key
 from shared.storage.tensors import write_file
 from worker.decoding import TokenScores
-from worker.engine import Generation
+from worker.results import Generation
 
 FORMAT = "actq/1"
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ job owns: memory follows the rows kept, and the values are what the module retur
 Positions. A generation of N new tokens from a P-token prompt runs N forward steps: the first
 feeds positions [0, P), step k >= 1 feeds position P + k - 1. A module's value at a step is
 `[1, S, H]` (or `[S, H]`) and covers the last S positions fed so far (S = P, or 1 for a module that only sees the
-last position, like `lm_head` in generate). See engine.py for what each `positions` choice keeps.
+last position, like `lm_head` in generate). See worker/results.py for what each `positions` choice keeps.
 """
 
 from __future__ import annotations

@@ -194,7 +194,7 @@ class Sequence:
 
 
 class Decoder:
-    """The running batch of one model. Not thread-safe: one thread drives it (the scheduler)."""
+    """The running batch of one model. Not thread-safe: one thread drives it (the engine core)."""
 
     def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, pad_id: int) -> None:
         self.model, self.tokenizer, self.pad_id = model, tokenizer, pad_id
@@ -209,7 +209,7 @@ class Decoder:
         self.pads: list[int] = []  # each row's leading padding columns (kept on the host: no sync to ask)
         self.most_rows: int | None = None  # lowered when a step ran out of memory
         # Prompts longer than this are fed in chunks between decoding steps (`feed`); None: never
-        # (the scheduler sets it when it runs batches: a batch of one stays exactly `generate`).
+        # (the engine core sets it when it runs batches: a batch of one stays exactly `generate`).
         self.chunk_tokens: int | None = None
         out = model.get_output_embeddings()
         self.lm_head = next((path for path, module in model.named_modules() if module is out), None)

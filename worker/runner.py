@@ -31,7 +31,7 @@ from worker.tool_calls import call_id
 
 if TYPE_CHECKING:
     from worker.decoding import Sequence, TokenScores, Watch
-    from worker.engine import Generation
+    from worker.results import Generation
 
 log = get_task_logger(__name__)
 # One INFO line per job even when the worker runs at Celery's default WARNING (`celery worker`
@@ -162,19 +162,19 @@ def _prepare(
         refs = None
         if record.edit_points:
             refs = References(rt.jobs, rt.store, record.model, record.owner, record.owner is not None)
-        seq = rt.engine.prepare(request, record.capture_points, record.max_tokens, watch, record.edit_points, refs)
+        seq = rt.served.prepare(request, record.capture_points, record.max_tokens, watch, record.edit_points, refs)
         twin = None
         if plain is not None:  # the same job without its edits, beside it in the batch
-            twin = rt.engine.prepare(plain, record.capture_points, record.max_tokens, _watch(rt, record, holder, False))
+            twin = rt.served.prepare(plain, record.capture_points, record.max_tokens, _watch(rt, record, holder, False))
     except Exception as exc:  # noqa: BLE001 - answered as the job's outcome (_finish logs or records it)
         done(exc)
         return
     streamed = request.stream and not seq.trace  # a trace has no text to publish step by step
-    rt.progress.add(job_id, TextStream(rt.engine.tokenizer, seq.generated, request.stop) if streamed else None)
+    rt.progress.add(job_id, TextStream(rt.served.tokenizer, seq.generated, request.stop) if streamed else None)
     if twin is not None:
         waiting[0] = 2
-        rt.scheduler.submit(Entry(seq=twin, done=unedited, estimate=rt.engine.estimate(twin), started=lambda: None))
-    rt.scheduler.submit(Entry(seq=seq, done=done, estimate=rt.engine.estimate(seq), started=joined))
+        rt.core.submit(Entry(seq=twin, done=unedited, estimate=rt.served.estimate(twin), started=lambda: None))
+    rt.core.submit(Entry(seq=seq, done=done, estimate=rt.served.estimate(seq), started=joined))
 
 
 def paired(request: JobRequest) -> tuple[JobRequest, JobRequest | None]:
@@ -216,7 +216,7 @@ def _record(
     try:
         if isinstance(outcome, Exception):
             raise outcome
-        generation = rt.engine.finish(outcome, holder.get("request", record.request))
+        generation = rt.served.finish(outcome, holder.get("request", record.request))
         if generation.stopped_by is not None:
             _stopped(rt, record, generation)
             return
@@ -224,7 +224,7 @@ def _record(
         if "baseline" in holder:  # `baseline: true`: the unedited run fails the job as its own would
             if isinstance(holder["baseline"], Exception):
                 raise holder["baseline"]
-            baseline = rt.engine.finish(holder["baseline"], holder["plain"])
+            baseline = rt.served.finish(holder["baseline"], holder["plain"])
         generated = time.perf_counter()
         manifest = None
         inline = generation.scores is None or len(generation.scores.values) <= rt.settings.logprobs_inline_tokens
@@ -236,9 +236,9 @@ def _record(
             manifest = write_activations(
                 rt.store, record.id, record.model, record.request.capture, generation, baseline
             )
-        result = _result(generation, tokenizer=rt.engine.tokenizer, inline=inline)
+        result = _result(generation, tokenizer=rt.served.tokenizer, inline=inline)
         if baseline is not None:
-            unedited = _result(baseline, tokenizer=rt.engine.tokenizer, inline=inline)
+            unedited = _result(baseline, tokenizer=rt.served.tokenizer, inline=inline)
             result.baseline = BaselineResult(
                 text=unedited.text,
                 finish_reason=unedited.finish_reason,

@@ -49,7 +49,7 @@ def row_sampling(seq: Sequence) -> RowSampling:
 
 class SlotDecoder(Decoder):
     """The running batch of up to `slots` sequences in slots (see the module). Not thread-safe:
-    one thread drives it (the scheduler's engine thread)."""
+    one thread drives it (the engine core)."""
 
     def __init__(
         self, model: Any, tokenizer: Any, pad_id: int, slots: int, max_tokens: int, graphs: bool = False

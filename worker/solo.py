@@ -132,7 +132,7 @@ class SoloDecoder(Decoder):
     def step(self) -> list[Sequence]:
         """Feed the running sequence's newest token; returns it once it ended (out of `rows`).
         Out of memory, that sequence fails alone (`OutOfMemory`) and the decoder is empty and
-        ready for the next job; any other error propagates (the scheduler fails the job)."""
+        ready for the next job; any other error propagates (the engine core fails the job)."""
         if not self.rows:
             return []
         seq = self.rows[0]

@@ -1,7 +1,7 @@
 """A streamed job's text as it grows, decoded a few tokens at a time by the progress thread.
 
 The job's final text is `tokenizer.decode(generated, skip_special_tokens=True)` cut before its
-first stop string (worker/engine.py). The API sends, after the streamed pieces, whatever part of
+first stop string (worker/results.py). The API sends, after the streamed pieces, whatever part of
 that final text they did not hold, so the pieces must always be a prefix of it. Hence:
 
 - Incremental decoding as vLLM's detokenizer does it: decode the new tokens together with the

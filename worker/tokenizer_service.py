@@ -41,7 +41,7 @@ from worker.prompts import PromptEncoder
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from worker.engine import CaptureEngine
+    from worker.served_model import ServedModel
 
 log = logging.getLogger(__name__)
 POLL_SECONDS = 1.0  # BLPOP's timeout: how soon the thread sees that it must stop
@@ -49,11 +49,11 @@ REPLY_TTL_SECONDS = 30
 
 
 class TokenizerService:
-    def __init__(self, engine: CaptureEngine, client: redis.Redis, stop: threading.Event) -> None:
-        self.tokenizer: PreTrainedTokenizerBase = copy.deepcopy(engine.tokenizer)
-        self.prompts = PromptEncoder(self.tokenizer, engine.prompts.allow_special_tokens)
-        self.model = engine.info.name
-        self.max_model_len = engine.info.max_context
+    def __init__(self, served: ServedModel, client: redis.Redis, stop: threading.Event) -> None:
+        self.tokenizer: PreTrainedTokenizerBase = copy.deepcopy(served.tokenizer)
+        self.prompts = PromptEncoder(self.tokenizer, served.prompts.allow_special_tokens)
+        self.model = served.info.name
+        self.max_model_len = served.info.max_context
         self.redis = client
         self.stop = stop
 

@@ -22,7 +22,7 @@ from shared.settings import Settings
 from shared.storage import open_store
 from tests.support.stack import TINY, job_count, queued_messages
 from worker.artifacts import write_activations
-from worker.engine import CapturedTensor, Generation
+from worker.results import CapturedTensor, Generation
 
 MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
 WIDTH = 64  # tests/support/models.tiny_llama's hidden size

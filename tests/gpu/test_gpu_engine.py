@@ -57,10 +57,10 @@ class Reference:
 
 
 def load_engine(folder, cuda_graphs: bool = True, **settings):
-    from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.served_model import ServedModel
 
-    return CaptureEngine(load(Settings(model=str(folder), model_name="m", **settings)), cuda_graphs=cuda_graphs)
+    return ServedModel(load(Settings(model=str(folder), model_name="m", **settings)), cuda_graphs=cuda_graphs)
 
 
 def plain_model(folder, dtype: str) -> Reference:
@@ -75,7 +75,7 @@ def dtype(request) -> str:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir, dtype):
+def served(tiny_dir, dtype):
     return load_engine(tiny_dir, cuda_graphs=False, device=DEVICE, dtype=dtype)  # eager: tests/gpu/test_gpu_graphs.py
 
 
@@ -137,12 +137,12 @@ def assert_close_to_solo(batched, alone, logits: torch.Tensor | None, tolerance:
         assert diff <= tolerance * scale, (name, got.point.name, diff, scale)
 
 
-def test_batched_jobs_get_their_solo_results_and_solo_runs_equal_forward_hooks(engine, reference, dtype):
+def test_batched_jobs_get_their_solo_results_and_solo_runs_equal_forward_hooks(served, reference, dtype):
     jobs = [job(question, n, capture) for question, n, capture in JOBS]
-    batched, largest = run_batched(engine, jobs, join_at=[0, 0, 0, 3, 5])
+    batched, largest = run_batched(served, jobs, join_at=[0, 0, 0, 3, 5])
     assert largest >= 4
     for (question, n, capture), (req, _), got in zip(JOBS, jobs, batched, strict=True):
-        alone = solo(engine, req, n)
+        alone = solo(served, req, n)
         logits = assert_equals_forward_hooks(alone, question, n, capture["positions"], reference)
         near_ties = logits if dtype == "bfloat16" else None
         assert_close_to_solo(got, alone, near_ties, TOLERANCE[dtype], question[:20])
@@ -159,7 +159,7 @@ def test_a_model_placed_by_device_map_auto_captures_exactly(tiny_dir, dtype, tmp
         assert_equals_forward_hooks(solo(placed, req, n), question, n, capture["positions"], reference)
 
 
-def test_a_decoding_step_at_batch_8_with_captures_reads_the_device_at_most_twice(engine, monkeypatch):
+def test_a_decoding_step_at_batch_8_with_captures_reads_the_device_at_most_twice(served, monkeypatch):
     """Prompts of different lengths capturing at generated positions; 64 steps, so the rings reach
     their jobs twice (every 32 steps) inside the count: one stream synchronize per drain, none
     per step."""
@@ -173,10 +173,10 @@ def test_a_decoding_step_at_batch_8_with_captures_reads_the_device_at_most_twice
     monkeypatch.setattr(torch.cuda.Stream, "synchronize", counted)
     steps = 64
     capture = {**CAPTURE, "positions": "generated"}
-    seqs = [prepare(engine, *job(QUESTIONS[i % len(QUESTIONS)], steps + 4, capture)) for i in range(8)]
+    seqs = [prepare(served, *job(QUESTIONS[i % len(QUESTIONS)], steps + 4, capture)) for i in range(8)]
     assert len({seq.prompt_tokens for seq in seqs}) > 1
     with torch.inference_mode():
-        decoder = engine.decoder()
+        decoder = served.decoder()
         decoder.eos_ids = set()  # a random model: no row ends inside the count
         try:
             for seq in seqs:

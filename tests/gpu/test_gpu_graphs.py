@@ -38,10 +38,10 @@ def dtype(request) -> str:
 
 @pytest.fixture(scope="module")
 def engines(tiny_dir, dtype):
-    from worker.engine import CaptureEngine
+    from worker.served_model import ServedModel
 
     graphs = load_engine(tiny_dir, device=DEVICE, dtype=dtype)
-    eager = CaptureEngine(graphs.loaded, cuda_graphs=False)  # the same weights
+    eager = ServedModel(graphs.loaded, cuda_graphs=False)  # the same weights
     assert "CUDA graphs" in graphs.describe_decoder() and "eagerly" in eager.describe_decoder()
     return graphs, eager
 
@@ -71,13 +71,13 @@ def test_graph_replay_gives_the_eager_tokens(engines, dtype, specs):
             )
 
 
-def _logits(engine, request_and_tokens):
+def _logits(served, request_and_tokens):
     """The eager run's logits of each new token (for a near-tie check), from a forward pass over
     its prompt and completion."""
     request, n = request_and_tokens
-    alone = solo(engine, request, n)
+    alone = solo(served, request, n)
     with torch.inference_mode():
-        out = engine.hf(alone.token_ids.unsqueeze(0).to(DEVICE))
+        out = served.hf(alone.token_ids.unsqueeze(0).to(DEVICE))
     return out.logits[0, alone.prompt_tokens - 1 : -1].float().cpu()
 
 
@@ -148,9 +148,9 @@ def test_editing_jobs_ride_in_the_replayed_step_and_give_the_eager_results(engin
         body = {"model": "m", "messages": [{"role": "user", "content": QUESTIONS[i]}], "interventions": edit}
         jobs.append((JobRequest.model_validate(body), 8 + i))
 
-    def prepare(engine, req, n, w=None):
-        points = resolve_edits(req.interventions, engine.info, False, n) if req.interventions else []
-        return engine.prepare(req, [], n, None, points)
+    def prepare(served, req, n, w=None):
+        points = resolve_edits(req.interventions, served.info, False, n) if req.interventions else []
+        return served.prepare(req, [], n, None, points)
 
     import tests.worker.test_batching as tb
 

@@ -32,14 +32,14 @@ CAPTURE = {"modules": ["model.layers.{0,2}", "model.layers.1.mlp", "model.norm"]
 
 
 def load_engine(folder):
-    from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.served_model import ServedModel
 
-    return CaptureEngine(load(Settings(model=str(folder), model_name="m")))
+    return ServedModel(load(Settings(model=str(folder), model_name="m")))
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
+def served(tiny_dir):
     return load_engine(tiny_dir)
 
 
@@ -48,20 +48,20 @@ def job(question: str, max_tokens: int, capture: dict | None = CAPTURE, **fields
     return JobRequest.model_validate(body), max_tokens
 
 
-def prepare(engine, req: JobRequest, max_tokens: int, watch=None) -> Sequence:
-    points = resolve(req.capture, engine.info) if req.capture else []
-    return engine.prepare(req, points, max_tokens, watch)
+def prepare(served, req: JobRequest, max_tokens: int, watch=None) -> Sequence:
+    points = resolve(req.capture, served.info) if req.capture else []
+    return served.prepare(req, points, max_tokens, watch)
 
 
-def run_batched(engine, jobs, join_at: list[int], watches=None, wrap=None):
+def run_batched(served, jobs, join_at: list[int], watches=None, wrap=None):
     """Run `jobs` in one decoder, job i joining before step `join_at[i]`; returns each job's
     Generation (or its failure) and the largest batch that ran."""
     watches = watches or [None] * len(jobs)
-    seqs = [prepare(engine, req, n, w) for (req, n), w in zip(jobs, watches, strict=True)]
+    seqs = [prepare(served, req, n, w) for (req, n), w in zip(jobs, watches, strict=True)]
     results: dict[int, object] = {}
     largest = 0
     with torch.inference_mode():
-        decoder = engine.decoder()
+        decoder = served.decoder()
         if wrap is not None:
             wrap(decoder)
         try:
@@ -81,14 +81,14 @@ def run_batched(engine, jobs, join_at: list[int], watches=None, wrap=None):
     out = []
     for i, (req, _) in enumerate(jobs):
         try:
-            out.append(engine.finish(results[i], req))
+            out.append(served.finish(results[i], req))
         except Exception as exc:  # noqa: BLE001 - the job's failure is its result here
             out.append(exc)
     return out, largest
 
 
-def solo(engine, req: JobRequest, max_tokens: int):
-    return engine.run(req, resolve(req.capture, engine.info) if req.capture else [], max_tokens)
+def solo(served, req: JobRequest, max_tokens: int):
+    return served.run(req, resolve(req.capture, served.info) if req.capture else [], max_tokens)
 
 
 def assert_same(batched, alone, name: str) -> float:
@@ -107,7 +107,7 @@ def assert_same(batched, alone, name: str) -> float:
     return worst
 
 
-def test_jobs_joining_at_different_steps_each_get_their_solo_result(engine):
+def test_jobs_joining_at_different_steps_each_get_their_solo_result(served):
     """Different max_tokens, positions, stops and joining steps (iteration-level batching): a
     finished job leaves and the rest, with their padding trimmed, go on."""
     jobs = [
@@ -118,26 +118,26 @@ def test_jobs_joining_at_different_steps_each_get_their_solo_result(engine):
         job(QUESTIONS[4], 9, {"modules": ["lm_head", "model.layers.1"], "positions": "generated", "dtype": "bfloat16"}),
         job(QUESTIONS[5], 14, stop=["e"]),
     ]
-    batched, largest = run_batched(engine, jobs, join_at=[0, 0, 3, 3, 5, 11])
+    batched, largest = run_batched(served, jobs, join_at=[0, 0, 3, 3, 5, 11])
     assert largest >= 4
     for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
-        assert_same(got, solo(engine, req, n), f"job {i}")
+        assert_same(got, solo(served, req, n), f"job {i}")
 
 
-def test_a_seeded_sampled_job_draws_the_same_tokens_in_a_batch(engine):
+def test_a_seeded_sampled_job_draws_the_same_tokens_in_a_batch(served):
     sampled = job(QUESTIONS[3], 16, None, temperature=0.9, top_p=0.9, seed=7)
     jobs = [job(QUESTIONS[0], 10, None), sampled, job(QUESTIONS[2], 16, None, temperature=1.0)]
-    batched, _ = run_batched(engine, jobs, join_at=[0, 2, 2])
-    assert torch.equal(batched[1].token_ids, solo(engine, *sampled).token_ids)
+    batched, _ = run_batched(served, jobs, join_at=[0, 2, 2])
+    assert torch.equal(batched[1].token_ids, solo(served, *sampled).token_ids)
 
 
-def test_a_cancelled_row_stops_and_the_others_go_on(engine):
+def test_a_cancelled_row_stops_and_the_others_go_on(served):
     jobs = [job(QUESTIONS[0], 16), job(QUESTIONS[1], 16), job(QUESTIONS[2], 16)]
     watch = [None, lambda tokens: "cancelled" if tokens >= 3 else None, None]
-    batched, _ = run_batched(engine, jobs, join_at=[0, 0, 0], watches=watch)
+    batched, _ = run_batched(served, jobs, join_at=[0, 0, 0], watches=watch)
     assert batched[1].stopped_by == "cancelled" and batched[1].completion_tokens == 3
     for i in (0, 2):
-        assert_same(batched[i], solo(engine, *jobs[i]), f"job {i}")
+        assert_same(batched[i], solo(served, *jobs[i]), f"job {i}")
 
 
 class FailAbove:
@@ -166,30 +166,31 @@ class FailAbove:
             self.layer.forward = self.forward
 
 
-def test_out_of_memory_splits_the_batch_and_every_job_still_gets_its_result(engine):
+def test_out_of_memory_splits_the_batch_and_every_job_still_gets_its_result(served):
     """An allocation failure in the middle of any forward pass of more than 2 rows (layer 0 has
     already written its cache and captures): the step runs again in halves, what the failed pass
     wrote undone, later batches stay at 2, and every result equals its solo run."""
     jobs = [job(q, 10) for q in QUESTIONS[:5]]
     inject = FailAbove(2)
     try:
-        batched, largest = run_batched(engine, jobs, join_at=[0, 0, 0, 0, 2], wrap=inject)
+        batched, largest = run_batched(served, jobs, join_at=[0, 0, 0, 0, 2], wrap=inject)
     finally:
         inject.undo()
     assert inject.decoder.most_rows == 2 and largest == 5  # the scheduler admits no more than most_rows
     for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
-        assert_same(got, solo(engine, req, n), f"job {i}")
+        assert_same(got, solo(served, req, n), f"job {i}")
 
 
-def test_the_scheduler_fails_only_the_job_whose_prefill_runs_out_of_memory(engine):
+def test_the_scheduler_fails_only_the_job_whose_prefill_runs_out_of_memory(served):
     """Through the engine thread: three jobs queued at once; the long prompt's prefill fails with
     an injected allocation failure; the other two run together and equal their solo runs."""
     import threading
 
-    from worker.scheduler import Entry, Scheduler
+    from worker.engine_core import EngineCore
+    from worker.scheduler import Entry
 
     jobs = [job(QUESTIONS[0], 10), job(QUESTIONS[1], 10), job(QUESTIONS[2], 10)]
-    layer = engine.hf.model.layers[1]
+    layer = served.hf.model.layers[1]
     forward = layer.forward
 
     def failing(hidden_states, *args, **kwargs):
@@ -206,22 +207,22 @@ def test_the_scheduler_fails_only_the_job_whose_prefill_runs_out_of_memory(engin
             if len(outcomes) == len(jobs):
                 finished.set()
 
-        return Entry(seq=prepare(engine, *jobs[i]), done=done)
+        return Entry(seq=prepare(served, *jobs[i]), done=done)
 
-    scheduler = Scheduler(engine, max_batch=4, wait_s=0.2)
+    core = EngineCore(served, max_batch=4, wait_s=0.2)
     layer.forward = failing
     try:
         for i in range(len(jobs)):
-            scheduler.submit(entry(i))
-        scheduler.start()
+            core.submit(entry(i))
+        core.start()
         assert finished.wait(120)
     finally:
-        scheduler.stop()
+        core.stop()
         layer.forward = forward
     assert isinstance(outcomes[1], OutOfMemory)
-    assert scheduler.stats.largest == 2
+    assert core.stats.largest == 2
     for i in (0, 2):
-        assert_same(engine.finish(outcomes[i], jobs[i][0]), solo(engine, *jobs[i]), f"job {i}")
+        assert_same(served.finish(outcomes[i], jobs[i][0]), solo(served, *jobs[i]), f"job {i}")
 
 
 @pytest.mark.parametrize("key", ["gemma2", "mistral", "opt", "gpt2"])
@@ -241,7 +242,7 @@ def test_other_layouts_batch_exactly(key, tmp_path, smol_dir):
         assert_same(got, solo(eng, req, n), f"{key} job {i}")
 
 
-def test_jobs_prefilled_together_each_get_their_solo_result(engine):
+def test_jobs_prefilled_together_each_get_their_solo_result(served):
     """Prompts of different lengths (4x apart) prefilled in one left-padded pass, then decoded
     together: every job's tokens, captures (prompt positions included) and log-probabilities
     equal its solo run within the tolerance; a seeded sampled job draws as alone."""
@@ -251,11 +252,11 @@ def test_jobs_prefilled_together_each_get_their_solo_result(engine):
         job(QUESTIONS[4], 6, temperature=0.9, seed=11),
         job(QUESTIONS[5], 1),  # ends with its first token: never joins the batch
     ]
-    seqs = [prepare(engine, req, n) for req, n in jobs]
+    seqs = [prepare(served, req, n) for req, n in jobs]
     assert len({s.prompt_tokens for s in seqs}) > 2
     ended = {}
     with torch.inference_mode():
-        decoder = engine.decoder()
+        decoder = served.decoder()
         try:
             decoder.admit_many(seqs)
             assert len(decoder.rows) == 3 and seqs[3].ended == "length"
@@ -265,21 +266,22 @@ def test_jobs_prefilled_together_each_get_their_solo_result(engine):
         finally:
             decoder.close()
     for (req, n), seq in zip(jobs, seqs, strict=True):
-        got, want = engine.finish(seq, req), solo(engine, req, n)
+        got, want = served.finish(seq, req), solo(served, req, n)
         assert_same(got, want, req.messages[0].content[:20])
         if req.logprobs:
             assert got.scores.tokens == want.scores.tokens and got.scores.top_ids == want.scores.top_ids
             assert max(abs(a - b) for a, b in zip(got.scores.values, want.scores.values, strict=True)) < 1e-4
 
 
-def test_long_prompts_fed_in_chunks_beside_a_running_batch_each_get_their_solo_result(engine, monkeypatch):
+def test_long_prompts_fed_in_chunks_beside_a_running_batch_each_get_their_solo_result(served, monkeypatch):
     """Through the engine thread, with chunks the length of the short job's prompt: two jobs
     whose prompts are longer (one with log-probabilities, one sampled with a seed) are fed a chunk
     per turn while the short job decodes, then join its batch; every job equals its solo run."""
     import threading
 
     from worker.decoding import Decoder
-    from worker.scheduler import Entry, Scheduler
+    from worker.engine_core import EngineCore
+    from worker.scheduler import Entry
 
     fed: list[tuple[int, int]] = []  # (positions fed before the chunk, rows decoding beside it)
     feed = Decoder.feed
@@ -304,31 +306,31 @@ def test_long_prompts_fed_in_chunks_beside_a_running_batch_each_get_their_solo_r
             if len(outcomes) == len(jobs):
                 finished.set()
 
-        return Entry(seq=prepare(engine, *jobs[i]), done=done)
+        return Entry(seq=prepare(served, *jobs[i]), done=done)
 
     entries = [entry(i) for i in range(len(jobs))]
     chunk = entries[0].seq.prompt_tokens
     assert all(e.seq.prompt_tokens > chunk for e in entries[1:])
-    scheduler = Scheduler(engine, max_batch=4, wait_s=0.0, chunk_tokens=chunk)
-    scheduler.submit(entries[0])
-    scheduler.start()
+    core = EngineCore(served, max_batch=4, wait_s=0.0, chunk_tokens=chunk)
+    core.submit(entries[0])
+    core.start()
     try:
         for e in entries[1:]:
-            scheduler.submit(e)
+            core.submit(e)
         assert finished.wait(120)
     finally:
-        scheduler.stop()
+        core.stop()
     expected = sum(-(-e.seq.prompt_tokens // chunk) for e in entries[1:])
     assert len(fed) == expected and all(rows >= 1 for _, rows in fed)  # the short job decoded beside
     for i, (req, n) in enumerate(jobs):
-        got, want = engine.finish(outcomes[i], req), solo(engine, req, n)
+        got, want = served.finish(outcomes[i], req), solo(served, req, n)
         assert_same(got, want, f"job {i}")
         if req.logprobs:
             assert got.scores.top_ids == want.scores.top_ids
             assert max(abs(a - b) for a, b in zip(got.scores.values, want.scores.values, strict=True)) < 1e-4
 
 
-def test_rings_that_fill_many_times_hand_every_step_to_its_job(engine, monkeypatch):
+def test_rings_that_fill_many_times_hand_every_step_to_its_job(served, monkeypatch):
     """Rings of 3 steps (the slots' device rings, and the compacted decoder's staging rings): a
     full ring goes to its jobs before the next step needs its slot, across joins and leaves, so
     each job still gets exactly its solo rows."""
@@ -342,10 +344,10 @@ def test_rings_that_fill_many_times_hand_every_step_to_its_job(engine, monkeypat
         job(QUESTIONS[2], 13, {**generated, "reduce": "mean"}),
         job(QUESTIONS[3], 9, generated),
     ]
-    alone = [solo(engine, req, n) for req, n in jobs]  # default rings (32 steps): none fills
+    alone = [solo(served, req, n) for req, n in jobs]  # default rings (32 steps): none fills
     monkeypatch.setattr(worker.capture, "STAGED_STEPS", 3)
     monkeypatch.setattr(worker.step_capture, "RING_STEPS", 3)
-    batched, largest = run_batched(engine, jobs, join_at=[0, 1, 1, 4])
+    batched, largest = run_batched(served, jobs, join_at=[0, 1, 1, 4])
     assert largest == 4
     for i, (got, want) in enumerate(zip(batched, alone, strict=True)):
         assert_same(got, want, f"job {i}")

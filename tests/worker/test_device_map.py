@@ -77,37 +77,37 @@ def test_a_device_and_a_device_map_together_are_refused():
 @pytest.fixture(scope="module")
 def placed(tiny_dir, tmp_path_factory):
     """The engine on the tiny model as the map places it, and a plain HF copy for the reference."""
-    from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.served_model import ServedModel
 
     folder = tmp_path_factory.mktemp("device-map")
     settings = Settings(
         model=str(tiny_dir), model_name="m", device_map=write_map(folder / "map.json", LAYOUT), model_cache_dir=folder
     )
-    engine = CaptureEngine(load(settings))
+    served = ServedModel(load(settings))
     plain = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    return engine, plain, AutoTokenizer.from_pretrained(tiny_dir)
+    return served, plain, AutoTokenizer.from_pretrained(tiny_dir)
 
 
 @pytest.mark.model
 def test_the_map_places_each_module_through_accelerate(placed):
-    engine, _, _ = placed
-    assert engine.hf.hf_device_map == LAYOUT
-    assert engine.loaded.device == "cpu"
-    offloaded = engine.hf.get_submodule("model.layers.1.mlp.up_proj")
+    served, _, _ = placed
+    assert served.hf.hf_device_map == LAYOUT
+    assert served.loaded.device == "cpu"
+    offloaded = served.hf.get_submodule("model.layers.1.mlp.up_proj")
     assert hasattr(offloaded, "_hf_hook") and offloaded.weight.device.type == "meta"  # loaded at each forward
-    assert engine.hf.get_submodule("model.layers.0.mlp.up_proj").weight.device.type == "cpu"
-    assert not engine.cuda_graphs and "offloads" in (engine.graphs_reason or "")  # no graphs: steps run eagerly
+    assert served.hf.get_submodule("model.layers.0.mlp.up_proj").weight.device.type == "cpu"
+    assert not served.cuda_graphs and "offloads" in (served.graphs_reason or "")  # no graphs: steps run eagerly
 
 
 @pytest.mark.model
 @pytest.mark.parametrize("positions", ["all", "generated"])
 def test_a_generation_on_a_placed_model_equals_forward_hooks_on_the_plain_one(placed, positions):
-    engine, plain, tokenizer = placed
+    served, plain, tokenizer = placed
     req = JobRequest.model_validate(
         {"model": "m", "messages": MESSAGES, "capture": {"modules": MODULES, "positions": positions}}
     )
-    gen = engine.run(req, resolve(req.capture, engine.info), 10)
+    gen = served.run(req, resolve(req.capture, served.info), 10)
     ids, rows, prompt_tokens = hooked_generate(plain, tokenizer, MESSAGES, 10, MODULES)
     assert torch.equal(gen.token_ids, ids)
     assert sorted(c.point.module for c in gen.captured) == sorted(MODULES)
@@ -118,28 +118,28 @@ def test_a_generation_on_a_placed_model_equals_forward_hooks_on_the_plain_one(pl
 
 @pytest.mark.model
 def test_jobs_batched_on_a_placed_model_each_get_their_solo_result(placed):
-    engine, _, _ = placed
+    served, _, _ = placed
     capture = {"modules": MODULES, "positions": "all"}
     jobs = [
         job("What is 2+3?", 8, capture),
         job("Name three colours.", 12, {**capture, "positions": "generated"}),
         job("Count to five.", 6, None),
     ]
-    batched, largest = run_batched(engine, jobs, join_at=[0, 0, 2])
+    batched, largest = run_batched(served, jobs, join_at=[0, 0, 2])
     assert largest == 3
     for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
-        alone = engine.run(req, resolve(req.capture, engine.info) if req.capture else [], n)
+        alone = served.run(req, resolve(req.capture, served.info) if req.capture else [], n)
         assert_same(got, alone, f"job {i}")
 
 
 @pytest.mark.model
 def test_a_trace_on_a_placed_model_equals_one_plain_forward_pass(placed):
-    engine, plain, tokenizer = placed
+    served, plain, tokenizer = placed
     text = "Weng earns $12 an hour for babysitting. Yesterday she did 50 minutes. How much did she earn?"
     req = JobRequest.model_validate(
         {"model": "m", "mode": "trace", "prompt": text, "capture": {"modules": MODULES, "positions": "all"}}
     )
-    gen = engine.run(req, resolve(req.capture, engine.info), 0)
+    gen = served.run(req, resolve(req.capture, served.info), 0)
     kept, _ = hooked_forward(plain, tokenizer(text, return_tensors="pt")["input_ids"], MODULES)
     assert sorted(c.point.module for c in gen.captured) == sorted(MODULES)
     for captured in gen.captured:

@@ -20,7 +20,7 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
+def served(tiny_dir):
     return load_engine(tiny_dir)
 
 
@@ -69,18 +69,18 @@ def check(generation, reference, ids: list[int]) -> None:
     assert [t for t in scores.top_ids[1:]] == top
 
 
-def test_an_echo_generation_scores_its_prompt_then_its_tokens(engine, reference):
+def test_an_echo_generation_scores_its_prompt_then_its_tokens(served, reference):
     ids = PROMPTS[1]
-    generation = engine.run(echo_job(ids, top=3), [], 5)
+    generation = served.run(echo_job(ids, top=3), [], 5)
     check(generation, reference, ids)
 
 
-def test_echo_generations_prefilled_together_with_padding_score_as_alone(engine, reference):
+def test_echo_generations_prefilled_together_with_padding_score_as_alone(served, reference):
     """Two prompts of different lengths in one left-padded prefill: each scores its own prompt."""
     jobs = [echo_job(ids, top=3) for ids in PROMPTS]
-    seqs = [engine.prepare(job, [], 5) for job in jobs]
+    seqs = [served.prepare(job, [], 5) for job in jobs]
     with torch.inference_mode():
-        decoder = engine.decoder()
+        decoder = served.decoder()
         try:
             decoder.admit_many(seqs)
             while decoder.rows:
@@ -88,16 +88,16 @@ def test_echo_generations_prefilled_together_with_padding_score_as_alone(engine,
         finally:
             decoder.close()
     for job, seq, ids in zip(jobs, seqs, PROMPTS, strict=True):
-        check(engine.finish(seq, job), reference, ids)
+        check(served.finish(seq, job), reference, ids)
 
 
-def test_an_echo_prompt_fed_in_chunks_scores_every_chunk(engine, reference):
+def test_an_echo_prompt_fed_in_chunks_scores_every_chunk(served, reference):
     ids = PROMPTS[1]
     job = echo_job(ids, top=3)
-    seq = engine.prepare(job, [], 5)
+    seq = served.prepare(job, [], 5)
     item = Feeding(seq)
     with torch.inference_mode():
-        decoder = engine.decoder()
+        decoder = served.decoder()
         try:
             while not decoder.feed(item, 5):  # 12 tokens: chunks of 5, 5 and 2
                 pass
@@ -105,16 +105,16 @@ def test_an_echo_prompt_fed_in_chunks_scores_every_chunk(engine, reference):
                 decoder.step()
         finally:
             decoder.close()
-    check(engine.finish(seq, job), reference, ids)
+    check(served.finish(seq, job), reference, ids)
 
 
-def test_token_ids_outside_the_vocabulary_fail_the_job_before_the_model_runs(engine):
+def test_token_ids_outside_the_vocabulary_fail_the_job_before_the_model_runs(served):
     from shared.errors import JobFailure
 
-    vocab = engine.info.vocab_size
+    vocab = served.info.vocab_size
     job = JobRequest.model_validate({"model": "m", "prompt_token_ids": [1, vocab + 3], "max_tokens": 2})
     with pytest.raises(JobFailure, match=rf"prompt_token_ids\[1\]={vocab + 3}"):
-        engine.prepare(job, [], 2)
+        served.prepare(job, [], 2)
 
 
 @pytest.mark.parametrize(

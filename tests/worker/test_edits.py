@@ -24,14 +24,14 @@ OTHER = [{"role": "user", "content": "What is 2+3? Answer in one word, then expl
 
 
 def load_engine(folder):
-    from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.served_model import ServedModel
 
-    return CaptureEngine(load(Settings(model=str(folder), model_name="m")))
+    return ServedModel(load(Settings(model=str(folder), model_name="m")))
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
+def served(tiny_dir):
     return load_engine(tiny_dir)
 
 
@@ -54,10 +54,10 @@ def request(messages, edits, capture=None, **fields) -> JobRequest:
     return JobRequest.model_validate(body)
 
 
-def run(engine, req: JobRequest, max_tokens: int, refs=None):
-    points = resolve(req.capture, engine.info) if req.capture else []
-    edits = resolve_edits(req.interventions, engine.info, req.trace, max_tokens) if req.interventions else []
-    return engine.run(req, points, max_tokens, edit_points=edits, references=refs)
+def run(served, req: JobRequest, max_tokens: int, refs=None):
+    points = resolve(req.capture, served.info) if req.capture else []
+    edits = resolve_edits(req.interventions, served.info, req.trace, max_tokens) if req.interventions else []
+    return served.run(req, points, max_tokens, edit_points=edits, references=refs)
 
 
 def vector(width: int, seed: int, scale: float = 1.0) -> list[float]:
@@ -72,12 +72,12 @@ def selected(positions: str | dict, prompt: int, new: int) -> set[int]:
     return {p for lo, hi in intervals(spec, prompt, new) for p in range(lo, hi)}
 
 
-def compare(engine, req, max_tokens, ref_edits, capture_paths, refs=None):
+def compare(served, req, max_tokens, ref_edits, capture_paths, refs=None):
     """The job against the reference: identical tokens, captured values equal within 1e-5 of
     their scale; returns the generation."""
-    got = run(engine, req, max_tokens, refs)
+    got = run(served, req, max_tokens, refs)
     messages = [m.model_dump() for m in req.messages or []]
-    ids, rows, prompt = ref.edited_generate(engine.hf, engine.tokenizer, messages, max_tokens, ref_edits, capture_paths)
+    ids, rows, prompt = ref.edited_generate(served.hf, served.tokenizer, messages, max_tokens, ref_edits, capture_paths)
     assert got.token_ids.tolist() == ids.tolist()
     for tensor in got.captured:
         want = rows[tensor.point.module]
@@ -97,10 +97,10 @@ def reference_edit(edit: dict, v: torch.Tensor, chosen: set[int]) -> ref.Edit:
     return ref.project_out(v, edit.get("value", 0.0), chosen)
 
 
-def test_every_operation_equals_the_hand_written_reference(engine):
+def test_every_operation_equals_the_hand_written_reference(served):
     """add (plain and normalized), scale, zero, project_out and a gate, at outputs and an input,
     at prompt positions and generated steps; captures on the edited module see edited values."""
-    width = engine.info.hidden_size
+    width = served.info.hidden_size
     capture = {"modules": ["model.layers.1", "model.layers.2", "model.norm"], "positions": "all"}
     cases = [
         ({"module": "model.layers.1", "op": "add", "vector": vector(width, 1), "coeff": 3.0}, "all"),
@@ -134,12 +134,12 @@ def test_every_operation_equals_the_hand_written_reference(engine):
     ]
     for edit, positions in cases:
         req = request(MESSAGES, [edit], capture)
-        plain = run(engine, request(MESSAGES, None, capture), 8)
+        plain = run(served, request(MESSAGES, None, capture), 8)
         prompt = plain.prompt_tokens
         chosen = selected(positions, prompt, 8)
         v = torch.tensor(edit.get("vector", [0.0] * width))
         fn = reference_edit(edit, v, chosen)
-        got, _ = compare(engine, req, 8, [(edit["module"], edit.get("hook", "output"), fn)], capture["modules"])
+        got, _ = compare(served, req, 8, [(edit["module"], edit.get("hook", "output"), fn)], capture["modules"])
         changed = any(not torch.equal(a.tensor, b.tensor) for a, b in zip(got.captured, plain.captured, strict=True))
         assert changed, f"{edit['op']} changed nothing"
         report = got.interventions[0]
@@ -150,8 +150,8 @@ def test_every_operation_equals_the_hand_written_reference(engine):
         assert report.applied == expect and report.total == sum(expect), (edit["op"], report.applied, expect)
 
 
-def test_a_gated_edit_fires_where_the_probe_says_and_counts_it(engine):
-    width = engine.info.hidden_size
+def test_a_gated_edit_fires_where_the_probe_says_and_counts_it(served):
+    width = served.info.hidden_size
     probe = vector(width, 5)
     steer = vector(width, 6, 0.5)
     edit = {
@@ -165,7 +165,7 @@ def test_a_gated_edit_fires_where_the_probe_says_and_counts_it(engine):
     req = request(MESSAGES, [edit], capture)
     inner = ref.add(torch.tensor(steer), 2.0, set(range(10_000)))
     fn = ref.gated(inner, torch.tensor(probe), 0.1, 0.0, None)
-    got, prompt = compare(engine, req, 10, [("model.layers.2", "output", fn)], capture["modules"])
+    got, prompt = compare(served, req, 10, [("model.layers.2", "output", fn)], capture["modules"])
     # The count per step is the positions whose incoming value scored above 0: read from an
     # unedited capture of the module's output taken at its pre-edit value (a capture at the
     # block's output with the edit elsewhere would differ), so count from the reference hooks.
@@ -176,14 +176,14 @@ def test_a_gated_edit_fires_where_the_probe_says_and_counts_it(engine):
         seen.append(((value @ torch.tensor(probe)) + 0.1 > 0).sum())
         return fn(value, positions)
 
-    ref.edited_generate(engine.hf, engine.tokenizer, MESSAGES, 10, [("model.layers.2", "output", watch)], [])
+    ref.edited_generate(served.hf, served.tokenizer, MESSAGES, 10, [("model.layers.2", "output", watch)], [])
     scores = [int(s) for s in seen][: got.completion_tokens]
     assert got.interventions[0].applied == scores
     assert 0 < sum(scores) < prompt + got.completion_tokens - 1  # it fired at some positions, not all
 
 
-def test_edits_in_request_order_on_one_module(engine):
-    width = engine.info.hidden_size
+def test_edits_in_request_order_on_one_module(served):
+    width = served.info.hidden_size
     a, d = vector(width, 7), vector(width, 8)
     edits = [
         {"module": "model.layers.1", "op": "add", "vector": a, "coeff": 4.0},
@@ -195,19 +195,19 @@ def test_edits_in_request_order_on_one_module(engine):
         ("model.layers.1", "output", ref.add(torch.tensor(a), 4.0, chosen)),
         ("model.layers.1", "output", ref.project_out(torch.tensor(d), 0.0, chosen)),
     ]
-    got, _ = compare(engine, request(MESSAGES, edits, capture), 6, reference, capture["modules"])
+    got, _ = compare(served, request(MESSAGES, edits, capture), 6, reference, capture["modules"])
     direction = torch.tensor(d) / torch.tensor(d).norm()
     along = got.captured[0].tensor @ direction
     assert float(along.abs().max()) < 1e-4 * float(got.captured[0].tensor.abs().max())  # projected out last
 
 
-def test_a_patch_copies_the_source_rows_at_its_positions(engine):
+def test_a_patch_copies_the_source_rows_at_its_positions(served):
     """Rows captured from another prompt (of the same length here) replace this job's values at
     the patched positions; positions outside the source's rows fail the job with what to do."""
     capture = {"modules": ["model.layers.1"], "positions": "all"}
-    source = run(engine, request(OTHER, None, capture), 4)
+    source = run(served, request(OTHER, None, capture), 4)
     rows = source.captured[0].tensor.numpy()
-    prompt = run(engine, request(MESSAGES, None, None), 1).prompt_tokens
+    prompt = run(served, request(MESSAGES, None, None), 1).prompt_tokens
     edit = {
         "module": "model.layers.1",
         "op": "patch",
@@ -218,7 +218,7 @@ def test_a_patch_copies_the_source_rows_at_its_positions(engine):
     assert max(chosen) < rows.shape[0]
     fn = ref.patch(torch.from_numpy(rows), 0, chosen)
     got, _ = compare(
-        engine,
+        served,
         request(MESSAGES, [edit], capture),
         6,
         [("model.layers.1", "output", fn)],
@@ -228,10 +228,10 @@ def test_a_patch_copies_the_source_rows_at_its_positions(engine):
     assert got.interventions[0].applied[0] == 2
     far = {**edit, "positions": "all"}
     with pytest.raises(Exception, match="source job's rows cover positions 0 to"):
-        run(engine, request(MESSAGES, [far], None), 40, Stored(0, rows[:3]))
+        run(served, request(MESSAGES, [far], None), 40, Stored(0, rows[:3]))
 
 
-def run_edit_batch(engine, questions, edit_sets, capture):
+def run_edit_batch(served, questions, edit_sets, capture):
     """Each (question, edits) as a job of 10 tokens, joining at steps 0, 0, 2, 3, 3 of one batch
     (tests/worker/test_batching.py's run_batched, its jobs prepared with their edits): the jobs,
     their results and the largest batch."""
@@ -240,22 +240,22 @@ def run_edit_batch(engine, questions, edit_sets, capture):
     jobs = [(request(q, e, capture), 10) for q, e in zip(questions, edit_sets, strict=True)]
 
     def prepare_with_edits(eng, req, n, w=None):
-        points = resolve(req.capture, engine.info)
-        edits = resolve_edits(req.interventions, engine.info, False, n) if req.interventions else []
-        return engine.prepare(req, points, n, None, edits)
+        points = resolve(req.capture, served.info)
+        edits = resolve_edits(req.interventions, served.info, False, n) if req.interventions else []
+        return served.prepare(req, points, n, None, edits)
 
     original = tb.prepare
     tb.prepare = prepare_with_edits
     try:
-        batched, largest = tb.run_batched(engine, jobs, join_at=[0, 0, 2, 3, 3])
+        batched, largest = tb.run_batched(served, jobs, join_at=[0, 0, 2, 3, 3])
     finally:
         tb.prepare = original
     return jobs, batched, largest
 
 
-def test_a_batch_mixing_steered_gated_and_plain_jobs_gives_each_its_solo_result(engine):
+def test_a_batch_mixing_steered_gated_and_plain_jobs_gives_each_its_solo_result(served):
 
-    width = engine.info.hidden_size
+    width = served.info.hidden_size
     capture = {"modules": ["model.layers.{1,2}", "model.norm"], "positions": "all"}
     questions = [MESSAGES, OTHER, [{"role": "user", "content": "Count to five."}], MESSAGES, OTHER]
     edit_sets = [
@@ -282,10 +282,10 @@ def test_a_batch_mixing_steered_gated_and_plain_jobs_gives_each_its_solo_result(
         ],
         [{"module": "model.layers.2", "op": "zero", "features": "0:32"}],
     ]
-    jobs, batched, largest = run_edit_batch(engine, questions, edit_sets, capture)
+    jobs, batched, largest = run_edit_batch(served, questions, edit_sets, capture)
     assert largest >= 4
     for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
-        alone = run(engine, req, n)
+        alone = run(served, req, n)
         assert_same(got, alone, f"job {i}")
         assert (got.interventions is None) == (alone.interventions is None)
         if got.interventions is not None:
@@ -293,7 +293,7 @@ def test_a_batch_mixing_steered_gated_and_plain_jobs_gives_each_its_solo_result(
     assert RELATIVE_TOLERANCE <= 1e-4
 
 
-def test_a_batch_of_table_edits_gives_each_job_its_solo_result(engine, monkeypatch):
+def test_a_batch_of_table_edits_gives_each_job_its_solo_result(served, monkeypatch):
     """Edits that fit the slots' edit tables (worker/step_edits.py: every op but patch, ungated),
     jobs joining at different steps: the decoding steps apply them from the tables (seen), and
     each job gets its solo result and counts."""
@@ -307,7 +307,7 @@ def test_a_batch_of_table_edits_gives_each_job_its_solo_result(engine, monkeypat
         return recording(self, plan, lo, rows)
 
     monkeypatch.setattr(StepEdits, "recording", spy)
-    width = engine.info.hidden_size
+    width = served.info.hidden_size
     capture = {"modules": ["model.layers.{1,2}", "model.norm"], "positions": "all"}
     questions = [MESSAGES, OTHER, [{"role": "user", "content": "Count to five."}], MESSAGES, OTHER]
     edit_sets = [
@@ -331,19 +331,19 @@ def test_a_batch_of_table_edits_gives_each_job_its_solo_result(engine, monkeypat
         ],
         [{"module": "model.layers.2", "op": "zero", "features": "0:32"}],
     ]
-    jobs, batched, largest = run_edit_batch(engine, questions, edit_sets, capture)
+    jobs, batched, largest = run_edit_batch(served, questions, edit_sets, capture)
     assert largest >= 4
     assert {kind for plan in plans for _, _, kind in plan} == {1, 2, 3, 4, 5}, plans
     monkeypatch.undo()
     for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
-        alone = run(engine, req, n)
+        alone = run(served, req, n)
         assert_same(got, alone, f"job {i}")
         if got.interventions is not None:
             assert [r.applied for r in got.interventions] == [r.applied for r in alone.interventions], i
 
 
-def test_a_trace_job_edits_its_one_pass(engine):
-    width = engine.info.hidden_size
+def test_a_trace_job_edits_its_one_pass(served):
+    width = served.info.hidden_size
     v = vector(width, 14)
     messages = [*MESSAGES, {"role": "assistant", "content": "Red, green and blue."}]
     req = JobRequest.model_validate(
@@ -357,7 +357,7 @@ def test_a_trace_job_edits_its_one_pass(engine):
             ],
         }
     )
-    got = run(engine, req, 0)
+    got = run(served, req, 0)
     ids = got.token_ids.unsqueeze(0)
     p = ids.shape[1]
     chosen = set(range(p - 4, p))
@@ -374,12 +374,12 @@ def test_a_trace_job_edits_its_one_pass(engine):
         kept["norm"] = (output[0] if isinstance(output, tuple) else output)[0].clone()
 
     handles = [
-        engine.hf.get_submodule("model.layers.1").register_forward_hook(edit_hook),
-        engine.hf.get_submodule("model.norm").register_forward_hook(keep),
+        served.hf.get_submodule("model.layers.1").register_forward_hook(edit_hook),
+        served.hf.get_submodule("model.norm").register_forward_hook(keep),
     ]
     try:
         with torch.inference_mode():
-            engine.hf(ids)
+            served.hf(ids)
     finally:
         for h in handles:
             h.remove()
@@ -446,8 +446,8 @@ def test_other_architectures_edit_as_the_reference(key, tmp_path, smol_dir):
     every_operation(load_engine(build(arch, tmp_path / key, smol_dir, chat_template=True)))
 
 
-def test_the_tiny_llama_edits_as_the_reference(engine):
-    every_operation(engine)
+def test_the_tiny_llama_edits_as_the_reference(served):
+    every_operation(served)
 
 
 def test_smollm2_edits_as_the_reference(smol_dir):
@@ -480,13 +480,13 @@ def test_smollm2_edits_as_the_reference(smol_dir):
     assert plain.text != got.text  # the steering vector is strong enough to change the answer
 
 
-def test_a_pass_that_runs_out_of_memory_and_runs_again_counts_its_edits_once(engine):
+def test_a_pass_that_runs_out_of_memory_and_runs_again_counts_its_edits_once(served):
     """An injected allocation failure inside every pass of more than 2 rows (after layer 0 ran and
     its edits were applied): the step runs again in halves, and every job's tokens, captures and
     per-step counts equal its solo run (a failed pass's counts are never kept)."""
     import tests.worker.test_batching as tb
 
-    width = engine.info.hidden_size
+    width = served.info.hidden_size
     capture = {"modules": ["model.layers.{0,2}"], "positions": "all"}
     questions = [MESSAGES, OTHER, [{"role": "user", "content": "Count to five."}], MESSAGES]
     edit_sets = [
@@ -512,27 +512,28 @@ def test_a_pass_that_runs_out_of_memory_and_runs_again_counts_its_edits_once(eng
     original = tb.prepare
     tb.prepare = prepare_with_edits
     try:
-        batched, largest = tb.run_batched(engine, jobs, join_at=[0, 0, 0, 2], wrap=inject)
+        batched, largest = tb.run_batched(served, jobs, join_at=[0, 0, 0, 2], wrap=inject)
     finally:
         tb.prepare = original
         inject.undo()
     assert inject.decoder.most_rows is not None and inject.decoder.most_rows <= 2 and largest >= 3
     for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
-        alone = run(engine, req, n)
+        alone = run(served, req, n)
         assert_same(got, alone, f"job {i}")
         if alone.interventions is not None:
             assert [r.applied for r in got.interventions] == [r.applied for r in alone.interventions], i
 
 
-def test_prompts_fed_in_chunks_take_their_edits_at_the_right_positions(engine):
+def test_prompts_fed_in_chunks_take_their_edits_at_the_right_positions(served):
     """Through the engine thread with chunks shorter than the prompts: edits at prompt windows
     that straddle chunk boundaries, a gate, and generated steps; every job equals its solo run
     (tokens, captures, per-step counts)."""
     import threading
 
-    from worker.scheduler import Entry, Scheduler
+    from worker.engine_core import EngineCore
+    from worker.scheduler import Entry
 
-    width = engine.info.hidden_size
+    width = served.info.hidden_size
     capture = {"modules": ["model.layers.{1,2}"], "positions": "all"}
     long_question = [
         {"role": "user", "content": "Natalia sold clips to 48 of her friends in April, and then half as many."}
@@ -570,29 +571,29 @@ def test_prompts_fed_in_chunks_take_their_edits_at_the_right_positions(engine):
 
     def entry(i: int) -> Entry:
         req, n = jobs[i]
-        edits = resolve_edits(req.interventions, engine.info, False, n) if req.interventions else []
+        edits = resolve_edits(req.interventions, served.info, False, n) if req.interventions else []
 
         def done(outcome) -> None:
             outcomes[i] = outcome
             if len(outcomes) == len(jobs):
                 finished.set()
 
-        return Entry(seq=engine.prepare(req, resolve(req.capture, engine.info), n, None, edits), done=done)
+        return Entry(seq=served.prepare(req, resolve(req.capture, served.info), n, None, edits), done=done)
 
     entries = [entry(i) for i in range(len(jobs))]
     chunk = 7
     assert all(e.seq.prompt_tokens > 2 * chunk for e in entries[1:])
-    scheduler = Scheduler(engine, max_batch=4, wait_s=0.0, chunk_tokens=chunk)
-    scheduler.submit(entries[0])
-    scheduler.start()
+    core = EngineCore(served, max_batch=4, wait_s=0.0, chunk_tokens=chunk)
+    core.submit(entries[0])
+    core.start()
     try:
         for e in entries[1:]:
-            scheduler.submit(e)
+            core.submit(e)
         assert finished.wait(120)
     finally:
-        scheduler.stop()
+        core.stop()
     for i, (req, n) in enumerate(jobs):
-        got, alone = engine.finish(outcomes[i], req), run(engine, req, n)
+        got, alone = served.finish(outcomes[i], req), run(served, req, n)
         assert_same(got, alone, f"job {i}")
         if alone.interventions is not None:
             assert [r.applied for r in got.interventions] == [r.applied for r in alone.interventions], i

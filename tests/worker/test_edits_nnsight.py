@@ -28,20 +28,20 @@ Edit = Callable[[torch.Tensor, list[int], list[int]], torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
+def served(tiny_dir):
     return load_engine(tiny_dir)
 
 
 @pytest.fixture(scope="module")
-def wrapped(engine):
+def wrapped(served):
     """The engine's loaded model inside nnsight: the same module object, not a second copy.
     Wrapping sets an instance `forward` on every module (nnsight's pass-through outside a trace),
     so this module's engine is its own, not shared with other test files."""
     pytest.importorskip("nnsight")
     from nnsight.modeling.transformers import TransformersModel
 
-    model = TransformersModel(engine.hf, task="text-generation", tokenizer=engine.tokenizer)
-    assert model._module is engine.hf
+    model = TransformersModel(served.hf, task="text-generation", tokenizer=served.tokenizer)
+    assert model._module is served.hf
     return model
 
 
@@ -91,16 +91,16 @@ def patch(rows: torch.Tensor, first: int) -> Edit:
     return edit
 
 
-def check(engine, wrapped, edit: dict, nn_edit: Edit, positions, refs=None, messages=MESSAGES) -> None:
+def check(served, wrapped, edit: dict, nn_edit: Edit, positions, refs=None, messages=MESSAGES) -> None:
     """The job through actq against nnsight: same tokens, captured values within 1e-5 of their
     scale; and the edit changed the captures (against the same job unedited)."""
     capture = {"modules": CAPTURE, "positions": "all"}
-    plain = run(engine, request(messages, None, capture), NEW_TOKENS)
-    got = run(engine, request(messages, [edit], capture), NEW_TOKENS, refs)
+    plain = run(served, request(messages, None, capture), NEW_TOKENS)
+    got = run(served, request(messages, [edit], capture), NEW_TOKENS, refs)
     assert got.completion_tokens == NEW_TOKENS  # no early end: nnsight's step loop runs NEW_TOKENS steps
     chosen = selected(positions, got.prompt_tokens, NEW_TOKENS)
     ids, rows, prompt = nnsight_generate(
-        wrapped, engine.tokenizer, messages, NEW_TOKENS, edit["module"], nn_edit, chosen
+        wrapped, served.tokenizer, messages, NEW_TOKENS, edit["module"], nn_edit, chosen
     )
     assert prompt == got.prompt_tokens
     assert got.token_ids.tolist() == ids.tolist()
@@ -117,21 +117,21 @@ def check(engine, wrapped, edit: dict, nn_edit: Edit, positions, refs=None, mess
     assert sum(got.interventions[0].applied) == len(chosen)
 
 
-def test_add_equals_nnsight(engine, wrapped):
-    v = vector(engine.info.hidden_size, 1)
+def test_add_equals_nnsight(served, wrapped):
+    v = vector(served.info.hidden_size, 1)
     edit = {"module": "model.layers.1", "op": "add", "vector": v, "coeff": 3.0}
-    check(engine, wrapped, edit, add(torch.tensor(v), 3.0), "all")
+    check(served, wrapped, edit, add(torch.tensor(v), 3.0), "all")
 
 
-def test_zero_equals_nnsight(engine, wrapped):
+def test_zero_equals_nnsight(served, wrapped):
     edit = {"module": "model.layers.2", "op": "zero", "features": [0, 5, 9], "positions": "prompt"}
-    check(engine, wrapped, edit, zero([0, 5, 9]), "prompt")
+    check(served, wrapped, edit, zero([0, 5, 9]), "prompt")
 
 
-def test_patch_equals_nnsight(engine, wrapped):
-    source = run(engine, request(OTHER, None, {"modules": ["model.layers.1"], "positions": "all"}), 4)
+def test_patch_equals_nnsight(served, wrapped):
+    source = run(served, request(OTHER, None, {"modules": ["model.layers.1"], "positions": "all"}), 4)
     rows = source.captured[0].tensor
-    prompt = run(engine, request(MESSAGES, None, None), 1).prompt_tokens
+    prompt = run(served, request(MESSAGES, None, None), 1).prompt_tokens
     assert prompt <= rows.shape[0]  # the source's rows cover the patched positions (the last 3 of the prompt)
     edit = {
         "module": "model.layers.1",
@@ -139,4 +139,4 @@ def test_patch_equals_nnsight(engine, wrapped):
         "source": {"job": "0" * 8 + "-0000-4000-8000-" + "0" * 12, "tensor": "model.layers.1"},
         "positions": {"prompt": ["-3:"]},
     }
-    check(engine, wrapped, edit, patch(rows.float(), 0), {"prompt": ["-3:"]}, refs=Stored(0, rows.numpy()))
+    check(served, wrapped, edit, patch(rows.float(), 0), {"prompt": ["-3:"]}, refs=Stored(0, rows.numpy()))

@@ -20,7 +20,8 @@ from torch.overrides import TorchFunctionMode
 
 from shared.errors import JobFailure, OutOfMemory
 from tests.worker.test_batching import assert_same, job, load_engine, prepare, solo
-from worker.scheduler import Entry, Scheduler
+from worker.engine_core import EngineCore
+from worker.scheduler import Entry
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
 
@@ -97,16 +98,16 @@ class Answers:
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
+def served(tiny_dir):
     return load_engine(tiny_dir)
 
 
 @pytest.fixture(params=["slots", "compacted"])
-def decoder_kind(request, engine, monkeypatch):
+def decoder_kind(request, served, monkeypatch):
     """The decoder in slots (this model's), and the compacting one that sliding-window models
     keep, forced on the same model."""
     if request.param == "compacted":
-        monkeypatch.setattr(engine, "slot_reason", "forced by the test: the compacting decoder")
+        monkeypatch.setattr(served, "slot_reason", "forced by the test: the compacting decoder")
     return request.param
 
 
@@ -116,10 +117,10 @@ def requests():
 
 
 @pytest.fixture
-def alone(engine, requests, decoder_kind):
+def alone(served, requests, decoder_kind):
     """Each job run alone by the decoder under test (their seeded draws differ: the slots' sampler
     is counter-based, the compacting decoder's is transformers' own with a generator per job)."""
-    return [solo(engine, req, n) for req, n in requests]
+    return [solo(served, req, n) for req, n in requests]
 
 
 @pytest.fixture(autouse=True)
@@ -138,22 +139,22 @@ def steady_clock(monkeypatch):
     import itertools
 
     import worker.capture
-    import worker.scheduler
+    import worker.engine_core
     import worker.step_capture
 
-    monkeypatch.setattr(worker.scheduler, "clock", itertools.count().__next__)
+    monkeypatch.setattr(worker.engine_core, "clock", itertools.count().__next__)
     monkeypatch.setattr(worker.capture, "STAGED_STEPS", 8)  # so that the scenario fills the rings
     monkeypatch.setattr(worker.step_capture, "RING_STEPS", 8)
 
 
-def run(engine, requests, mode: FailAt | None) -> tuple[Answers, Scheduler, object]:
+def run(served, requests, mode: FailAt | None) -> tuple[Answers, EngineCore, object]:
     answers = Answers()
-    scheduler = Scheduler(engine, max_batch=5)
-    seqs = [prepare(engine, req, n) for req, n in requests]
+    core = EngineCore(served, max_batch=5)
+    seqs = [prepare(served, req, n) for req, n in requests]
     for i, seq in enumerate(seqs):
-        scheduler.submit(answers.entry(i, seq))
+        core.submit(answers.entry(i, seq))
     with torch.inference_mode():
-        decoder = engine.decoder()
+        decoder = served.decoder()
         decoder.chunk_tokens = max(seq.prompt_tokens for seq in seqs[:-1])
         assert seqs[-1].prompt_tokens > decoder.chunk_tokens
         try:
@@ -162,25 +163,25 @@ def run(engine, requests, mode: FailAt | None) -> tuple[Answers, Scheduler, obje
                     break
                 if mode is not None:
                     with mode:
-                        scheduler.tick(decoder)
+                        core.tick(decoder)
                 else:
-                    scheduler.tick(decoder)
+                    core.tick(decoder)
             # the batch goes on: a new job, after whatever failed, runs exactly as alone
             req, n = requests[0]
-            scheduler.submit(answers.entry(99, prepare(engine, req, n)))
+            core.submit(answers.entry(99, prepare(served, req, n)))
             for _ in range(20):
                 if 99 in answers.got:
                     break
-                scheduler.tick(decoder)
+                core.tick(decoder)
         finally:
             decoder.close()
-    return answers, scheduler, decoder
+    return answers, core, decoder
 
 
-def operations(engine, requests) -> int:
-    mode = FailAt(engine.hf, at=0, error=RuntimeError)
+def operations(served, requests) -> int:
+    mode = FailAt(served.hf, at=0, error=RuntimeError)
     try:
-        answers, _, _ = run(engine, requests, mode)
+        answers, _, _ = run(served, requests, mode)
     finally:
         mode.remove()
     assert all(len(a) == 1 for a in answers.got.values())
@@ -189,15 +190,15 @@ def operations(engine, requests) -> int:
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError, RuntimeError], ids=["out-of-memory", "other"])
 def test_any_operation_failing_once_leaves_every_job_one_answer_of_its_own(
-    engine, requests, alone, error, decoder_kind
+    served, requests, alone, error, decoder_kind
 ):
-    total = operations(engine, requests)
+    total = operations(served, requests)
     assert total > 50  # the scenario runs joins, steps, leaves and a trace pass
     failed_jobs = 0
     for at in range(1, total + 1):
-        mode = FailAt(engine.hf, at=at, error=error)
+        mode = FailAt(served.hf, at=at, error=error)
         try:
-            answers, scheduler, decoder = run(engine, requests, mode)
+            answers, core, decoder = run(served, requests, mode)
         finally:
             mode.remove()
         assert mode.failed, at
@@ -205,12 +206,12 @@ def test_any_operation_failing_once_leaves_every_job_one_answer_of_its_own(
         assert type(decoder).__name__ == {"slots": "SlotDecoder", "compacted": "Decoder"}[decoder_kind]
         assert sorted(answers.got) == [*range(len(requests)), 99], where
         assert all(len(a) == 1 for a in answers.got.values()), where  # exactly one answer each
-        assert not scheduler._active and not scheduler._feeding and not decoder.rows, where
+        assert not core.scheduler.active and not core.scheduler.feeding and not decoder.rows, where
         for index, [answer] in answers.got.items():
             req, n = requests[0] if index == 99 else requests[index]
             want = alone[0] if index == 99 else alone[index]
             try:
-                got = engine.finish(answer, req) if not isinstance(answer, Exception) else None
+                got = served.finish(answer, req) if not isinstance(answer, Exception) else None
             except JobFailure as exc:
                 answer = exc
                 got = None

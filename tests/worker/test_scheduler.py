@@ -1,4 +1,4 @@
-"""The scheduler alone, against a fake batch (no model, no tensors): every job it takes in gets
+"""The engine core and its scheduler, against a fake batch (no model, no tensors): every job it takes in gets
 exactly one answer whatever fails where; the memory budget; the watchdog that ends the engine
 process when its thread dies."""
 
@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from shared.errors import OutOfMemory
-from worker.scheduler import ENGINE_THREAD_DIED, Entry, Scheduler
+from worker.engine_core import ENGINE_THREAD_DIED, EngineCore
+from worker.scheduler import Entry
 
 
 @dataclass(eq=False)
@@ -115,7 +116,7 @@ class FakeBatch:
         pass
 
 
-class FakeEngine:
+class FakeServed:
     def __init__(self, batch: FakeBatch) -> None:
         self.lock = threading.Lock()
         self.batch = batch
@@ -144,12 +145,12 @@ def entries(jobs: list[Job], estimate: int = 0) -> list[Entry]:
     return [entry(job) for job in jobs]
 
 
-def run(scheduler: Scheduler, batch: FakeBatch, jobs: list[Job], ticks: int = 500) -> None:
+def run(core: EngineCore, batch: FakeBatch, jobs: list[Job], ticks: int = 500) -> None:
     """Drive the engine loop in this thread until every job is answered (or `ticks` turns)."""
     for _ in range(ticks):
         if all(job.answers for job in jobs):
             return
-        scheduler.tick(batch)  # type: ignore[arg-type]
+        core.tick(batch)  # type: ignore[arg-type]
     raise AssertionError(f"unanswered after {ticks} turns: {[j.seq for j in jobs if not j.answers]}")
 
 
@@ -167,10 +168,10 @@ def test_every_job_gets_exactly_one_answer_whatever_fails(seed: int) -> None:
     kinds = [lambda: Injected("injected"), lambda: torch.OutOfMemoryError("injected out of memory")]
     fail_at = {rng.randint(1, 30): rng.choice(kinds)() for _ in range(rng.randint(0, 4))}
     batch = FakeBatch(fail_at, chunk_tokens=rng.choice([None, 512]))  # 2,000-token prompts: in 4 chunks
-    scheduler = Scheduler(FakeEngine(batch), max_batch=rng.choice([1, 3, 8]))  # type: ignore[arg-type]
+    core = EngineCore(FakeServed(batch), max_batch=rng.choice([1, 3, 8]))  # type: ignore[arg-type]
     for entry in entries(jobs):
-        scheduler.submit(entry)
-    run(scheduler, batch, jobs)
+        core.submit(entry)
+    run(core, batch, jobs)
     for job in jobs:
         assert len(job.answers) == 1, job
         assert job.starts == 1, job
@@ -180,38 +181,38 @@ def test_every_job_gets_exactly_one_answer_whatever_fails(seed: int) -> None:
             assert len(job.seq.generated) == max(job.seq.max_tokens, 0) or job.seq.trace
         else:  # its own failure: the injected error, or out of memory
             assert isinstance(answer, (Injected, OutOfMemory)), answer
-    assert not scheduler._active and not batch.rows
+    assert not core.scheduler.active and not batch.rows
     # the batch goes on: a job after all that runs to its end
     after = [Job(FakeSeq(prompt_tokens=4, max_tokens=3))]
     batch.fail_at = {}
     for entry in entries(after):
-        scheduler.submit(entry)
-    run(scheduler, batch, after)
+        core.submit(entry)
+    run(core, batch, after)
     assert after[0].answers == [after[0].seq]
 
 
 def test_a_failed_step_fails_the_rows_in_it_and_only_them() -> None:
     batch = FakeBatch({2: Injected("step")})  # call 1: the three jobs' one prefill; 2: the first step
     jobs = [Job(FakeSeq(3, 5)) for _ in range(3)]
-    scheduler = Scheduler(FakeEngine(batch), max_batch=3, wait_s=0.05)  # type: ignore[arg-type]
+    core = EngineCore(FakeServed(batch), max_batch=3, wait_s=0.05)  # type: ignore[arg-type]
     for entry in entries(jobs):
-        scheduler.submit(entry)
-    run(scheduler, batch, jobs)
+        core.submit(entry)
+    run(core, batch, jobs)
     assert all(isinstance(job.answers[0], Injected) for job in jobs)
     later = [Job(FakeSeq(3, 4))]
     for entry in entries(later):
-        scheduler.submit(entry)
-    run(scheduler, batch, later)
+        core.submit(entry)
+    run(core, batch, later)
     assert later[0].answers == [later[0].seq]
 
 
 def test_a_trace_pass_out_of_memory_runs_in_halves_and_only_the_one_that_cannot_fit_alone_fails() -> None:
     batch = FakeBatch({3: torch.OutOfMemoryError("the long trace alone (fake)")})
     jobs = [Job(FakeSeq(2000, 0)), Job(FakeSeq(2001, 0))]  # one pass; halves; the second half fails
-    scheduler = Scheduler(FakeEngine(batch), max_batch=4, wait_s=0.05)  # type: ignore[arg-type]
+    core = EngineCore(FakeServed(batch), max_batch=4, wait_s=0.05)  # type: ignore[arg-type]
     for entry in entries(jobs):
-        scheduler.submit(entry)
-    run(scheduler, batch, jobs)
+        core.submit(entry)
+    run(core, batch, jobs)
     assert jobs[0].answers == [jobs[0].seq]
     assert isinstance(jobs[1].answers[0], OutOfMemory)
 
@@ -219,16 +220,16 @@ def test_a_trace_pass_out_of_memory_runs_in_halves_and_only_the_one_that_cannot_
 def test_over_the_memory_budget_a_job_waits_for_room_and_a_job_alone_always_runs() -> None:
     batch = FakeBatch()
     jobs = [Job(FakeSeq(3, 4)), Job(FakeSeq(3, 4)), Job(FakeSeq(3, 4))]
-    scheduler = Scheduler(FakeEngine(batch), max_batch=8, budget_bytes=250)  # type: ignore[arg-type]
+    core = EngineCore(FakeServed(batch), max_batch=8, budget_bytes=250)  # type: ignore[arg-type]
     for entry in entries(jobs, estimate=100):  # two fit in the budget, the third waits
-        scheduler.submit(entry)
-    run(scheduler, batch, jobs)
+        core.submit(entry)
+    run(core, batch, jobs)
     assert batch.largest == 2
     assert all(job.answers == [job.seq] for job in jobs)
     huge = [Job(FakeSeq(3, 2))]
     for entry in entries(huge, estimate=10_000):
-        scheduler.submit(entry)
-    run(scheduler, batch, huge)
+        core.submit(entry)
+    run(core, batch, huge)
     assert huge[0].answers == [huge[0].seq]
 
 
@@ -239,15 +240,15 @@ def test_a_callback_that_raises_does_not_stop_the_engine() -> None:
     def done(_outcome: object) -> None:
         raise RuntimeError("a broken callback")
 
-    scheduler = Scheduler(FakeEngine(batch), max_batch=2)  # type: ignore[arg-type]
-    scheduler.submit(Entry(seq=seq, done=done))  # type: ignore[arg-type]
+    core = EngineCore(FakeServed(batch), max_batch=2)  # type: ignore[arg-type]
+    core.submit(Entry(seq=seq, done=done))  # type: ignore[arg-type]
     for _ in range(5):
-        scheduler.tick(batch)  # type: ignore[arg-type]
+        core.tick(batch)  # type: ignore[arg-type]
     assert seq.ended == "length"
     after = [Job(FakeSeq(3, 2))]
     for entry in entries(after):
-        scheduler.submit(entry)
-    run(scheduler, batch, after)
+        core.submit(entry)
+    run(core, batch, after)
     assert after[0].answers == [after[0].seq]
 
 
@@ -268,12 +269,12 @@ def test_an_exception_that_escapes_the_engine_thread_calls_on_death() -> None:
         died.append(exc)
         dead.set()
 
-    scheduler = Scheduler(FakeEngine(Broken()), max_batch=2, on_death=on_death)  # type: ignore[arg-type]
-    scheduler.start()
+    core = EngineCore(FakeServed(Broken()), max_batch=2, on_death=on_death)  # type: ignore[arg-type]
+    core.start()
     assert dead.wait(10)
     assert isinstance(died[0], KeyError)
-    scheduler._thread.join(5)
-    assert not scheduler.alive
+    core._thread.join(5)
+    assert not core.alive
 
 
 def test_by_default_a_dead_engine_thread_ends_the_process_with_the_reason_logged() -> None:
@@ -281,18 +282,18 @@ def test_by_default_a_dead_engine_thread_ends_the_process_with_the_reason_logged
         """
         import logging, sys, threading, time
         sys.path.insert(0, ".")
-        from tests.worker.test_scheduler import FakeBatch, FakeEngine
-        from worker.scheduler import Scheduler
+        from tests.worker.test_scheduler import FakeBatch, FakeServed
+        from worker.engine_core import EngineCore
 
         class Broken(FakeBatch):
             def close(self):
                 pass
-        engine = FakeEngine(Broken())
+        served = FakeServed(Broken())
         def decoder(slots=1):
             raise ZeroDivisionError("the engine's own bug")
-        engine.decoder = decoder
+        served.decoder = decoder
         logging.basicConfig(level=logging.INFO)
-        Scheduler(engine, max_batch=2).start()
+        EngineCore(served, max_batch=2).start()
         time.sleep(30)
         print("still running")
         """
@@ -307,10 +308,10 @@ def test_jobs_taken_in_together_prefill_in_passes_of_similar_lengths() -> None:
     batch = FakeBatch()
     lengths = [100, 101, 100, 200, 205, 102]  # two passes: the short ones, the long ones
     jobs = [Job(FakeSeq(n, 3)) for n in lengths]
-    scheduler = Scheduler(FakeEngine(batch), max_batch=8, wait_s=0.05)  # type: ignore[arg-type]
+    core = EngineCore(FakeServed(batch), max_batch=8, wait_s=0.05)  # type: ignore[arg-type]
     for entry in entries(jobs):
-        scheduler.submit(entry)
-    run(scheduler, batch, jobs)
+        core.submit(entry)
+    run(core, batch, jobs)
     assert sorted(batch.prefills) == [2, 4]
     assert all(job.answers == [job.seq] for job in jobs)
 
@@ -318,10 +319,10 @@ def test_jobs_taken_in_together_prefill_in_passes_of_similar_lengths() -> None:
 def test_a_failed_prefill_of_several_runs_each_alone_and_only_the_one_that_fails_alone_fails() -> None:
     batch = FakeBatch({1: torch.OutOfMemoryError("the pass of three (fake)"), 3: Injected("the second alone")})
     jobs = [Job(FakeSeq(10, 3)) for _ in range(3)]
-    scheduler = Scheduler(FakeEngine(batch), max_batch=8, wait_s=0.05)  # type: ignore[arg-type]
+    core = EngineCore(FakeServed(batch), max_batch=8, wait_s=0.05)  # type: ignore[arg-type]
     for entry in entries(jobs):
-        scheduler.submit(entry)
-    run(scheduler, batch, jobs)
+        core.submit(entry)
+    run(core, batch, jobs)
     assert batch.prefills == [1, 1]  # the pass of three failed; then each alone, the second failing
     assert jobs[0].answers == [jobs[0].seq] and jobs[2].answers == [jobs[2].seq]
     assert isinstance(jobs[1].answers[0], Injected)
@@ -331,14 +332,14 @@ def test_a_failed_prefill_of_several_runs_each_alone_and_only_the_one_that_fails
 def test_a_long_prompt_is_fed_in_chunks_between_the_running_batch_s_steps() -> None:
     batch = FakeBatch(chunk_tokens=100)
     running = [Job(FakeSeq(10, 200))]  # decodes until after the last chunk
-    scheduler = Scheduler(FakeEngine(batch), max_batch=4)  # type: ignore[arg-type]
+    core = EngineCore(FakeServed(batch), max_batch=4)  # type: ignore[arg-type]
     for entry in entries(running):
-        scheduler.submit(entry)
-    scheduler.tick(batch)  # type: ignore[arg-type]  # the short job prefills and steps
+        core.submit(entry)
+    core.tick(batch)  # type: ignore[arg-type]  # the short job prefills and steps
     long = [Job(FakeSeq(450, 0)), Job(FakeSeq(250, 5))]  # a trace in 5 chunks, a generation in 3
     for entry in entries(long):
-        scheduler.submit(entry)
-    run(scheduler, batch, [*running, *long])
+        core.submit(entry)
+    run(core, batch, [*running, *long])
     assert all(job.answers == [job.seq] for job in [*running, *long])
     # never two chunks without a decoding step between them while the short job runs
     assert "chunk,chunk" not in ",".join(batch.log)
@@ -358,20 +359,20 @@ def test_jobs_in_chunks_count_against_the_batch_and_fail_alone() -> None:
 
     batch.feed = failing  # type: ignore[method-assign]
     jobs = [Job(FakeSeq(10, 20)), Job(FakeSeq(300, 4)), Job(FakeSeq(10, 3))]
-    scheduler = Scheduler(FakeEngine(batch), max_batch=2, wait_s=0.05)  # type: ignore[arg-type]
+    core = EngineCore(FakeServed(batch), max_batch=2, wait_s=0.05)  # type: ignore[arg-type]
     for entry in entries(jobs):
-        scheduler.submit(entry)
-    run(scheduler, batch, jobs)
+        core.submit(entry)
+    run(core, batch, jobs)
     assert isinstance(jobs[1].answers[0], Injected)  # the long one failed at its second chunk
     assert jobs[0].answers == [jobs[0].seq] and jobs[2].answers == [jobs[2].seq]
-    assert batch.largest <= 2 and not scheduler._active and not scheduler._feeding
+    assert batch.largest <= 2 and not core.scheduler.active and not core.scheduler.feeding
 
 
 def test_traces_that_need_every_logit_never_share_a_pass_with_those_that_do_not() -> None:
     batch = FakeBatch()
     scored = [Job(FakeSeq(100, 0, scores=object())) for _ in range(2)]  # type: ignore[arg-type]
     plain = [Job(FakeSeq(100, 0)) for _ in range(3)]
-    scheduler = Scheduler(FakeEngine(batch), max_batch=8, wait_s=0.05)  # type: ignore[arg-type]
+    core = EngineCore(FakeServed(batch), max_batch=8, wait_s=0.05)  # type: ignore[arg-type]
     seen: list[list[bool]] = []
     original = batch.trace
 
@@ -381,18 +382,18 @@ def test_traces_that_need_every_logit_never_share_a_pass_with_those_that_do_not(
 
     batch.trace = trace  # type: ignore[method-assign]
     for entry in entries([*scored, *plain]):
-        scheduler.submit(entry)
-    run(scheduler, batch, [*scored, *plain])
+        core.submit(entry)
+    run(core, batch, [*scored, *plain])
     assert sorted(seen) == [[False] * 3, [True] * 2]
 
 
 def test_beside_decoding_jobs_prefill_work_gets_about_half_the_time(monkeypatch) -> None:
     """A chunk that takes as long as ten decoding steps is followed by ten steps: the running
     batch is owed the time the chunk took (timed with a fake clock the fake batch advances)."""
-    import worker.scheduler as scheduler_module
+    import worker.engine_core as engine_core
 
     now = [0.0]
-    monkeypatch.setattr(scheduler_module, "clock", lambda: now[0])
+    monkeypatch.setattr(engine_core, "clock", lambda: now[0])
     batch = FakeBatch(chunk_tokens=100)
     feed, step = batch.feed, batch.step
 
@@ -406,14 +407,14 @@ def test_beside_decoding_jobs_prefill_work_gets_about_half_the_time(monkeypatch)
 
     batch.feed, batch.step = slow_feed, quick_step  # type: ignore[method-assign]
     running = [Job(FakeSeq(10, 60))]
-    scheduler = Scheduler(FakeEngine(batch), max_batch=4)  # type: ignore[arg-type]
+    core = EngineCore(FakeServed(batch), max_batch=4)  # type: ignore[arg-type]
     for entry in entries(running):
-        scheduler.submit(entry)
-    scheduler.tick(batch)  # type: ignore[arg-type]
+        core.submit(entry)
+    core.tick(batch)  # type: ignore[arg-type]
     long = [Job(FakeSeq(400, 0))]  # four chunks
     for entry in entries(long):
-        scheduler.submit(entry)
-    run(scheduler, batch, [*running, *long])
+        core.submit(entry)
+    run(core, batch, [*running, *long])
     order = ",".join(batch.log)
     assert "chunk," + ",".join(["step"] * 10) + ",chunk" in order
     assert ",".join(["step"] * 11) + ",chunk" not in order  # and not more than its share

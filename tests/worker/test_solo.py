@@ -41,19 +41,19 @@ QUESTIONS = [
 @dataclass
 class Solo:
     arch: Arch
-    engine: Any  # worker.engine.CaptureEngine (imported lazily: it imports torch models)
+    served: Any  # worker.served_model.ServedModel (imported lazily: it imports torch models)
 
 
 @pytest.fixture(scope="module", params=SOLO)
 def solo(request, tmp_path_factory, smol_dir: Path) -> Solo:
-    from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.served_model import ServedModel
 
     arch = BY_KEY[request.param]
     if reason := available(arch):
         pytest.skip(reason)
     folder = build(arch, tmp_path_factory.mktemp("solo") / arch.key, smol_dir)
-    return Solo(arch, CaptureEngine(load(Settings(model=str(folder), model_name="m"))))
+    return Solo(arch, ServedModel(load(Settings(model=str(folder), model_name="m"))))
 
 
 def job(question: str, capture: dict | None = None, **fields) -> JobRequest:
@@ -61,16 +61,17 @@ def job(question: str, capture: dict | None = None, **fields) -> JobRequest:
     return JobRequest.model_validate(body)
 
 
-def prepare(engine, req: JobRequest, max_tokens: int = NEW_TOKENS, watch=None) -> Sequence:
-    points = resolve(req.capture, engine.info) if req.capture else []
-    return engine.prepare(req, points, max_tokens, watch)
+def prepare(served, req: JobRequest, max_tokens: int = NEW_TOKENS, watch=None) -> Sequence:
+    points = resolve(req.capture, served.info) if req.capture else []
+    return served.prepare(req, points, max_tokens, watch)
 
 
-def through_scheduler(engine, seqs: list[Sequence], **options) -> tuple[list[object], Any]:
+def through_scheduler(served, seqs: list[Sequence], **options) -> tuple[list[object], Any]:
     """Every sequence submitted at once to an engine thread (a `Scheduler` asked for batches of
     4 unless told otherwise); returns each one's outcome (its ended sequence or its failure) and
     the scheduler (its step statistics)."""
-    from worker.scheduler import Entry, Scheduler
+    from worker.engine_core import EngineCore
+    from worker.scheduler import Entry
 
     outcomes: dict[int, object] = {}
     finished = threading.Event()
@@ -84,23 +85,23 @@ def through_scheduler(engine, seqs: list[Sequence], **options) -> tuple[list[obj
         return Entry(seq=seqs[i], done=done)
 
     died: list[BaseException] = []
-    options.setdefault("max_batch", engine.max_batch(4))
-    scheduler = Scheduler(engine, wait_s=0.0, on_death=died.append, **options)
+    options.setdefault("max_batch", served.max_batch(4))
+    core = EngineCore(served, wait_s=0.0, on_death=died.append, **options)
     for i in range(len(seqs)):
-        scheduler.submit(entry(i))
-    scheduler.start()
+        core.submit(entry(i))
+    core.start()
     try:
         assert finished.wait(120), f"the engine thread did not answer every job (died: {died})"
     finally:
-        scheduler.stop()
+        core.stop()
     assert not died, died  # a job's failure is never the engine's
-    return [outcomes[i] for i in range(len(seqs))], scheduler
+    return [outcomes[i] for i in range(len(seqs))], core
 
 
-def every_module(engine) -> list[str]:
+def every_module(served) -> list[str]:
     """Every module that sees every position: the blocks, their mixers (attention, state-space,
     convolution, linear attention), norms, MLPs and experts blocks, and what lies inside them."""
-    return [m.path for m in engine.info.modules if m.all_positions and m.output_dim]
+    return [m.path for m in served.info.modules if m.all_positions and m.output_dim]
 
 
 def assert_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
@@ -112,16 +113,16 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, name: str) -> None:
     assert diff <= TOLERANCE * scale, (name, diff, scale)
 
 
-def reference_scores(engine, question: str, new_tokens: int, k: int, **generate_kwargs):
+def reference_scores(served, question: str, new_tokens: int, k: int, **generate_kwargs):
     """`generate`'s own tokens and raw logits: (token ids [P + N], log-probabilities of the new
     tokens [N], top-k ids [N, k])."""
     messages = [{"role": "user", "content": question}]
-    encoded = encode(engine.tokenizer, messages)
+    encoded = encode(served.tokenizer, messages)
     with torch.inference_mode():
-        out = engine.hf.generate(
+        out = served.hf.generate(
             **encoded,
             max_new_tokens=new_tokens,
-            pad_token_id=engine.tokenizer.eos_token_id,
+            pad_token_id=served.tokenizer.eos_token_id,
             output_logits=True,
             return_dict_in_generate=True,
             **generate_kwargs,
@@ -137,14 +138,14 @@ def reference_scores(engine, question: str, new_tokens: int, k: int, **generate_
 def test_the_engine_runs_one_job_at_a_time_with_the_model_s_own_cache(solo: Solo):
     from worker.solo import SoloDecoder
 
-    engine = solo.engine
-    assert engine.solo_reason is not None and "cache layers" in engine.solo_reason
-    assert engine.max_batch(8) == 1
-    decoder = engine.decoder()
+    served = solo.served
+    assert served.solo_reason is not None and "cache layers" in served.solo_reason
+    assert served.max_batch(8) == 1
+    decoder = served.decoder()
     try:
         assert isinstance(decoder, SoloDecoder)
         assert decoder.chunk_tokens is None and decoder.most_rows == 1
-        seqs = [prepare(engine, job(q)) for q in QUESTIONS[:2]]
+        seqs = [prepare(served, job(q)) for q in QUESTIONS[:2]]
         with pytest.raises(ValueError, match="one sequence at a time: asked to admit 2"):
             decoder.admit_many(seqs)
         assert decoder.rows == [] and all(not s.generated and s.ended is None for s in seqs)
@@ -156,20 +157,20 @@ def test_greedy_jobs_equal_generate_with_forward_hooks(solo: Solo):
     """Three jobs queued at once run one after the other: every module's activations at all
     positions (one job), at the generated positions with log-probabilities (another), none (the
     third); each stops at max_tokens with exactly generate's tokens."""
-    engine = solo.engine
-    modules = every_module(engine)
+    served = solo.served
+    modules = every_module(served)
     assert solo.arch.block(0) in modules
     reqs = [
         job(QUESTIONS[0], {"modules": modules, "positions": "all"}),
         job(QUESTIONS[1], {"modules": modules, "positions": "generated"}, logprobs=True, top_logprobs=3),
         job(QUESTIONS[2]),
     ]
-    outcomes, scheduler = through_scheduler(engine, [prepare(engine, req) for req in reqs])
-    assert scheduler.stats.largest == 1
+    outcomes, core = through_scheduler(served, [prepare(served, req) for req in reqs])
+    assert core.stats.largest == 1
     for req, outcome in zip(reqs, outcomes, strict=True):
-        gen = engine.finish(outcome, req)
+        gen = served.finish(outcome, req)
         messages = [{"role": "user", "content": req.messages[0].content}]
-        ids, rows, prompt_tokens = hooked_generate(engine.hf, engine.tokenizer, messages, NEW_TOKENS, modules)
+        ids, rows, prompt_tokens = hooked_generate(served.hf, served.tokenizer, messages, NEW_TOKENS, modules)
         assert torch.equal(gen.token_ids, ids), req.messages[0].content
         assert gen.finish_reason == "length" and gen.completion_tokens == NEW_TOKENS
         positions = req.capture.positions if req.capture else None
@@ -178,7 +179,7 @@ def test_greedy_jobs_equal_generate_with_forward_hooks(solo: Solo):
             want = select(rows[captured.point.module], positions, prompt_tokens, NEW_TOKENS)
             assert_close(captured.tensor, want, captured.point.name)
         if req.logprobs:
-            ref_ids, values, top_ids = reference_scores(engine, req.messages[0].content, NEW_TOKENS, 3, do_sample=False)
+            ref_ids, values, top_ids = reference_scores(served, req.messages[0].content, NEW_TOKENS, 3, do_sample=False)
             assert torch.equal(ref_ids, ids)
             assert gen.scores.tokens == ids[prompt_tokens:].tolist() and gen.scores.top_ids == top_ids.tolist()
             assert max(abs(a - b) for a, b in zip(gen.scores.values, values.tolist(), strict=True)) < LOGPROB_TOLERANCE
@@ -187,35 +188,35 @@ def test_greedy_jobs_equal_generate_with_forward_hooks(solo: Solo):
 def test_a_seeded_sampled_job_draws_what_generate_draws(solo: Solo):
     """Sampling (temperature, top-p, the model's own logits processors) from the job's generator
     seeded with its seed: the draws of `generate` after `torch.manual_seed(seed)`."""
-    engine = solo.engine
+    served = solo.served
     req = job(QUESTIONS[0], temperature=0.9, top_p=0.9, seed=7, logprobs=True, top_logprobs=2)
-    (outcome,), _ = through_scheduler(engine, [prepare(engine, req, 12)])
-    gen = engine.finish(outcome, req)
+    (outcome,), _ = through_scheduler(served, [prepare(served, req, 12)])
+    gen = served.finish(outcome, req)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
-        ids, values, top_ids = reference_scores(engine, QUESTIONS[0], 12, 2, do_sample=True, temperature=0.9, top_p=0.9)
+        ids, values, top_ids = reference_scores(served, QUESTIONS[0], 12, 2, do_sample=True, temperature=0.9, top_p=0.9)
     assert torch.equal(gen.token_ids, ids)
     assert gen.scores.top_ids == top_ids.tolist()
     assert max(abs(a - b) for a, b in zip(gen.scores.values, values.tolist(), strict=True)) < LOGPROB_TOLERANCE
     reseeded = job(QUESTIONS[0], temperature=0.9, top_p=0.9, seed=8)
-    (outcome,), _ = through_scheduler(engine, [prepare(engine, reseeded, 12)])
-    assert not torch.equal(engine.finish(outcome, reseeded).token_ids, gen.token_ids)
+    (outcome,), _ = through_scheduler(served, [prepare(served, reseeded, 12)])
+    assert not torch.equal(served.finish(outcome, reseeded).token_ids, gen.token_ids)
 
 
 def test_a_stop_string_and_a_watch_end_a_job_early(solo: Solo):
-    engine = solo.engine
-    full = engine.run(job(QUESTIONS[2]), [], 24)
+    served = solo.served
+    full = served.run(job(QUESTIONS[2]), [], 24)
     words = full.text.split()
     assert len(words) > 2, full.text
     stop = words[len(words) // 2]
-    stopped = engine.run(job(QUESTIONS[2], stop=[stop]), [], 24)
+    stopped = served.run(job(QUESTIONS[2], stop=[stop]), [], 24)
     assert stopped.finish_reason == "stop" and stopped.text == full.text[: full.text.find(stop)]
     assert torch.equal(stopped.token_ids, full.token_ids[: len(stopped.token_ids)])
 
     def cancel(tokens: int) -> str | None:
         return "cancelled" if tokens >= 3 else None
 
-    watched = engine.run(job(QUESTIONS[2]), [], 24, watch=cancel)
+    watched = served.run(job(QUESTIONS[2]), [], 24, watch=cancel)
     assert watched.stopped_by == "cancelled" and watched.completion_tokens == 3
     assert torch.equal(watched.token_ids, full.token_ids[: full.prompt_tokens + 3])
 
@@ -225,8 +226,8 @@ class FailAtStep:
     the `at`-th decoding pass it sees (one new position), once: the first block has already run
     and written its state and its captures."""
 
-    def __init__(self, engine, arch: Arch, at: int) -> None:
-        self.layer = engine.hf.get_submodule(arch.block(1))
+    def __init__(self, served, arch: Arch, at: int) -> None:
+        self.layer = served.hf.get_submodule(arch.block(1))
         self.forward: Callable[..., Any] = self.layer.forward
         self.at, self.seen = at, 0
 
@@ -250,17 +251,17 @@ def test_out_of_memory_in_a_step_fails_that_job_alone(solo: Solo):
     """The first job's third decoding step runs out of memory: that job fails as out_of_memory,
     the engine goes on, and the next job (its cache and recurrent state made afresh) still
     equals generate with forward hooks."""
-    engine = solo.engine
+    served = solo.served
     block = solo.arch.block(0)
     reqs = [job(QUESTIONS[0], {"modules": [block]}), job(QUESTIONS[1], {"modules": [block]})]
-    with FailAtStep(engine, solo.arch, at=3) as inject:
-        outcomes, _ = through_scheduler(engine, [prepare(engine, req) for req in reqs])
+    with FailAtStep(served, solo.arch, at=3) as inject:
+        outcomes, _ = through_scheduler(served, [prepare(served, req) for req in reqs])
     assert inject.seen > 3  # the second job decoded after the failure
     with pytest.raises(OutOfMemory):  # the job's answer: its sequence, ended by the failure
-        engine.finish(outcomes[0], reqs[0])
-    gen = engine.finish(outcomes[1], reqs[1])
+        served.finish(outcomes[0], reqs[0])
+    gen = served.finish(outcomes[1], reqs[1])
     messages = [{"role": "user", "content": QUESTIONS[1]}]
-    ids, rows, prompt_tokens = hooked_generate(engine.hf, engine.tokenizer, messages, NEW_TOKENS, [block])
+    ids, rows, prompt_tokens = hooked_generate(served.hf, served.tokenizer, messages, NEW_TOKENS, [block])
     assert torch.equal(gen.token_ids, ids)
     assert_close(gen.captured[0].tensor, select(rows[block], "all", prompt_tokens, NEW_TOKENS), block)
 
@@ -270,7 +271,7 @@ def test_traces_and_prompts_a_scheduler_would_chunk_run_whole_between_generation
     told to batch 4 and to feed prompts in chunks of 8: the solo decoder still runs one job at a
     time, each prompt in one pass; the trace equals `model(input_ids)` with forward hooks and the
     generations equal `generate`."""
-    engine = solo.engine
+    served = solo.served
     block = solo.arch.block(0)
     trace = JobRequest.model_validate(
         {
@@ -281,16 +282,16 @@ def test_traces_and_prompts_a_scheduler_would_chunk_run_whole_between_generation
         }
     )
     reqs = [job(QUESTIONS[0], {"modules": [block]}), trace, job(QUESTIONS[1], {"modules": [block]})]
-    seqs = [prepare(engine, req) for req in reqs]
+    seqs = [prepare(served, req) for req in reqs]
     assert all(seq.prompt_tokens > 8 for seq in seqs)
-    outcomes, scheduler = through_scheduler(engine, seqs, max_batch=4, chunk_tokens=8)
-    assert scheduler.stats.largest == 1
-    traced = engine.finish(outcomes[1], trace)
-    rows, _ = hooked_forward(engine.hf, traced.token_ids.unsqueeze(0), [block])
+    outcomes, core = through_scheduler(served, seqs, max_batch=4, chunk_tokens=8)
+    assert core.stats.largest == 1
+    traced = served.finish(outcomes[1], trace)
+    rows, _ = hooked_forward(served.hf, traced.token_ids.unsqueeze(0), [block])
     assert_close(traced.captured[0].tensor, rows[block], f"trace {block}")
     for i in (0, 2):
-        gen = engine.finish(outcomes[i], reqs[i])
+        gen = served.finish(outcomes[i], reqs[i])
         messages = [{"role": "user", "content": reqs[i].messages[0].content}]
-        ids, kept, prompt_tokens = hooked_generate(engine.hf, engine.tokenizer, messages, NEW_TOKENS, [block])
+        ids, kept, prompt_tokens = hooked_generate(served.hf, served.tokenizer, messages, NEW_TOKENS, [block])
         assert torch.equal(gen.token_ids, ids)
         assert_close(gen.captured[0].tensor, select(kept[block], "all", prompt_tokens, NEW_TOKENS), block)

@@ -351,11 +351,11 @@ def test_a_running_batch_that_captures_and_edits_reads_one_value_per_step(tiny_d
     from shared.schemas import JobRequest
     from shared.settings import Settings
     from tests.support.host_reads import HostReads
-    from worker.engine import CaptureEngine
     from worker.models import load as load_model
+    from worker.served_model import ServedModel
 
-    engine = CaptureEngine(load_model(Settings(model=str(tiny_dir), model_name="m")))
-    width = engine.info.hidden_size
+    served = ServedModel(load_model(Settings(model=str(tiny_dir), model_name="m")))
+    width = served.info.hidden_size
     capture = {"modules": ["model.layers.*", "model.layers.1.mlp", "model.norm"], "positions": "generated"}
     edits = [{"module": f"model.layers.{i}", "op": "add", "vector": [0.01] * width} for i in (0, 1, 3)]
     steps = 64
@@ -363,15 +363,15 @@ def test_a_running_batch_that_captures_and_edits_reads_one_value_per_step(tiny_d
     for i in range(8):
         body = {"model": "m", "messages": [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]}
         req = JobRequest.model_validate({**body, "capture": capture, "interventions": edits})
-        points = resolve(req.capture, engine.info)
+        points = resolve(req.capture, served.info)
         assert len(points) == 6
         seqs.append(
-            engine.prepare(
-                req, points, steps + 4, None, resolve_edits(req.interventions, engine.info, False, steps + 4)
+            served.prepare(
+                req, points, steps + 4, None, resolve_edits(req.interventions, served.info, False, steps + 4)
             )
         )
     with torch.inference_mode():
-        decoder = engine.decoder(8)
+        decoder = served.decoder(8)
         decoder.eos_ids = set()  # a random model: no row ends inside the count
         try:
             for seq in seqs:

@@ -27,7 +27,7 @@ def tokenizer(smol_dir: Path):
 
 
 def final_text(tokenizer, ids: list[int], stops: list[str]) -> str:
-    """What worker/engine.py answers: the whole decode, cut before the first stop string."""
+    """What worker/results.py answers: the whole decode, cut before the first stop string."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     cuts = [text.find(s) for s in stops if s in text]
     return text[: min(cuts)] if cuts else text

@@ -32,11 +32,11 @@ CONVERSATIONS = [
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_dir):
-    from worker.engine import CaptureEngine
+def served(tiny_dir):
     from worker.models import load
+    from worker.served_model import ServedModel
 
-    return CaptureEngine(load(Settings(model=str(tiny_dir), model_name="tiny")))
+    return ServedModel(load(Settings(model=str(tiny_dir), model_name="tiny")))
 
 
 def trace_request(messages, capture: dict | None = None, **fields) -> JobRequest:
@@ -44,34 +44,34 @@ def trace_request(messages, capture: dict | None = None, **fields) -> JobRequest
     return JobRequest.model_validate(body)
 
 
-def run(engine, req: JobRequest, max_tokens: int = 0):
-    points = resolve(req.capture, engine.info) if req.capture else []
-    return engine.run(req, points, max_tokens)
+def run(served, req: JobRequest, max_tokens: int = 0):
+    points = resolve(req.capture, served.info) if req.capture else []
+    return served.run(req, points, max_tokens)
 
 
-def template(engine, messages, generation_prompt: bool) -> list[int]:
-    tokenizer = engine.tokenizer
+def template(served, messages, generation_prompt: bool) -> list[int]:
+    tokenizer = served.tokenizer
     return list(
         tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, return_dict=True)["input_ids"]
     )
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS[:2], ids=["one turn", "system and turn"])
-def test_a_trace_equals_one_plain_forward_pass(engine, messages):
+def test_a_trace_equals_one_plain_forward_pass(served, messages):
     """Tokens: the conversation rendered whole by the chat template (no generation prompt);
     activations at every position bit for bit those of `model(input_ids)`; log-probabilities
     equal log_softmax of its logits to 1e-5, top-5 alternatives included."""
     req = trace_request(messages, {"modules": POINTS, "positions": "all"}, logprobs=True, top_logprobs=5)
-    got = run(engine, req)
-    ids = template(engine, messages, generation_prompt=False)
+    got = run(served, req)
+    ids = template(served, messages, generation_prompt=False)
     assert got.token_ids.tolist() == ids
     assert got.completion_tokens == 0 and got.text == "" and got.finish_reason == "length"
-    start = len(template(engine, messages[:-1], generation_prompt=True))
-    eos = engine.hf.generation_config.eos_token_id
+    start = len(template(served, messages[:-1], generation_prompt=True))
+    eos = served.hf.generation_config.eos_token_id
     stop = next(i + 1 for i in range(start, len(ids)) if ids[i] == eos)
     assert got.completion == (start, stop) and stop < len(ids)  # the template's "\n" after EOS is in no turn
-    modules = [p.module for p in resolve(req.capture, engine.info)]
-    rows, logits = hooked_forward(engine.hf, torch.tensor([ids]), modules)
+    modules = [p.module for p in resolve(req.capture, served.info)]
+    rows, logits = hooked_forward(served.hf, torch.tensor([ids]), modules)
     assert [c.point.module for c in got.captured] == modules
     for captured in got.captured:
         assert (captured.start, captured.stop) == (0, len(ids))
@@ -84,41 +84,41 @@ def test_a_trace_equals_one_plain_forward_pass(engine, messages):
     assert torch.equal(torch.tensor(scores.top_ids[1:]), top_ids)
 
 
-def test_completion_and_prompt_positions_split_the_text_at_the_final_turn(engine):
+def test_completion_and_prompt_positions_split_the_text_at_the_final_turn(served):
     messages = CONVERSATIONS[1]
-    full = run(engine, trace_request(messages, {"modules": ["model.layers.1"], "positions": "all"}))
+    full = run(served, trace_request(messages, {"modules": ["model.layers.1"], "positions": "all"}))
     start, stop = full.completion
     for positions, (lo, hi) in {
         "completion": (start, stop),
         "prompt": (0, start),
         "last": (len(full.token_ids) - 1, len(full.token_ids)),
     }.items():
-        got = run(engine, trace_request(messages, {"modules": ["model.layers.1"], "positions": positions}))
+        got = run(served, trace_request(messages, {"modules": ["model.layers.1"], "positions": positions}))
         (captured,) = got.captured
         assert (captured.start, captured.stop) == (lo, hi), positions
         assert torch.equal(captured.tensor, full.captured[0].tensor[lo:hi]), positions
 
 
-def test_a_trace_without_a_final_assistant_turn_is_the_prompt_a_generation_gets(engine):
+def test_a_trace_without_a_final_assistant_turn_is_the_prompt_a_generation_gets(served):
     messages = CONVERSATIONS[2]
-    got = run(engine, trace_request(messages, {"modules": ["model.layers.1"], "positions": "prompt"}))
-    assert got.token_ids.tolist() == template(engine, messages, generation_prompt=True)
+    got = run(served, trace_request(messages, {"modules": ["model.layers.1"], "positions": "prompt"}))
+    assert got.token_ids.tolist() == template(served, messages, generation_prompt=True)
     assert got.completion is None and got.captured[0].stop == len(got.token_ids)
 
 
-def test_a_raw_prompt_traces_as_the_tokenizer_gives_it(engine):
+def test_a_raw_prompt_traces_as_the_tokenizer_gives_it(served):
     req = JobRequest.model_validate(
         {"model": "tiny", "mode": "trace", "prompt": "Question: 2 + 3?\nAnswer: 5", "logprobs": True}
     )
-    got = run(engine, req)
-    ids = engine.tokenizer("Question: 2 + 3?\nAnswer: 5")["input_ids"]
+    got = run(served, req)
+    ids = served.tokenizer("Question: 2 + 3?\nAnswer: 5")["input_ids"]
     assert got.token_ids.tolist() == ids
-    _, logits = hooked_forward(engine.hf, torch.tensor([ids]), [])
+    _, logits = hooked_forward(served.hf, torch.tensor([ids]), [])
     values, _, _ = reference_logprobs(logits, torch.tensor(ids), first=1)
     assert torch.allclose(torch.tensor(got.scores.values[1:]), values, atol=LOGPROB_TOLERANCE, rtol=0)
 
 
-def test_generated_tokens_log_probabilities_equal_those_of_generate(engine):
+def test_generated_tokens_log_probabilities_equal_those_of_generate(served):
     """A generation job's logprobs: each generated token scored by log_softmax of the raw logits
     of the step that produced it (before any sampling setting). Reference: HF `generate`'s own
     logits (output_logits), to 1e-5; and a plain forward pass over prompt + answer, which
@@ -126,17 +126,17 @@ def test_generated_tokens_log_probabilities_equal_those_of_generate(engine):
     req = JobRequest.model_validate(
         {"model": "tiny", "messages": CONVERSATIONS[2], "logprobs": True, "top_logprobs": 3}
     )
-    got = run(engine, req, max_tokens=12)
+    got = run(served, req, max_tokens=12)
     prompt = got.token_ids[: got.prompt_tokens].unsqueeze(0)
     with torch.inference_mode():
-        out = engine.hf.generate(
+        out = served.hf.generate(
             input_ids=prompt,
             attention_mask=torch.ones_like(prompt),
             max_new_tokens=12,
             do_sample=False,
             output_logits=True,
             return_dict_in_generate=True,
-            pad_token_id=engine.tokenizer.eos_token_id,
+            pad_token_id=served.tokenizer.eos_token_id,
         )
     assert out.sequences[0].tolist() == got.token_ids.tolist()
     logprobs = torch.log_softmax(torch.cat(out.logits).float(), dim=-1)
@@ -149,8 +149,8 @@ def test_generated_tokens_log_probabilities_equal_those_of_generate(engine):
     assert torch.equal(torch.tensor(got.scores.top_ids), top.indices)
     for sampling in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}):  # sampling settings change no logprob
         req = JobRequest.model_validate({"model": "tiny", "messages": CONVERSATIONS[2], "logprobs": True, **sampling})
-        got = run(engine, req, max_tokens=12)
-        _, logits = hooked_forward(engine.hf, got.token_ids.unsqueeze(0), [])
+        got = run(served, req, max_tokens=12)
+        _, logits = hooked_forward(served.hf, got.token_ids.unsqueeze(0), [])
         values, _, _ = reference_logprobs(logits, got.token_ids, first=got.prompt_tokens)
         assert float((torch.tensor(got.scores.values) - values).abs().max()) <= 1e-4, sampling
 
@@ -167,16 +167,16 @@ REDUCE = {
 @pytest.mark.parametrize(
     ("mode", "positions"), [("trace", "completion"), ("trace", "all"), ("generate", "generated"), ("generate", "all")]
 )
-def test_a_reduced_capture_equals_the_reduction_of_the_full_capture(engine, reduce, mode, positions):
+def test_a_reduced_capture_equals_the_reduction_of_the_full_capture(served, reduce, mode, positions):
     """Generation jobs fold their rows step by step; trace jobs in one pass. Features pick columns
     (a slice, and a list in its own order) before the reduction."""
     for features, columns in (("8:40", list(range(8, 40))), ([63, 0, 17], [63, 0, 17]), (None, None)):
         capture = {"modules": POINTS, "positions": positions}
         fields = {"model": "tiny", "messages": CONVERSATIONS[1] if mode == "trace" else CONVERSATIONS[2]}
         fields |= {"mode": "trace"} if mode == "trace" else {}
-        full = run(engine, JobRequest.model_validate({**fields, "capture": capture}), max_tokens=9)
+        full = run(served, JobRequest.model_validate({**fields, "capture": capture}), max_tokens=9)
         reduced = run(
-            engine,
+            served,
             JobRequest.model_validate({**fields, "capture": {**capture, "reduce": reduce, "features": features}}),
             max_tokens=9,
         )
@@ -194,10 +194,11 @@ def test_a_reduced_capture_equals_the_reduction_of_the_full_capture(engine, redu
             )
 
 
-def through_scheduler(engine, jobs: list[tuple[JobRequest, int]]):
+def through_scheduler(served, jobs: list[tuple[JobRequest, int]]):
     """Queue every (request, max_tokens) at once on an engine thread (batches of up to 8); returns
     each job's outcome (its ended sequence, or its failure) by index, and the scheduler."""
-    from worker.scheduler import Entry, Scheduler
+    from worker.engine_core import EngineCore
+    from worker.scheduler import Entry
 
     outcomes: dict[int, object] = {}
     finished = threading.Event()
@@ -210,25 +211,25 @@ def through_scheduler(engine, jobs: list[tuple[JobRequest, int]]):
             if len(outcomes) == len(jobs):
                 finished.set()
 
-        points = resolve(req.capture, engine.info) if req.capture else []
-        return Entry(seq=engine.prepare(req, points, n), done=done)
+        points = resolve(req.capture, served.info) if req.capture else []
+        return Entry(seq=served.prepare(req, points, n), done=done)
 
-    scheduler = Scheduler(engine, max_batch=8, wait_s=0.3)
+    core = EngineCore(served, max_batch=8, wait_s=0.3)
     for i in range(len(jobs)):
-        scheduler.submit(entry(i))
-    scheduler.start()
+        core.submit(entry(i))
+    core.start()
     try:
         assert finished.wait(120)
     finally:
-        scheduler.stop()
-    return outcomes, scheduler
+        core.stop()
+    return outcomes, core
 
 
 def relative(batched: torch.Tensor, alone: torch.Tensor) -> float:
     return float((batched - alone).abs().max() / alone.abs().max().clamp(min=1e-12))
 
 
-def test_trace_jobs_run_together_and_each_gets_its_solo_result(engine):
+def test_trace_jobs_run_together_and_each_gets_its_solo_result(served):
     """Through the engine thread: trace jobs of different lengths (similar ones left-padded in one
     pass) and a generation job queued with them; each equals its solo run."""
     capture = {"modules": POINTS, "positions": "all"}
@@ -236,11 +237,11 @@ def test_trace_jobs_run_together_and_each_gets_its_solo_result(engine):
     similar = [CONVERSATIONS[0], CONVERSATIONS[0], longer, CONVERSATIONS[0]]  # one pass, the shorter ones padded
     jobs = [(trace_request(m, capture, logprobs=True, top_logprobs=2), 0) for m in [*similar, *CONVERSATIONS[1:]]]
     jobs.append((JobRequest.model_validate({"model": "tiny", "messages": CONVERSATIONS[2], "capture": capture}), 6))
-    outcomes, scheduler = through_scheduler(engine, jobs)
+    outcomes, core = through_scheduler(served, jobs)
     # the four similar texts ran in one pass; the others, whose padding would pass TRACE_PADDING, alone
-    assert scheduler.stats.largest == len(similar)
+    assert core.stats.largest == len(similar)
     for i, (req, n) in enumerate(jobs):
-        got, alone = engine.finish(outcomes[i], req), run(engine, req, n)
+        got, alone = served.finish(outcomes[i], req), run(served, req, n)
         assert got.token_ids.tolist() == alone.token_ids.tolist(), i
         for b, a in zip(got.captured, alone.captured, strict=True):
             assert b.tensor.shape == a.tensor.shape and relative(b.tensor, a.tensor) <= RELATIVE_TOLERANCE, (i, a.point)
@@ -250,7 +251,7 @@ def test_trace_jobs_run_together_and_each_gets_its_solo_result(engine):
             assert float(diff) <= RELATIVE_TOLERANCE, i
 
 
-def test_a_trace_pass_out_of_memory_runs_in_halves_and_a_lone_job_fails_alone(engine):
+def test_a_trace_pass_out_of_memory_runs_in_halves_and_a_lone_job_fails_alone(served):
     """An injected allocation failure for passes of more than two sequences: the four trace jobs
     run in halves and each still equals its solo run; then a failure for every pass: the lone
     job fails as out_of_memory and the engine goes on."""
@@ -258,7 +259,7 @@ def test_a_trace_pass_out_of_memory_runs_in_halves_and_a_lone_job_fails_alone(en
 
     capture = {"modules": POINTS, "positions": "all"}
     jobs = [trace_request(m, capture, logprobs=True) for m in CONVERSATIONS]
-    layer = engine.hf.model.layers[1]
+    layer = served.hf.model.layers[1]
     forward = layer.forward
     limit = [2]
 
@@ -269,13 +270,13 @@ def test_a_trace_pass_out_of_memory_runs_in_halves_and_a_lone_job_fails_alone(en
 
     layer.forward = failing
     try:
-        outcomes, _ = through_scheduler(engine, [(req, 0) for req in jobs])
+        outcomes, _ = through_scheduler(served, [(req, 0) for req in jobs])
         limit[0] = 0
-        lone, _ = through_scheduler(engine, [(jobs[0], 0)])
+        lone, _ = through_scheduler(served, [(jobs[0], 0)])
     finally:
         layer.forward = forward
     for i, req in enumerate(jobs):
-        got, alone = engine.finish(outcomes[i], req), run(engine, req)
+        got, alone = served.finish(outcomes[i], req), run(served, req)
         assert got.scores.tokens == alone.scores.tokens
         for b, a in zip(got.captured, alone.captured, strict=True):
             assert relative(b.tensor, a.tensor) <= RELATIVE_TOLERANCE, (i, a.point)
@@ -287,13 +288,13 @@ def test_trace_passes_of_other_layouts_equal_their_solo_runs(key, tmp_path, smol
     """Left padding in one trace pass on sliding-window attention (Gemma 2, Mistral: windows of 8,
     shorter than these texts), OPT's flattened [B * S, H] modules and GPT-2's learned positions."""
     from tests.support.architectures import BY_KEY, available, build
-    from worker.engine import CaptureEngine
     from worker.models import load
+    from worker.served_model import ServedModel
 
     arch = BY_KEY[key]
     if reason := available(arch):
         pytest.skip(reason)
-    eng = CaptureEngine(
+    eng = ServedModel(
         load(Settings(model=str(build(arch, tmp_path / key, smol_dir, chat_template=True)), model_name="m"))
     )
     modules = [m.path for m in eng.info.modules if m.all_positions and m.output_dim]
@@ -304,8 +305,8 @@ def test_trace_passes_of_other_layouts_equal_their_solo_runs(key, tmp_path, smol
                                     "capture": {"modules": modules, "positions": "all"}}), 0)
         for m in texts
     ]  # fmt: skip
-    outcomes, scheduler = through_scheduler(eng, jobs)
-    assert scheduler.stats.largest == 2  # one left-padded pass
+    outcomes, core = through_scheduler(eng, jobs)
+    assert core.stats.largest == 2  # one left-padded pass
     lengths = set()
     for i, (req, _) in enumerate(jobs):
         got, alone = eng.finish(outcomes[i], req), run(eng, req)
@@ -319,7 +320,7 @@ def test_trace_passes_of_other_layouts_equal_their_solo_runs(key, tmp_path, smol
 
 
 @pytest.mark.parametrize("chunk", [5, 16])
-def test_a_trace_fed_in_chunks_equals_one_plain_forward_pass(engine, chunk):
+def test_a_trace_fed_in_chunks_equals_one_plain_forward_pass(served, chunk):
     """A long trace runs in chunks between decoding steps (Decoder.feed): every position's
     activations, the vocabulary projection at the completion's positions, and the
     log-probabilities equal the reference's plain `model(input_ids)` within float rounding
@@ -331,14 +332,14 @@ def test_a_trace_fed_in_chunks_equals_one_plain_forward_pass(engine, chunk):
         trace_request(messages, {"modules": POINTS, "positions": "all"}, logprobs=True, top_logprobs=3),
         trace_request(messages, {"modules": ["lm_head", "model.layers.1"], "positions": "completion"}),
     ]
-    ids = template(engine, messages, generation_prompt=False)
-    modules = [p.module for p in resolve(jobs[0].capture, engine.info)] + ["lm_head", "model.layers.1"]
-    rows, logits = hooked_forward(engine.hf, torch.tensor([ids]), modules)
+    ids = template(served, messages, generation_prompt=False)
+    modules = [p.module for p in resolve(jobs[0].capture, served.info)] + ["lm_head", "model.layers.1"]
+    rows, logits = hooked_forward(served.hf, torch.tensor([ids]), modules)
     for req in jobs:
-        seq = engine.prepare(req, resolve(req.capture, engine.info), 0)
+        seq = served.prepare(req, resolve(req.capture, served.info), 0)
         chunks = 0
         with torch.inference_mode():
-            decoder = engine.decoder()
+            decoder = served.decoder()
             try:
                 item = Feeding(seq)
                 while not decoder.feed(item, chunk):
@@ -346,7 +347,7 @@ def test_a_trace_fed_in_chunks_equals_one_plain_forward_pass(engine, chunk):
             finally:
                 decoder.close()
         assert chunks == (len(ids) - 1) // chunk and seq.ended == "trace"
-        got = engine.finish(seq, req)
+        got = served.finish(seq, req)
         for captured in got.captured:
             want = rows[captured.point.module][captured.start : captured.stop]
             assert captured.tensor.shape == want.shape, captured.point.name

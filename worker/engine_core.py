@@ -1,0 +1,275 @@
+"""The engine core: the one thread of the engine process that runs the model. It keeps one
+running batch (a decoder) and turns the loop: the scheduler (worker/scheduler.py) takes queued
+jobs in and picks the prefill work that runs next; the core runs it on the decoder (a prefill
+pass, a trace pass, a chunk of a long text), then one decoding step of the running batch.
+
+Jobs arrive prepared (claimed and tokenized on another thread: nothing here waits on Redis or a
+tokenizer), and every job taken in gets exactly one answer (`done`): its ended sequence or its
+failure. A pass, chunk or step that fails is its jobs' failure, never the engine's: out of memory,
+a pass runs in halves down to one job. An exception that escapes the loop is a bug in the engine:
+the thread calls `on_death` (its watchdog), which by default ends the engine process (its jobs
+then go back to the queue as after `kill -9`, and the worker starts a new engine).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from shared.errors import JobFailure, OutOfMemory
+from worker.decoding import OUT_OF_MEMORY, Decoder, Feeding, Sequence, is_oom
+from worker.scheduler import TRACE_PADDING, Entry, Feed, Scheduler
+
+if TYPE_CHECKING:
+    from worker.served_model import ServedModel
+
+log = logging.getLogger(__name__)
+clock = time.perf_counter  # what prefill work and decoding steps are timed with (fair share)
+ENGINE_THREAD_DIED = 70  # the engine process's exit status when its thread died (EX_SOFTWARE)
+
+
+def exit_process(exc: BaseException) -> None:
+    logging.getLogger("actq.engine").critical(
+        "the engine thread died (%s: %s); exiting so that the worker restarts the engine and its jobs are run again",
+        type(exc).__name__,
+        exc,
+        exc_info=exc,
+    )
+    logging.shutdown()
+    os._exit(ENGINE_THREAD_DIED)
+
+
+@dataclass
+class StepStats:
+    """What the engine core did, for metrics: the batch size of every decoding step and the
+    tokens decoded, since the last `take` (and in total)."""
+
+    steps: int = 0
+    tokens: int = 0
+    largest: int = 0  # the largest batch a step ran
+    _pending: list[int] = field(default_factory=list)
+    _pending_tokens: int = 0
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def add(self, size: int, tokens: int) -> None:
+        with self._lock:
+            self.steps += 1 if size else 0
+            self.tokens += tokens
+            if size:
+                self.largest = max(self.largest, size)
+                self._pending.append(size)
+            self._pending_tokens += tokens
+
+    def take(self) -> tuple[list[int], int]:
+        """Step sizes and tokens since the last take (the heartbeat sends them to Redis)."""
+        with self._lock:
+            sizes, tokens = self._pending, self._pending_tokens
+            self._pending, self._pending_tokens = [], 0
+        return sizes, tokens
+
+
+class EngineCore:
+    """The engine thread over `served`'s decoder, with a scheduler of `max_batch` sequences and
+    `budget_bytes` (see worker/scheduler.py); `chunk_tokens`: prompts longer than this are fed in
+    chunks beside a running batch."""
+
+    def __init__(
+        self,
+        served: ServedModel,
+        max_batch: int,
+        wait_s: float = 0.0,
+        budget_bytes: int = 0,
+        on_death: Callable[[BaseException], None] = exit_process,
+        chunk_tokens: int | None = None,
+        prefill_padding: float = TRACE_PADDING,
+    ) -> None:
+        self.served, self.max_batch = served, max_batch
+        self.scheduler = Scheduler(served.trace_cost, max_batch, wait_s, budget_bytes, prefill_padding)
+        self.on_death = on_death
+        self.chunk_tokens = chunk_tokens
+        self.stats = StepStats()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="actq-engine", daemon=True)
+        self._feeds: dict[int, Feeding] = {}  # id(sequence) -> its long text fed so far
+
+    def start(self) -> EngineCore:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, entry: Entry) -> None:
+        self.scheduler.submit(entry)
+
+    def _loop(self) -> None:
+        try:
+            with self.served.lock, torch.inference_mode():
+                decoder = self.served.decoder(self.max_batch)
+                if self.max_batch > 1:  # a batch of one has nothing to interleave with: stays exact
+                    decoder.chunk_tokens = self.chunk_tokens
+                try:
+                    while not self._stop.is_set():
+                        self.tick(decoder)
+                finally:
+                    decoder.close()
+        except BaseException as exc:  # noqa: BLE001 - nothing may end this thread silently
+            self.on_death(exc)
+
+    def tick(self, decoder: Decoder) -> None:
+        """One turn of the loop: jobs taken in (waiting up to half a second for one when nothing
+        runs), the prefill work the scheduler picks while the running batch is not owed time,
+        then one decoding step."""
+        scheduler = self.scheduler
+        scheduler.take_in(decoder)
+        while (work := scheduler.next_work(decoder)) is not None:
+            began = clock()
+            if isinstance(work, Feed):
+                self._feed(decoder, work.entry)
+            else:
+                for entry in work.entries:
+                    self._started(entry)  # its time limit counts from its own pass
+                if work.trace:
+                    self._trace_pass(decoder, work.entries)
+                else:
+                    self._admit_group(decoder, work.entries)
+            scheduler.prefilled(clock() - began, decoder)
+        if not decoder.rows:
+            scheduler.idle()
+            return
+        began = clock()
+        self._step(decoder)
+        scheduler.decoded(clock() - began)
+
+    # -- answers -------------------------------------------------------------------------------
+
+    def _done(self, entry: Entry, outcome: Sequence | JobFailure | Exception) -> None:
+        """`entry`'s one answer; it no longer holds memory or a place."""
+        self.scheduler.answered(entry)
+        self._feeds.pop(id(entry.seq), None)
+        try:
+            entry.done(outcome)
+        except Exception:  # a callback's bug must not end the engine thread
+            log.exception("handing a job's outcome back failed")
+
+    @staticmethod
+    def _started(entry: Entry) -> None:
+        try:
+            entry.started()
+        except Exception:  # a callback's bug must not end the engine thread
+            log.exception("announcing a job's start failed")
+
+    # -- running the scheduler's picks ---------------------------------------------------------
+
+    def _feed(self, decoder: Decoder, entry: Entry) -> None:
+        """One chunk of a long text; its job is answered when the text is all fed and it ended
+        (a trace, or a generation whose first token ended it) or failed; a generation that goes
+        on has joined the running batch."""
+        item = self._feeds.setdefault(id(entry.seq), Feeding(entry.seq))
+        if item.fed == 0:
+            self._started(entry)  # its time limit counts from its first chunk
+        chunk = decoder.chunk_tokens or item.seq.prompt_tokens
+        try:
+            fed = decoder.feed(item, chunk)
+        except Exception as exc:  # a chunk's failure is its job's, never the batch's
+            if not is_oom(exc):
+                log.error("feeding a prompt failed; failing its job", exc_info=exc)
+            elif torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            self.scheduler.fed(entry)
+            self._done(entry, OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc)
+            return
+        if not fed:
+            return
+        self.scheduler.fed(entry)
+        self._feeds.pop(id(entry.seq), None)
+        self.stats.add(*((1, 0) if item.seq.trace else (0, 1)))  # a trace pass; a generation's first token
+        if item.seq.ended is not None:
+            self._done(entry, item.seq)
+
+    def _admit_group(self, decoder: Decoder, group: list[Entry]) -> None:
+        """Prefill `group` in one pass and let its jobs join the running batch; if the pass
+        fails, each job runs alone, so that only a job that fails alone fails."""
+        try:
+            decoder.admit_many([entry.seq for entry in group])  # all or nothing, jobs included
+        except Exception as exc:  # noqa: BLE001 - a prefill's failure is its jobs', never the engine's
+            if len(group) > 1:
+                log.warning(
+                    "a prefill of %d jobs failed (%s: %s): each runs alone", len(group), type(exc).__name__, exc
+                )
+                if is_oom(exc) and torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+                for entry in group:
+                    self._admit_group(decoder, [entry])
+                return
+            self._done(group[0], OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc)
+            return
+        self.stats.add(0, len(group))  # each one's first token came from the prefill
+        for entry in group:
+            if entry.seq.ended is not None:
+                self._done(entry, entry.seq)
+
+    def _trace_pass(self, decoder: Decoder, group: list[Entry]) -> None:
+        """One forward pass over `group`; out of memory, it runs in halves, down to one job, which
+        then fails alone. Any other failure fails the jobs of this pass, and only them."""
+        seqs = [entry.seq for entry in group]
+        try:
+            marks = [seq.capture.mark() if seq.capture else None for seq in seqs]
+            decoder.trace(seqs)
+        except Exception as exc:  # a pass's failure is its jobs', never the engine's
+            if is_oom(exc) and len(group) > 1:
+                try:
+                    for seq, mark in zip(seqs, marks, strict=True):
+                        if seq.capture is not None and mark is not None:
+                            seq.capture.reset(mark)
+                        if seq.scores is not None:
+                            seq.scores = type(seq.scores)(seq.scores.k)
+                    if torch.cuda.is_available():
+                        torch.cuda.empty_cache()
+                except Exception as undo:  # noqa: BLE001 - cannot undo: fail the pass's jobs
+                    exc = undo
+                else:
+                    half = len(group) // 2
+                    self._trace_pass(decoder, group[:half])
+                    self._trace_pass(decoder, group[half:])
+                    return
+            failure: Exception = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc
+            if not is_oom(exc):
+                log.error("a trace pass failed; failing the %d jobs in it", len(group), exc_info=exc)
+            for entry in group:
+                self._done(entry, failure)
+            return
+        self.stats.add(len(group), 0)
+        for entry in group:
+            self._done(entry, entry.seq)
+
+    def _step(self, decoder: Decoder) -> None:
+        """One decoding step. Rows that end leave with their results (the decoder never loses
+        one); a step that fails as a whole fails the rows still running, and the engine goes on."""
+        live = [entry for seq in decoder.rows if (entry := self.scheduler.entry_of(seq)) is not None]
+        try:
+            ended = decoder.step()
+        except Exception as exc:  # the step's failure is its jobs', never the engine's
+            log.error("a decoding step failed; failing the %d jobs in it", len(live), exc_info=exc)
+            failure: Exception = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc
+            decoder.reset()
+            for entry in live:
+                self._done(entry, failure)
+            return
+        self.stats.add(len(live), len(live))
+        for seq in ended:
+            entry = self.scheduler.entry_of(seq)
+            if entry is not None:
+                self._done(entry, seq)
