@@ -18,6 +18,7 @@ last position, like `lm_head` in generate). See worker/results.py for what each 
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -225,6 +226,10 @@ class JobCapture:
     ) -> None:
         self.positions, self.prompt_tokens, self.max_tokens = positions, prompt_tokens, max_tokens
         self.failure: JobFailure | None = None  # rows handed over late (BatchHooks.drain) did not fit
+        # Windows of decoding steps handed to the capture writer thread and not yet kept
+        # (worker/step_capture.py): the job's result waits for them (`settle`).
+        self._pending = 0
+        self._settled = threading.Condition()
         # A prompt fed in chunks (Decoder.feed): the pass now running feeds positions
         # [chunk[0], chunk[0] + chunk[1]); its last chunk ends the prompt's step.
         self.chunk: tuple[int, int] | None = None
@@ -248,6 +253,23 @@ class JobCapture:
             offset += rows * kept_width
             self.buffers.append(buffer)
             self.wanted.setdefault((point.module, point.hook), []).append(buffer)
+
+    def hold(self) -> None:
+        """A window of this job's decoding steps is on its way to `keep_steps` on another thread."""
+        with self._settled:
+            self._pending += 1
+
+    def release(self) -> None:
+        """That window was kept (or failed: `failure` says so)."""
+        with self._settled:
+            self._pending -= 1
+            if self._pending <= 0:
+                self._settled.notify_all()
+
+    def settle(self) -> None:
+        """Wait until every window handed over has been kept (at once when none is on its way)."""
+        with self._settled:
+            self._settled.wait_for(lambda: self._pending <= 0)
 
     def mark(self) -> Mark:
         """Where every buffer stands, to undo a forward pass that failed half-way (`reset`). Free
@@ -350,6 +372,7 @@ class JobCapture:
     def tensors(self, new_tokens: int) -> list[tuple[CapturePoint, torch.Tensor, int, int, list[int] | None]]:
         """(point, [rows, W], start, stop) per point once the generation ended after `new_tokens`
         (a trace: 0); a reduced point's tensor is one row, the reduction of rows [start, stop)."""
+        self.settle()
         start, stop = span(self.positions, self.prompt_tokens, new_tokens, self.completion)
         steps = new_tokens if self.max_tokens else 1
         out = []

@@ -165,7 +165,9 @@ class DecodeStep:
         with self.edits.recording(edits, 0, rows), self.rings.recording(capture, 0, rows):
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.rings.cursor.zero_()  # each warm-up writes ring step 0: never past a ring's end
+                    # each warm-up from the same state: it writes the ring row the real step then
+                    # writes, never a row recorded and not yet handed over
+                    self._restore(saved)
                     body()
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()

@@ -56,6 +56,8 @@ def finish(
     seq: Sequence, request: JobRequest, tokenizer: Any, eos_ids: set[int], tool_format: ToolFormat | None
 ) -> Generation:
     """The job's result once its sequence left the batch (a failed one raises its failure)."""
+    if seq.capture is not None:
+        seq.capture.settle()  # its last decoding steps may still be on the capture writer thread
     if seq.failure is not None:
         raise seq.failure
     if seq.capture is not None and seq.capture.failure is not None:

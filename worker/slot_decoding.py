@@ -8,8 +8,9 @@ concatenates anything. Every row's token comes from the vectorised sampler (work
 its first one (chosen by its prefill) too, with the row's own settings and seed.
 
 A step runs as its bucket's CUDA graph when the model is on a GPU. A row's captures are
-recorded inside the step, graph or not (worker/step_capture.py: device rings, drained to the
-jobs' captures when full, when a capturing row leaves and before the slots grow), and so are its
+recorded inside the step, graph or not (worker/step_capture.py: device rings, handed over to the
+capture writer thread every half ring, when a capturing row leaves and before the slots grow: the
+loop never waits for the jobs' rows), and so are its
 edits (worker/step_edits.py: per-slot tables). A batch with a gated edit or a patch runs its
 steps eagerly with the hooks of worker/edits.py over the slots [0, rows) (a free slot is a row
 that edits nothing). Out of memory in an eager step, the slots run in halves (what
@@ -114,7 +115,7 @@ class SlotDecoder(Decoder):
             if length <= cache.slot_tokens and count <= cache.slots:
                 return
             cache = cache.grown(max(count, cache.slots), max(length, cache.slot_tokens))
-            self._drain_rings()  # the running rows' recorded steps, before the rings are made anew
+            self.runner.rings.hand_over(rewind=True)  # the running rows' recorded steps, before the rings are made anew
             self.runner.use_cache(cache)
         log.info("KV cache: %d slots of %d positions (%.1f MB)", cache.slots, cache.slot_tokens, cache.nbytes / 1e6)
 
@@ -178,8 +179,12 @@ class SlotDecoder(Decoder):
         eager = not runner.graphs or not tabled
         try:
             self.hooks.release()  # a prefill's hooks: never inside a decoding step (nor its graph)
-            if keys and (runner.rings.full or not runner.rings.ready(keys)):
-                self._drain_rings()  # a ring written to its end, or one to make: from step 0
+            if keys and not runner.rings.ready(keys):
+                runner.rings.hand_over(rewind=True)  # a ring to make: from ring step 0
+            elif keys and runner.rings.due:
+                runner.rings.hand_over()  # half the ring written: to the writer while the other half fills
+            if keys:
+                runner.rings.before_step()
             plan: EditPlan | None = None
             if tabled:
                 self.edits.use([], [], 1)  # an earlier pass's edit hooks: not in the step (nor its graph)
@@ -211,7 +216,7 @@ class SlotDecoder(Decoder):
         if not ending:
             return []
         if any(owners[slot].capture is not None for slot in ending):  # type: ignore[union-attr]
-            self._drain_rings()
+            runner.rings.hand_over()  # a leaving row's last steps (its result waits for them)
         ended: list[Sequence] = []
         for slot in sorted(ending):
             leaving = owners[slot]
@@ -222,14 +227,6 @@ class SlotDecoder(Decoder):
             ended.append(leaving)
         self.rows = [row for row in self.rows if row.ended is None]
         return ended
-
-    def _drain_rings(self) -> None:
-        """The rings' recorded steps to the rows' captures; a row whose rows do not fit fails."""
-        assert self.runner is not None and self.batch is not None
-        for slot in self.runner.rings.drain():
-            row = self.batch.owners[slot]
-            if isinstance(row, Sequence) and row.capture is not None and row.failure is None:
-                row.failure = row.capture.failure
 
     def _masks(self, owners: list[Sequence | None]) -> bool:
         """The grammar masks of the rows with a constraint, into the batch's bitmask (one fill,

@@ -6,16 +6,29 @@ A ring is `[steps, slots, W]` on the module's device, in the module's dtype: ste
 holds every slot's value at that step (slots whose row captures nothing write rows nobody reads:
 one copy of the whole batch costs less than choosing rows). The cursor is a one-element device
 tensor that the step moves on (`advance`), so neither the hook nor the graph reads the host's
-count. The host counts the steps alike (`count`) and hands the rows to the jobs' captures
-(`JobCapture.keep_steps`: their positions, features, dtype and reductions) when a ring is full, when
-a capturing row leaves, before the slots grow and at the end: one copy of `[count, slots, W]`
-per ring to the host (pinned on a GPU) and one wait for the device per drain, not per step.
+count; the host keeps its own copy (`pos`).
+
+Draining, away from the decoding loop. The steps recorded since the last hand-over are a window
+of ring rows `[pos - count, pos)`. The loop hands a window over (`hand_over`) when the cursor
+reaches half the ring or its end, when a capturing row leaves, before the slots grow and before a
+ring is made. Handing over enqueues one copy of `[count, slots in use, W]` per ring to the host
+(pinned memory, on a side stream that waits for the steps that wrote it) and gives the copy, with
+who each slot's rows are for, to the capture writer thread. That thread waits for the copy (an
+event: the loop never waits) and hands each job its rows (`JobCapture.keep_steps`: positions,
+features, dtype, reductions). The next steps write the other half of the ring meanwhile; before a
+step writes a ring row whose copy may still be running, the loop's stream waits on that copy's
+event (on the device, not the host). A job's result waits for its last window (`JobCapture.settle`).
+On the CPU the copy is a clone and the thread does the rest.
 """
 
 from __future__ import annotations
 
+import logging
+import queue
+import threading
 import weakref
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,9 +36,78 @@ import torch
 from shared.errors import JobFailure
 from worker.capture import JobCapture, _failure, first_input, first_tensor, step_rows
 
+log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (module path, "output" | "input")
-RING_STEPS = 32  # decoding steps a ring holds before its rows go to the jobs
+RING_STEPS = 32  # decoding steps a ring holds: handed over at half of it, the other half written meanwhile
 RING_BYTES = 32 << 20  # at most this much device memory per ring (a wide module, lm_head, holds fewer steps)
+WINDOWS_AHEAD = 8  # windows handed over and not yet kept before the loop waits for the writer
+
+
+@dataclass
+class Window:
+    """Steps handed to the writer: each key's rows `[count, used, W]` on the host (being copied
+    until `copied`), each slot's capture and its first step in the window."""
+
+    blocks: dict[Key, torch.Tensor]
+    copied: Any  # a torch.cuda.Event, or None (copied already)
+    owners: list[JobCapture | None]
+    since: list[int]
+    count: int
+    unfit: dict[Key, str]
+    done: threading.Event
+
+
+def keep_window(window: Window) -> None:
+    """The writer's work for one window: each slot's rows to its capture. Never raises for a job:
+    one whose rows do not fit (or whose key had no row per slot) gets its capture's `failure`."""
+    try:
+        if window.copied is not None:
+            window.copied.synchronize()  # this window's copy only; the decoding stream goes on
+        for slot, capture in enumerate(window.owners):
+            if capture is None or capture.failure is not None:
+                continue
+            since = window.since[slot]
+            try:
+                for key in capture.wanted:
+                    if key in window.unfit:
+                        raise JobFailure(window.unfit[key])
+                    if since < window.count:
+                        capture.keep_steps(key, window.blocks[key][since : window.count, slot])
+            except Exception as exc:  # noqa: BLE001 - that job's failure, never the batch's
+                capture.failure = _failure(exc)
+    except Exception as exc:  # noqa: BLE001 - the copy itself failed: every job in the window fails
+        for capture in window.owners:
+            if capture is not None and capture.failure is None:
+                capture.failure = _failure(exc)
+    finally:
+        for capture in {id(c): c for c in window.owners if c is not None}.values():
+            capture.release()
+        window.done.set()
+
+
+class Writer:
+    """The capture writer: one daemon thread per process, keeping windows in the order given."""
+
+    _lock = threading.Lock()
+    _queue: queue.Queue[Window] | None = None
+
+    @classmethod
+    def put(cls, window: Window) -> None:
+        with cls._lock:
+            if cls._queue is None:
+                cls._queue = queue.Queue()
+                threading.Thread(target=cls._run, args=(cls._queue,), name="actq-capture-writer", daemon=True).start()
+        cls._queue.put(window)
+
+    @staticmethod
+    def _run(windows: queue.Queue[Window]) -> None:
+        while True:
+            window = windows.get()
+            try:
+                with torch.inference_mode():  # thread-local: the engine thread's jobs may hold inference tensors
+                    keep_window(window)
+            except BaseException:
+                log.exception("keeping a window of captured steps failed")
 
 
 class StepRings:
@@ -35,11 +117,15 @@ class StepRings:
         self.model, self.slots = model, slots
         self.cursor = torch.zeros(1, dtype=torch.int64, device=device)  # the ring step the next step writes
         self.rings: dict[Key, torch.Tensor] = {}
-        self.count = 0  # steps recorded since the last drain (the host's copy of the cursor)
+        self.pos = 0  # the host's copy of the cursor
+        self.count = 0  # steps recorded since the last hand-over: ring rows [pos - count, pos)
         self.depth = RING_STEPS  # steps the rings hold: the least over the rings
         self.unfit: dict[Key, str] = {}  # keys whose value is not one row per slot: why
         self._owner: list[weakref.ref | None] = [None] * slots  # the capture each slot's rows are for
-        self._since = [0] * slots  # its first step in the rings
+        self._since = [0] * slots  # its first step in the window
+        self._copying: list[tuple[int, int, Any]] = []  # ring rows [lo, hi) being copied: their event
+        self._ahead: list[threading.Event] = []  # windows handed over, not yet kept
+        self._stream: Any = None  # the side stream the copies run on (CUDA)
 
     @staticmethod
     def keys(captures: list[JobCapture | None]) -> frozenset[Key]:
@@ -47,13 +133,16 @@ class StepRings:
         return frozenset(key for capture in captures if capture is not None for key in capture.wanted)
 
     def ready(self, keys: frozenset[Key]) -> bool:
-        """Whether every key has its ring (a new one is made at a write at step 0: its depth may
-        be less than the cursor)."""
+        """Whether every key has its ring (a new one is made at a write at ring step 0: its depth
+        may be less than the cursor)."""
         return all(key in self.rings or key in self.unfit for key in keys)
 
     @property
-    def full(self) -> bool:
-        return self.count >= self.depth
+    def due(self) -> bool:
+        """Whether the recorded steps are to be handed over before the next step: the cursor is
+        at half the ring or at its end."""
+        half = max(1, self.depth // 2)
+        return self.count > 0 and (self.pos % half == 0 or self.pos >= self.depth)
 
     @contextmanager
     def recording(self, keys: frozenset[Key], lo: int, rows: int):
@@ -106,6 +195,14 @@ class StepRings:
         """After a step's forward pass (inside its graph): the cursor moves on."""
         self.cursor.add_(1)
 
+    def before_step(self) -> None:
+        """Before a step writes ring row `pos`: the decoding stream waits (on the device) for a
+        copy of that row still running, from an earlier turn of the ring."""
+        waiting = [(lo, hi, event) for lo, hi, event in self._copying if lo <= self.pos < hi]
+        for item in waiting:
+            torch.cuda.current_stream(self.cursor.device).wait_event(item[2])
+            self._copying.remove(item)
+
     def stepped(self, owners: list[Any]) -> None:
         """The host's side of a step that recorded: who each slot's rows are for, and one step
         more. `owners`: each running slot's capture (None: nothing; slots past it: nothing)."""
@@ -116,57 +213,85 @@ class StepRings:
                 self._owner[slot] = weakref.ref(capture) if capture is not None else None
                 self._since[slot] = self.count
         self.count += 1
+        self.pos += 1
 
-    def drain(self) -> dict[int, JobFailure]:
-        """Hand every recorded step to its slot's capture, then start the rings over. Never
-        raises for a job: one whose rows do not fit (or whose key had no row per slot) gets its
-        capture's `failure`. Returns those failures by slot."""
-        failed: dict[int, JobFailure] = {}
+    def hand_over(self, rewind: bool = False) -> None:
+        """The window of recorded steps to the capture writer (see the module): one copy per ring
+        is enqueued, nothing is waited for. The cursor goes back to the ring's start at its end,
+        or with `rewind` (before a ring is made: a new ring starts at step 0)."""
         count, self.count = self.count, 0
-        if not count:
-            return failed
+        if count:
+            self._window(count)
+        self._since = [0] * self.slots
+        if rewind or self.pos >= self.depth:
+            self.pos = 0
+            self.cursor.zero_()
+
+    def _window(self, count: int) -> None:
+        lo, hi = self.pos - count, self.pos
         owners = [ref() if ref is not None else None for ref in self._owner]
         used = max((slot + 1 for slot, c in enumerate(owners) if c is not None), default=0)
         wanted = self.keys(owners)
         rings = {key: ring for key, ring in self.rings.items() if key in wanted}
-        blocks = {key: self._to_host(ring[:count, :used]) for key, ring in rings.items()}
-        for device in {ring.device for ring in rings.values() if ring.device.type == "cuda"}:
-            torch.cuda.current_stream(device).synchronize()  # the one wait of a drain (per GPU of a device map)
-        for slot, capture in enumerate(owners[:used]):
-            if capture is None or capture.failure is not None:
-                continue
-            since = self._since[slot]
-            try:
-                for key in capture.wanted:
-                    if key in self.unfit:
-                        raise JobFailure(self.unfit[key])
-                    if since < count:
-                        capture.keep_steps(key, blocks[key][since:count, slot])
-            except Exception as exc:  # noqa: BLE001 - that job's failure, never the batch's
-                capture.failure = failed[slot] = _failure(exc)
-        self._since = [0] * self.slots
-        self.cursor.zero_()
-        return failed
+        copied = None
+        device = self.cursor.device
+        if device.type == "cuda" and rings and all(ring.device == device for ring in rings.values()):
+            copied, blocks = self._copy(rings, lo, hi, used)
+        else:  # the CPU; or rings a device map put on several devices (eager steps): a plain copy
+            blocks = {key: ring[lo:hi, :used].to("cpu", copy=True) for key, ring in rings.items()}
+        held = {id(c): c for c in owners[:used] if c is not None}.values()
+        for capture in held:
+            capture.hold()
+        done = threading.Event()
+        window = Window(blocks, copied, owners[:used], self._since[:used], count, dict(self.unfit), done)
+        self._ahead = [event for event in self._ahead if not event.is_set()]
+        if len(self._ahead) >= WINDOWS_AHEAD:  # the writer is behind: wait for it rather than pile up memory
+            self._ahead.pop(0).wait()
+        self._ahead.append(done)
+        Writer.put(window)
 
-    @staticmethod
-    def _to_host(rows: torch.Tensor) -> torch.Tensor:
-        if rows.device.type == "cpu":
-            return rows.clone()
-        host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-        host.copy_(rows, non_blocking=True)
-        return host
+    def _copy(self, rings: dict[Key, torch.Tensor], lo: int, hi: int, used: int) -> tuple[Any, dict]:
+        """Rows [lo, hi) of every ring to pinned host memory on the side stream, after the steps
+        that wrote them; its event."""
+        device = self.cursor.device
+        main = torch.cuda.current_stream(device)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device)
+        self._stream.wait_stream(main)
+        blocks = {}
+        with torch.cuda.stream(self._stream):
+            for key, ring in rings.items():
+                rows = ring[lo:hi, :used]
+                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
+                host.copy_(rows, non_blocking=True)
+                ring.record_stream(self._stream)  # kept alive for the copy if the slots grow meanwhile
+                blocks[key] = host
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        self._copying.append((lo, hi, copied))
+        return copied, blocks
+
+    def wait(self) -> None:
+        """Until every window handed over has been kept (tests; the end of a batch)."""
+        for event in self._ahead:
+            event.wait()
+        self._ahead = []
 
     def discard(self) -> None:
         """Forget recorded steps (their batch was failed as a whole)."""
         self.count = 0
         self._since = [0] * self.slots
         self._owner = [None] * self.slots
+        self.pos = 0
         self.cursor.zero_()
 
     def grown(self, slots: int) -> None:
-        """More slots (after `drain`): rings are made anew at their next write."""
+        """More slots (after `hand_over`): rings are made anew at their next write."""
         self.slots = slots
         self.rings.clear()
+        self._copying = []  # copies from the old rings: nothing writes those rows again
         self.depth = RING_STEPS
         self._owner = self._owner + [None] * (slots - len(self._owner))
         self._since = [0] * slots
+        self.pos = 0
+        self.cursor.zero_()

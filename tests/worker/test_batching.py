@@ -351,3 +351,85 @@ def test_rings_that_fill_many_times_hand_every_step_to_its_job(served, monkeypat
     assert largest == 4
     for i, (got, want) in enumerate(zip(batched, alone, strict=True)):
         assert_same(got, want, f"job {i}")
+
+
+def test_the_decoding_loop_goes_on_while_the_capture_writer_is_held(served, monkeypatch):
+    """The capture writer thread is held (its `keep_steps` waits on a gate): the loop still decodes
+    every step and hands each half ring over without waiting, and once the writer goes on each
+    job gets its solo rows. Were the loop to wait for the writer, the steps would never end (the
+    thread running them is given two minutes)."""
+    import threading
+
+    import worker.step_capture
+    from worker.capture import JobCapture
+
+    generated = {**CAPTURE, "positions": "generated"}
+    jobs = [job(QUESTIONS[1], 12, generated), job(QUESTIONS[4], 12, generated)]
+    alone = [solo(served, req, n) for req, n in jobs]
+    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)  # a hand-over every 2 steps: 5 before the end
+    gate, kept = threading.Event(), []
+    keep_steps = JobCapture.keep_steps
+
+    def held(self, key, rows):
+        assert gate.wait(120), "the gate never opened"
+        kept.append(int(rows.shape[0]))
+        return keep_steps(self, key, rows)
+
+    monkeypatch.setattr(JobCapture, "keep_steps", held)
+    seqs = [prepare(served, req, n) for req, n in jobs]
+    ended: list[Sequence] = []
+
+    def decode() -> None:
+        with torch.inference_mode():
+            decoder = served.decoder()
+            try:
+                for seq in seqs:
+                    decoder.admit(seq)
+                while decoder.rows:
+                    ended.extend(decoder.step())
+            finally:
+                decoder.close()
+
+    loop = threading.Thread(target=decode)
+    loop.start()
+    loop.join(120)
+    assert not loop.is_alive(), "the decoding loop waited for the held capture writer"
+    assert sorted(map(id, ended)) == sorted(map(id, seqs)) and kept == []
+    gate.set()
+    for seq, (req, _), want in zip(seqs, jobs, alone, strict=True):
+        assert_same(served.finish(seq, req), want, "after the writer went on")
+    # every decoding step of both jobs (11 each: the first token came from the prefill), at each point
+    assert sum(kept) == 11 * sum(len(seq.capture.wanted) for seq in seqs)
+
+
+def test_a_failure_on_the_capture_writer_fails_that_job_alone_and_the_writer_goes_on(served, monkeypatch):
+    """`keep_steps` raises for one job's rows on the writer thread: that job fails with a readable
+    error, the job beside it gets its solo result, and a later batch's captures are kept."""
+    from worker.capture import JobCapture
+
+    generated = {**CAPTURE, "positions": "generated"}
+    jobs = [job(QUESTIONS[0], 9, generated), job(QUESTIONS[3], 9, generated)]
+    alone = [solo(served, req, n) for req, n in jobs]
+    keep_steps = JobCapture.keep_steps
+    doomed: list[JobCapture] = []
+
+    def failing(self, key, rows):
+        if self in doomed:
+            raise RuntimeError("the writer's disk is full (injected)")
+        return keep_steps(self, key, rows)
+
+    monkeypatch.setattr(JobCapture, "keep_steps", failing)
+    original_prepare = served.prepare
+
+    def marking(req, *args, **kwargs):
+        seq = original_prepare(req, *args, **kwargs)
+        if req is jobs[0][0]:
+            doomed.append(seq.capture)
+        return seq
+
+    monkeypatch.setattr(served, "prepare", marking)
+    batched, _ = run_batched(served, jobs, join_at=[0, 0])
+    assert isinstance(batched[0], Exception) and "disk is full (injected)" in str(batched[0]), batched[0]
+    assert_same(batched[1], alone[1], "the job beside it")
+    again, _ = run_batched(served, [jobs[1]], join_at=[0])
+    assert_same(again[0], alone[1], "a later batch")
