@@ -44,9 +44,13 @@ class InputBatch:
         pinned = self.device.type == "cuda"
         self.bitmask = torch.full((slots, words), -1, dtype=torch.int32, device=self.device)  # grammar rows
         self._bitmask_host = torch.full((slots, words), -1, dtype=torch.int32, pin_memory=pinned)
-        self._staged = torch.zeros(slots, 5, dtype=torch.int64, pin_memory=pinned)
+        # Two of each pinned block, used in turn: with a step in flight (SlotDecoder's overlap) the
+        # copy of one may still be running while the other is written.
+        self._staged = torch.zeros(2, slots, 5, dtype=torch.int64, pin_memory=pinned)
+        self._flushes = 0
         self._changes: dict[int, tuple[int, int, int, int]] = {}
-        self.host_next = torch.zeros(slots, dtype=torch.int64, pin_memory=pinned)  # where `next` is read
+        self.host_next = torch.zeros(2, slots, dtype=torch.int64, pin_memory=pinned)  # where `next` is read
+        self._reads = 0
         self.owners: list[object | None] = [None] * slots  # the host's view: who holds each slot
         self.host_positions = [0] * slots  # each slot's next position (known on the host: no read)
 
@@ -107,12 +111,14 @@ class InputBatch:
 
     def flush(self) -> None:
         """The staged joins and leaves to the device: one copy of a packed `[n, 5]` block, then
-        one in-place index copy (no host synchronisation). (The staging block is reused: the
-        step's read of its tokens, after this copy, completed it.)"""
+        one in-place index copy (no host synchronisation). (The two staging blocks take turns:
+        the read of the tokens of the step after a flush completed that flush's copy, and at most
+        one step is in flight beyond it.)"""
         if not self._changes:
             return
         n = len(self._changes)
-        staged = self._staged[:n]
+        self._flushes += 1
+        staged = self._staged[self._flushes % 2, :n]
         staged.copy_(torch.tensor([[slot, *row] for slot, row in sorted(self._changes.items())], dtype=torch.int64))
         block = staged.to(self.device, non_blocking=True)
         self.state.index_copy_(0, block[:, 0], block[:, 1:])
@@ -127,13 +133,32 @@ class InputBatch:
             host[slot].copy_(row)
         self.bitmask[:rows].copy_(host, non_blocking=True)
 
-    def read_next(self, rows: int) -> list[int]:
-        """The tokens the last step chose for slots [0, rows): one non-blocking copy to pinned
-        memory and one wait on it (the step's only host synchronisation)."""
-        host = self.host_next[:rows]
+    def copy_next(self, rows: int) -> Reading:
+        """Start copying the tokens the step just launched chose for slots [0, rows): one
+        non-blocking copy to pinned memory (the two buffers take turns, so the next step's copy
+        never overwrites tokens not read yet) and an event after it."""
+        self._reads += 1
+        host = self.host_next[self._reads % 2, :rows]
         host.copy_(self.next[:rows], non_blocking=True)
+        event = None
         if self.device.type == "cuda":
             event = torch.cuda.Event()
             event.record()
-            event.synchronize()
-        return host.tolist()
+        return Reading(host, event)
+
+    def read_next(self, rows: int) -> list[int]:
+        """The tokens the last step chose for slots [0, rows): one non-blocking copy to pinned
+        memory and one wait on it (the step's only host synchronisation)."""
+        return self.copy_next(rows).tokens()
+
+
+class Reading:
+    """A step's tokens on their way to the host: `tokens` waits for that step's copy only."""
+
+    def __init__(self, host: torch.Tensor, event: torch.cuda.Event | None) -> None:
+        self.host, self.event = host, event
+
+    def tokens(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()

@@ -16,12 +16,18 @@ steps eagerly with the hooks of worker/edits.py over the slots [0, rows) (a free
 that edits nothing). Out of memory in an eager step, the slots run in halves (what
 the failed pass wrote is written again: each row writes only its own position), down to one
 row, which then fails alone; later batches stay at the half.
+
+Overlap: with graphs, a step is launched before the tokens of the step before it are read (the
+state it feeds is committed inside the step, on the device), so the device runs it while the host
+checks the last step's rows; a row found ended rode one step more, whose token and captured row
+are dropped. Only where the next step needs nothing from the host (`_may_overlap`).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,7 +35,7 @@ import torch
 from shared.errors import InternalError, OutOfMemory
 from worker.constrained import fill_bitmask
 from worker.decoding import OUT_OF_MEMORY, Decoder, Sequence, is_oom, score_rows, unexpected_failure
-from worker.input_batch import InputBatch
+from worker.input_batch import InputBatch, Reading
 from worker.model_runner import DecodeStep, allowed_tokens, bucket
 from worker.sampling import Features, RowSampling, SamplingTable, sample, token_counts
 from worker.slots import SlotCache
@@ -48,9 +54,23 @@ def row_sampling(seq: Sequence) -> RowSampling:
     return RowSampling()
 
 
+@dataclass
+class Launched:
+    """A decoding step launched: who each slot was (None: free) and its tokens on their way to
+    the host."""
+
+    owners: list[Sequence | None]
+    reading: Reading
+
+
 class SlotDecoder(Decoder):
     """The running batch of up to `slots` sequences in slots (see the module). Not thread-safe:
     one thread drives it (the engine core)."""
+
+    # Launch the step after before reading a step's tokens (see `step`). None: when the steps
+    # replay as CUDA graphs (a replay returns at once; an eager step on the CPU computes as it is
+    # launched, so there is nothing to overlap); tests turn it on to check it.
+    overlap: bool | None = None
 
     def __init__(
         self, model: Any, tokenizer: Any, pad_id: int, slots: int, max_tokens: int, graphs: bool = False
@@ -59,6 +79,7 @@ class SlotDecoder(Decoder):
         self.slots = slots
         self.max_tokens = max_tokens  # the model's context: no slot grows past it (0: no limit)
         self.graphs = graphs
+        self._launched: Launched | None = None
         self.batch: InputBatch | None = None
         self.runner: DecodeStep | None = None
         self._prefill_table: SamplingTable | None = None
@@ -114,6 +135,8 @@ class SlotDecoder(Decoder):
             cache = self.runner.cache
             if length <= cache.slot_tokens and count <= cache.slots:
                 return
+            if self._launched is not None and cache.device.type == "cuda":
+                torch.cuda.synchronize(cache.device)  # the step in flight replays the graphs about to be dropped
             cache = cache.grown(max(count, cache.slots), max(length, cache.slot_tokens))
             self.runner.rings.hand_over(rewind=True)  # the running rows' recorded steps, before the rings are made anew
             self.runner.use_cache(cache)
@@ -164,9 +187,54 @@ class SlotDecoder(Decoder):
     # -- one decoding step -----------------------------------------------------------------
 
     def step(self) -> list[Sequence]:
-        """Every running row's next token; returns the rows that ended (their slots freed)."""
+        """Every running row's next token; returns the rows that ended (their slots freed).
+
+        With `overlap`, the step after is launched before this one's tokens are read, whenever it
+        does not depend on them (see `_may_overlap`): the device runs it while the host checks
+        this step's rows; a row found ended then rode one step more, whose token and captured row
+        are dropped. The rows a call returns are those of the step it read."""
         if not self.rows:
+            self._launched = None
             return []
+        try:
+            current = self._launched or self._launch()
+            self._launched = None
+            ahead = self._launch() if self._may_overlap(current) else None
+            tokens = current.reading.tokens()
+        except Exception as exc:  # noqa: BLE001 - rows that ended keep their results; the others cannot go on
+            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+            for row in self.rows:
+                if row.ended is None:
+                    row.failure, row.ended = failure, "failed"
+            failed = list(self.rows)
+            self.reset()
+            return failed
+        ended = self._read(current, tokens, ahead)
+        self._launched = ahead if self.rows else None
+        return ended
+
+    def _may_overlap(self, current: Launched) -> bool:
+        """Whether the step after `current` can be launched before `current`'s tokens are read:
+        with `overlap` on, when no row's next step needs them on the host (a grammar's mask is
+        filled from the last token, log-probabilities read the logits buffer the next step
+        overwrites, the edit hooks' spans are counted from the tokens taken), and when a row may
+        go on after `current` (else the step would be wasted whole)."""
+        overlap = self.overlap if self.overlap is not None else self.runner is not None and self.runner.graphs
+        if not overlap or self.batch is None:
+            return False
+        rows = [o for o in self.batch.owners if isinstance(o, Sequence)]  # with any that joined since
+        if any(
+            r.constraint is not None or r.scores is not None or (r.edits is not None and not fits(r.edits))
+            for r in rows
+        ):
+            return False
+        stepped = {id(row) for row in current.owners if row is not None}
+        return any(r.ended is None and (id(r) not in stepped or len(r.generated) + 1 < r.max_tokens) for r in rows)
+
+    def _launch(self) -> Launched:
+        """One decoding step of every slot in use, launched: the staged joins and leaves, the
+        rows' masks and edit tables, the step (its graph, or eagerly) and the copy of its tokens
+        to the host started. Nothing waits for the device."""
         batch, runner = self.batch, self.runner
         assert batch is not None and runner is not None
         n = batch.span_rows
@@ -177,53 +245,56 @@ class SlotDecoder(Decoder):
         row_edits = [s.edits if s is not None else None for s in owners]
         tabled = all(e is None or fits(e) for e in row_edits)  # else worker/edits.py's hooks, eagerly
         eager = not runner.graphs or not tabled
-        try:
-            self.hooks.release()  # a prefill's hooks: never inside a decoding step (nor its graph)
-            if keys and not runner.rings.ready(keys):
-                runner.rings.hand_over(rewind=True)  # a ring to make: from ring step 0
-            elif keys and runner.rings.due:
-                runner.rings.hand_over()  # half the ring written: to the writer while the other half fills
+        self.hooks.release()  # a prefill's hooks: never inside a decoding step (nor its graph)
+        if keys and not runner.rings.ready(keys):
+            runner.rings.hand_over(rewind=True)  # a ring to make: from ring step 0
+        elif keys and runner.rings.due:
+            runner.rings.hand_over()  # half the ring written: to the writer while the other half fills
+        if keys:
+            runner.rings.before_step()
+        plan: EditPlan | None = None
+        if tabled:
+            self.edits.use([], [], 1)  # an earlier pass's edit hooks: not in the step (nor its graph)
+            runner.edits.sync(row_edits)
+            plan = runner.edits.plan(n)
+        batch.flush()
+        features = batch.sampling.features(slice(0, n))
+        if eager:
+            self._eager(0, n, owners, constrained, features, keys, plan, top=True)
             if keys:
-                runner.rings.before_step()
-            plan: EditPlan | None = None
-            if tabled:
-                self.edits.use([], [], 1)  # an earlier pass's edit hooks: not in the step (nor its graph)
-                runner.edits.sync(row_edits)
-                plan = runner.edits.plan(n)
-            batch.flush()
-            features = batch.sampling.features(slice(0, n))
-            if eager:
-                self._eager(0, n, owners, constrained, features, keys, plan, top=True)
-                if keys:
-                    runner.rings.advance()
-            else:
-                assert plan is not None
-                runner.replay(constrained, features, keys, plan)
-            if keys:
-                runner.rings.stepped(captures)
-            batch.advanced()
-            tokens = batch.read_next(n)
-        except Exception as exc:  # noqa: BLE001 - rows that ended keep their results; the others cannot go on
-            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
-            for row in self.rows:
-                if row.ended is None:
-                    row.failure, row.ended = failure, "failed"
-            failed = list(self.rows)
-            self.reset()
-            return failed
+                runner.rings.advance()
+        else:
+            assert plan is not None
+            runner.replay(constrained, features, keys, plan)
+        if keys:
+            runner.rings.stepped(captures)
+        batch.advanced()
+        return Launched(owners, batch.copy_next(n))
+
+    def _read(self, current: Launched, tokens: list[int], ahead: Launched | None) -> list[Sequence]:
+        """`current`'s tokens taken by its rows; the rows that ended leave (their captured rows
+        handed over, without the step `ahead` ran for them)."""
+        assert self.batch is not None and self.runner is not None
+        owners = current.owners
         self._after(owners, tokens)
         ending = {slot for slot, s in enumerate(owners) if s is not None and s.ended is not None}
         if not ending:
             return []
+        rings = self.runner.rings
         if any(owners[slot].capture is not None for slot in ending):  # type: ignore[union-attr]
-            runner.rings.hand_over()  # a leaving row's last steps (its result waits for them)
+            if ahead is not None:
+                for slot in ending:
+                    rings.ended(slot, 1 if slot < len(ahead.owners) and ahead.owners[slot] is owners[slot] else 0)
+            rings.hand_over()  # a leaving row's last steps (its result waits for them)
         ended: list[Sequence] = []
         for slot in sorted(ending):
             leaving = owners[slot]
             assert leaving is not None
             if leaving.failure is None and leaving.capture is not None and leaving.capture.failure is not None:
                 leaving.failure, leaving.ended = leaving.capture.failure, "failed"
-            batch.leave(slot)
+            if ahead is not None and slot < len(ahead.owners):
+                ahead.owners[slot] = None  # its token from the step ahead is no one's
+            self.batch.leave(slot)
             ended.append(leaving)
         self.rows = [row for row in self.rows if row.ended is None]
         return ended
@@ -329,12 +400,14 @@ class SlotDecoder(Decoder):
         """Hooks removed, and the slots and tables let go (a frame kept alive by a logged
         traceback may still reference this decoder: it then holds no memory worth keeping)."""
         super().close()
+        self._launched = None
         self.batch = self.runner = self._prefill_table = None
         self.rows = []
 
     def reset(self) -> None:
         """Drop the running batch (after a step failed: its rows were answered with the failure)."""
         self.hooks.discard()
+        self._launched = None
         if self.runner is not None:
             self.runner.rings.discard()
         if self.batch is not None:

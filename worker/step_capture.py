@@ -46,13 +46,13 @@ WINDOWS_AHEAD = 8  # windows handed over and not yet kept before the loop waits 
 @dataclass
 class Window:
     """Steps handed to the writer: each key's rows `[count, used, W]` on the host (being copied
-    until `copied`), each slot's capture and its first step in the window."""
+    until `copied`), each slot's capture and its steps [since, until) in the window."""
 
     blocks: dict[Key, torch.Tensor]
     copied: Any  # a torch.cuda.Event, or None (copied already)
     owners: list[JobCapture | None]
     since: list[int]
-    count: int
+    until: list[int]
     unfit: dict[Key, str]
     done: threading.Event
 
@@ -66,13 +66,13 @@ def keep_window(window: Window) -> None:
         for slot, capture in enumerate(window.owners):
             if capture is None or capture.failure is not None:
                 continue
-            since = window.since[slot]
+            since, until = window.since[slot], window.until[slot]
             try:
                 for key in capture.wanted:
                     if key in window.unfit:
                         raise JobFailure(window.unfit[key])
-                    if since < window.count:
-                        capture.keep_steps(key, window.blocks[key][since : window.count, slot])
+                    if since < until:
+                        capture.keep_steps(key, window.blocks[key][since:until, slot])
             except Exception as exc:  # noqa: BLE001 - that job's failure, never the batch's
                 capture.failure = _failure(exc)
     except Exception as exc:  # noqa: BLE001 - the copy itself failed: every job in the window fails
@@ -123,6 +123,7 @@ class StepRings:
         self.unfit: dict[Key, str] = {}  # keys whose value is not one row per slot: why
         self._owner: list[weakref.ref | None] = [None] * slots  # the capture each slot's rows are for
         self._since = [0] * slots  # its first step in the window
+        self._until: list[int | None] = [None] * slots  # one past its last (None: the window's end)
         self._copying: list[tuple[int, int, Any]] = []  # ring rows [lo, hi) being copied: their event
         self._ahead: list[threading.Event] = []  # windows handed over, not yet kept
         self._stream: Any = None  # the side stream the copies run on (CUDA)
@@ -212,8 +213,15 @@ class StepRings:
             if (ref() if ref is not None else None) is not capture:
                 self._owner[slot] = weakref.ref(capture) if capture is not None else None
                 self._since[slot] = self.count
+                self._until[slot] = None
         self.count += 1
         self.pos += 1
+
+    def ended(self, slot: int, extra: int) -> None:
+        """`slot`'s row ended `extra` recorded steps ago (a step launched before its end was known,
+        SlotDecoder's overlap): those steps' rows are not its."""
+        if extra:
+            self._until[slot] = max(self._since[slot], self.count - extra)
 
     def hand_over(self, rewind: bool = False) -> None:
         """The window of recorded steps to the capture writer (see the module): one copy per ring
@@ -223,6 +231,7 @@ class StepRings:
         if count:
             self._window(count)
         self._since = [0] * self.slots
+        self._until = [None] * self.slots
         if rewind or self.pos >= self.depth:
             self.pos = 0
             self.cursor.zero_()
@@ -243,7 +252,8 @@ class StepRings:
         for capture in held:
             capture.hold()
         done = threading.Event()
-        window = Window(blocks, copied, owners[:used], self._since[:used], count, dict(self.unfit), done)
+        until = [count if end is None else end for end in self._until[:used]]
+        window = Window(blocks, copied, owners[:used], self._since[:used], until, dict(self.unfit), done)
         self._ahead = [event for event in self._ahead if not event.is_set()]
         if len(self._ahead) >= WINDOWS_AHEAD:  # the writer is behind: wait for it rather than pile up memory
             self._ahead.pop(0).wait()
@@ -281,6 +291,7 @@ class StepRings:
         """Forget recorded steps (their batch was failed as a whole)."""
         self.count = 0
         self._since = [0] * self.slots
+        self._until = [None] * self.slots
         self._owner = [None] * self.slots
         self.pos = 0
         self.cursor.zero_()
@@ -293,5 +304,6 @@ class StepRings:
         self.depth = RING_STEPS
         self._owner = self._owner + [None] * (slots - len(self._owner))
         self._since = [0] * slots
+        self._until = [None] * slots
         self.pos = 0
         self.cursor.zero_()

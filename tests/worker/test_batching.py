@@ -433,3 +433,59 @@ def test_a_failure_on_the_capture_writer_fails_that_job_alone_and_the_writer_goe
     assert_same(batched[1], alone[1], "the job beside it")
     again, _ = run_batched(served, [jobs[1]], join_at=[0])
     assert_same(again[0], alone[1], "a later batch")
+
+
+def test_with_each_step_launched_before_the_last_is_read_every_job_gets_its_solo_result(served, monkeypatch):
+    """The overlap of replayed steps (SlotDecoder.overlap, on with CUDA graphs), forced on the CPU:
+    each step after the first is launched before the tokens of the one before are read. Jobs join
+    at different steps; one is cancelled and one hits a stop string, so each ends while the step
+    after its last already ran for it (that step's token and captured row are not its); one is
+    sampled with a seed; rings of 4 steps hand over every 2 steps. Each job equals its solo run."""
+    import worker.step_capture
+    from worker.slot_decoding import SlotDecoder
+
+    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)
+    generated = {**CAPTURE, "positions": "generated"}
+    jobs = [
+        job(QUESTIONS[0], 12, generated),
+        job(QUESTIONS[1], 9, CAPTURE),
+        job(QUESTIONS[2], 14, {**generated, "reduce": "mean"}, temperature=0.9, seed=3),
+        job(QUESTIONS[3], 16, generated),
+        job(QUESTIONS[4], 7, generated, stop=["e"]),
+        job(QUESTIONS[5], 10, generated),
+    ]
+    watches = [None, None, None, lambda tokens: "cancelled" if tokens >= 5 else None, None, None]
+    alone = [
+        served.run(req, resolve(req.capture, served.info), n, watch)
+        for (req, n), watch in zip(jobs, watches, strict=True)
+    ]
+    assert alone[3].stopped_by == "cancelled" and alone[4].finish_reason == "stop"
+    ahead = []
+    may_overlap = SlotDecoder._may_overlap
+
+    def counted(self, current):
+        answer = may_overlap(self, current)
+        ahead.append(answer)
+        return answer
+
+    monkeypatch.setattr(SlotDecoder, "_may_overlap", counted)
+
+    returned: list[Sequence] = []
+
+    def overlapped(decoder) -> None:
+        decoder.overlap = True
+        step = decoder.step
+
+        def recorded():
+            ended = step()
+            returned.extend(ended)
+            return ended
+
+        decoder.step = recorded
+
+    batched, largest = run_batched(served, jobs, join_at=[0, 0, 2, 2, 5, 9], watches=watches, wrap=overlapped)
+    assert largest >= 4 and sum(ahead) > len(ahead) // 2, ahead  # most steps were launched ahead
+    assert len({id(seq) for seq in returned}) == len(returned) == len(jobs)  # each row leaves once
+    for i, (got, want) in enumerate(zip(batched, alone, strict=True)):
+        assert got.stopped_by == want.stopped_by, f"job {i}"
+        assert_same(got, want, f"job {i}")

@@ -102,12 +102,17 @@ def served(tiny_dir):
     return load_engine(tiny_dir)
 
 
-@pytest.fixture(params=["slots", "compacted"])
+@pytest.fixture(params=["slots", "overlapped", "compacted"])
 def decoder_kind(request, served, monkeypatch):
-    """The decoder in slots (this model's), and the compacting one that sliding-window models
-    keep, forced on the same model."""
+    """The decoder in slots (this model's); the same with each step launched before the last
+    one's tokens are read (as when steps replay as CUDA graphs), forced on the CPU; and the
+    compacting one that sliding-window models keep, forced on the same model."""
     if request.param == "compacted":
         monkeypatch.setattr(served, "slot_reason", "forced by the test: the compacting decoder")
+    if request.param == "overlapped":
+        from worker.slot_decoding import SlotDecoder
+
+        monkeypatch.setattr(SlotDecoder, "overlap", True, raising=False)
     return request.param
 
 
@@ -203,7 +208,7 @@ def test_any_operation_failing_once_leaves_every_job_one_answer_of_its_own(
             mode.remove()
         assert mode.failed, at
         where = f"failure injected at operation {at} of {total}"
-        assert type(decoder).__name__ == {"slots": "SlotDecoder", "compacted": "Decoder"}[decoder_kind]
+        assert type(decoder).__name__ == ("Decoder" if decoder_kind == "compacted" else "SlotDecoder")
         assert sorted(answers.got) == [*range(len(requests)), 99], where
         assert all(len(a) == 1 for a in answers.got.values()), where  # exactly one answer each
         assert not core.scheduler.active and not core.scheduler.feeding and not decoder.rows, where

@@ -342,10 +342,12 @@ def test_the_edit_tables_give_each_row_what_the_edit_hooks_give(tiny) -> None:
             assert torch.equal(tables.batch.state, hooks.batch.state), at
 
 
-def test_a_running_batch_that_captures_and_edits_reads_one_value_per_step(tiny_dir) -> None:
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_a_running_batch_that_captures_and_edits_reads_one_value_per_step(tiny_dir, overlap) -> None:
     """The decoder's whole step (joins staged, the step, the tokens back, stop checks) at batch 8
-    with 6 capture points and 3 edits per job, for 64 steps (the rings drained twice): one read of
-    device values per step, the tokens', however many points and edits ride in it."""
+    with 6 capture points and 3 edits per job, for 64 steps (the rings handed over every 16): one
+    read of device values per step, the tokens', however many points and edits ride in it; also
+    with each step launched before the last one's tokens are read (the overlap of graphs)."""
     from shared.capture_spec import resolve
     from shared.intervention_check import resolve as resolve_edits
     from shared.schemas import JobRequest
@@ -373,10 +375,12 @@ def test_a_running_batch_that_captures_and_edits_reads_one_value_per_step(tiny_d
     with torch.inference_mode():
         decoder = served.decoder(8)
         decoder.eos_ids = set()  # a random model: no row ends inside the count
+        decoder.overlap = overlap
         try:
             for seq in seqs:
                 decoder.admit(seq)
             decoder.step()
+            assert (decoder._launched is not None) == overlap
             with HostReads() as reads:
                 for _ in range(steps):
                     assert decoder.step() == []
