@@ -21,6 +21,11 @@ prompts' submission to the results on the host:
   graphs/generate, graphs/static   speed ratios; capture/graphs and edit/graphs: time with / time
                  without (the cost); a ratio is printed where both its arms ran (--arms)
 
+With --store DIR, then: the capture arm at the largest batch with every job's file written to a
+LocalStore under DIR as its job ends (worker/artifacts.py, by --writers threads, as the worker's task
+threads write them), in MB/s of captured rows reaching files, beside the same bytes written to one
+file under DIR with one fsync: whether the writers keep up with the disk.
+
 Fair arms: every arm runs once at every batch size before anything is timed (kernels, the allocator,
 the CUDA graphs of every bucket the run needs); at least 3 timed repeats, interleaved across arms, the
 median reported; actq's scheduler prefills all the jobs waiting in one left-padded pass, as `generate`
@@ -28,6 +33,7 @@ does (`prefill_padding=1.0`: its length grouping is a CPU economy, not the thing
 
     .venv/bin/python bench/bench_gpu.py [--batches 1 8 32 128] [--max-tokens 64] [--repeats 3]
                                         [--dtype bfloat16] [--gsm8k test.jsonl] [--json out.json]
+                                        [--store /var/tmp/actq-bench]
     .venv/bin/python bench/bench_gpu.py --allow-cpu    # without CUDA: a smoke run; its figures mean nothing
 
 Without CUDA, --allow-cpu runs the same code on the CPU on a tiny model of the same family (2 layers,
@@ -38,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -176,6 +183,75 @@ def engine_arm(
     return elapsed, sum(result.completion_tokens for result in results)
 
 
+def storage(served, prompts, max_tokens: int, dtype: str, sync, folder: Path, writers: int) -> dict:
+    """The capture arm with its files: each job's result finished and written (worker/artifacts.py:
+    safetensors, sha256, fsync, atomic rename, manifest) to a LocalStore in `folder` by `writers`
+    threads as its job ends, as the worker's task threads do; beside it, the same number of bytes
+    written to one file in 8 MiB blocks with one fsync (the disk's own sequential rate)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from shared.capture_spec import resolve
+    from shared.schemas import JobRequest
+    from shared.storage import LocalStore
+    from worker.artifacts import write_activations
+    from worker.engine_core import EngineCore
+    from worker.scheduler import Entry
+
+    capture = {"preset": "residual", "positions": "generated", "dtype": dtype}
+    requests = [JobRequest.model_validate({"model": "m", "capture": capture, "messages": c}) for c in prompts]
+    points = resolve(requests[0].capture, served.info)
+    seqs = [served.prepare(request, points, max_tokens) for request in requests]
+    store = LocalStore(folder / "store")
+    written: list[int] = []
+    lock = threading.Lock()
+    pool = ThreadPoolExecutor(writers, thread_name_prefix="bench-writer")
+    futures = []
+
+    def write(i: int, outcome) -> None:
+        generation = served.finish(outcome, requests[i])
+        write_activations(store, f"bench-{i}", "m", requests[i].capture, generation)
+        with lock:
+            written.append(sum(c.tensor.numel() * c.tensor.element_size() for c in generation.captured))
+
+    def entry(i: int) -> Entry:
+        return Entry(seq=seqs[i], done=lambda outcome: futures.append(pool.submit(write, i, outcome)))
+
+    core = EngineCore(served, max_batch=len(seqs), prefill_padding=1.0)
+    sync()
+    started = time.perf_counter()
+    for i in range(len(seqs)):
+        core.submit(entry(i))
+    core.start()
+    try:
+        while len(futures) < len(seqs):
+            time.sleep(0.001)
+        for future in list(futures):
+            future.result()
+        elapsed = time.perf_counter() - started
+    finally:
+        core.stop()
+        pool.shutdown()
+    total = sum(written)
+    block = os.urandom(8 << 20)
+    raw = folder / "sequential.bin"
+    began = time.perf_counter()
+    with open(raw, "wb") as out:
+        for _ in range(max(1, -(-total // len(block)))):
+            out.write(block)
+        out.flush()
+        os.fsync(out.fileno())
+    disk = time.perf_counter() - began
+    raw.unlink()
+    return {
+        "jobs": len(seqs),
+        "captured_bytes": total,
+        "seconds": elapsed,
+        "tokens_per_s": len(seqs) * max_tokens / elapsed,
+        "stored_mb_per_s": total / elapsed / 1e6,
+        "disk_mb_per_s": max(1, -(-total // len(block))) * len(block) / disk / 1e6,
+    }
+
+
 def median_rate(runs: list[tuple[float, int]]) -> float:
     return statistics.median(tokens / seconds for seconds, tokens in runs)
 
@@ -246,6 +322,13 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="also write the table and every run here")
     parser.add_argument("--arms", nargs="+", choices=ARMS, help="only these arms (default all; the ratios need theirs)")
     parser.add_argument("--allow-cpu", action="store_true", help="without CUDA, a smoke run on the CPU (tiny model)")
+    parser.add_argument(
+        "--store",
+        type=Path,
+        help="also run the capture arm at the largest batch with its files written to a store here "
+        "(e.g. the disk the worker writes to), beside the disk's own sequential write rate",
+    )
+    parser.add_argument("--writers", type=int, default=32, help="threads writing files with --store (default 32)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     if not cuda and not args.allow_cpu:
@@ -288,8 +371,24 @@ def main() -> int:
         rows = table(
             (served, eager), chats(args.gsm8k, max(batches)), batches, max_tokens, repeats, dtype, sync, args.arms
         )
+        stored = []
+        if args.store is not None:
+            args.store.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=args.store, prefix="actq-bench-store-") as where:
+                prompts = chats(args.gsm8k, max(batches))[: max(batches)]
+                for _ in range(repeats):
+                    stored.append(storage(served, prompts, max_tokens, dtype, sync, Path(where), args.writers))
+            best = sorted(stored, key=lambda run: run["stored_mb_per_s"])[len(stored) // 2]  # the median run
+            print(
+                f"capture to storage at batch {best['jobs']} ({args.store}, {args.writers} writers): "
+                f"{best['captured_bytes'] / 1e6:.1f} MB of captured rows in {best['seconds']:.2f} s, "
+                f"{best['stored_mb_per_s']:.1f} MB/s reaching files ({best['tokens_per_s']:.0f} tok/s decoded and "
+                f"written); the disk alone, sequential write + fsync: {best['disk_mb_per_s']:.1f} MB/s",
+                flush=True,
+            )
     if args.json:
         report = {"device": name, "dtype": dtype, "shape": shape, "max_tokens": max_tokens, "rows": rows}
+        report["storage"] = stored
         args.json.write_text(json.dumps(report, indent=2) + "\n")
     return 0
 

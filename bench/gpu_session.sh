@@ -40,7 +40,7 @@ for part in "${parts[@]}"; do
             2>&1 | grep -v "profiler_st" | tee "$OUT/profile.log" ;;
         tests) timeout "${TESTS_S:-200}" $PY -m pytest tests/gpu -q -p no:cacheprovider -x --timeout 150 \
             2>&1 | tee "$OUT/tests.log" ;;
-        bench) timeout "${BENCH_S:-300}" $PY bench/bench_gpu.py "${GSM8K[@]}" --json "$OUT/bench_gpu.json" \
+        bench) timeout "${BENCH_S:-300}" $PY bench/bench_gpu.py "${GSM8K[@]}" --json "$OUT/bench_gpu.json" --store /tmp/actq-store \
             ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" ;;
         static) timeout "${STATIC_S:-200}" $PY bench/bench_gpu.py "${GSM8K[@]}" --json "$OUT/bench_static.json" \
             --arms generate static graphs ${STATIC_ARGS:---batches 32} 2>&1 | tee "$OUT/static.log" ;;
