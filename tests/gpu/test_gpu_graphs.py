@@ -2,9 +2,11 @@
 eagerly (ACTQ_CUDA_GRAPHS off), on the tiny random Llama, in float32 and bfloat16:
 
 - greedy and seeded sampled jobs, joining at different steps and leaving at others, give the
-  eager run's tokens: identical in float32; in bfloat16 the graph runs the bucket's padded shapes
-  (more rows, a longer masked span) whose kernels can round differently, so tokens may part only
-  at a near tie (the check of tests/gpu/test_gpu_engine.py, same tolerance);
+  eager run's tokens (with graphs each step is launched before the last one's tokens are read,
+  worker/slot_decoding.py's overlap; the eager run waits for every step's tokens): identical in
+  float32; in bfloat16 the graph runs the bucket's padded shapes (more rows, a longer masked span)
+  whose kernels can round differently, so tokens may part only at a near tie (the check of
+  tests/gpu/test_gpu_engine.py, same tolerance);
 - every rows bucket (1, 2, 4, 8) is replayed, and a row's tokens do not depend on its bucket or
   slot: each job batched equals the same job alone (bucket 1, slot 0);
 - jobs that capture ride in the replayed step (worker/step_capture.py: the rings written inside
