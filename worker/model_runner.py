@@ -29,6 +29,8 @@ from worker.step_edits import EditPlan, StepEdits
 
 log = logging.getLogger(__name__)
 MIN_SPAN = 64  # the smallest positions bucket
+# (rows, span, grammar, sampler parts, captured keys, edit ops, "step" | "forward" | "sample")
+GraphKey = tuple[int, int, bool, Features, frozenset[Key], EditPlan, str]
 
 
 def bucket(n: int, most: int, least: int = 1) -> int:
@@ -49,7 +51,7 @@ class DecodeStep:
         self.graphs = graphs and batch.device.type == "cuda"
         self.rings = StepRings(model, cache.slots, batch.device)  # captures recorded inside the step
         self.edits = StepEdits(model, batch.state)  # edits applied inside the step
-        self._graphs: dict[tuple[int, int, bool, Features, frozenset[Key], EditPlan], torch.cuda.CUDAGraph] = {}
+        self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 
     def use_cache(self, cache: SlotCache) -> None:
@@ -70,18 +72,24 @@ class DecodeStep:
         full: bool = False,
         features: Features = EVERYTHING,
     ) -> None:
-        """One decoding step of slots [lo, hi) over positions [0, span) (graph-safe). With
-        `constrained`, each row samples only the tokens its row of the batch's bitmask allows;
-        `features`: the sampler's parts the rows need. Values captured at the step are written
-        by the rings' hooks, registered around it (`StepRings.recording`; hooks are host
-        bookkeeping, kept out of the step so that it compiles whole).
+        """One decoding step of slots [lo, hi) over positions [0, span) (graph-safe): `forward`
+        then `sample`. With `constrained`, each row samples only the tokens its row of the
+        batch's bitmask allows; `features`: the sampler's parts the rows need. Values captured at
+        the step are written by the rings' hooks, registered around it (`StepRings.recording`;
+        hooks are host bookkeeping, kept out of the step so that it compiles whole).
         `full`: every row sees all `span` positions (eager only, known on the host), so no mask
         is passed: the attention `generate` runs for an unpadded batch, bit for bit."""
+        self.forward(lo, hi, span, full)
+        self.sample(lo, hi, span, constrained, features)
+
+    def forward(self, lo: int, hi: int, span: int, full: bool = False) -> None:
+        """The model's pass of slots [lo, hi): each row's token at its position, its key and value
+        into its slot, its logits into the batch's logits buffer (graph-safe)."""
         b = self.batch
         part = slice(lo, hi)
         rows = hi - lo
         state = b.state[part]
-        tokens, positions, live, prompt = state[:, TOKEN], state[:, POSITION], state[:, LIVE], state[:, PROMPT]
+        tokens, positions = state[:, TOKEN], state[:, POSITION]
         self.cache.prepare(part, span, positions)
         out = self.model(
             input_ids=tokens.reshape(rows, 1),
@@ -91,8 +99,17 @@ class DecodeStep:
             use_cache=True,
             return_dict=True,
         )
+        b.logits[part].copy_(out.logits[:, -1])
+
+    def sample(self, lo: int, hi: int, span: int, constrained: bool = False, features: Features = EVERYTHING) -> None:
+        """The sampler over slots [lo, hi)'s logits (graph-safe): each row's token into `next`
+        and its history, and the row's state moved on (the step's one write of its state, last)."""
+        b = self.batch
+        part = slice(lo, hi)
+        rows = hi - lo
+        state = b.state[part]
+        tokens, positions, live, prompt = state[:, TOKEN], state[:, POSITION], state[:, LIVE], state[:, PROMPT]
         logits = b.logits[part]
-        logits.copy_(out.logits[:, -1])
         generated = positions - prompt + 1  # the fed token is the last one generated
         penalties = None
         if features.penalties:
@@ -141,24 +158,36 @@ class DecodeStep:
         keys and edit ops (recorded the first time they run); a step that captures moves the
         rings' cursor on inside the graph."""
         rows, span = self.shape()
-        self._graph(rows, span, constrained, features, capture, edits).replay()
+        self._graph((rows, span, constrained, features, capture, edits, "step")).replay()
 
-    def _graph(
-        self, rows: int, span: int, constrained: bool, features: Features, capture: frozenset[Key], edits: EditPlan
-    ) -> torch.cuda.CUDAGraph:
+    def replay_forward(self, capture: frozenset[Key] = frozenset(), edits: EditPlan = frozenset()) -> tuple[int, int]:
+        """The step's model pass alone, as its graph (a step whose sampler waits for the host: a
+        grammar's masks filled meanwhile). Returns the bucket `replay_sample` then runs."""
+        rows, span = self.shape()
+        self._graph((rows, span, False, EVERYTHING, capture, edits, "forward")).replay()
+        return rows, span
+
+    def replay_sample(self, rows: int, span: int, constrained: bool, features: Features) -> None:
+        """The sampler of the step whose model pass `replay_forward` ran, as its graph."""
+        self._graph((rows, span, constrained, features, frozenset(), frozenset(), "sample")).replay()
+
+    def _graph(self, key: GraphKey) -> torch.cuda.CUDAGraph:
         """After warm-up runs on a side stream (as capture requires; the rings are allocated
-        there), the step recorded once; graphs share one memory pool. What warm-up and capture
-        moved on is put back."""
-        key = (rows, span, constrained, features, capture, edits)
+        there), the step (or its part, `key[-1]`) recorded once; graphs share one memory pool.
+        What warm-up and capture moved on is put back."""
         graph = self._graphs.get(key)
         if graph is not None:
             return graph
+        rows, span, constrained, features, capture, edits, kind = key
         saved = self._save()
 
         def body() -> None:
-            self.decode(0, rows, span, constrained, features=features)
-            if capture:
-                self.rings.advance()
+            if kind != "sample":
+                self.forward(0, rows, span)
+                if capture:
+                    self.rings.advance()
+            if kind != "forward":
+                self.sample(0, rows, span, constrained, features)
 
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -177,7 +206,8 @@ class DecodeStep:
         self._restore(saved)
         self._graphs[key] = graph
         log.info(
-            "captured the decoding step: %d rows, %d positions, grammar %s, %s, %d captured values, %d edit ops",
+            "captured the decoding %s: %d rows, %d positions, grammar %s, %s, %d captured values, %d edit ops",
+            kind,
             rows,
             span,
             constrained,

@@ -20,7 +20,8 @@ row, which then fails alone; later batches stay at the half.
 Overlap: with graphs, a step is launched before the tokens of the step before it are read (the
 state it feeds is committed inside the step, on the device), so the device runs it while the host
 checks the last step's rows; a row found ended rode one step more, whose token and captured row
-are dropped. Only where the next step needs nothing from the host (`_may_overlap`).
+are dropped; where rows have grammars, only the next step's model pass goes ahead, and its sampler
+follows once the masks are filled from the tokens read (`_ahead`).
 """
 
 from __future__ import annotations
@@ -57,10 +58,13 @@ def row_sampling(seq: Sequence) -> RowSampling:
 @dataclass
 class Launched:
     """A decoding step launched: who each slot was (None: free) and its tokens on their way to
-    the host."""
+    the host (None: only its model pass is launched; `shape` is the slots and positions its
+    sampler then runs over)."""
 
     owners: list[Sequence | None]
-    reading: Reading
+    reading: Reading | None
+    shape: tuple[int, int] = (0, 0)
+    tabled: bool = True
 
 
 class SlotDecoder(Decoder):
@@ -190,58 +194,76 @@ class SlotDecoder(Decoder):
         """Every running row's next token; returns the rows that ended (their slots freed).
 
         With `overlap`, the step after is launched before this one's tokens are read, whenever it
-        does not depend on them (see `_may_overlap`): the device runs it while the host checks
-        this step's rows; a row found ended then rode one step more, whose token and captured row
-        are dropped. The rows a call returns are those of the step it read."""
+        does not depend on them (see `_ahead`): the device runs it while the host checks this
+        step's rows; a row found ended then rode one step more, whose token and captured row are
+        dropped. A batch with a grammar launches only the model pass of the step after; its
+        sampler follows once this step's tokens have moved the grammars on and the masks are
+        filled (the CPU fills them while the device runs the model). The rows a call returns are
+        those of the step it read."""
         if not self.rows:
             self._launched = None
             return []
         try:
             current = self._launched or self._launch()
             self._launched = None
-            ahead = self._launch() if self._may_overlap(current) else None
+            how = self._ahead(current)
+            ahead = self._launch(forward_only=how == "forward") if how is not None else None
+            assert current.reading is not None
             tokens = current.reading.tokens()
         except Exception as exc:  # noqa: BLE001 - rows that ended keep their results; the others cannot go on
-            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
-            for row in self.rows:
-                if row.ended is None:
-                    row.failure, row.ended = failure, "failed"
-            failed = list(self.rows)
-            self.reset()
-            return failed
+            return self._fail_all(exc)
         ended = self._read(current, tokens, ahead)
+        if ahead is not None and ahead.reading is None and self.rows:
+            try:
+                self._sample(ahead)
+            except Exception as exc:  # noqa: BLE001 - as a failed step
+                return ended + self._fail_all(exc)
         self._launched = ahead if self.rows else None
         return ended
 
-    def _may_overlap(self, current: Launched) -> bool:
-        """Whether the step after `current` can be launched before `current`'s tokens are read:
-        with `overlap` on, when no row's next step needs them on the host (a grammar's mask is
-        filled from the last token, log-probabilities read the logits buffer the next step
-        overwrites, the edit hooks' spans are counted from the tokens taken), and when a row may
-        go on after `current` (else the step would be wasted whole)."""
+    def _fail_all(self, exc: Exception) -> list[Sequence]:
+        """A step failed as a whole: every running row fails with it and the batch is dropped."""
+        failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+        for row in self.rows:
+            if row.ended is None:
+                row.failure, row.ended = failure, "failed"
+        failed = list(self.rows)
+        self.reset()
+        return failed
+
+    def _ahead(self, current: Launched) -> str | None:
+        """What of the step after `current` can be launched before `current`'s tokens are read,
+        with `overlap` on: the whole step ("step"); its model pass only ("forward"), when a row
+        has a grammar (its mask comes from the token being read); or nothing (None), when a row
+        has log-probabilities (the next step overwrites the logits buffer they are read from) or
+        edits the tables cannot hold (the hooks' spans count the tokens taken), or when no row
+        goes on after `current` (the step would be wasted whole)."""
         overlap = self.overlap if self.overlap is not None else self.runner is not None and self.runner.graphs
         if not overlap or self.batch is None:
-            return False
+            return None
         rows = [o for o in self.batch.owners if isinstance(o, Sequence)]  # with any that joined since
-        if any(
-            r.constraint is not None or r.scores is not None or (r.edits is not None and not fits(r.edits))
-            for r in rows
-        ):
-            return False
+        grammar = False
+        for row in rows:
+            if row.scores is not None or (row.edits is not None and not fits(row.edits)):
+                return None
+            grammar = grammar or row.constraint is not None
         stepped = {id(row) for row in current.owners if row is not None}
-        return any(r.ended is None and (id(r) not in stepped or len(r.generated) + 1 < r.max_tokens) for r in rows)
+        if not any(r.ended is None and (id(r) not in stepped or len(r.generated) + 1 < r.max_tokens) for r in rows):
+            return None
+        return "forward" if grammar else "step"
 
-    def _launch(self) -> Launched:
+    def _launch(self, forward_only: bool = False) -> Launched:
         """One decoding step of every slot in use, launched: the staged joins and leaves, the
         rows' masks and edit tables, the step (its graph, or eagerly) and the copy of its tokens
-        to the host started. Nothing waits for the device."""
+        to the host started; with `forward_only`, its model pass alone (`_sample` launches the
+        rest). Nothing waits for the device."""
         batch, runner = self.batch, self.runner
         assert batch is not None and runner is not None
         n = batch.span_rows
         owners: list[Sequence | None] = [o if isinstance(o, Sequence) else None for o in batch.owners[:n]]
         captures = [s.capture if s is not None else None for s in owners]
         keys = runner.rings.keys(captures)
-        constrained = self._masks(owners)
+        constrained = False if forward_only else self._masks(owners)
         row_edits = [s.edits if s is not None else None for s in owners]
         tabled = all(e is None or fits(e) for e in row_edits)  # else worker/edits.py's hooks, eagerly
         eager = not runner.graphs or not tabled
@@ -259,17 +281,41 @@ class SlotDecoder(Decoder):
             plan = runner.edits.plan(n)
         batch.flush()
         features = batch.sampling.features(slice(0, n))
+        stage = "forward" if forward_only else "step"
+        span = batch.span_positions()
+        shape = (n, span)
         if eager:
-            self._eager(0, n, owners, constrained, features, keys, plan, top=True)
+            self._eager(0, n, owners, constrained, features, keys, plan, top=True, stage=stage, span=span)
             if keys:
                 runner.rings.advance()
+        elif forward_only:
+            assert plan is not None
+            shape = runner.replay_forward(keys, plan)
         else:
             assert plan is not None
             runner.replay(constrained, features, keys, plan)
         if keys:
             runner.rings.stepped(captures)
+        if forward_only:
+            return Launched(owners, None, shape, tabled)
         batch.advanced()
-        return Launched(owners, batch.copy_next(n))
+        return Launched(owners, batch.copy_next(n), shape, tabled)
+
+    def _sample(self, launched: Launched) -> None:
+        """The sampler of a step whose model pass alone was launched (`_launch(forward_only=True)`),
+        with the masks of its rows' grammars as they now stand; then its tokens' copy to the host."""
+        batch, runner = self.batch, self.runner
+        assert batch is not None and runner is not None
+        owners = launched.owners  # rows that ended since are None: their token is no one's
+        rows, span = launched.shape
+        constrained = self._masks(owners)
+        features = batch.sampling.features(slice(0, rows))
+        if not runner.graphs or not launched.tabled:
+            self._eager(0, rows, owners, constrained, features, frozenset(), None, top=True, stage="sample", span=span)
+        else:
+            runner.replay_sample(rows, span, constrained, features)
+        batch.advanced()
+        launched.reading = batch.copy_next(len(owners))
 
     def _read(self, current: Launched, tokens: list[int], ahead: Launched | None) -> list[Sequence]:
         """`current`'s tokens taken by its rows; the rows that ended leave (their captured rows
@@ -329,21 +375,30 @@ class SlotDecoder(Decoder):
         keys: frozenset,
         plan: EditPlan | None,
         top: bool,
+        stage: str = "step",
+        span: int | None = None,
     ) -> None:
-        """The step of slots [lo, hi): captures to the rings (`keys`), edits from the tables
+        """The step of slots [lo, hi) (or its `stage`: "forward", the model pass; "sample", the
+        sampler over `span` positions): captures to the rings (`keys`), edits from the tables
         (`plan`) or, when a row's edits do not fit them (None), with worker/edits.py's hooks;
         out of memory, in halves (see the module)."""
         assert self.batch is not None and self.runner is not None
         part = owners[lo:hi]
-        if plan is None:
+        if plan is None and stage != "sample":
             spans = [(s.prompt_tokens + len(s.generated) - 1, 1) if s is not None else (0, 1) for s in part]
             self.edits.use([s.edits if s is not None else None for s in part], spans, 1)
-        span = self.batch.span_positions()
+        span = self.batch.span_positions() if span is None else span
         full = all(s is not None and self.batch.host_positions[lo + i] + 1 == span for i, s in enumerate(part))
         try:
-            tables = self.runner.edits.recording(plan or frozenset(), lo, hi - lo)
-            with tables, self.runner.rings.recording(keys, lo, hi - lo):
-                self.runner.decode(lo, hi, span, constrained, full, features)
+            if stage == "sample":
+                self.runner.sample(lo, hi, span, constrained, features)
+            else:
+                tables = self.runner.edits.recording(plan or frozenset(), lo, hi - lo)
+                with tables, self.runner.rings.recording(keys, lo, hi - lo):
+                    if stage == "forward":
+                        self.runner.forward(lo, hi, span, full)
+                    else:
+                        self.runner.decode(lo, hi, span, constrained, full, features)
         except Exception as exc:
             if not is_oom(exc):
                 raise
@@ -360,8 +415,8 @@ class SlotDecoder(Decoder):
         if top:
             self.most_rows = min(self.most_rows or (hi - lo), half)
             log.warning("out of memory at a step of %d slots: running it in halves; batches now at most %d", hi, half)
-        self._eager(lo, lo + half, owners, constrained, features, keys, plan, top=False)
-        self._eager(lo + half, hi, owners, constrained, features, keys, plan, top=False)
+        self._eager(lo, lo + half, owners, constrained, features, keys, plan, top=False, stage=stage, span=span)
+        self._eager(lo + half, hi, owners, constrained, features, keys, plan, top=False, stage=stage, span=span)
 
     def _after(self, owners: list[Sequence | None], tokens: list[int]) -> None:
         """Each running row's log-probabilities (from the step's logits, one transfer) and its

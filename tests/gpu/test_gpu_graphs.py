@@ -182,3 +182,46 @@ def test_editing_jobs_ride_in_the_replayed_step_and_give_the_eager_results(engin
             assert_close_to_solo(got, want, logits, TOLERANCE[dtype], str(index))
     finally:
         tb.prepare = original
+
+
+def test_grammar_jobs_replay_the_sampler_after_their_masks_and_give_the_eager_tokens(engines, dtype):
+    """Jobs with a JSON schema beside a free one: with graphs, each step's model pass goes ahead as
+    a graph of its own and the sampler's graph follows once the masks are filled from the tokens
+    just read (worker/slot_decoding.py); the replies that end validate against the schema, and in
+    float32 every job's tokens are the eager run's (bfloat16: within the near-tie check)."""
+    import json
+
+    import jsonschema
+
+    from tests.worker.test_constrained import PERSON
+
+    graphs, eager = engines
+    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
+    jobs = [
+        job(QUESTIONS[0], 96, None, response_format=schema),
+        job(QUESTIONS[1], 12, None),
+        job(QUESTIONS[2], 96, None, response_format=schema, temperature=1.0, seed=4),
+    ]
+    recorded: list[tuple] = []
+
+    def keep_keys(decoder) -> None:
+        close = decoder.close
+
+        def closing() -> None:
+            recorded.extend(decoder.runner._graphs)
+            close()
+
+        decoder.close = closing
+
+    replayed, _ = run_batched(graphs, jobs, join_at=[0, 0, 2], wrap=keep_keys)
+    eagerly, _ = run_batched(eager, jobs, join_at=[0, 0, 2])
+    kinds = {(key[-1], key[2]) for key in recorded}
+    assert ("forward", False) in kinds and ("sample", True) in kinds, kinds
+    for index, (got, want) in enumerate(zip(replayed, eagerly, strict=True)):
+        if index != 1 and got.finish_reason == "stop":
+            jsonschema.validate(json.loads(got.text), PERSON)
+        if dtype == "float32":
+            assert torch.equal(got.token_ids, want.token_ids), index
+        elif index == 1:
+            same = torch.equal(got.token_ids, want.token_ids)
+            assert_close_to_solo(got, want, None if same else _logits(eager, jobs[index]), TOLERANCE[dtype], "free")

@@ -461,14 +461,14 @@ def test_with_each_step_launched_before_the_last_is_read_every_job_gets_its_solo
     ]
     assert alone[3].stopped_by == "cancelled" and alone[4].finish_reason == "stop"
     ahead = []
-    may_overlap = SlotDecoder._may_overlap
+    decide = SlotDecoder._ahead
 
     def counted(self, current):
-        answer = may_overlap(self, current)
-        ahead.append(answer)
+        answer = decide(self, current)
+        ahead.append(answer == "step")
         return answer
 
-    monkeypatch.setattr(SlotDecoder, "_may_overlap", counted)
+    monkeypatch.setattr(SlotDecoder, "_ahead", counted)
 
     returned: list[Sequence] = []
 

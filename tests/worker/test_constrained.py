@@ -265,3 +265,53 @@ def test_a_grammar_that_allows_no_value_fails_the_job_rather_than_answer_nothing
         with pytest.raises(JobFailure, match="allows no value"):
             grammars.constraint(req, None)
     assert grammars.constraint(json_request("hi"), None) is not None
+
+
+def test_with_the_step_after_launched_early_grammars_hold_and_each_row_is_its_own(lm, grammars, monkeypatch):
+    """The slots' overlap (on with CUDA graphs) forced on the CPU: with grammars in the batch, only
+    the model pass of the step after is launched before the last tokens are read, and its sampler
+    follows with the masks those tokens lead to. The constrained replies parse and validate, and
+    every row's tokens (a seeded sampled JSON row among them) equal its run alone, in turn."""
+    from worker.sampling import RowSampling
+    from worker.slot_decoding import SlotDecoder
+
+    model, tokenizer = lm
+    tools = {"tools": [CALC, UNITS]}
+    specs = [
+        (json_request("Describe a pet."), None, None),
+        (request("What is 2+3?", **tools, tool_choice="required"), ToolFormat.HERMES, None),
+        (json_request("Another pet.", temperature=1.0, seed=11), None, RowSampling(temperature=1.0, seed=11)),
+        (request(FREE[0]), None, None),
+        (request(FREE[1]), None, None),
+    ]
+
+    def made(i: int) -> Sequence:
+        req, fmt, sampling = specs[i]
+        seq = sequence(lm, grammars, req, fmt)
+        seq.sampling = sampling
+        return seq
+
+    def slots(overlap: bool) -> SlotDecoder:
+        decoder = SlotDecoder(model, tokenizer, pad_id(tokenizer), 8, 0)
+        decoder.overlap = overlap
+        return decoder
+
+    stages: list[str | None] = []
+    decide = SlotDecoder._ahead
+
+    def recorded(self, current):
+        stages.append(decide(self, current))
+        return stages[-1]
+
+    monkeypatch.setattr(SlotDecoder, "_ahead", recorded)
+    batched = [made(i) for i in range(len(specs))]
+    decode(slots(True), batched, join_at=[0, 0, 2, 1, 3])
+    # while grammars ran, the model pass went ahead; once only free rows were left, whole steps
+    assert stages.count("forward") >= 10 and stages[-2] == "step", stages
+    assert_person(lm, batched[0])
+    assert_calls(lm, batched[1], ToolFormat.HERMES, {"calculator", "convert"})
+    assert_person(lm, batched[2])
+    for i, seq in enumerate(batched):
+        alone = made(i)
+        decode(slots(False), [alone], join_at=[0])
+        assert seq.generated == alone.generated, i
