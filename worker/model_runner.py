@@ -50,7 +50,7 @@ class DecodeStep:
         self.dtype = next(model.parameters()).dtype
         self.graphs = graphs and batch.device.type == "cuda"
         self.rings = StepRings(model, cache.slots, batch.device)  # captures recorded inside the step
-        self.edits = StepEdits(model, batch.state)  # edits applied inside the step
+        self.edits = StepEdits(model, batch.state, batch.history.shape[1])  # edits applied inside the step
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 
@@ -60,6 +60,7 @@ class DecodeStep:
         self.batch.grow(cache.slot_tokens)
         self.cache = cache
         self.rings.grown(cache.slots)
+        self.edits.grown(cache.slot_tokens)
         self._graphs.clear()
         self._pool = None  # a pool whose graphs are all gone cannot take another capture
 

@@ -11,8 +11,8 @@ A step runs as its bucket's CUDA graph when the model is on a GPU. A row's captu
 recorded inside the step, graph or not (worker/step_capture.py: device rings, handed over to the
 capture writer thread every half ring, when a capturing row leaves and before the slots grow: the
 loop never waits for the jobs' rows), and so are its
-edits (worker/step_edits.py: per-slot tables). A batch with a gated edit or a patch runs its
-steps eagerly with the hooks of worker/edits.py over the slots [0, rows) (a free slot is a row
+edits (worker/step_edits.py: per-slot tables, gated edits included). A batch with a patch runs
+its steps eagerly with the hooks of worker/edits.py over the slots [0, rows) (a free slot is a row
 that edits nothing). Out of memory in an eager step, the slots run in halves (what
 the failed pass wrote is written again: each row writes only its own position), down to one
 row, which then fails alone; later batches stay at the half.
@@ -340,6 +340,15 @@ class SlotDecoder(Decoder):
                 leaving.failure, leaving.ended = leaving.capture.failure, "failed"
             if ahead is not None and slot < len(ahead.owners):
                 ahead.owners[slot] = None  # its token from the step ahead is no one's
+            if (
+                leaving.failure is None
+                and leaving.edits is not None
+                and any(e.gate is not None for e in leaving.edits.edits)
+            ):
+                try:  # where its gates fired at its steps (their report): read once, as it leaves
+                    self.runner.edits.collect(slot, leaving.edits, leaving.prompt_tokens, len(leaving.generated))
+                except Exception as exc:  # noqa: BLE001 - that row's failure, never the batch's
+                    leaving.failure, leaving.ended = unexpected_failure(exc), "failed"
             self.batch.leave(slot)
             ended.append(leaving)
         self.rows = [row for row in self.rows if row.ended is None]

@@ -12,8 +12,15 @@ groups, in the same order and dtype, so a row's values are what its eager step g
 joins writes its rows of the tables in place (`sync`); one that leaves sets its kind back to 0.
 Tables have a row per slot of the batch (its most slots) and are never rebuilt.
 
-Gated edits (`when`), patches and edits over more than SPANS intervals are not in tables: a batch
-with any of them runs its steps eagerly with worker/edits.py (`fits`).
+A gated edit (`when`) is in the tables too: its probe and its bias and threshold (signed, so
+that "below" is "above" of the negated score) per slot, and its op's code has the GATED bit; the
+step computes each gated row's score from the incoming value and applies the op where it passes,
+as worker/edits.py does. Where it fired is written, per slot, at the position the row fed (a
+`[slots, positions]` flag table), and read once when the row leaves (`collect`): the counts its
+report gives per step.
+
+Patches and edits over more than SPANS intervals are not in tables: a batch with any of them runs
+its steps eagerly with worker/edits.py (`fits`).
 """
 
 from __future__ import annotations
@@ -32,19 +39,25 @@ from worker.input_batch import POSITION
 Key = tuple[str, str]  # (module path, hook)
 SPANS = 4  # position intervals an edit in a table may have
 KINDS = {"add": 1, "add_norm": 2, "scale": 3, "zero": 4, "project_out": 5}
+GATED = 8  # added to a gated edit's kind code
 NEVER = (0, 0)  # an empty interval
-EditPlan = frozenset[tuple[Key, int, int]]  # (key, depth, kind) of each op a step applies
+EditPlan = frozenset[tuple[Key, int, int]]  # (key, depth, kind code) of each op a step applies
 
 
 def fits(edits: JobEdits) -> bool:
     """Whether a job's edits can live in the tables (see the module)."""
-    return all(e.gate is None and e.kind in KINDS and len(e.spans) <= SPANS for e in edits.edits)
+    return all(e.kind in KINDS and len(e.spans) <= SPANS for e in edits.edits)
+
+
+def code(edit: RowEdit) -> int:
+    """The table's code of an edit's op: its kind, plus GATED for a gated one."""
+    return KINDS[edit.kind] + (GATED if edit.gate is not None else 0)
 
 
 class _Table:
     """One depth of one (module, hook): per slot, its op and parameters."""
 
-    def __init__(self, slots: int, width: int, device: torch.device) -> None:
+    def __init__(self, slots: int, width: int, positions: int, device: torch.device) -> None:
         self.width = width
         self.kind = torch.zeros(slots, dtype=torch.int64, device=device)
         self.spans = torch.zeros((slots, SPANS, 2), dtype=torch.int64, device=device)
@@ -53,6 +66,9 @@ class _Table:
         self.factor = torch.ones((slots, width), dtype=torch.float32, device=device)
         self.zeroed = torch.zeros((slots, width), dtype=torch.bool, device=device)
         self.value = torch.zeros((slots, 1), dtype=torch.float32, device=device)
+        self.probe = torch.zeros((slots, width), dtype=torch.float32, device=device)  # gated: signed probe
+        self.gate = torch.zeros((slots, 2), dtype=torch.float32, device=device)  # gated: signed bias, threshold
+        self.fired = torch.zeros((slots, positions), dtype=torch.bool, device=device)  # gated: by fed position
         self.kinds = [0] * slots  # the host's copy of `kind`
 
     def set_row(self, slot: int, edit: RowEdit) -> None:
@@ -70,8 +86,20 @@ class _Table:
         if kind == "zero":
             assert edit.zeroed is not None
             self.zeroed[slot].copy_(edit.zeroed)
-        self.kind[slot] = KINDS[kind]
-        self.kinds[slot] = KINDS[kind]
+        if edit.gate is not None:
+            probe, bias, threshold, sign = edit.gate
+            self.probe[slot].copy_(probe * sign)
+            self.gate[slot].copy_(torch.tensor([bias * sign, threshold * sign], dtype=torch.float32))
+        self.fired[slot].zero_()  # a step run with the eager hooks writes no flag: it counts 0 here
+        self.kind[slot] = code(edit)
+        self.kinds[slot] = code(edit)
+
+    def grown(self, positions: int) -> None:
+        """Longer slots: a longer flag table (a new tensor, the old flags kept)."""
+        if positions > self.fired.shape[1]:
+            fired = self.fired.new_zeros(self.fired.shape[0], positions)
+            fired[:, : self.fired.shape[1]].copy_(self.fired)
+            self.fired = fired
 
     def clear_row(self, slot: int) -> None:
         if self.kinds[slot]:
@@ -82,9 +110,10 @@ class _Table:
 class StepEdits:
     """The edit tables of one persistent batch of `slots` slots (see the module)."""
 
-    def __init__(self, model: torch.nn.Module, state: torch.Tensor) -> None:
+    def __init__(self, model: torch.nn.Module, state: torch.Tensor, positions: int) -> None:
         self.model, self.slots = model, int(state.shape[0])
         self.state = state  # the batch's [slots, 4] state: column POSITION, what each slot feeds next
+        self.positions = positions  # a slot's positions (the gated edits' flags)
         self.tables: dict[Key, list[_Table]] = {}
         self._rows: list[Any] = [None] * self.slots  # weakref to each slot's JobEdits (None: no edits)
 
@@ -110,8 +139,25 @@ class StepEdits:
         while len(layers) <= depth:
             like = edit.vector if edit.vector is not None else edit.factor if edit.factor is not None else edit.zeroed
             assert like is not None
-            layers.append(_Table(self.slots, int(like.shape[0]), self.state.device))
+            layers.append(_Table(self.slots, int(like.shape[0]), self.positions, self.state.device))
         return layers[depth]
+
+    def grown(self, positions: int) -> None:
+        """Longer slots (the graphs, which read the old flag tables, are dropped with them)."""
+        self.positions = max(self.positions, positions)
+        for layers in self.tables.values():
+            for table in layers:
+                table.grown(self.positions)
+
+    def collect(self, slot: int, edits: JobEdits, prompt_tokens: int, steps: int) -> None:
+        """A leaving row's gated edits: where each fired at its decoding steps 1..steps-1 (step k
+        fed position prompt_tokens - 1 + k), read once, into the edit's `fired` (its report)."""
+        for key, key_edits in edits.by_key.items():
+            for depth, edit in enumerate(key_edits):
+                if edit.gate is None or steps < 2:
+                    continue
+                flags = self.tables[key][depth].fired[slot, prompt_tokens : prompt_tokens + steps - 1].cpu()
+                edit.fired.extend((k, flags, k - 1) for k in range(1, steps))
 
     def plan(self, rows: int) -> EditPlan:
         """(key, depth, kind) of every op a slot in [0, rows) takes: what a step's graph holds."""
@@ -176,14 +222,26 @@ class StepEdits:
         x = value.reshape(rows, 1, -1)
         part = slice(lo, lo + rows)
         position = self.state[part, POSITION].reshape(rows, 1)
+        by_depth: dict[int, list[int]] = {}
         for depth, kind in ops:
+            by_depth.setdefault(depth, []).append(kind)
+        for depth, kinds in sorted(by_depth.items()):
             table = self.tables[key][depth]
             if x.shape[2] != table.width:
                 raise JobFailure(f"{key[0]}: {x.shape[2]} features, the edit has {table.width}")
             spans = table.spans[part]
             inside = ((spans[:, :, 0] <= position) & (position < spans[:, :, 1])).any(-1)
-            where = (inside & (table.kind[part] == kind)).reshape(rows, 1, 1)
-            x = torch.where(where, self._edited(table, kind, x, part), x)
+            fired = None
+            for kind in kinds:
+                where = (inside & (table.kind[part] == kind)).reshape(rows, 1, 1)
+                if kind & GATED:  # worker/edits.py's gate: signed score against signed threshold
+                    gate = table.gate[part].unsqueeze(1)
+                    score = (x.to(torch.float32) * table.probe[part].unsqueeze(1)).sum(-1, keepdim=True)
+                    where = where & (score + gate[..., 0:1] > gate[..., 1:2])
+                    fired = where if fired is None else fired | where
+                x = torch.where(where, self._edited(table, kind & ~GATED, x, part), x)
+            if fired is not None:  # each row's flag at the position it fed (a row's own op wrote it)
+                table.fired[part].scatter_(1, position, fired.reshape(rows, 1))
         return x.reshape(value.shape)
 
     @staticmethod

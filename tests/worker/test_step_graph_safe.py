@@ -14,6 +14,7 @@ from worker.input_batch import InputBatch
 from worker.model_runner import DecodeStep
 from worker.sampling import RowSampling
 from worker.slots import SlotCache
+from worker.step_edits import GATED
 
 pytestmark = pytest.mark.model
 
@@ -250,7 +251,8 @@ def assert_compiles_as_eager(eager: DecodeStep, compiled_step: DecodeStep, keys,
 def row_edits(width: int, start: int = 45, skip: int = 43):
     """Three rows' edits, every kind the tables hold: an add at every position and a normalized
     add from position `start` at one block; a scale of some features (not at position `skip`)
-    and a zero; a project_out at an attention's input (row 2 takes none)."""
+    and a zero; a project_out at an attention's input; an add gated on a probe's score at the
+    first block (row 2 takes none)."""
     from worker.edits import JobEdits, RowEdit
 
     generator = torch.Generator().manual_seed(0)
@@ -281,6 +283,7 @@ def row_edits(width: int, start: int = 45, skip: int = 43):
             ),
             RowEdit(1, "model.layers.2", "output", "zero", [(0, 1000)], zeroed=~chosen),
             RowEdit(2, "model.layers.0.self_attn", "input", "project_out", [(0, 1000)], vector=unit, value=1.0),
+            RowEdit(3, "model.layers.0", "output", "add", [(0, 1000)], vector=vector(), gate=(vector(), 0.1, 0.0, 1.0)),
         ],
         40,
     )
@@ -301,7 +304,7 @@ def test_a_step_that_edits_and_captures_compiles_whole_and_reads_nothing_back(ti
         for step in (eager, compiled_step):
             step.edits.sync(edits)
         plan = eager.edits.plan(3)
-        assert {kind for _, _, kind in plan} == {1, 2, 3, 4, 5}
+        assert {kind for _, _, kind in plan} == {1, 2, 3, 4, 5, 1 + GATED}
         assert_compiles_as_eager(eager, compiled_step, keys, plan, rows=8)
 
 
@@ -321,6 +324,7 @@ def test_the_edit_tables_give_each_row_what_the_edit_hooks_give(tiny) -> None:
         edits = row_edits(model.config.hidden_size, start=first + 3, skip=second + 2)
         tables.edits.sync(edits)
         plan = tables.edits.plan(3)
+        assert (("model.layers.0", "output"), 0, 1 + GATED) in plan
         batch_edits = BatchEdits(model)
         for at in range(8):
             tables.batch.flush()
@@ -340,6 +344,11 @@ def test_the_edit_tables_give_each_row_what_the_edit_hooks_give(tiny) -> None:
                 a, b = tables.rings.rings[key][at, :3], hooks.rings.rings[key][at, :3]
                 assert torch.equal(a, b), (at, key, (a - b).abs().amax(-1).tolist())
             assert torch.equal(tables.batch.state, hooks.batch.state), at
+    # where the gate fired: the tables' flags at the positions row 1 fed, the hooks' masks per step
+    gated = edits[1].by_key[("model.layers.0", "output")][0]
+    eager_fired = [int(where[row].sum()) for _, where, row in gated.fired]
+    flags = tables.edits.tables[("model.layers.0", "output")][0].fired[1, second : second + 8]
+    assert flags.tolist() == [bool(n) for n in eager_fired] and 0 < sum(eager_fired) < 8, eager_fired
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
