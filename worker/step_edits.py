@@ -19,8 +19,9 @@ as worker/edits.py does. Where it fired is written, per slot, at the position th
 `[slots, positions]` flag table), and read once when the row leaves (`collect`): the counts its
 report gives per step.
 
-Patches and edits over more than SPANS intervals are not in tables: a batch with any of them runs
-its steps eagerly with worker/edits.py (`fits`).
+An edit that applies only to prompt positions is no decoding step's: it is not in the tables. A
+patch that reaches decoding positions, or an edit over more than SPANS intervals, is not in
+tables: a batch with any of them runs its steps eagerly with worker/edits.py (`fits`).
 """
 
 from __future__ import annotations
@@ -45,8 +46,14 @@ EditPlan = frozenset[tuple[Key, int, int]]  # (key, depth, kind code) of each op
 
 
 def fits(edits: JobEdits) -> bool:
-    """Whether a job's edits can live in the tables (see the module)."""
-    return all(e.kind in KINDS and len(e.spans) <= SPANS for e in edits.edits)
+    """Whether a job's edits can live in the tables (see the module): those that reach a decoding
+    step can (a patch of prompt positions, the usual one, never does)."""
+    return all(e.kind in KINDS and len(e.spans) <= SPANS for e in edits.edits if decodes(e, edits.prompt_tokens))
+
+
+def decodes(edit: RowEdit, prompt_tokens: int) -> bool:
+    """Whether an edit applies at any decoding step (they feed positions from `prompt_tokens` on)."""
+    return any(hi > prompt_tokens for _, hi in edit.spans)
 
 
 def code(edit: RowEdit) -> int:
@@ -132,7 +139,8 @@ class StepEdits:
             if edits is not None:
                 for key, key_edits in edits.by_key.items():
                     for depth, edit in enumerate(key_edits):
-                        self._table(key, depth, edit).set_row(slot, edit)
+                        if decodes(edit, edits.prompt_tokens):
+                            self._table(key, depth, edit).set_row(slot, edit)
 
     def _table(self, key: Key, depth: int, edit: RowEdit) -> _Table:
         layers = self.tables.setdefault(key, [])
@@ -154,7 +162,7 @@ class StepEdits:
         fed position prompt_tokens - 1 + k), read once, into the edit's `fired` (its report)."""
         for key, key_edits in edits.by_key.items():
             for depth, edit in enumerate(key_edits):
-                if edit.gate is None or steps < 2:
+                if edit.gate is None or steps < 2 or not decodes(edit, edits.prompt_tokens):
                     continue
                 flags = self.tables[key][depth].fired[slot, prompt_tokens : prompt_tokens + steps - 1].cpu()
                 edit.fired.extend((k, flags, k - 1) for k in range(1, steps))

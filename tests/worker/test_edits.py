@@ -231,6 +231,49 @@ def test_a_patch_copies_the_source_rows_at_its_positions(served):
         run(served, request(MESSAGES, [far], None), 40, Stored(0, rows[:3]))
 
 
+def test_a_patch_of_prompt_positions_leaves_the_decoding_steps_to_the_tables(served, monkeypatch):
+    """A patch applies at prompt positions only, so no decoding step has it: the steps run from the
+    edit tables (replayable), none with the eager hooks, and the job equals the reference hooks'
+    run. A patch that reaches a decoding position cannot be in the tables."""
+    from worker.edits import JobEdits, RowEdit
+    from worker.slot_decoding import SlotDecoder
+    from worker.step_edits import fits
+
+    plans: list[object] = []
+    eager = SlotDecoder._eager
+
+    def spy(self, lo, hi, owners, constrained, features, keys, plan, top, **kwargs):
+        plans.append(plan)
+        return eager(self, lo, hi, owners, constrained, features, keys, plan, top, **kwargs)
+
+    monkeypatch.setattr(SlotDecoder, "_eager", spy)
+    width = served.info.hidden_size
+    capture = {"modules": ["model.layers.1"], "positions": "all"}
+    source = run(served, request(OTHER, None, capture), 4)
+    rows = source.captured[0].tensor.numpy()
+    prompt = run(served, request(MESSAGES, None, None), 1).prompt_tokens
+    plans.clear()
+    patch = {
+        "module": "model.layers.1",
+        "op": "patch",
+        "source": {"job": "0" * 8 + "-0000-4000-8000-" + "0" * 12, "tensor": "model.layers.1"},
+        "positions": {"prompt": ["-2:"]},
+    }
+    steer = {"module": "model.layers.2", "op": "add", "vector": vector(width, 30), "coeff": 2.0}
+    chosen = selected({"prompt": ["-2:"]}, prompt, 6)
+    refs = [
+        ("model.layers.1", "output", ref.patch(torch.from_numpy(rows), 0, chosen)),
+        ("model.layers.2", "output", ref.add(torch.tensor(steer["vector"]), 2.0, set(range(10_000)))),
+    ]
+    got, _ = compare(served, request(MESSAGES, [patch, steer], capture), 6, refs, ["model.layers.1"], Stored(0, rows))
+    assert got.interventions[0].applied[0] == 2 and sum(got.interventions[0].applied[1:]) == 0
+    assert len(plans) == 5 and all(plan for plan in plans), plans  # 5 decoding steps, each from the tables
+    unit = torch.zeros(width)
+    reaching = RowEdit(0, "model.layers.1", "output", "patch", [(prompt - 2, prompt + 1)], patch_rows=unit[None])
+    assert fits(JobEdits([RowEdit(0, "model.layers.1", "output", "patch", [(prompt - 2, prompt)])], prompt))
+    assert not fits(JobEdits([reaching], prompt))
+
+
 def run_edit_batch(served, questions, edit_sets, capture):
     """Each (question, edits) as a job of 10 tokens, joining at steps 0, 0, 2, 3, 3 of one batch
     (tests/worker/test_batching.py's run_batched, its jobs prepared with their edits): the jobs,
