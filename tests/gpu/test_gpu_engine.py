@@ -161,21 +161,27 @@ def test_a_model_placed_by_device_map_auto_captures_exactly(tiny_dir, dtype, tmp
 
 def test_a_decoding_step_at_batch_8_with_captures_reads_the_device_at_most_twice(served, monkeypatch):
     """Prompts of different lengths capturing at generated positions; 64 steps, so the rings are
-    handed over four times (every half ring) inside the count: the loop's thread synchronizes no
-    stream and no event (the capture writer thread waits for the copies)."""
+    handed over four times (every half ring) inside the count: the loop's thread waits for no
+    stream (the tokens' one event per step aside; the capture writer thread waits for the copies)."""
     import threading
 
     waits: list[object] = []
     loop = threading.get_ident()
-    for kind in (torch.cuda.Stream, torch.cuda.Event):
-        original = kind.synchronize
+    original = torch.cuda.Stream.synchronize
 
-        def counted(self, original=original):
-            if threading.get_ident() == loop:
-                waits.append(self)
-            return original(self)
+    def counted(self):
+        if threading.get_ident() == loop:
+            waits.append(self)
+        return original(self)
 
-        monkeypatch.setattr(kind, "synchronize", counted)
+    monkeypatch.setattr(torch.cuda.Stream, "synchronize", counted)
+    synchronize = torch.cuda.synchronize
+
+    def device_wide(device=None):
+        waits.append(device)
+        return synchronize(device)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
     steps = 64
     capture = {**CAPTURE, "positions": "generated"}
     seqs = [prepare(served, *job(QUESTIONS[i % len(QUESTIONS)], steps + 4, capture)) for i in range(8)]
