@@ -123,27 +123,29 @@ def test_an_exception_that_escapes_the_engine_thread_restarts_the_engine_and_its
         "ENGINE_FAULT_ONCE": str(marker),
     }
     worker = live.start_worker("tiny-watch", env)
-    body = {
-        "model": "tiny-watch",
-        "messages": [{"role": "user", "content": "Tell me a story."}],
-        "max_tokens": 40,
-        "capture": {"modules": ["model.layers.{0,3}"], "positions": "generated"},
-    }
-    with live.client() as http:
-        ids = [live.submit(http, body) for _ in range(4)]
-        jobs = [live.wait(http, job_id, timeout=300) for job_id in ids]
-    assert marker.exists(), "the fault was never armed"
-    assert all(j["status"] == "succeeded" for j in jobs), [(j["id"], j["status"], j["error"]) for j in jobs]
-    assert any(j["attempts"] == 2 for j in jobs), [j["attempts"] for j in jobs]  # the batch that died ran again
-    assert all(j["attempts"] <= 2 for j in jobs)
-    for job in jobs:
-        folder = live.storage_dir / "jobs" / job["id"]
-        assert sorted(p.name for p in folder.iterdir()) == ["activations.safetensors", "manifest.json"]
-    log = live.log_tail("worker-tiny-watch", 1_000_000)
-    assert "the engine thread died (RuntimeError: injected: a bug outside every guarded call)" in log
-    served = re.findall(r"serving tiny-watch \(.*\) as (\S+)", log)
-    assert len(served) == 2 and served[0] != served[1], served  # a second engine process took over
-    live_ids = ModelRegistry(redis_client, heartbeat_ttl=60).live_workers("tiny-watch")
-    assert served[0] not in live_ids and served[1] in live_ids, (served, live_ids)  # no heartbeat TTL to wait out
-    assert worker.poll() is None, "the worker itself stays up"
-    live.stop_process("worker-tiny-watch")
+    try:
+        body = {
+            "model": "tiny-watch",
+            "messages": [{"role": "user", "content": "Tell me a story."}],
+            "max_tokens": 40,
+            "capture": {"modules": ["model.layers.{0,3}"], "positions": "generated"},
+        }
+        with live.client() as http:
+            ids = [live.submit(http, body) for _ in range(4)]
+            jobs = [live.wait(http, job_id, timeout=300) for job_id in ids]
+        assert marker.exists(), "the fault was never armed"
+        assert all(j["status"] == "succeeded" for j in jobs), [(j["id"], j["status"], j["error"]) for j in jobs]
+        assert any(j["attempts"] == 2 for j in jobs), [j["attempts"] for j in jobs]  # the batch that died ran again
+        assert all(j["attempts"] <= 2 for j in jobs)
+        for job in jobs:
+            folder = live.storage_dir / "jobs" / job["id"]
+            assert sorted(p.name for p in folder.iterdir()) == ["activations.safetensors", "manifest.json"]
+        log = live.log_tail("worker-tiny-watch", 1_000_000)
+        assert "the engine thread died (RuntimeError: injected: a bug outside every guarded call)" in log
+        served = re.findall(r"serving tiny-watch \(.*\) as (\S+)", log)
+        assert len(served) == 2 and served[0] != served[1], served  # a second engine process took over
+        live_ids = ModelRegistry(redis_client, heartbeat_ttl=60).live_workers("tiny-watch")
+        assert served[0] not in live_ids and served[1] in live_ids, (served, live_ids)  # no heartbeat TTL to wait out
+        assert worker.poll() is None, "the worker itself stays up"
+    finally:  # a failure here must not leave a dead worker for the stack's later tests
+        live.stop_process("worker-tiny-watch")

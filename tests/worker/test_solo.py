@@ -67,7 +67,7 @@ def prepare(served, req: JobRequest, max_tokens: int = NEW_TOKENS, watch=None) -
 
 
 def through_scheduler(served, seqs: list[Sequence], **options) -> tuple[list[object], Any]:
-    """Every sequence submitted at once to an engine thread (a `Scheduler` asked for batches of
+    """Every sequence submitted at once to an engine thread (an `EngineCore` asked for batches of
     4 unless told otherwise); returns each one's outcome (its ended sequence or its failure) and
     the scheduler (its step statistics)."""
     from worker.engine_core import EngineCore

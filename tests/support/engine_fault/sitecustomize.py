@@ -1,6 +1,6 @@
 """Test-only fault (tests/e2e/test_faults.py): put this folder on a worker's PYTHONPATH with
 ENGINE_FAULT_ONCE=<a path that does not exist>, and the first engine process to load
-worker.scheduler creates that file and has its engine thread raise from outside every guarded
+worker.engine_core creates that file and has its engine thread raise from outside every guarded
 call at the fifth turn of its loop with a batch running: the bug the watchdog exists for. Engine
 processes started later find the file and run normally. Nothing outside the tests imports this."""
 
@@ -20,8 +20,8 @@ def _arm(module: object) -> None:
         os.close(os.open(MARKER or "", os.O_CREAT | os.O_EXCL | os.O_WRONLY))  # the first engine only
     except FileExistsError:
         return
-    scheduler = module.Scheduler  # type: ignore[attr-defined]
-    tick = scheduler.tick
+    core = module.EngineCore  # type: ignore[attr-defined]
+    tick = core.tick
     turns = [0]
 
     def failing(self: object, decoder: object) -> None:
@@ -31,12 +31,12 @@ def _arm(module: object) -> None:
                 raise RuntimeError("injected: a bug outside every guarded call")
         tick(self, decoder)
 
-    scheduler.tick = failing
+    core.tick = failing
 
 
 class _ArmOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
-        if name != "worker.scheduler":
+        if name != "worker.engine_core":
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:
