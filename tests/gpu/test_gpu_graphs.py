@@ -52,6 +52,22 @@ def requests(specs):
     return [job(question, n, None, **fields) for question, n, fields in specs]
 
 
+def graph_keys(recorded: list[tuple]):
+    """A `run_batched` wrap that adds to `recorded` the keys of the graphs its decoder recorded,
+    read as the decoder closes."""
+
+    def keep_keys(decoder) -> None:
+        close = decoder.close
+
+        def closing() -> None:
+            recorded.extend(decoder.runner._graphs)
+            close()
+
+        decoder.close = closing
+
+    return keep_keys
+
+
 @pytest.mark.parametrize("specs", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 def test_graph_replay_gives_the_eager_tokens(engines, dtype, specs):
     graphs, eager = engines
@@ -111,15 +127,7 @@ def test_capturing_jobs_beside_replayed_batches_equal_forward_hooks(engines, dty
     capturing = [job(QUESTIONS[4], 8, CAPTURE), job(QUESTIONS[5], 6, {**CAPTURE, "positions": "generated"})]
     recorded: list[tuple] = []
 
-    def keep_keys(decoder) -> None:  # the graphs the decoder recorded, read before it closes
-        close = decoder.close
-
-        def closing() -> None:
-            recorded.extend(decoder.runner._graphs)
-            close()
-
-        decoder.close = closing
-
+    keep_keys = graph_keys(recorded)
     batched, _ = run_batched(graphs, plain + capturing, join_at=[0, 0, 1, 4, 6], wrap=keep_keys)
     assert any(key[4] for key in recorded), f"no graph recorded a capture: {recorded}"
     for (request, n), got in zip(capturing, batched[3:], strict=True):
@@ -158,15 +166,7 @@ def test_editing_jobs_ride_in_the_replayed_step_and_give_the_eager_results(engin
 
     recorded: list[tuple] = []
 
-    def keep_keys(decoder) -> None:
-        close = decoder.close
-
-        def closing() -> None:
-            recorded.extend(decoder.runner._graphs)
-            close()
-
-        decoder.close = closing
-
+    keep_keys = graph_keys(recorded)
     original = tb.prepare
     tb.prepare = prepare  # solo runs (the near-tie logits) prepare their jobs with the edits too
     try:
@@ -204,15 +204,7 @@ def test_grammar_jobs_replay_the_sampler_after_their_masks_and_give_the_eager_to
     ]
     recorded: list[tuple] = []
 
-    def keep_keys(decoder) -> None:
-        close = decoder.close
-
-        def closing() -> None:
-            recorded.extend(decoder.runner._graphs)
-            close()
-
-        decoder.close = closing
-
+    keep_keys = graph_keys(recorded)
     replayed, _ = run_batched(graphs, jobs, join_at=[0, 0, 2], wrap=keep_keys)
     eagerly, _ = run_batched(eager, jobs, join_at=[0, 0, 2])
     kinds = {(key[-1], key[2]) for key in recorded}
