@@ -51,6 +51,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -129,6 +130,38 @@ def static_arm(served, batch: list[list[dict[str, str]]], max_tokens: int, sync:
     return generate_arm(served, batch, max_tokens, sync, cache_implementation="static")
 
 
+@contextmanager
+def core_running(served, seqs: list, sync, each: Callable[[int, object], None]):
+    """`seqs` as jobs of an engine core in process (prefilled in one pass, as `generate` does),
+    `each(i, outcome)` called as job i ends; yields (the submission time, an event set once every
+    job has ended). The core stops on exit (after the caller's timing: stopping waits on its inbox)."""
+    from worker.engine_core import EngineCore
+    from worker.scheduler import Entry
+
+    ended = [0]
+    answered = threading.Event()
+
+    def entry(i: int) -> Entry:
+        def answer(outcome: object) -> None:
+            each(i, outcome)
+            ended[0] += 1  # the engine thread answers one job at a time
+            if ended[0] == len(seqs):
+                answered.set()
+
+        return Entry(seq=seqs[i], done=answer)
+
+    core = EngineCore(served, max_batch=len(seqs), prefill_padding=1.0)
+    sync()
+    started = time.perf_counter()
+    for i in range(len(seqs)):
+        core.submit(entry(i))
+    core.start()
+    try:
+        yield started, answered
+    finally:
+        core.stop()
+
+
 def engine_arm(
     served,
     batch: list[list[dict[str, str]]],
@@ -142,8 +175,6 @@ def engine_arm(
     from shared.capture_spec import resolve
     from shared.intervention_check import resolve as resolve_edits
     from shared.schemas import JobRequest
-    from worker.engine_core import EngineCore
-    from worker.scheduler import Entry
 
     body = {"model": "m", "capture": capture, "interventions": interventions}
     requests = [JobRequest.model_validate({**body, "messages": c}) for c in batch]
@@ -152,32 +183,14 @@ def engine_arm(
     edits = resolve_edits(requests[0].interventions, served.info, False, max_tokens) if interventions else None
     seqs = [served.prepare(request, points, max_tokens, None, edits) for request in requests]
     outcomes: dict[int, object] = {}
-    done = threading.Event()
-
-    def entry(i: int) -> Entry:
-        def answer(outcome: object) -> None:
-            outcomes[i] = outcome
-            if len(outcomes) == len(seqs):
-                done.set()
-
-        return Entry(seq=seqs[i], done=answer)
-
-    core = EngineCore(served, max_batch=len(seqs), prefill_padding=1.0)  # one prefill pass, as generate
-    sync()
-    started = time.perf_counter()
-    for i in range(len(seqs)):
-        core.submit(entry(i))
-    core.start()
-    try:
-        done.wait()
+    with core_running(served, seqs, sync, outcomes.__setitem__) as (started, answered):
+        answered.wait()
         failed = [outcome for outcome in outcomes.values() if isinstance(outcome, Exception)]
         if failed:
             raise failed[0]
         results = [served.finish(outcomes[i], request) for i, request in enumerate(requests)]
         sync()
         elapsed = time.perf_counter() - started
-    finally:
-        core.stop()
     if any(len(result.captured) != len(points) for result in results):
         raise RuntimeError("a job came back without its captured tensors")
     return elapsed, sum(result.completion_tokens for result in results)
@@ -194,8 +207,6 @@ def storage(served, prompts, max_tokens: int, dtype: str, sync, folder: Path, wr
     from shared.schemas import JobRequest
     from shared.storage import LocalStore
     from worker.artifacts import write_activations
-    from worker.engine_core import EngineCore
-    from worker.scheduler import Entry
 
     capture = {"preset": "residual", "positions": "generated", "dtype": dtype}
     requests = [JobRequest.model_validate({"model": "m", "capture": capture, "messages": c}) for c in prompts]
@@ -204,7 +215,6 @@ def storage(served, prompts, max_tokens: int, dtype: str, sync, folder: Path, wr
     store = LocalStore(folder / "store")
     written: list[int] = []
     lock = threading.Lock()
-    pool = ThreadPoolExecutor(writers, thread_name_prefix="bench-writer")
     futures = []
 
     def write(i: int, outcome) -> None:
@@ -213,24 +223,15 @@ def storage(served, prompts, max_tokens: int, dtype: str, sync, folder: Path, wr
         with lock:
             written.append(sum(c.tensor.numel() * c.tensor.element_size() for c in generation.captured))
 
-    def entry(i: int) -> Entry:
-        return Entry(seq=seqs[i], done=lambda outcome: futures.append(pool.submit(write, i, outcome)))
-
-    core = EngineCore(served, max_batch=len(seqs), prefill_padding=1.0)
-    sync()
-    started = time.perf_counter()
-    for i in range(len(seqs)):
-        core.submit(entry(i))
-    core.start()
-    try:
-        while len(futures) < len(seqs):
-            time.sleep(0.001)
-        for future in list(futures):
-            future.result()
-        elapsed = time.perf_counter() - started
-    finally:
-        core.stop()
-        pool.shutdown()
+    with ThreadPoolExecutor(writers, thread_name_prefix="bench-writer") as pool:
+        with core_running(served, seqs, sync, lambda i, o: futures.append(pool.submit(write, i, o))) as (
+            started,
+            answered,
+        ):
+            answered.wait()
+            for future in futures:
+                future.result()
+            elapsed = time.perf_counter() - started
     total = sum(written)
     block = os.urandom(8 << 20)
     raw = folder / "sequential.bin"
