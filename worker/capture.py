@@ -29,6 +29,7 @@ from shared.capture_spec import span
 from shared.errors import InternalError, JobFailure, OutOfMemory
 from shared.schemas import CapturePoint, ModuleInfo
 from worker.models import home_device
+from worker.row_identity import remember_all, same_all
 
 
 def first_tensor(value: object) -> torch.Tensor | None:
@@ -397,19 +398,6 @@ class JobCapture:
         return out
 
 
-def _refs(rows: list[JobCapture | None]) -> tuple[weakref.ref | None, ...]:
-    """A batch remembered without keeping its captures alive (a finished job's buffers are freed)."""
-    return tuple(None if capture is None else weakref.ref(capture) for capture in rows)
-
-
-def _same(refs: tuple[weakref.ref | None, ...], rows: list[JobCapture | None]) -> bool:
-    """Whether `rows` is the batch `refs` remembers: the same objects (never only the same ids,
-    which a new capture may reuse), in the same order."""
-    return len(refs) == len(rows) and all(
-        capture is None if ref is None else ref() is capture for ref, capture in zip(refs, rows, strict=True)
-    )
-
-
 def split_rows(value: torch.Tensor | None, batch: int) -> list[torch.Tensor | None]:
     """A module's value for a batch of `batch` sequences, as each sequence's `[S, W]` rows:
     `[B, S, H]` and `[B, S, heads, D]` split on the batch dim; a 2-D `[B * S, H]` (OPT's MLP and
@@ -498,9 +486,9 @@ class BatchHooks:
         # a job whose staged rows did not fit (in `settle`) has failed already: the pass says so too
         self.failures = {i: c.failure for i, c in enumerate(rows) if c is not None and c.failure is not None}
         self._written = []
-        if not _same(self._wanted_for, rows):  # the same batch as the last pass (most steps): the same keys
+        if not same_all(self._wanted_for, rows):  # the same batch as the last pass (most steps): the same keys
             self._wanted = {key for capture in rows if capture is not None for key in capture.wanted}
-            self._wanted_for = _refs(rows)
+            self._wanted_for = remember_all(rows)
         wanted = self._wanted
         for key in list(self._handles):
             if key not in wanted:
@@ -536,7 +524,9 @@ class BatchHooks:
         if not any(r.count for r in self._rings.values()):
             return
         known = len(self._rings_for)
-        if _same(self._rings_for, rows[:known]) and (len(rows) == known or (decoding and self._room_for(rows[known:]))):
+        if same_all(self._rings_for, rows[:known]) and (
+            len(rows) == known or (decoding and self._room_for(rows[known:]))
+        ):
             return  # the same batch, or jobs joined at its end: the staged rows stay where they are
         staged = [ref() for ref in self._rings_for if ref is not None]
         if decoding or any(c is not None and any(c is s for s in staged) for c in rows):
@@ -555,7 +545,7 @@ class BatchHooks:
         """Which rows keep each (module, hook), as a device index; rebuilt when the batch changes,
         extended when jobs joined at its end. All or nothing: the new rings are built first."""
         known = len(self._rings_for)
-        if known and _same(self._rings_for, self.rows[:known]):  # the same batch, maybe with jobs joined
+        if known and same_all(self._rings_for, self.rows[:known]):  # the same batch, maybe with jobs joined
             if known == len(self.rows) and wanted == self._rings.keys():
                 return
             self._extend(wanted, known)
@@ -565,7 +555,7 @@ class BatchHooks:
         for key in wanted:
             rows = [b for b, capture in enumerate(self.rows) if capture is not None and key in capture.wanted]
             rings[key] = _Ring(rows, torch.tensor(rows, dtype=torch.long, device=device))
-        self._rings, self._rings_for = rings, _refs(self.rows)
+        self._rings, self._rings_for = rings, remember_all(self.rows)
 
     def _extend(self, wanted: set[tuple[str, str]], known: int) -> None:
         """Jobs joined at the end of the batch: their rows become new targets of the rings (their
@@ -599,7 +589,7 @@ class BatchHooks:
             ring = self._rings.pop(key)
             if ring.count:
                 self._drain_ring(key, ring, {})
-        self._rings_for = _refs(self.rows)
+        self._rings_for = remember_all(self.rows)
 
     def _dispatch(self, key: tuple[str, str], value: torch.Tensor | None) -> None:
         if self.decoding:
@@ -650,7 +640,7 @@ class BatchHooks:
         rings hold another batch's steps, everything); returns the failures (by id of the job's
         capture) of those whose rows did not fit, also recorded in `failures` for the current
         batch."""
-        if only is not None and not _same(self._rings_for, batch or []):
+        if only is not None and not same_all(self._rings_for, batch or []):
             only = None
         failed: dict[int, JobFailure] = {}
         for key, ring in self._rings.items():
@@ -665,7 +655,7 @@ class BatchHooks:
         """The running batch (its captures `batch`) becomes its rows `keep`, in that order (the
         others' steps were drained): the staged steps of the rows kept move with them, one copy
         per ring instead of one per job and point. All or nothing: on failure nothing changed."""
-        same = _same(self._rings_for, batch)
+        same = same_all(self._rings_for, batch)
         if not same or not any(ring.count for ring in self._rings.values()):
             self.drain()  # staged steps of another batch (halves after running out of memory), or none
             self._rings, self._rings_for, self._wanted_for = {}, (), ()
@@ -686,7 +676,7 @@ class BatchHooks:
             ring.since = [ring.since[at] for at in kept]
             ring.targets, ring.where, ring.buffer = targets, where, buffer
         self.rows = [batch[i] for i in keep]
-        self._rings_for, self._wanted_for = _refs(self.rows), ()
+        self._rings_for, self._wanted_for = remember_all(self.rows), ()
 
     def _drain_ring(
         self, key: tuple[str, str], ring: _Ring, failed: dict[int, JobFailure], only: set[int] | None = None

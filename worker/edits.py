@@ -28,6 +28,7 @@ import torch
 from shared.errors import JobFailure
 from shared.interventions import EditReport, Intervention, intervals
 from worker.capture import first_input
+from worker.row_identity import remember_all, same_all
 
 Key = tuple[str, str]  # (module path, hook)
 # Kinds whose decoding step folds the mask into its parameters: exact for a row that takes no
@@ -239,16 +240,6 @@ class _Pass:
     width: int
 
 
-def _refs(rows: list[JobEdits | None]) -> tuple[weakref.ref | None, ...]:
-    return tuple(None if r is None else weakref.ref(r) for r in rows)
-
-
-def _same(refs: tuple[weakref.ref | None, ...], rows: list[JobEdits | None]) -> bool:
-    return len(refs) == len(rows) and all(
-        r is None if ref is None else ref() is r for ref, r in zip(refs, rows, strict=True)
-    )
-
-
 class BatchEdits:
     """The edit hooks of the running batch. `use` before each forward pass (with each row's
     positions), `flush` after it succeeded; a batch with no edits costs nothing (no hook)."""
@@ -276,10 +267,10 @@ class BatchEdits:
             self.rows = rows
             return
         self.rows, self._pass = rows, _Pass(spans, width)
-        if _same(self._plan_for, rows):  # the same batch as the last pass (most steps): the same hooks
+        if same_all(self._plan_for, rows):  # the same batch as the last pass (most steps): the same hooks
             return
         self._plan = self._make_plan(rows)
-        self._plan_for = _refs(rows)
+        self._plan_for = remember_all(rows)
         for key in [k for k in self._handles if k not in self._plan]:
             self._handles.pop(key).remove()
         for key in self._plan.keys() - self._handles.keys():

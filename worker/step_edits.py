@@ -26,7 +26,6 @@ tables: a batch with any of them runs its steps eagerly with worker/edits.py (`f
 
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 from typing import Any
 
@@ -36,6 +35,7 @@ from shared.errors import JobFailure
 from worker.capture import first_input
 from worker.edits import JobEdits, RowEdit
 from worker.input_batch import POSITION
+from worker.row_identity import remember, same
 
 Key = tuple[str, str]  # (module path, hook)
 SPANS = 4  # position intervals an edit in a table may have
@@ -129,13 +129,12 @@ class StepEdits:
         none): rows that changed since the last step are written, in place."""
         for slot in range(self.slots):
             edits = rows[slot] if slot < len(rows) else None
-            ref = self._rows[slot]
-            if (ref() if ref is not None else None) is edits:
+            if same(self._rows[slot], edits):
                 continue
             for layers in self.tables.values():
                 for table in layers:
                     table.clear_row(slot)
-            self._rows[slot] = weakref.ref(edits) if edits is not None else None
+            self._rows[slot] = remember(edits)
             if edits is not None:
                 for key, key_edits in edits.by_key.items():
                     for depth, edit in enumerate(key_edits):

@@ -640,3 +640,56 @@ def test_prompts_fed_in_chunks_take_their_edits_at_the_right_positions(served):
         assert_same(got, alone, f"job {i}")
         if alone.interventions is not None:
             assert [r.applied for r in got.interventions] == [r.applied for r in alone.interventions], i
+
+
+@pytest.mark.parametrize("path", ["tables", "hooks", "compacted"])
+def test_a_plain_job_in_the_place_a_steered_job_left_is_not_steered(served, monkeypatch, path):
+    """Two steered jobs run; the short one ends and is freed; a plain job then takes its place
+    beside the long one (the same decoder). The plain job gets its solo tokens and captures, and
+    the long one its own, whichever way the steps apply edits: the slots' edit tables, the edit
+    hooks (edits the tables cannot hold), or the compacted decoder's hooks. (A slot's edit table
+    row was once kept for the next job: the slot remembered its job by a weak reference, and a
+    freed job's dead reference was taken for "no edits", so the plain job was steered. That failed
+    `tables`; the hooks, remembered the same way, are rebuilt by the joining job's prefill.)"""
+    import gc
+
+    import worker.slot_decoding
+    from worker.decoding import Decoder
+
+    if path == "hooks":
+        monkeypatch.setattr(worker.slot_decoding, "fits", lambda edits: False)
+    width = served.info.hidden_size
+    capture = {"modules": ["model.layers.{1,2}"], "positions": "all"}
+    steer = [{"module": "model.layers.1", "op": "add", "vector": vector(width, 31), "coeff": 6.0}]
+    long = request(MESSAGES, [{**steer[0], "coeff": -4.0}], capture)
+    short = request(OTHER, steer)
+    plain = request(MESSAGES, None, capture)
+    alone = [run(served, long, 14), run(served, plain, 8)]
+
+    def prepare(req: JobRequest, max_tokens: int):
+        edits = resolve_edits(req.interventions, served.info, False, max_tokens) if req.interventions else []
+        points = resolve(req.capture, served.info) if req.capture else []
+        return served.prepare(req, points, max_tokens, None, edits)
+
+    with torch.inference_mode():
+        if path == "compacted":
+            decoder = Decoder(served.hf, served.tokenizer, served._pad()["pad_token_id"])
+        else:
+            decoder = served.decoder()
+        try:
+            first, second = prepare(short, 3), prepare(long, 14)
+            decoder.admit(first)
+            decoder.admit(second)
+            while first.ended is None:
+                decoder.step()
+            assert first.failure is None and second.ended is None
+            del first
+            gc.collect()
+            third = prepare(plain, 8)
+            decoder.admit(third)
+            while decoder.rows:
+                decoder.step()
+        finally:
+            decoder.close()
+    assert_same(served.finish(second, long), alone[0], f"{path}: the long steered job")
+    assert_same(served.finish(third, plain), alone[1], f"{path}: the plain job")
