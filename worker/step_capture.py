@@ -35,6 +35,7 @@ import torch
 
 from shared.errors import JobFailure
 from worker.capture import JobCapture, _failure, first_input, first_tensor, step_rows
+from worker.row_identity import remember, same
 
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (module path, "output" | "input")
@@ -209,9 +210,8 @@ class StepRings:
         more. `owners`: each running slot's capture (None: nothing; slots past it: nothing)."""
         for slot in range(self.slots):
             capture = owners[slot] if slot < len(owners) else None
-            ref = self._owner[slot]
-            if (ref() if ref is not None else None) is not capture:
-                self._owner[slot] = weakref.ref(capture) if capture is not None else None
+            if not same(self._owner[slot], capture):
+                self._owner[slot] = remember(capture)
                 self._since[slot] = self.count
                 self._until[slot] = None
         self.count += 1
