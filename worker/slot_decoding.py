@@ -465,6 +465,8 @@ class SlotDecoder(Decoder):
         traceback may still reference this decoder: it then holds no memory worth keeping)."""
         super().close()
         self._launched = None
+        if self.runner is not None:
+            self.runner.rings.close()
         self.batch = self.runner = self._prefill_table = None
         self.rows = []
 

@@ -35,7 +35,7 @@ import torch
 
 from shared.errors import JobFailure
 from worker.capture import JobCapture, _failure, first_input, first_tensor, step_rows
-from worker.row_identity import remember, same
+from worker.row_identity import remember, remember_all, same, same_all
 
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (module path, "output" | "input")
@@ -111,6 +111,11 @@ class Writer:
                 log.exception("keeping a window of captured steps failed")
 
 
+def wanted(captures: list[JobCapture | None]) -> frozenset[Key]:
+    """The (module, hook) keys some of `captures` keep."""
+    return frozenset(key for capture in captures if capture is not None for key in capture.wanted)
+
+
 class StepRings:
     """The rings of the decoding steps of one persistent batch of `slots` slots (see the module)."""
 
@@ -128,11 +133,21 @@ class StepRings:
         self._copying: list[tuple[int, int, Any]] = []  # ring rows [lo, hi) being copied: their event
         self._ahead: list[threading.Event] = []  # windows handed over, not yet kept
         self._stream: Any = None  # the side stream the copies run on (CUDA)
+        self._live: tuple[int, int] | None = None  # (lo, rows) while a step records (`recording`)
+        self._at: dict[torch.device, torch.Tensor] = {}  # the recording step's ring rows, per device
+        self._flat: dict[Key, torch.Tensor] = {}  # each ring as [steps * slots, W]
+        self._hooked: frozenset[Key] = frozenset()
+        self._handles: dict[Key, Any] = {}
+        self._asked: tuple = ()  # `keys`'s last question (remembered, worker/row_identity.py) and answer
+        self._answer: frozenset[Key] = frozenset()
 
-    @staticmethod
-    def keys(captures: list[JobCapture | None]) -> frozenset[Key]:
-        """What the rows' captures want at a decoding step."""
-        return frozenset(key for capture in captures if capture is not None for key in capture.wanted)
+    def keys(self, captures: list[JobCapture | None]) -> frozenset[Key]:
+        """What the rows' captures want at a decoding step (the last answer again while the rows
+        hold the same captures: most steps change nothing)."""
+        if not same_all(self._asked, captures):
+            self._answer = wanted(captures)
+            self._asked = remember_all(captures)
+        return self._answer
 
     def ready(self, keys: frozenset[Key]) -> bool:
         """Whether every key has its ring (a new one is made at a write at ring step 0: its depth
@@ -148,29 +163,51 @@ class StepRings:
 
     @contextmanager
     def recording(self, keys: frozenset[Key], lo: int, rows: int):
-        """Hooks that write slots [lo, lo + rows)' values of `keys` at the cursor, for one forward pass
-        (at a graph's capture, the writes become part of the graph)."""
-        handles = []
+        """The rings' hooks write slots [lo, lo + rows)' values of `keys` at the cursor during this
+        forward pass (at a graph's capture, the writes become part of the graph). The hooks stay
+        on their modules between steps, doing nothing outside this context: registering and
+        removing one per module at every step cost more than the writes (`close` removes them)."""
+        self._hook(keys)
+        self._live = (lo, rows)
+        self._at = {}
         try:
-            for key in sorted(keys):
-                module_path, hook = key
-                module = self.model.get_submodule(module_path)
-                if hook == "output":
-
-                    def on_output(_module, _args, output, key=key):
-                        self._write(key, first_tensor(output), lo, rows)
-
-                    handles.append(module.register_forward_hook(on_output))
-                else:
-
-                    def on_input(_module, args, kwargs, key=key):
-                        self._write(key, first_tensor(first_input(args, kwargs)), lo, rows)
-
-                    handles.append(module.register_forward_pre_hook(on_input, with_kwargs=True))
             yield
         finally:
-            for handle in handles:
-                handle.remove()
+            self._live = None
+
+    def _hook(self, keys: frozenset[Key]) -> None:
+        if keys == self._hooked:
+            return
+        for key in self._hooked - keys:
+            self._handles.pop(key).remove()
+        rings = weakref.ref(self)  # a hook left on a module keeps nothing alive
+        for key in sorted(keys - self._hooked):
+            module_path, hook = key
+            module = self.model.get_submodule(module_path)
+            if hook == "output":
+
+                def on_output(_module, _args, output, key=key):
+                    live = rings()
+                    if live is not None and live._live is not None:
+                        live._write(key, first_tensor(output), *live._live)
+
+                self._handles[key] = module.register_forward_hook(on_output)
+            else:
+
+                def on_input(_module, args, kwargs, key=key):
+                    live = rings()
+                    if live is not None and live._live is not None:
+                        live._write(key, first_tensor(first_input(args, kwargs)), *live._live)
+
+                self._handles[key] = module.register_forward_pre_hook(on_input, with_kwargs=True)
+        self._hooked = keys
+
+    def close(self) -> None:
+        """The hooks off the model's modules (the decoder that held these rings let go of them)."""
+        for handle in self._handles.values():
+            handle.remove()
+        self._handles.clear()
+        self._hooked = frozenset()
 
     def _write(self, key: Key, value: torch.Tensor | None, lo: int, rows: int) -> None:
         step = step_rows(value, rows)
@@ -178,20 +215,26 @@ class StepRings:
             shape = None if value is None else list(value.shape)
             self.unfit[key] = f"{key[0]} ({key[1]}): a decoding step's value {shape} is not one row per sequence"
             return
-        ring = self.rings.get(key)
-        if ring is None or ring.shape[2] != step.shape[1] or ring.dtype != step.dtype or ring.device != step.device:
-            ring = self._ring(key, step)
-        ring[:, lo : lo + rows].index_copy_(0, self.cursor.to(step.device), step.unsqueeze(0))
+        flat = self._flat.get(key)
+        if flat is None or flat.shape[1] != step.shape[1] or flat.dtype != step.dtype or flat.device != step.device:
+            flat = self._ring(key, step)
+        at = self._at.get(step.device)
+        if at is None:  # this step's ring rows, computed once per device for every key
+            cursor = self.cursor.to(step.device)
+            at = self._at[step.device] = cursor * self.slots + torch.arange(lo, lo + rows, device=step.device)
+        flat.index_copy_(0, at, step)
 
     def _ring(self, key: Key, step: torch.Tensor) -> torch.Tensor:
         """A ring for `key` (at its first write: the warm-up before a graph's capture, or an eager
-        step), as deep as RING_BYTES allows a slot's rows of this width, at least one step."""
+        step), as deep as RING_BYTES allows a slot's rows of this width, at least one step; its
+        rows as one `[steps * slots, W]` view (what `_write` indexes)."""
         width = int(step.shape[1])
         depth = max(1, min(RING_STEPS, RING_BYTES // max(1, self.slots * width * step.element_size())))
         ring = torch.zeros((depth, self.slots, width), dtype=step.dtype, device=step.device)
         self.rings[key] = ring
+        self._flat[key] = ring.view(depth * self.slots, width)
         self.depth = min(ring.shape[0] for ring in self.rings.values())
-        return ring
+        return self._flat[key]
 
     def advance(self) -> None:
         """After a step's forward pass (inside its graph): the cursor moves on."""
@@ -240,8 +283,8 @@ class StepRings:
         lo, hi = self.pos - count, self.pos
         owners = [ref() if ref is not None else None for ref in self._owner]
         used = max((slot + 1 for slot, c in enumerate(owners) if c is not None), default=0)
-        wanted = self.keys(owners)
-        rings = {key: ring for key, ring in self.rings.items() if key in wanted}
+        keys = wanted(owners)
+        rings = {key: ring for key, ring in self.rings.items() if key in keys}
         copied = None
         device = self.cursor.device
         if device.type == "cuda" and rings and all(ring.device == device for ring in rings.values()):
@@ -300,6 +343,7 @@ class StepRings:
         """More slots (after `hand_over`): rings are made anew at their next write."""
         self.slots = slots
         self.rings.clear()
+        self._flat.clear()
         self._copying = []  # copies from the old rings: nothing writes those rows again
         self.depth = RING_STEPS
         self._owner = self._owner + [None] * (slots - len(self._owner))
