@@ -17,7 +17,6 @@ import json
 import math
 import os
 import struct
-from concurrent.futures import ThreadPoolExecutor
 
 from shared.dtypes import CODE_BYTES, SAFETENSORS_CODE
 from shared.errors import BadRequest, StorageError, TensorNotFound
@@ -64,43 +63,55 @@ def write_file(
     """Write torch tensors as a safetensors file (fsynced unless told otherwise) and return
     (bytes, sha256), computing the hash on a second thread while the file is written. With
     `tensor_sha256`, each tensor's own sha256 (of its bytes alone) is put there too, on the same
-    thread: what a download of one tensor is checked against without reading it back."""
+    thread: what a download of one tensor is checked against without reading it back. A tensor
+    that is not contiguous (a column range of a job's capture arena) is made so just before its
+    bytes are written, one at a time: the write holds at most a few tensors' copies."""
+    import queue
+    import threading
+
     import torch
 
-    views, entries = [], []
-    for name, tensor in tensors.items():
-        flat = tensor.detach().cpu().contiguous().reshape(-1)
-        views.append(memoryview(flat.view(torch.uint8).numpy()))
-        entries.append(
-            (
-                name,
-                SAFETENSORS_CODE[str(tensor.dtype).removeprefix("torch.")],
-                list(tensor.shape),
-                flat.numel() * flat.element_size(),
-            )
+    entries = [
+        (
+            name,
+            SAFETENSORS_CODE[str(tensor.dtype).removeprefix("torch.")],
+            list(tensor.shape),
+            tensor.numel() * tensor.element_size(),
         )
-    pieces = [memoryview(_header(entries, metadata)), *views]
+        for name, tensor in tensors.items()
+    ]
+    header = _header(entries, metadata)
+    pieces: queue.Queue[tuple[str | None, memoryview] | None] = queue.Queue(maxsize=2)
+    digest = hashlib.sha256(header)
 
-    def sha256() -> str:
-        digest = hashlib.sha256()
-        for piece in pieces:
-            digest.update(piece)  # releases the GIL
-        if tensor_sha256 is not None:
-            for (name, *_), view in zip(entries, views, strict=True):
+    def sha256() -> None:
+        while (item := pieces.get()) is not None:
+            name, view = item
+            digest.update(view)  # releases the GIL
+            if tensor_sha256 is not None and name is not None:
                 tensor_sha256[name] = hashlib.sha256(view).hexdigest()
-        return digest.hexdigest()
 
-    # The hash runs on another core through the whole write *and* the fsync (the bytes are in
-    # memory and do not change), so it costs no wall time unless it is slower than the disk.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        hashing = pool.submit(sha256)
+    # The hash runs on another core through the whole write *and* the fsync (each tensor's bytes
+    # are in memory and do not change), so it costs no wall time unless it is slower than the disk.
+    hashing = threading.Thread(target=sha256, name="actq-sha256", daemon=True)
+    hashing.start()
+    size = len(header)
+    try:
         with open(path, "wb") as handle:
-            for piece in pieces:
-                handle.write(piece)
+            handle.write(header)
+            for name, tensor in tensors.items():
+                flat = tensor.detach().cpu().contiguous().reshape(-1)
+                view = memoryview(flat.view(torch.uint8).numpy())
+                handle.write(view)
+                pieces.put((name, view))
+                size += view.nbytes
             handle.flush()
             if fsync:
                 os.fsync(handle.fileno())
-        return sum(piece.nbytes for piece in pieces), hashing.result()
+    finally:
+        pieces.put(None)
+        hashing.join()
+    return size, digest.hexdigest()
 
 
 def encode(tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict[str, str]) -> bytes:
