@@ -198,6 +198,26 @@ class Mark:
         self.saved: list[tuple] | None = None
 
 
+@dataclass
+class Block:
+    """A window of decoding steps of several keys side by side (worker/step_capture.py): `rows`
+    is `[steps, slots, width]`, key k's values in columns `columns[k] = (offset, width)`; `layout`
+    is the same object for every block of one arrangement (what a job's gather index is kept by)."""
+
+    rows: torch.Tensor
+    columns: dict[tuple[str, str], tuple[int, int]]
+    layout: object
+
+    @property
+    def width(self) -> int:
+        return int(self.rows.shape[2])
+
+    def of(self, key: tuple[str, str]) -> torch.Tensor:
+        """One key's values, `[steps, slots, W]`."""
+        offset, width = self.columns[key]
+        return self.rows[:, :, offset : offset + width]
+
+
 class JobCapture:
     """One job's kept rows: a buffer per capture point, filled by `keep` with the rows of this job's
     sequence at each forward step (on the CPU, in the capture dtype; `copy_` casts and moves in one
@@ -207,6 +227,9 @@ class JobCapture:
     land between the forward pass's short-lived tensors on the malloc heap, and the holes those
     leave are memory the process keeps (measured: +45% over the kept bytes for a prompt capture).
     One large allocation is mapped on its own and returned whole when the job's tensors are freed.
+    It is laid out by position (`arena[i]` holds position i of every point, each point a column
+    range), so the decoding steps of a window land in one copy per job (`keep_block`) rather than
+    one per point, and the pages written are those of the positions kept.
 
     `features` keeps those indices of each value's last dimension (taken before the copy), and
     `reduce` ("mean", "sum", "max", "last") folds the kept positions into one float32 row as they
@@ -242,18 +265,20 @@ class JobCapture:
         rows = 0 if reduce != "none" else capacity(positions, prompt_tokens, max_tokens, completion)
         kept = [features(width) for width in widths]
         kept_widths = [width if k is None else len(k) for width, k in zip(widths, kept, strict=True)]
-        arena = torch.empty(rows * sum(kept_widths), dtype=dtype, device="cpu")
-        self.nbytes = arena.numel() * arena.element_size() + (4 * sum(kept_widths) if reduce != "none" else 0)
+        total = sum(kept_widths)
+        self.arena = torch.empty((rows, total), dtype=dtype, device="cpu")  # position-major: row i, every point
+        self.nbytes = self.arena.numel() * self.arena.element_size() + (4 * total if reduce != "none" else 0)
         self.buffers: list[_Buffer] = []
         self.wanted: dict[tuple[str, str], list[_Buffer]] = {}  # (module, hook) -> its points' buffers
         offset = 0
         for point, width, keep, kept_width in zip(points, widths, kept, kept_widths, strict=True):
-            buffer = _Buffer(point, arena[offset : offset + rows * kept_width].view(rows, kept_width), width)
+            buffer = _Buffer(point, self.arena[:, offset : offset + kept_width], width)
             if keep is not None:
                 buffer.select = torch.tensor(keep, dtype=torch.long)
-            offset += rows * kept_width
+            offset += kept_width
             self.buffers.append(buffer)
             self.wanted.setdefault((point.module, point.hook), []).append(buffer)
+        self._columns: tuple[object, torch.Tensor | None] | None = None  # (a block's layout, `keep_block`'s index)
 
     def hold(self) -> None:
         """A window of this job's decoding steps is on its way to `keep_steps` on another thread."""
@@ -307,6 +332,68 @@ class JobCapture:
         self._changing()
         for buffer in self.wanted.get(key, ()):
             self._keep_steps(buffer, rows)
+
+    def keep_block(self, block: Block, slot: int, since: int, until: int) -> None:
+        """This job's rows of a window of decoding steps: `block.rows[since:until, slot]` holds its
+        value at each of `until - since` consecutive steps for every key of the block, side by side.
+        One copy (one gather when its points are not the block's columns in order) into the arena's
+        rows, as `keep_steps` for each key would keep them; per key when a point reduces or keeps
+        `last` (or the buffers do not stand at the same step)."""
+        first_buffer = self.buffers[0] if self.buffers else None
+        fast = (
+            first_buffer is not None
+            and self.reduce == "none"
+            and self.positions != "last"
+            and first_buffer.steps > 0
+            and all(b.steps == first_buffer.steps and b.first == first_buffer.first for b in self.buffers)
+        )
+        fits, columns = self._block_columns(block) if fast else (False, None)
+        if not fits:
+            for key in self.wanted:
+                self.keep_steps(key, block.of(key)[since:until, slot])
+            return
+        assert first_buffer is not None
+        self._changing()
+        steps = until - since
+        first = self.prompt_tokens + first_buffer.steps - 1  # the position fed at the window's first step
+        lo, hi = self.window
+        begin, stop = max(lo, first), min(hi, first + steps)
+        for buffer in self.buffers:
+            buffer.steps += steps
+        if begin >= stop:
+            return
+        if first_buffer.first is None:
+            for buffer in self.buffers:
+                buffer.first = begin
+        assert first_buffer.first is not None
+        at = begin - first_buffer.first
+        source = block.rows[since + begin - first : since + stop - first, slot]
+        target = self.arena[at : at + stop - begin]
+        if target.shape[0] != stop - begin:
+            raise JobFailure(f"{first_buffer.point.name}: positions [{begin}, {stop}) past the rows it may keep")
+        if columns is None:
+            target.copy_(source)
+        elif source.dtype == target.dtype:
+            torch.index_select(source, 1, columns, out=target)
+        else:
+            target.copy_(source.index_select(1, columns))
+
+    def _block_columns(self, block: Block) -> tuple[bool, torch.Tensor | None]:
+        """The block's columns this job keeps, in its arena's order (None: the block's own, in
+        order); first False when a point's key is not in the block or has another width."""
+        if self._columns is not None and self._columns[0] is block.layout:
+            return True, self._columns[1]
+        parts = []
+        for buffer in self.buffers:
+            found = block.columns.get((buffer.point.module, buffer.point.hook))
+            if found is None or found[1] != buffer.width:
+                return False, None
+            offset, width = found
+            parts.append(torch.arange(offset, offset + width) if buffer.select is None else buffer.select + offset)
+        index = torch.cat(parts)
+        whole = index.numel() == block.width and bool((index == torch.arange(block.width)).all())
+        self._columns = (block.layout, None if whole else index)
+        return True, self._columns[1]
 
     def _keep_steps(self, buffer: _Buffer, rows: torch.Tensor) -> None:
         name, width = buffer.point.name, buffer.width

@@ -11,10 +11,11 @@ count; the host keeps its own copy (`pos`).
 Draining, away from the decoding loop. The steps recorded since the last hand-over are a window
 of ring rows `[pos - count, pos)`. The loop hands a window over (`hand_over`) when the cursor
 reaches half the ring or its end, when a capturing row leaves, before the slots grow and before a
-ring is made. Handing over enqueues one copy of `[count, slots in use, W]` per ring to the host
-(pinned memory, on a side stream that waits for the steps that wrote it) and gives the copy, with
-who each slot's rows are for, to the capture writer thread. That thread waits for the copy (an
-event: the loop never waits) and hands each job its rows (`JobCapture.keep_steps`: positions,
+ring is made. Handing over gathers the rings' rows side by side into one block `[count, slots in
+use, sum of W]` and enqueues one copy of it to the host (pinned memory, on a side stream that waits
+for the steps that wrote it), and gives the copy, with who each slot's rows are for, to the capture
+writer thread. That thread waits for the copy (an event: the loop never waits) and hands each job
+its rows, one copy per job whatever the number of points (`JobCapture.keep_block`: positions,
 features, dtype, reductions). The next steps write the other half of the ring meanwhile; before a
 step writes a ring row whose copy may still be running, the loop's stream waits on that copy's
 event (on the device, not the host). A job's result waits for its last window (`JobCapture.settle`).
@@ -34,7 +35,7 @@ from typing import Any
 import torch
 
 from shared.errors import JobFailure
-from worker.capture import JobCapture, _failure, first_input, first_tensor, step_rows
+from worker.capture import Block, JobCapture, _failure, first_input, first_tensor, step_rows
 from worker.row_identity import remember, remember_all, same, same_all
 
 log = logging.getLogger(__name__)
@@ -46,10 +47,10 @@ WINDOWS_AHEAD = 8  # windows handed over and not yet kept before the loop waits 
 
 @dataclass
 class Window:
-    """Steps handed to the writer: each key's rows `[count, used, W]` on the host (being copied
-    until `copied`), each slot's capture and its steps [since, until) in the window."""
+    """Steps handed to the writer: the rings' rows `[count, used, sum of W]` on the host (being
+    copied until `copied`), each slot's capture and its steps [since, until) in the window."""
 
-    blocks: dict[Key, torch.Tensor]
+    block: Block | None  # every ring's rows side by side (None: no ring)
     copied: Any  # a torch.cuda.Event, or None (copied already)
     owners: list[JobCapture | None]
     since: list[int]
@@ -72,8 +73,8 @@ def keep_window(window: Window) -> None:
                 for key in capture.wanted:
                     if key in window.unfit:
                         raise JobFailure(window.unfit[key])
-                    if since < until:
-                        capture.keep_steps(key, window.blocks[key][since:until, slot])
+                if since < until and window.block is not None:
+                    capture.keep_block(window.block, slot, since, until)
             except Exception as exc:  # noqa: BLE001 - that job's failure, never the batch's
                 capture.failure = _failure(exc)
     except Exception as exc:  # noqa: BLE001 - the copy itself failed: every job in the window fails
@@ -136,6 +137,7 @@ class StepRings:
         self._live: tuple[int, int] | None = None  # (lo, rows) while a step records (`recording`)
         self._at: dict[torch.device, torch.Tensor] = {}  # the recording step's ring rows, per device
         self._flat: dict[Key, torch.Tensor] = {}  # each ring as [steps * slots, W]
+        self._arranged: tuple[tuple, dict[Key, tuple[int, int]]] | None = None  # `_layout`'s last
         self._hooked: frozenset[Key] = frozenset()
         self._handles: dict[Key, Any] = {}
         self._asked: tuple = ()  # `keys`'s last question (remembered, worker/row_identity.py) and answer
@@ -284,45 +286,59 @@ class StepRings:
         owners = [ref() if ref is not None else None for ref in self._owner]
         used = max((slot + 1 for slot, c in enumerate(owners) if c is not None), default=0)
         keys = wanted(owners)
-        rings = {key: ring for key, ring in self.rings.items() if key in keys}
-        copied = None
+        rings = {key: ring for key, ring in sorted(self.rings.items()) if key in keys}
+        columns, layout = self._layout(rings)
+        copied, block = None, None
         device = self.cursor.device
-        if device.type == "cuda" and rings and all(ring.device == device for ring in rings.values()):
-            copied, blocks = self._copy(rings, lo, hi, used)
-        else:  # the CPU; or rings a device map put on several devices (eager steps): a plain copy
-            blocks = {key: ring[lo:hi, :used].to("cpu", copy=True) for key, ring in rings.items()}
+        if rings and used:
+            if device.type == "cuda" and all(ring.device == device for ring in rings.values()):
+                copied, rows = self._copy(list(rings.values()), lo, hi, used)
+            else:  # the CPU; or rings a device map put on several devices (eager steps): a plain copy
+                rows = torch.cat([ring[lo:hi, :used].to("cpu") for ring in rings.values()], dim=2)
+            block = Block(rows, columns, layout)
         held = {id(c): c for c in owners[:used] if c is not None}.values()
         for capture in held:
             capture.hold()
         done = threading.Event()
         until = [count if end is None else end for end in self._until[:used]]
-        window = Window(blocks, copied, owners[:used], self._since[:used], until, dict(self.unfit), done)
+        window = Window(block, copied, owners[:used], self._since[:used], until, dict(self.unfit), done)
         self._ahead = [event for event in self._ahead if not event.is_set()]
         if len(self._ahead) >= WINDOWS_AHEAD:  # the writer is behind: wait for it rather than pile up memory
             self._ahead.pop(0).wait()
         self._ahead.append(done)
         Writer.put(window)
 
-    def _copy(self, rings: dict[Key, torch.Tensor], lo: int, hi: int, used: int) -> tuple[Any, dict]:
-        """Rows [lo, hi) of every ring to pinned host memory on the side stream, after the steps
-        that wrote them; its event."""
+    def _layout(self, rings: dict[Key, torch.Tensor]) -> tuple[dict[Key, tuple[int, int]], object]:
+        """Where each ring's rows sit in a window's block, and the arrangement's one object (the
+        same while the same rings are handed over: what each job keeps its gather index by)."""
+        arrangement = tuple((key, int(ring.shape[2])) for key, ring in rings.items())
+        if self._arranged is None or self._arranged[0] != arrangement:
+            columns, offset = {}, 0
+            for key, width in arrangement:
+                columns[key] = (offset, width)
+                offset += width
+            self._arranged = (arrangement, columns)
+        return self._arranged[1], self._arranged[0]
+
+    def _copy(self, rings: list[torch.Tensor], lo: int, hi: int, used: int) -> tuple[Any, torch.Tensor]:
+        """The rings' rows [lo, hi) side by side, to pinned host memory on the side stream after
+        the steps that wrote them (one gather on the device, one copy); its event."""
         device = self.cursor.device
         main = torch.cuda.current_stream(device)
         if self._stream is None:
             self._stream = torch.cuda.Stream(device)
         self._stream.wait_stream(main)
-        blocks = {}
         with torch.cuda.stream(self._stream):
-            for key, ring in rings.items():
-                rows = ring[lo:hi, :used]
-                host = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True)
-                host.copy_(rows, non_blocking=True)
-                ring.record_stream(self._stream)  # kept alive for the copy if the slots grow meanwhile
-                blocks[key] = host
+            # made on the side stream, its memory that stream's: freed after the copy, in stream order
+            side_by_side = torch.cat([ring[lo:hi, :used] for ring in rings], dim=2)
+            host = torch.empty(side_by_side.shape, dtype=side_by_side.dtype, pin_memory=True)
+            host.copy_(side_by_side, non_blocking=True)
+            for ring in rings:
+                ring.record_stream(self._stream)  # kept alive for the gather if the slots grow meanwhile
             copied = torch.cuda.Event()
             copied.record(self._stream)
         self._copying.append((lo, hi, copied))
-        return copied, blocks
+        return copied, host
 
     def wait(self) -> None:
         """Until every window handed over has been kept (tests; the end of a batch)."""

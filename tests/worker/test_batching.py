@@ -354,7 +354,7 @@ def test_rings_that_fill_many_times_hand_every_step_to_its_job(served, monkeypat
 
 
 def test_the_decoding_loop_goes_on_while_the_capture_writer_is_held(served, monkeypatch):
-    """The capture writer thread is held (its `keep_steps` waits on a gate): the loop still decodes
+    """The capture writer thread is held (its `keep_block` waits on a gate): the loop still decodes
     every step and hands each half ring over without waiting, and once the writer goes on each
     job gets its solo rows. Were the loop to wait for the writer, the steps would never end (the
     thread running them is given two minutes)."""
@@ -368,14 +368,14 @@ def test_the_decoding_loop_goes_on_while_the_capture_writer_is_held(served, monk
     alone = [solo(served, req, n) for req, n in jobs]
     monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)  # a hand-over every 2 steps: 5 before the end
     gate, kept = threading.Event(), []
-    keep_steps = JobCapture.keep_steps
+    keep_block = JobCapture.keep_block
 
-    def held(self, key, rows):
+    def held(self, block, slot, since, until):
         assert gate.wait(120), "the gate never opened"
-        kept.append(int(rows.shape[0]))
-        return keep_steps(self, key, rows)
+        kept.append(until - since)
+        return keep_block(self, block, slot, since, until)
 
-    monkeypatch.setattr(JobCapture, "keep_steps", held)
+    monkeypatch.setattr(JobCapture, "keep_block", held)
     seqs = [prepare(served, req, n) for req, n in jobs]
     ended: list[Sequence] = []
 
@@ -398,27 +398,27 @@ def test_the_decoding_loop_goes_on_while_the_capture_writer_is_held(served, monk
     gate.set()
     for seq, (req, _), want in zip(seqs, jobs, alone, strict=True):
         assert_same(served.finish(seq, req), want, "after the writer went on")
-    # every decoding step of both jobs (11 each: the first token came from the prefill), at each point
-    assert sum(kept) == 11 * sum(len(seq.capture.wanted) for seq in seqs)
+    # every decoding step of both jobs (11 each: the first token came from the prefill), every point at once
+    assert sum(kept) == 11 * len(seqs)
 
 
 def test_a_failure_on_the_capture_writer_fails_that_job_alone_and_the_writer_goes_on(served, monkeypatch):
-    """`keep_steps` raises for one job's rows on the writer thread: that job fails with a readable
+    """`keep_block` raises for one job's rows on the writer thread: that job fails with a readable
     error, the job beside it gets its solo result, and a later batch's captures are kept."""
     from worker.capture import JobCapture
 
     generated = {**CAPTURE, "positions": "generated"}
     jobs = [job(QUESTIONS[0], 9, generated), job(QUESTIONS[3], 9, generated)]
     alone = [solo(served, req, n) for req, n in jobs]
-    keep_steps = JobCapture.keep_steps
+    keep_block = JobCapture.keep_block
     doomed: list[JobCapture] = []
 
-    def failing(self, key, rows):
+    def failing(self, *args):
         if self in doomed:
             raise RuntimeError("the writer's disk is full (injected)")
-        return keep_steps(self, key, rows)
+        return keep_block(self, *args)
 
-    monkeypatch.setattr(JobCapture, "keep_steps", failing)
+    monkeypatch.setattr(JobCapture, "keep_block", failing)
     original_prepare = served.prepare
 
     def marking(req, *args, **kwargs):
@@ -489,3 +489,41 @@ def test_with_each_step_launched_before_the_last_is_read_every_job_gets_its_solo
     for i, (got, want) in enumerate(zip(batched, alone, strict=True)):
         assert got.stopped_by == want.stopped_by, f"job {i}"
         assert_same(got, want, f"job {i}")
+
+
+def test_jobs_keeping_different_points_features_and_dtypes_side_by_side_equal_forward_hooks(served, monkeypatch):
+    """A window of decoding steps reaches each job in one copy (or one gather) of the rings' rows
+    side by side: jobs that keep other modules, a feature subset, another dtype, or the same
+    modules in another order, in one batch across several windows, each against forward hooks on
+    the plain model running `generate` alone."""
+    import worker.step_capture
+    from tests.support.reference import hooked_generate, select
+
+    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)  # a window every 2 steps
+    specs = [
+        {"modules": ["model.layers.{0,2}", "model.layers.1.mlp"], "positions": "generated"},
+        {"modules": ["model.layers.1.mlp", "model.layers.0"], "positions": "generated", "features": [1, 5, 9]},
+        {"modules": ["model.layers.2", "model.norm"], "positions": "all", "dtype": "float16"},
+        {"modules": ["model.layers.0.mlp.up_proj"], "positions": "generated", "features": "8:24"},
+    ]
+    jobs = [job(QUESTIONS[i], 9 + i, spec) for i, spec in enumerate(specs)]
+    batched, largest = run_batched(served, jobs, join_at=[0, 0, 1, 3])
+    assert largest == 4
+    for i, ((req, n), got) in enumerate(zip(jobs, batched, strict=True)):
+        messages = [{"role": "user", "content": QUESTIONS[i]}]
+        modules = [c.point.module for c in got.captured]
+        ids, rows, prompt_tokens = hooked_generate(served.hf, served.tokenizer, messages, n, modules)
+        assert torch.equal(got.token_ids, ids), i
+        for captured in got.captured:
+            name = (i, captured.point.name)
+            full = rows[captured.point.module]
+            want = select(full, req.capture.positions, prompt_tokens, n)
+            if (features := req.capture.feature_indices(full.shape[1])) is not None:
+                want = want[:, features]
+            assert captured.tensor.dtype == getattr(torch, req.capture.dtype), name
+            assert captured.tensor.shape == want.shape, name
+            # batched rows are padded beside others: the module's float32 value within 1e-4 of its
+            # scale, and a half-precision capture that value rounded (one rounding step apart at most)
+            scale = float(want.abs().max())
+            tolerance = max(RELATIVE_TOLERANCE, torch.finfo(captured.tensor.dtype).eps)
+            assert float((captured.tensor.float() - want).abs().max()) <= tolerance * scale, name
