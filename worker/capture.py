@@ -281,7 +281,7 @@ class JobCapture:
         self._columns: tuple[object, torch.Tensor | None] | None = None  # (a block's layout, `keep_block`'s index)
 
     def hold(self) -> None:
-        """A window of this job's decoding steps is on its way to `keep_steps` on another thread."""
+        """A window of this job's decoding steps is on its way to `keep_block` (or `keep_steps`) on another thread."""
         with self._settled:
             self._pending += 1
 
