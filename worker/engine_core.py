@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -44,6 +45,17 @@ def exit_process(exc: BaseException) -> None:
     )
     logging.shutdown()
     os._exit(ENGINE_THREAD_DIED)
+
+
+@dataclass
+class Alone:
+    """Work that needs the model to itself (an nnsight job, worker/nnsight_jobs.py): run on the
+    engine thread between two decoding steps, the running batch paused. `run()`'s value or
+    exception is its answer (`done`); `started()` is called as it begins."""
+
+    run: Callable[[], Any]
+    done: Callable[[Any], None]
+    started: Callable[[], None] = lambda: None
 
 
 @dataclass
@@ -98,6 +110,8 @@ class EngineCore:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="actq-engine", daemon=True)
         self._feeds: dict[int, Feeding] = {}  # id(sequence) -> its long text fed so far
+        self._alone: queue.SimpleQueue[Alone] = queue.SimpleQueue()
+        self.paused_s: list[float] = []  # how long each `Alone` held the model (the batch paused)
 
     def start(self) -> EngineCore:
         self._thread.start()
@@ -113,6 +127,11 @@ class EngineCore:
 
     def submit(self, entry: Entry) -> None:
         self.scheduler.submit(entry)
+
+    def run_alone(self, item: Alone) -> None:
+        """Run `item` with the model to itself at the next turn of the loop, one at a time."""
+        self._alone.put(item)
+        self.scheduler.wake()
 
     def _loop(self) -> None:
         try:
@@ -133,6 +152,7 @@ class EngineCore:
         runs), the prefill work the scheduler picks while the running batch is not owed time,
         then one decoding step."""
         scheduler = self.scheduler
+        self._run_alone()
         scheduler.take_in(decoder)
         while (work := scheduler.next_work(decoder)) is not None:
             began = clock()
@@ -152,6 +172,30 @@ class EngineCore:
         began = clock()
         self._step(decoder)
         scheduler.decoded(clock() - began)
+
+    def _run_alone(self) -> None:
+        """Each `Alone` waiting, in turn: its own failure is its answer, never the engine's."""
+        while True:
+            try:
+                item = self._alone.get_nowait()
+            except queue.Empty:
+                return
+            began = clock()
+            outcome: object
+            try:
+                try:
+                    item.started()
+                    outcome = item.run()
+                except BaseException as exc:  # noqa: BLE001 - trusted code: whatever it raises is its own
+                    outcome = exc
+            except BaseException as exc:  # noqa: BLE001 - raised late, as the first was handled
+                outcome = exc
+            self.paused_s.append(clock() - began)
+            del self.paused_s[:-1000]
+            try:
+                item.done(outcome)
+            except Exception:  # a callback's bug must not end the engine thread
+                log.exception("handing an exclusive run's outcome back failed")
 
     # -- answers -------------------------------------------------------------------------------
 

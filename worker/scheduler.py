@@ -85,7 +85,7 @@ class Scheduler:
     ) -> None:
         self.cost, self.max_batch, self.wait_s, self.budget = cost, max_batch, wait_s, budget_bytes
         self.prefill_padding = prefill_padding  # the most of a pass's positions that may be padding
-        self.inbox: queue.Queue[Entry] = queue.Queue()
+        self.inbox: queue.Queue[Entry | None] = queue.Queue()  # None: `wake`
         # Every job taken in and not yet answered: id(sequence) -> (entry, estimated bytes).
         self.active: dict[int, tuple[Entry, int]] = {}
         self._arrived: dict[int, int] = {}  # id(sequence) -> the order it was taken in
@@ -96,6 +96,10 @@ class Scheduler:
 
     def submit(self, entry: Entry) -> None:
         self.inbox.put(entry)
+
+    def wake(self) -> None:
+        """End a wait for jobs now (the engine has other work: worker/engine_core.py's `run_alone`)."""
+        self.inbox.put(None)  # read and dropped by take_in
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -112,12 +116,16 @@ class Scheduler:
                 first = self.inbox.get(timeout=0.5)  # wakes only to notice `stop`
             except queue.Empty:
                 return
+            if first is None:  # woken (`wake`)
+                return
             self._consider(batch, first)
             deadline = time.monotonic() + self.wait_s
             while self.room(batch) > 0 and (left := deadline - time.monotonic()) > 0:
                 try:
                     entry = self.inbox.get(timeout=left)
                 except queue.Empty:
+                    break
+                if entry is None:
                     break
                 if not self._consider(batch, entry):
                     break
@@ -126,6 +134,8 @@ class Scheduler:
                 entry = self.inbox.get_nowait()
             except queue.Empty:
                 break
+            if entry is None:
+                continue
             if not self._consider(batch, entry):
                 break
 
