@@ -77,7 +77,7 @@ def _bearer(request: Request) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-def _one_of(token: str, keys: list[str]) -> bool:
+def one_of(token: str, keys: list[str]) -> bool:
     matched = False
     for key in keys:  # no early exit: the time taken does not tell which key matched
         matched |= hmac.compare_digest(token.encode(), key.encode())
@@ -93,7 +93,7 @@ async def get_caller(request: Request, services: ServicesDep) -> str | None:
     token = _bearer(request)
     if token is None:
         raise Unauthorized("this API needs a key: send `Authorization: Bearer <key>`")
-    if not _one_of(token, keys):
+    if not one_of(token, keys):
         raise Unauthorized("the API key is not valid")
     return key_id(token)
 
@@ -112,7 +112,7 @@ async def sees_all(request: Request, services: ServicesDep) -> bool:
     if not services.settings.api_key_list:
         return True
     token = _bearer(request)
-    return token is not None and _one_of(token, services.settings.operator_key_list)
+    return token is not None and one_of(token, services.settings.operator_key_list)
 
 
 SeesAllDep = Annotated[bool, Depends(sees_all)]

@@ -10,7 +10,7 @@ from api import errors
 from api.bodies import document_bodies
 from api.deps import build_services
 from api.limits import BodyLimit
-from api.routes import activations, docs, health, jobs, metrics, models, openai, tokenizer, vectors
+from api.routes import activations, docs, health, jobs, metrics, models, nnsight, openai, tokenizer, vectors
 from shared.settings import Settings, get_settings
 
 GIL_TURN_SECONDS = 0.001
@@ -33,7 +33,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.services = build_services(settings)
     # a vector set upload has its own limit, and its refusal names it (the route checks it too)
-    uploads = {"/vectors": (settings.vector_max_bytes, vectors.too_large(settings.vector_max_bytes))}
+    uploads = {
+        "/vectors": (settings.vector_max_bytes, vectors.too_large(settings.vector_max_bytes)),
+        # an nnsight payload, plus its form's envelope and boundaries
+        "/request": (
+            settings.nnsight_max_request_bytes + 200_000,
+            nnsight.too_large(settings.nnsight_max_request_bytes),
+        ),
+    }
     app.add_middleware(BodyLimit, max_bytes=settings.max_request_bytes, paths=uploads)
     errors.install(app)
     app.include_router(jobs.router)
@@ -44,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(openai.router)
     app.include_router(vectors.router)
     app.include_router(tokenizer.router)
+    app.include_router(nnsight.router)
     if not open_docs:
         app.include_router(docs.router)
     document_bodies(app)

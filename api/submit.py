@@ -85,6 +85,11 @@ def plan(
     the estimated capture bytes and the interventions resolved against the model.
     `cache` (one per batch) keeps model descriptions and resolved specs across entries."""
     settings = services.settings
+    if request.mode == "nnsight":
+        raise BadRequest(
+            "nnsight jobs are sent by nnsight's own client (`remote=True`) or actq's Client.nnsight to POST /request, "
+            "by a key in ACTQ_NNSIGHT_KEYS; POST /jobs takes modes 'generate' and 'trace'"
+        )
     cache = {} if cache is None else cache
     if ("model", request.model) not in cache:
         cache[("model", request.model)] = services.registry.get(request.model)

@@ -81,6 +81,22 @@ class JobWaiters:
                 if not waiters:
                     del self._events[job_id]
 
+    @contextlib.asynccontextmanager
+    async def watch(self) -> AsyncIterator[Watch]:
+        """A `Watch` over any number of jobs for as long as the block runs (a WebSocket that
+        reports several jobs' changes as they happen). Call inside `slot()`."""
+        await self._subscription()
+        watch = Watch(self)
+        try:
+            yield watch
+        finally:
+            for job_id in watch.ids:
+                waiters = self._events.get(job_id)
+                if waiters is not None:
+                    waiters.discard(watch.event)
+                    if not waiters:
+                        del self._events[job_id]
+
     async def _subscription(self) -> None:
         """Start the listener if it is not running (in this event loop), and return once its
         subscription is live; a RedisError if it cannot subscribe."""
@@ -130,3 +146,32 @@ class JobWaiters:
             self._listener.cancel()
             with contextlib.suppress(asyncio.CancelledError, redis.RedisError):
                 await self._listener
+
+
+class Watch:
+    """Jobs watched together: `add` a job id, then per turn `clear()`, read the jobs, `wait()`.
+    An event after `clear` and before `wait` is kept, so no change between the read and the wait
+    is missed."""
+
+    def __init__(self, waiters: JobWaiters) -> None:
+        self.waiters, self.event, self.ids = waiters, asyncio.Event(), set[str]()
+
+    def add(self, job_id: str) -> None:
+        if job_id not in self.ids:
+            self.ids.add(job_id)
+            self.waiters._events.setdefault(job_id, set()).add(self.event)
+
+    def clear(self) -> None:
+        self.event.clear()
+
+    async def wait(self, timeout: float, also: asyncio.Future | None = None) -> None:
+        """Until an event for a watched job, `also` is done, or `timeout` (at most RECHECK_SECONDS)."""
+        await self.waiters._subscription()  # a lost subscription is renewed (its end set the event)
+        woken = asyncio.ensure_future(self.event.wait())
+        waiting: set[asyncio.Future] = {woken}
+        if also is not None:
+            waiting.add(also)
+        try:
+            await asyncio.wait(waiting, timeout=min(timeout, RECHECK_SECONDS), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            woken.cancel()

@@ -521,6 +521,17 @@ class Client:
         """The job with this id (`GET /jobs/{id}`); `NotFound` when there is none."""
         return Job(self, self._get_job(job_id))
 
+    def nnsight(self, model: Any, compress: bool = True, timeout: float | None = None) -> Any:
+        """An nnsight backend that runs a trace of `model` (nnsight's TransformersModel) as an actq
+        nnsight job over plain HTTP, with this client's key (one in ACTQ_NNSIGHT_KEYS): for networks
+        where nnsight's own `remote=True` cannot open its WebSocket. Pass it as
+        `model.trace(..., backend=client.nnsight(model))`; the trace's saves are set as a local run
+        sets them, and are the backend's `.saves`. A failed job raises `JobFailed` with its
+        traceback. Needs nnsight 0.8 installed (shared/nnsight_client.py)."""
+        from shared.nnsight_client import backend
+
+        return backend(self, model, compress, timeout)
+
     def jobs(
         self,
         *,

@@ -218,6 +218,31 @@ class InternalError(JobFailure):
     error_type = "internal_error"
 
 
+class NnsightCodeFailed(JobFailure):
+    """An nnsight job's code raised (the message carries its traceback), or used what the served
+    model does not have."""
+
+    error_type = "nnsight_error"
+
+
+class WeightsWritten(JobFailure):
+    """An nnsight job wrote to the model's weights: its result is discarded, the weights read again."""
+
+    error_type = "weights_written"
+
+
+class ResultTooLarge(JobFailure):
+    """An nnsight job saved more than ACTQ_NNSIGHT_MAX_RESULT_BYTES."""
+
+    error_type = "result_too_large"
+
+
+class PayloadMismatch(JobFailure):
+    """An nnsight job's stored payload is not the one the API recorded (size or sha256)."""
+
+    error_type = "payload_mismatch"
+
+
 class ConfigurationError(ActqError):
     error_type = "configuration_error"
 

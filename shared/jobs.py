@@ -137,7 +137,9 @@ def split_result(result: dict[str, Any], inline_bytes: int) -> tuple[dict[str, A
 def summarize(record: JobRecord) -> JobSummary:
     """A job as GET /jobs lists it."""
     request = record.request
-    if request.prompt_token_ids is not None:
+    if request.nnsight is not None:
+        prompt = f"[nnsight payload {request.nnsight.sha256[:12]}] {request.nnsight.model_key}"
+    elif request.prompt_token_ids is not None:
         prompt = f"[{len(request.prompt_token_ids)} token ids] " + " ".join(map(str, request.prompt_token_ids[:40]))
     else:
         prompt = request.prompt if request.prompt is not None else (request.messages or [])[-1].text

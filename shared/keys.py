@@ -41,6 +41,23 @@ def job_text(job_id: str) -> str:
     return f"{PREFIX}:job-text:{job_id}"
 
 
+def nnsight_log(job_id: str) -> str:
+    """List of what an nnsight job printed, line by line (LOG statuses), appended by the worker
+    while it runs; expires with the job's retention."""
+    return f"{PREFIX}:nnsight-log:{job_id}"
+
+
+def nnsight_session(session_id: str) -> str:
+    """List of the jobs sent with one nnsight WebSocket session (its statuses go to that socket);
+    `job_events(nnsight_session(id))` announces a new one."""
+    return f"{PREFIX}:nnsight-session:{session_id}"
+
+
+def nnsight_link(token: str) -> str:
+    """An nnsight result's download link (its client sends no key there): token -> job id, expiring."""
+    return f"{PREFIX}:nnsight-link:{token}"
+
+
 def queued(name: str) -> str:
     """Sorted set of a model's queued job ids by enqueue time: a queued job's position."""
     return f"{PREFIX}:queued:{name}"

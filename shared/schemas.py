@@ -45,7 +45,7 @@ from shared.tools import (
 
 Positions = Literal["all", "prompt", "generated", "last", "completion"]
 Reduce = Literal["none", "mean", "sum", "max", "last"]
-Mode = Literal["generate", "trace"]
+Mode = Literal["generate", "trace", "nnsight"]
 FinishReason = Literal["stop", "length", "tool_calls", "cancelled", "timeout"]
 
 MAX_CAPTURE_PATTERNS = 256
@@ -149,6 +149,21 @@ class CaptureSpec(Strict):
         return self
 
 
+class NnsightCall(Strict):
+    """What an nnsight job runs: a payload that nnsight's 0.8 client built (a trace's code and the
+    values it uses, serialized), stored as opaque bytes in the job's storage. The API never reads
+    it; the worker loads and runs it (README "Your own nnsight code")."""
+
+    model_key: Annotated[str, Field(min_length=1, max_length=2000)]  # as the client sent it
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+    bytes: Annotated[int, Field(ge=1)]
+    compress: StrictBool = False  # the payload is zstd-compressed, and so is the result
+    nnsight_version: Annotated[str, Field(max_length=100)]
+    python_version: Annotated[str, Field(max_length=300)]
+    session_id: Annotated[str, Field(max_length=100)] | None = None  # the WebSocket that hears its statuses
+    caller: Annotated[str, Field(max_length=100)] | None = None  # the sending key's id
+
+
 class JobRequest(Strict):
     """`POST /jobs`: an OpenAI-style chat request (`messages`, rendered with the model's chat
     template) or a raw text `prompt` (tokenized as it is, for base models), plus an optional
@@ -199,9 +214,18 @@ class JobRequest(Strict):
     # false: a forced reply ("required") is one call, not one or more
     parallel_tool_calls: StrictBool = True
     response_format: ResponseFormat | None = None
+    # mode "nnsight" only: the trusted code it runs, sent by nnsight's client to POST /request
+    nnsight: NnsightCall | None = None
 
     @model_validator(mode="after")
     def _one_prompt(self) -> JobRequest:
+        if (self.mode == "nnsight") != (self.nnsight is not None):
+            raise ValueError(
+                "mode 'nnsight' jobs are sent by nnsight's own client (`remote=True`) to POST /request, which fills "
+                "`nnsight`; other modes leave it out"
+            )
+        if self.mode == "nnsight":
+            return self
         if sum(x is not None for x in (self.messages, self.prompt, self.prompt_token_ids)) != 1:
             raise ValueError(
                 "give exactly one of `messages` (a chat, rendered with the model's chat template), "
@@ -505,6 +529,18 @@ class BaselineResult(Strict):
     logprobs: Logprobs | None = None
 
 
+class NnsightOutput(Strict):
+    """An nnsight job's result: its saves, stored as its client loads them (`torch.save`, zstd
+    when it asked), downloaded at GET /jobs/{id}/nnsight-result or by the link its client gets."""
+
+    bytes: int
+    sha256: str
+    saved: list[str]  # the names the trace saved
+    # Besides nnsight's own wrapping, what the code changed on the model and the worker put back
+    # (a hook left registered, a module in train mode): `module: attributes`.
+    restored: list[str] = []
+
+
 class JobResult(Strict):
     text: str  # the generated text as it is: with tool calls, the raw text they were read from (for audit)
     finish_reason: FinishReason
@@ -525,6 +561,7 @@ class JobResult(Strict):
     # Per edit and module, the positions it touched at each forward step (README "Interventions").
     interventions: list[EditReport] | None = None
     baseline: BaselineResult | None = None
+    nnsight: NnsightOutput | None = None  # mode "nnsight"
 
 
 class TensorInfo(Strict):
@@ -695,6 +732,12 @@ class ModelInfo(Strict):
     special_tokens: list[str] = []
     # Named module sets, one path per decoder block (worker/presets.py): residual, attention, mlp.
     presets: dict[str, list[str]] = {}
+    # What trusted nnsight code runs under on the worker (README "Your own nnsight code"): the
+    # nnsight and Python versions (`3.11.9`); nnsight None: not installed, no nnsight jobs.
+    nnsight_version: str | None = None
+    python_version: str | None = None
+    attention: str | None = None  # the attention implementation it runs (`sdpa`, `eager`, ...)
+    hub_id: str | None = None  # the Hugging Face id of the checkpoint it was made from, when known
 
     @cached_property
     def module_index(self) -> dict[str, int]:

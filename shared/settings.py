@@ -40,6 +40,31 @@ class Settings(BaseSettings):
             "(queue positions, queued jobs per model in /health)."
         ),
     )
+    nnsight_keys: str | None = Field(
+        None,
+        description=(
+            "Comma-separated API keys (each one of ACTQ_API_KEYS or ACTQ_OPERATOR_KEYS) that may send their own "
+            "nnsight code (`remote=True`, POST /request). Such code runs as the worker, with its rights: name only "
+            "keys whose holders you would also give a shell on the worker. Empty: nnsight jobs are refused."
+        ),
+    )
+    nnsight_max_request_bytes: int = Field(
+        64 << 20, ge=1024, description="Largest nnsight payload POST /request accepts (413 above it)."
+    )
+    nnsight_max_result_bytes: int = Field(
+        1 << 30, ge=1024, description="Largest result an nnsight job may save (its job fails above it)."
+    )
+    nnsight_time_limit: float = Field(
+        300.0,
+        gt=0,
+        description=(
+            "Seconds an nnsight job may run before it is interrupted and failed as a timeout; one that will not stop "
+            "is ended with its engine at ACTQ_JOB_TIME_LIMIT."
+        ),
+    )
+    nnsight_link_seconds: int = Field(
+        3600, gt=0, description="How long an nnsight result's download link (sent without a key) stays valid."
+    )
     default_capture_by_model: Annotated[dict[str, CaptureSpec], NoDecode] = Field(
         {},
         description=(
@@ -281,14 +306,23 @@ class Settings(BaseSettings):
             ) from None
 
     @model_validator(mode="after")
-    def _default_captures_name_keys(self) -> Settings:
-        unknown = [key for key in self.default_capture_by_key if key not in self.api_key_list]
-        if unknown:
-            shown = ", ".join(f"{key[:4]}..." for key in unknown)
-            raise ValueError(
-                f"ACTQ_DEFAULT_CAPTURE_BY_KEY names {len(unknown)} key(s) ({shown}) that are not in ACTQ_API_KEYS "
-                "or ACTQ_OPERATOR_KEYS: a default capture applies to the callers of a valid key"
-            )
+    def _keyed_settings_name_keys(self) -> Settings:
+        """Settings that name API keys name valid ones (a typo would silently apply to no one)."""
+        for setting, named, why in (
+            (
+                "ACTQ_DEFAULT_CAPTURE_BY_KEY",
+                list(self.default_capture_by_key),
+                "a default capture applies to the callers of a valid key",
+            ),
+            ("ACTQ_NNSIGHT_KEYS", self.nnsight_key_list, "trust is given to a valid key"),
+        ):
+            unknown = [key for key in named if key not in self.api_key_list]
+            if unknown:
+                shown = ", ".join(f"{key[:4]}..." for key in unknown)
+                raise ValueError(
+                    f"{setting} names {len(unknown)} key(s) ({shown}) that are not in ACTQ_API_KEYS or "
+                    f"ACTQ_OPERATOR_KEYS: {why}"
+                )
         return self
 
     @model_validator(mode="after")
@@ -305,6 +339,10 @@ class Settings(BaseSettings):
     def api_key_list(self) -> list[str]:
         """Every key that authenticates (operator keys included); empty: the API is open."""
         return self.operator_key_list + [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
+
+    @property
+    def nnsight_key_list(self) -> list[str]:
+        return [k.strip() for k in (self.nnsight_keys or "").split(",") if k.strip()]
 
     @property
     def operator_key_list(self) -> list[str]:

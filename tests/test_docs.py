@@ -48,6 +48,12 @@ def test_compose_is_valid_sets_only_real_settings_and_names_real_entry_points():
     assert services["worker"]["deploy"]["resources"]["reservations"]["devices"][0]["capabilities"] == ["gpu"]
     for name in ("api", "worker"):
         assert services[name]["depends_on"]["redis"]["condition"] == "service_healthy"
+    # the worker (which may run trusted nnsight code) sees no API keys and has no route out
+    service = services["worker"]
+    assert [f["path"] for f in service["env_file"]] == ["worker.env"]
+    assert service["networks"] == ["jobs"] and compose["networks"]["jobs"]["internal"] is True
+    assert "HF_TOKEN" not in service["environment"] and "ACTQ_API_KEYS" not in service["environment"]
+    assert service["depends_on"]["model-download"]["condition"] == "service_completed_successfully"
     # every entry point the file names exists
     from shared.cli.app import cli
 

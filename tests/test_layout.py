@@ -95,8 +95,15 @@ def _product_lines():
                     yield f"{path.relative_to(ROOT)}:{number}", line
 
 
+# The one exception, documented as code execution (README "Your own nnsight code"): the trusted
+# nnsight job kind loads the payload that nnsight's client serialized, through nnsight itself.
+# Its client helper loads the saves the server sent back, as nnsight's own client does.
+CODE_EXECUTION = ("worker/nnsight_jobs.py:", "shared/nnsight_client.py:")
+
+
 def test_no_eval_exec_pickle_or_torch_load_in_the_product():
-    assert [f"{where}: {line.strip()}" for where, line in _product_lines() if FORBIDDEN_CALLS.search(line)] == []
+    found = [f"{where}: {line.strip()}" for where, line in _product_lines() if FORBIDDEN_CALLS.search(line)]
+    assert [line for line in found if not line.startswith(CODE_EXECUTION)] == []
 
 
 def test_system_exit_only_in_the_cli_entry_point():

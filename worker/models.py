@@ -30,6 +30,16 @@ log = logging.getLogger(__name__)
 
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the checkpoint the GGUF was made from
+
+
+def hub_id(setting: str, source: str) -> str | None:
+    """The Hugging Face id the served model was made from: the built-in's, or the id it was loaded by."""
+    if setting == SMOLLM2:
+        return SMOLLM2_HUB_ID
+    return None if Path(source).is_dir() else source
+
+
 DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # accelerate's own
 
 
@@ -41,6 +51,7 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     device: str
     dtype: str
+    hub_id: str | None = None  # the Hugging Face id it was made from, when known (nnsight clients name it)
 
 
 def smollm2_gguf_dir() -> Path:
@@ -192,10 +203,25 @@ def load(settings: Settings) -> LoadedModel:
         model.to(device)  # type: ignore[arg-type]  # mypy does not bind self for functools.wraps-decorated .to
     model.eval()
     return LoadedModel(
-        name=settings.served_model_name, source=source, model=model, tokenizer=tokenizer, device=device, dtype=dtype
+        name=settings.served_model_name,
+        source=source,
+        model=model,
+        tokenizer=tokenizer,
+        device=device,
+        dtype=dtype,
+        hub_id=hub_id(settings.model, source),
     )
 
 
-if __name__ == "__main__":  # `actq prepare-model` runs this: convert the built-in model now, print where
+def download(source: str) -> str:
+    """A Hub model's files in the Hugging Face cache (what a worker without network then loads)."""
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.tiktoken", "*.py"]
+    return str(snapshot_download(source, allow_patterns=patterns))
+
+
+if __name__ == "__main__":  # `actq prepare-model`: convert the built-in model, or fetch a Hub one; print where
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print(resolve_source(Settings()))
+    found = resolve_source(Settings())
+    print(found if Path(found).is_dir() else download(found))

@@ -156,6 +156,12 @@ def _prepare(
             raise NotRun(why)
         holder["record"], holder["started"] = record, time.perf_counter()
         log.info("job %s claimed (attempt %d)", job_id, record.attempts)
+        if record.request.nnsight is not None:  # trusted code: the engine runs it with the model to itself
+            from worker import nnsight_io
+
+            rt.progress.add(job_id)
+            rt.core.run_alone(nnsight_io.job(rt, record, done, joined))
+            return
         watch = _watch(rt, record, holder)
         request, plain = paired(record.request)
         holder["request"], holder["plain"] = request, plain
@@ -214,8 +220,14 @@ def _record(
     job_id = record.id
     holder = holder or {}
     try:
-        if isinstance(outcome, Exception):
+        if isinstance(outcome, BaseException):
             raise outcome
+        if record.request.nnsight is not None:
+            from worker import nnsight_io
+
+            stored = nnsight_io.record(rt, record, outcome)  # type: ignore[arg-type]  # an nnsight Outcome
+            log.info("job %s (nnsight) succeeded: run %.1f ms, %d bytes saved", job_id, _ms(started), stored)
+            return
         generation = rt.served.finish(outcome, holder.get("request", record.request))
         if generation.stopped_by is not None:
             _stopped(rt, record, generation)
@@ -266,6 +278,10 @@ def _record(
         raise
     except Exception as exc:  # noqa: BLE001 - any failure ends the job, never the worker
         _fail(rt, job_id, _classify(exc))
+
+
+def _ms(since: float) -> float:
+    return (time.perf_counter() - since) * 1e3
 
 
 def _result(

@@ -12,6 +12,7 @@ It knows nothing of Celery or Redis and can be driven directly (tests, benchmark
 from __future__ import annotations
 
 import logging
+import platform
 import threading
 
 import torch
@@ -27,6 +28,7 @@ from worker.decoding import Decoder, Sequence, Watch
 from worker.footprint import footprint
 from worker.kvcache import check_supported, new_cache
 from worker.models import LoadedModel
+from worker.nnsight_jobs import installed_version
 from worker.presets import resolve_presets
 from worker.prompts import PromptEncoder
 from worker.results import Generation
@@ -116,6 +118,10 @@ class ServedModel:
             tool_template=self.prompts.tool_template,
             special_tokens=self.prompts.refused_specials,
             presets=resolve_presets(self.hf, modules, hidden, layers),
+            nnsight_version=installed_version("nnsight"),
+            python_version=platform.python_version(),
+            attention=getattr(self.hf.config, "_attn_implementation", None),
+            hub_id=self.loaded.hub_id,
             **self.prompts.template_tokens(),
             **footprint(self.hf.config, self.hf.dtype),
         )

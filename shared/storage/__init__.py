@@ -12,10 +12,28 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from shared.settings import Settings
-from shared.storage.base import ArtifactStore, activations_key, check_key, job_prefix, manifest_key
+from shared.storage.base import (
+    ArtifactStore,
+    activations_key,
+    check_key,
+    job_prefix,
+    manifest_key,
+    nnsight_request_key,
+    nnsight_result_key,
+)
 from shared.storage.local import LocalStore
 
-__all__ = ["ArtifactStore", "LocalStore", "activations_key", "check_key", "job_prefix", "manifest_key", "open_store"]
+__all__ = [
+    "ArtifactStore",
+    "LocalStore",
+    "activations_key",
+    "check_key",
+    "job_prefix",
+    "manifest_key",
+    "nnsight_request_key",
+    "nnsight_result_key",
+    "open_store",
+]
 
 
 def open_store(settings: Settings, wait_for_outages: bool = False) -> ArtifactStore:

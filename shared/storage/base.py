@@ -28,6 +28,16 @@ def manifest_key(job_id: str) -> str:
     return f"jobs/{job_id}/manifest.json"
 
 
+def nnsight_request_key(job_id: str) -> str:
+    """An nnsight job's payload as its client sent it (opaque bytes: only the worker reads it)."""
+    return f"jobs/{job_id}/nnsight-request.bin"
+
+
+def nnsight_result_key(job_id: str) -> str:
+    """An nnsight job's saves, as its client loads them (`torch.save`, zstd when it asked)."""
+    return f"jobs/{job_id}/nnsight-result.pt"
+
+
 def check_key(key: str) -> str:
     """Keys are relative, slash-separated, with no empty, '.' or '..' parts."""
     if not _KEY.fullmatch(key) or any(part in (".", "..") or part.startswith(".") for part in key.split("/")):

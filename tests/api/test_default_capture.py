@@ -75,6 +75,10 @@ def test_a_default_that_cannot_apply_is_a_400_naming_the_setting():
             {"ACTQ_API_KEYS": KEY, "ACTQ_DEFAULT_CAPTURE_BY_KEY": json.dumps({"not-a-key": KEY_DEFAULT})},
             "ACTQ_DEFAULT_CAPTURE_BY_KEY names 1 key(s) (not-...) that are not in ACTQ_API_KEYS",
         ),
+        (
+            {"ACTQ_API_KEYS": KEY, "ACTQ_NNSIGHT_KEYS": "not-a-key"},
+            "ACTQ_NNSIGHT_KEYS names 1 key(s) (not-...) that are not in ACTQ_API_KEYS",
+        ),
     ],
 )
 def test_a_broken_default_stops_the_api_at_start(env, message, tmp_path):

@@ -1,0 +1,402 @@
+"""Researchers' own nnsight code through actq: nnsight 0.8's stock client with `remote=True` and
+its host pointed at a real stack (API, Redis, a worker on the tiny model), the guide's examples
+each compared with the same code run locally by nnsight on the same weights; trusted keys only.
+
+The one stand-in: nnsight's client asks the Hub for the canonical id of the model it names
+(`HfApi().model_info`), which has no answer offline and none for a local folder; its cache of
+such answers is seeded with the folder itself (README "Your own nnsight code" says how a user
+without the Hub does the same)."""
+
+# ruff: noqa: F841 - inside a trace, a name bound to a saved value is what nnsight sends back
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from shared.cli.redis_server import RedisServer
+from tests.e2e.conftest import STACK_ENV, own_stack
+from tests.support.stack import TINY, TestStack
+
+pytestmark = pytest.mark.timeout(600)
+TRUSTED, PLAIN = "trusted-key-0123456789", "plain-key-0123456789"
+ATOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path):
+    root = tmp_path_factory.mktemp("nnsight-stack")
+    with RedisServer(root / "redis") as server:
+        env = {**STACK_ENV, "ACTQ_MODEL_CACHE_DIR": str(root / "cache"), "ACTQ_REDIS_URL": server.url}
+        with own_stack(
+            root,
+            env,
+            ACTQ_API_KEYS=f"{TRUSTED},{PLAIN}",
+            ACTQ_NNSIGHT_KEYS=TRUSTED,
+            ACTQ_NNSIGHT_TIME_LIMIT="4",
+            ACTQ_NNSIGHT_MAX_RESULT_BYTES="3000000",
+        ) as s:
+            s.start_worker(TINY, {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": TINY})
+            yield s
+
+
+@pytest.fixture(scope="module")
+def models(tiny_dir: Path):
+    """(the client's model: no weights, only what builds a request; the local reference model)."""
+    from nnsight.modeling import huggingface
+    from nnsight.modeling.transformers import TransformersModel
+    from transformers import AutoTokenizer
+
+    huggingface._ID_CACHE[str(tiny_dir)] = str(tiny_dir)  # the Hub's answer for a local folder: itself
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    client = TransformersModel(str(tiny_dir), task="text-generation", tokenizer=tokenizer)
+    local = TransformersModel(str(tiny_dir), task="text-generation", tokenizer=tokenizer, dispatch=True)
+    return client, local
+
+
+@pytest.fixture
+def remote_host(stack: TestStack):
+    from nnsight import CONFIG
+
+    before = CONFIG.API.HOST, CONFIG.API.APIKEY
+    CONFIG.API.HOST, CONFIG.API.APIKEY = stack.base_url, TRUSTED
+    yield stack
+    CONFIG.API.HOST, CONFIG.API.APIKEY = before
+
+
+def _close(remote: dict, local: dict) -> None:
+    assert remote.keys() == local.keys()
+    for name, value in local.items():
+        other = remote[name]
+        if isinstance(value, torch.Tensor):
+            assert other.shape == value.shape, name
+            torch.testing.assert_close(other, value, atol=ATOL, rtol=1e-4, msg=name)
+        elif isinstance(value, list):
+            assert len(other) == len(value), name
+            for a, b in zip(other, value, strict=True):
+                torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4, msg=name)
+        else:
+            assert other == value, name
+
+
+# -- the guide's examples, each written once and run twice ----------------------------------
+
+
+def hidden_states(model, remote):
+    with model.trace("The Eiffel Tower is in the city of", remote=remote):
+        hs = model.model.layers[1].output.save()
+        logits = model.lm_head.output.save()
+    return {"hs": hs, "logits": logits}
+
+
+def set_activation(model, remote):
+    with model.trace("The Eiffel Tower is in the city of", remote=remote):
+        model.model.layers[0].mlp.output[:] = 0
+        logits = model.lm_head.output.save()
+    return {"logits": logits}
+
+
+def steer_generation(model, remote):
+    direction = torch.linspace(-2, 2, 64)
+    with model.generate("Once upon a time", max_new_tokens=4, remote=remote) as tracer:
+        chosen = list().save()
+        for _ in tracer.iter[0:4]:
+            model.model.layers[1].output[:, -1, :] += direction
+            chosen.append(model.lm_head.output[0, -1].argmax(dim=-1))
+        ids = tracer.result.save()
+    return {"chosen": chosen, "ids": ids}
+
+
+def patch_across_invokes(model, remote):
+    with model.trace(remote=remote) as tracer:
+        barrier = tracer.barrier(2)  # the guide's barrier: the second invoke waits for the first's value
+        with tracer.invoke("The Eiffel Tower is in"):
+            clean = model.model.layers[1].output[:, -1, :].save()
+            barrier()
+        with tracer.invoke("The Colosseum is in"):
+            barrier()
+            model.model.layers[1].output[:, -1, :] = clean
+            patched = model.lm_head.output.save()
+    return {"clean": clean, "patched": patched}
+
+
+def attribution(model, remote):
+    with model.trace("The Eiffel Tower is in", remote=remote):
+        hs = model.model.layers[1].output
+        hs.requires_grad_(True)
+        logits = model.lm_head.output
+        metric = logits[0, -1, 5] - logits[0, -1, 7]
+        with metric.backward():
+            grad = hs.grad.save()
+        value = metric.save()
+    return {"grad": grad, "value": value}
+
+
+def source_read(model, remote):
+    with model.trace("The Eiffel Tower is in", remote=remote):
+        rotated = model.model.layers[0].self_attn.source.apply_rotary_pos_emb_0.output[0].save()
+    return {"rotated": rotated}
+
+
+def session(model, remote):
+    with model.session(remote=remote):
+        with model.trace("Hello there"):
+            last = model.model.layers[0].output[:, -1, :]
+        with model.trace("General Kenobi"):
+            model.model.layers[0].output[:, -1, :] = last
+            out = model.lm_head.output.save()
+    return {"out": out}
+
+
+EXAMPLES = [hidden_states, set_activation, steer_generation, patch_across_invokes, attribution, source_read, session]
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda f: f.__name__)
+def test_the_guides_examples_equal_their_local_runs(example, models, remote_host):
+    client, local = models
+    expected = example(local, False)
+    got = example(client, True)
+    _close(got, expected)
+
+
+def test_a_print_inside_the_trace_comes_back_as_a_log_status(models, remote_host, capsys):
+    from nnsight import CONFIG
+
+    client, _ = models
+    logging = CONFIG.APP.REMOTE_LOGGING
+    CONFIG.APP.REMOTE_LOGGING = True
+    try:
+        with client.trace("Hello", remote=True):
+            print("shape inside the trace:", client.model.layers[0].output.shape)
+            hs = client.model.layers[0].output.save()
+    finally:
+        CONFIG.APP.REMOTE_LOGGING = logging
+    assert hs.shape[-1] == 64
+    assert f"shape inside the trace: {hs.shape}" in capsys.readouterr().out
+
+
+# -- what the routes refuse --------------------------------------------------------------
+
+
+def _stored_jobs(stack: TestStack) -> list[str]:
+    jobs = stack.storage_dir / "jobs"
+    return sorted(p.name for p in jobs.iterdir()) if jobs.exists() else []
+
+
+def test_a_key_not_trusted_with_code_can_do_nothing_and_nothing_is_stored(stack, models):
+    before = _stored_jobs(stack)
+    form = {"data": '{"model_key": "x", "session_id": "", "compress": false, "env": {}}'}
+    files = {"blob": ("request", b"\x80\x04payload", "application/octet-stream")}
+    for key, status in ((PLAIN, 403), (None, 401), ("not-a-key", 401)):
+        headers = {"ndif-api-key": key} if key else {}
+        response = httpx.post(f"{stack.base_url}/request", data=form, files=files, headers=headers, timeout=30)
+        assert response.status_code == status, response.text
+        assert "ACTQ_NNSIGHT_KEYS" in response.text or status == 401
+        for path in ("/response/00000000-0000-4000-8000-000000000000", "/status", "/env"):
+            assert httpx.get(f"{stack.base_url}{path}", headers=headers, timeout=30).status_code == status
+    assert _stored_jobs(stack) == before
+
+    from websocket import WebSocketBadStatusException, create_connection
+
+    with pytest.raises(WebSocketBadStatusException) as refused:
+        create_connection(f"ws://127.0.0.1:{stack.port}/subscribe", header={"ndif-api-key": PLAIN})
+    assert refused.value.status_code == 403
+
+    # the client itself says why
+    from nnsight import CONFIG
+    from nnsight.intervention.backends.remote import RemoteError
+
+    client, _ = models
+    CONFIG.API.HOST, CONFIG.API.APIKEY = stack.base_url, PLAIN
+    with pytest.raises((RemoteError, WebSocketBadStatusException)):
+        with client.trace("Hello", remote=True):
+            client.model.layers[0].output.save()
+    assert _stored_jobs(stack) == before
+
+
+def _post(stack: TestStack, data: str, headers: dict[str, str] | None = None) -> httpx.Response:
+    import sys
+
+    import nnsight
+
+    sent = {
+        "ndif-api-key": TRUSTED,
+        "nnsight-version": nnsight.__version__,
+        "python-version": sys.version,
+        **(headers or {}),
+    }
+    files = {"blob": ("request", b"\x80\x04payload", "application/octet-stream")}
+    return httpx.post(f"{stack.base_url}/request", data={"data": data}, files=files, headers=sent, timeout=30)
+
+
+def test_a_request_the_worker_cannot_run_is_refused_at_submit_saying_what_to_change(stack, tiny_dir):
+    key = "nnsight.modeling.transformers.TransformersModel:" + json.dumps({"repo_id": str(tiny_dir), "revision": None})
+    good = json.dumps({"model_key": key, "session_id": "", "compress": False, "env": {}})
+    before = _stored_jobs(stack)
+    cases = [
+        (good.replace(str(tiny_dir), "openai-community/gpt2"), {}, "not served here"),
+        (good.replace('"env": {}', '"env": {"peft": "me/adapter"}'), {}, "per-request environment"),
+        (good.replace('"env": {}', '"env": {"attn_implementation": "flex_attention"}'), {}, "attn_implementation="),
+        (good, {"nnsight-version": "0.7.3"}, "install nnsight=="),
+        (good, {"python-version": "3.99.0 (main)"}, "use Python"),
+        (good.replace("TransformersModel", "VLLM"), {}, "LanguageModel or TransformersModel"),
+    ]
+    for data, headers, says in cases:
+        response = _post(stack, data, headers)
+        assert response.status_code == 422, response.text
+        assert says in response.json()["detail"], response.text
+    assert _stored_jobs(stack) == before
+
+
+# -- failures are the job's own; the model stays exact ------------------------------------
+
+
+def _capture(stack: TestStack) -> dict[str, torch.Tensor]:
+    with httpx.Client(base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {PLAIN}"}) as http:
+        body = {
+            "model": TINY,
+            "prompt": "Seven ravens flew over the hill",
+            "max_tokens": 6,
+            "capture": {"modules": ["model.layers.*"], "positions": "all"},
+        }
+        job_id = stack.submit(http, body)
+        job = stack.wait(http, job_id)
+        assert job["status"] == "succeeded", job
+        from safetensors.torch import load
+
+        return load(http.get(f"/jobs/{job_id}/activations").content)
+
+
+def _remote_error(client, code) -> str:
+    from nnsight.intervention.backends.remote import RemoteError
+
+    with pytest.raises(RemoteError) as failed:
+        code(client)
+    return str(failed.value)
+
+
+def raises(model):
+    with model.trace("Hello", remote=True):
+        hs = model.model.layers[0].output
+        hs.save()
+        raise_here = hs[0, 0, 0].item() / 0  # the ZeroDivisionError is the point
+
+
+def loops_forever(model):
+    with model.trace("Hello", remote=True):
+        hs = model.model.layers[0].output.save()
+        while True:
+            pass
+
+
+def allocates_too_much(model):
+    with model.trace("Hello", remote=True):
+        hs = model.model.layers[0].output.save()
+        huge = torch.empty(1 << 50, dtype=torch.uint8)
+
+
+def writes_the_weights(model):
+    with model.trace("Hello", remote=True):
+        model.model.layers[0].mlp.down_proj.weight.data.mul_(0)
+        hs = model.model.layers[1].output.save()
+
+
+def saves_too_much(model):
+    with model.trace("Hello", remote=True):
+        big = torch.randn(1_000_000).save()  # 4 MB that compress little, over the stack's cap of 3 MB
+
+
+def test_failing_jobs_end_with_their_own_error_and_capture_jobs_stay_exact(stack, models, remote_host):
+    client, _ = models
+    before = _capture(stack)
+    cases = [
+        (raises, "ZeroDivisionError"),
+        (loops_forever, "time limit of 4s"),
+        (allocates_too_much, "out of memory"),
+        (writes_the_weights, "wrote to the model's weights (model.layers.0.mlp.down_proj.weight)"),
+        (saves_too_much, "ACTQ_NNSIGHT_MAX_RESULT_BYTES"),
+    ]
+    for code, says in cases:
+        began = time.monotonic()
+        message = _remote_error(client, code)
+        assert says in message, (code.__name__, message, stack.log_tail())
+        after = _capture(stack)
+        assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before), code.__name__
+    assert time.monotonic() - began < 60
+    assert hidden_states(client, True)["hs"].shape == (1, 9, 64)  # the worker serves on
+
+
+def test_the_result_is_stored_by_job_id_and_the_non_blocking_mode_polls_it(models, remote_host):
+    from nnsight.intervention.backends.remote import RemoteBackend
+
+    client, local = models
+    backend = RemoteBackend(client.to_model_key(), blocking=False)
+    with client.trace("The Eiffel Tower is in", backend=backend):
+        hs = client.model.layers[1].output.save()
+    assert backend.job_id is not None
+    result = None
+    for _ in range(600):
+        result = backend()
+        if result is not None:
+            break
+        time.sleep(0.1)
+    assert result is not None
+    with local.trace("The Eiffel Tower is in"):
+        expected = local.model.layers[1].output.save()
+    torch.testing.assert_close(result["hs"], expected, atol=ATOL, rtol=1e-4)
+    with httpx.Client(base_url=remote_host.base_url, headers={"Authorization": f"Bearer {TRUSTED}"}) as http:
+        job = http.get(f"/jobs/{backend.job_id}").json()
+        assert job["status"] == "succeeded" and job["result"]["nnsight"]["saved"] == ["hs"]
+        stored = http.get(f"/jobs/{backend.job_id}/nnsight-result")
+        assert stored.status_code == 200 and len(stored.content) == job["result"]["nnsight"]["bytes"]
+        other = http.get(f"/jobs/{backend.job_id}/nnsight-result", headers={"Authorization": f"Bearer {PLAIN}"})
+        assert other.status_code == 404  # another key's job is not disclosed
+
+
+def test_the_readmes_example_runs_as_written(stack, tiny_dir, tmp_path):
+    """The README's nnsight script, extracted from the README, as a user runs it: its own process,
+    nnsight's client configured by NDIF_HOST and NDIF_API_KEY alone."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.support.readme import _fences
+
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    blocks = [body for _, lang, body, before in _fences(readme.read_text()) if "test_nnsight_remote.py runs" in before]
+    assert len(blocks) == 1
+    script = tmp_path / "my_experiment.py"
+    script.write_text(blocks[0])
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ACTQ_", "NDIF_"))}
+    env |= {"NDIF_HOST": stack.base_url, "NDIF_API_KEY": TRUSTED, "MODEL_DIR": str(tiny_dir), "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1].startswith("(1, 9, 64) "), done.stdout
+
+
+def test_actqs_client_runs_a_trace_over_plain_http_and_raises_a_failed_jobs_traceback(stack, models):
+    from shared.client import Client, JobFailed
+
+    client_model, local = models
+    with Client(stack.base_url, api_key=TRUSTED) as client:
+        backend = client.nnsight(client_model)
+        with client_model.trace("The Eiffel Tower is in", backend=backend):
+            hs = client_model.model.layers[1].output.save()
+        with local.trace("The Eiffel Tower is in"):
+            expected = local.model.layers[1].output.save()
+        torch.testing.assert_close(hs, expected, atol=ATOL, rtol=1e-4)
+        assert backend.saves.keys() == {"hs"} and backend.job_id is not None
+        with pytest.raises(JobFailed) as failed:
+            with client_model.trace("Hello", backend=client.nnsight(client_model)):
+                hs = client_model.model.layers[0].output
+                hs.save()
+                hs[0, 0, 0].item() / 0
+        assert failed.value.error_type == "nnsight_error" and "ZeroDivisionError" in failed.value.detail
+    with Client(stack.base_url, api_key=PLAIN) as client, pytest.raises(Exception) as refused:
+        with client_model.trace("Hello", backend=client.nnsight(client_model)):
+            client_model.model.layers[0].output.save()
+    assert "ACTQ_NNSIGHT_KEYS" in str(refused.value)

@@ -1,0 +1,108 @@
+"""An nnsight job's way in and out of the engine (the run itself: worker/nnsight_jobs.py): its
+payload read from storage and checked against the hash the API recorded, its printed lines
+published to Redis as they come (the API sends them as LOG statuses), and its saves stored
+where activations go, under the result size cap."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import redis
+
+from shared import keys
+from shared.errors import PayloadMismatch, ResultTooLarge
+from shared.schemas import JobRecord, JobResult, NnsightOutput, Usage
+from shared.storage import nnsight_request_key, nnsight_result_key
+from worker.engine_core import Alone
+
+if TYPE_CHECKING:
+    from worker import runtime
+    from worker.nnsight_jobs import Outcome
+
+log = logging.getLogger(__name__)
+
+
+def job(rt: runtime.Runtime, record: JobRecord, done: Callable[[Any], None], started: Callable[[], None]) -> Alone:
+    """The engine's exclusive run of `record` (read here, on the preparing thread)."""
+    from worker import nnsight_jobs
+
+    call = record.request.nnsight
+    assert call is not None
+    blob = b"".join(rt.store.stream(nnsight_request_key(record.id)))
+    if len(blob) != call.bytes or hashlib.sha256(blob).hexdigest() != call.sha256:
+        raise PayloadMismatch(
+            f"the stored payload ({len(blob)} bytes) is not the one the API recorded ({call.bytes} bytes, sha256 "
+            f"{call.sha256[:12]}...); send the request again"
+        )
+    limit = min(rt.settings.nnsight_time_limit, record.request.time_limit or float("inf"))
+    emit = _logs.emitter(rt, record.id)
+    return Alone(
+        run=lambda: nnsight_jobs.run(rt.served, blob, call.compress, limit, emit),
+        done=done,
+        started=started,
+    )
+
+
+def record(rt: runtime.Runtime, record: JobRecord, outcome: Outcome) -> int:
+    """Store the saves and mark the job succeeded; returns the bytes stored."""
+    from worker.nnsight_jobs import save_result
+
+    call = record.request.nnsight
+    assert call is not None
+    data = save_result(outcome.saves, call.compress)
+    cap = rt.settings.nnsight_max_result_bytes
+    if len(data) > cap:
+        raise ResultTooLarge(
+            f"the nnsight job saved {len(data):,} bytes, over this deployment's cap of {cap:,} "
+            "(ACTQ_NNSIGHT_MAX_RESULT_BYTES): save less (a slice, a mean, a lower dtype)"
+        )
+    rt.store.put_bytes(nnsight_result_key(record.id), data)
+    output = NnsightOutput(
+        bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), saved=sorted(outcome.saves), restored=outcome.restored
+    )
+    result = JobResult(text="", finish_reason="stop", usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0))
+    result.nnsight = output
+    rt.jobs.succeed(record.id, result.model_dump(), None, rt.settings.result_inline_bytes)
+    return len(data)
+
+
+class _Logs:
+    """One thread per process that writes printed lines to Redis (the engine thread never waits
+    on Redis): appended to the job's list, then announced on its event channel."""
+
+    def __init__(self) -> None:
+        self._lines: queue.SimpleQueue[tuple[redis.Redis, int, str, str]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def emitter(self, rt: runtime.Runtime, job_id: str) -> Callable[[str], None]:
+        client, ttl = rt.jobs.redis, rt.settings.job_retention_seconds
+
+        def emit(line: str) -> None:
+            self._lines.put((client, ttl, job_id, line))
+            with self._lock:
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._loop, name="actq-nnsight-logs", daemon=True)
+                    self._thread.start()
+
+        return emit
+
+    def _loop(self) -> None:
+        while True:
+            client, ttl, job_id, line = self._lines.get()
+            try:
+                with client.pipeline(transaction=False) as pipe:
+                    pipe.rpush(keys.nnsight_log(job_id), line)
+                    pipe.expire(keys.nnsight_log(job_id), ttl)
+                    pipe.publish(keys.job_events(job_id), "log")
+                    pipe.execute()
+            except redis.RedisError:
+                log.warning("job %s: a printed line could not be published (Redis is unreachable)", job_id)
+
+
+_logs = _Logs()
