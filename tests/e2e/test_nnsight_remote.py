@@ -38,6 +38,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path):
             ACTQ_API_KEYS=f"{TRUSTED},{PLAIN}",
             ACTQ_NNSIGHT_KEYS=TRUSTED,
             ACTQ_NNSIGHT_TIME_LIMIT="4",
+            ACTQ_JOB_SOFT_TIME_LIMIT="15",
+            ACTQ_JOB_TIME_LIMIT="20",  # the hard limit: an engine whose code will not stop is replaced
             ACTQ_NNSIGHT_MAX_RESULT_BYTES="3000000",
         ) as s:
             s.start_worker(TINY, {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": TINY})
@@ -328,6 +330,26 @@ def test_failing_jobs_end_with_their_own_error_and_capture_jobs_stay_exact(stack
         assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before), code.__name__
     assert time.monotonic() - began < 60
     assert hidden_states(client, True)["hs"].shape == (1, 9, 64)  # the worker serves on
+
+
+def swallows_the_interrupt(model):
+    with model.trace("Hello", remote=True):
+        hs = model.model.layers[0].output.save()
+        while True:
+            try:
+                time.sleep(0.05)
+            except BaseException:  # noqa: BLE001 - the time limit's interrupt, caught: only the hard limit ends this
+                pass
+
+
+def test_code_that_will_not_stop_is_ended_with_its_engine_and_the_worker_goes_on(stack, models, remote_host):
+    client, _ = models
+    before = _capture(stack)
+    message = _remote_error(client, swallows_the_interrupt)
+    assert "hard time limit of 20s" in message, message
+    after = _capture(stack)  # a new engine process, the model loaded again
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+    assert hidden_states(client, True)["hs"].shape == (1, 9, 64)
 
 
 def test_the_result_is_stored_by_job_id_and_the_non_blocking_mode_polls_it(models, remote_host):
