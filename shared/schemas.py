@@ -539,6 +539,7 @@ class NnsightOutput(Strict):
     # Besides nnsight's own wrapping, what the code changed on the model and the worker put back
     # (a hook left registered, a module in train mode): `module: attributes`.
     restored: list[str] = []
+    held_s: float = 0.0  # seconds the job had the model to itself (the running batch paused as long)
 
 
 class JobResult(Strict):

@@ -3,8 +3,8 @@ behind, put back: `ModelGuard` notes the model before the code runs and, after i
 every module's own state (its forward, hooks, submodules, parameter and buffer objects, train or
 eval mode, which parameters need gradients) and checks a fingerprint of the weights' values.
 
-The fingerprint per parameter and buffer is its storage pointer, version counter and its sum in
-float64: an in-place write through autograd bumps the version, a write through `.data` changes
+The fingerprint per parameter and buffer is its storage pointer, version counter and its sum
+(float32 at least): an in-place write through autograd bumps the version, a write through `.data` changes
 the sum (a write that leaves every sum exactly as it was, a permutation, is not seen). Values that
 changed are read again from the model's own files, in place, so that the storage the running
 batch and its CUDA graphs hold stays the same.
@@ -61,11 +61,18 @@ class _Tensor:
 
 
 def _fingerprint(tensors: dict[str, _Tensor]) -> torch.Tensor:
-    """Each tensor's sum in float64, in one stacked result (one host read for all)."""
-    sums = [t.tensor.detach().sum(dtype=torch.float64) for t in tensors.values() if t.tensor.is_floating_point()]
+    """Each tensor's sum, accumulated in float32 at least, in one stacked result (one host read for
+    all). A reduction over the same values on the same device and threads gives the same bits, so
+    sums are compared exactly; float32 sums read memory at its speed (float64 ones were 7x slower:
+    300 ms a pass on SmolLM2 on the CPU)."""
+    sums = [
+        t.tensor.detach().sum(dtype=torch.float32 if t.tensor.element_size() < 4 else None)
+        for t in tensors.values()
+        if t.tensor.is_floating_point()
+    ]
     if not sums:
         return torch.zeros(0, dtype=torch.float64)
-    return torch.stack([s.to("cpu") for s in sums])
+    return torch.stack([s.to("cpu", torch.float64) for s in sums])
 
 
 class ModelGuard:

@@ -63,7 +63,11 @@ def record(rt: runtime.Runtime, record: JobRecord, outcome: Outcome) -> int:
         )
     rt.store.put_bytes(nnsight_result_key(record.id), data)
     output = NnsightOutput(
-        bytes=len(data), sha256=hashlib.sha256(data).hexdigest(), saved=sorted(outcome.saves), restored=outcome.restored
+        bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+        saved=sorted(outcome.saves),
+        restored=outcome.restored,
+        held_s=round(outcome.held_s, 6),
     )
     result = JobResult(text="", finish_reason="stop", usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0))
     result.nnsight = output

@@ -25,6 +25,7 @@ import io
 import logging
 import sys
 import threading
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -61,6 +62,7 @@ class Outcome:
 
     saves: dict[str, Any]
     restored: list[str]
+    held_s: float  # how long the job had the model to itself: the running batch's pause
 
 
 # -- printing inside a trace --------------------------------------------------------------
@@ -182,6 +184,7 @@ def run(served: ServedModel, blob: bytes, compress: bool, limit: float, emit: Ca
 
     from worker.model_guard import ModelGuard
 
+    began = time.perf_counter()
     guard = ModelGuard(served.hf, _unwrapped(served), expected=NNSIGHT_ATTRIBUTES)
     caches = (dict(nnsight_globals.SOURCES), dict(nnsight_globals.BLOCKS))
     import linecache
@@ -245,15 +248,16 @@ def run(served: ServedModel, blob: bytes, compress: bool, limit: float, emit: Ca
         )
     if failure is not None:
         raise failure
-    return Outcome(saves, restored.state)
+    return Outcome(saves, restored.state, time.perf_counter() - began)
 
 
 def _missing(pid: str, served: ServedModel) -> str:
     if pid.startswith("Module:"):
-        path = pid.removeprefix("Module:").removeprefix("model.").removeprefix("model")
+        envoy = pid.removeprefix("Module:")  # nnsight's path: the root envoy is `model`
+        path = "" if envoy == "model" else envoy.removeprefix("model.")
         return (
             f"the payload uses module {path or '(the root)'!r}, which the served model {served.info.name} "
-            "({served.info.architecture}) does not have: build the client's model from the same checkpoint "
+            f"({served.info.architecture}) does not have: build the client's model from the same checkpoint "
             '(README "Your own nnsight code")'
         )
     return f"the payload refers to {pid!r}, which this worker cannot provide (nnsight {installed_version('nnsight')})"

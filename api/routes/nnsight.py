@@ -33,7 +33,7 @@ from api.limits import QuotaExceeded
 from api.submit import queued_record
 from api.visibility import load_async
 from shared import keys
-from shared.errors import ActqError, BadRequest, JobNotFound, NotReady, PayloadTooLarge
+from shared.errors import ActqError, BadRequest, JobNotFound, NotReady, PayloadTooLarge, Unauthorized
 from shared.jobs import OverQuota
 from shared.schemas import JobRecord, JobRequest, JobStatus, NnsightCall
 from shared.storage import nnsight_request_key, nnsight_result_key
@@ -57,9 +57,11 @@ def _key(headers: Any) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
-def frame(job_id: str, status: str, description: str = "", data: str | None = None) -> dict[str, Any]:
-    """One status as nnsight's ResponseModel reads it."""
-    return {"id": job_id, "status": status, "description": description, "data": data, "meta": None}
+def frame(
+    job_id: str, status: str, description: str = "", data: str | None = None, meta: dict | None = None
+) -> dict[str, Any]:
+    """One status as nnsight's ResponseModel reads it (`meta`: what the run cost)."""
+    return {"id": job_id, "status": status, "description": description, "data": data, "meta": meta}
 
 
 async def _link(request: Request | WebSocket, services: Services, job_id: str) -> str:
@@ -78,7 +80,9 @@ async def status_frame(request: Request | WebSocket, services: Services, record:
     if record.status is JobStatus.running:
         return frame(record.id, "RUNNING", f"running on worker {record.worker or ''}".strip())
     if record.status is JobStatus.succeeded:
-        return frame(record.id, "COMPLETED", "done", await _link(request, services, record.id))
+        output = record.result.nnsight if record.result is not None else None
+        meta = {"held_seconds": output.held_s, "result_bytes": output.bytes} if output is not None else None
+        return frame(record.id, "COMPLETED", "done", await _link(request, services, record.id), meta)
     error = record.error
     described = f"{error.type}: {error.message}" if error is not None else record.status.value
     return frame(record.id, "ERROR", described)
@@ -286,7 +290,11 @@ async def ndif_env(request: Request, services: ServicesDep) -> dict[str, Any]:
 
 @router.get("/whoami")
 async def whoami(request: Request, services: ServicesDep) -> dict[str, Any]:
-    """nnsight.whoami(): no e-mail is kept; the tags say the key may run nnsight code."""
+    """nnsight.whoami(): no e-mail is kept; the tags say whether the key may run nnsight code.
+    Only for a valid key (401 otherwise)."""
     key = _key(request.headers)
-    trusted = key is not None and services.settings.nnsight_key_list and one_of(key, services.settings.nnsight_key_list)
-    return {"email": None, "tags": ["nnsight"] if trusted else [], "key_id": key_id(key) if trusted and key else None}
+    settings = services.settings
+    if key is None or not one_of(key, settings.api_key_list):
+        raise Unauthorized("send a valid API key (`ndif-api-key` header, or `Authorization: Bearer`)")
+    trusted = bool(settings.nnsight_key_list) and one_of(key, settings.nnsight_key_list)
+    return {"email": None, "tags": ["nnsight"] if trusted else [], "key_id": key_id(key)}

@@ -189,6 +189,28 @@ def _stored_jobs(stack: TestStack) -> list[str]:
     return sorted(p.name for p in jobs.iterdir()) if jobs.exists() else []
 
 
+def test_a_module_the_served_model_lacks_fails_the_job_and_names_it(stack, tiny_dir, tmp_path, remote_host):
+    """The client's folder (named as the served model) describes six layers; the served model has four."""
+    import shutil
+
+    from nnsight.intervention.backends.remote import RemoteError
+    from nnsight.modeling import huggingface
+    from nnsight.modeling.transformers import TransformersModel
+    from transformers import AutoTokenizer
+
+    folder = tmp_path / TINY
+    shutil.copytree(tiny_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))
+    huggingface._ID_CACHE[str(folder)] = str(folder)
+    taller = TransformersModel(str(folder), task="text-generation", tokenizer=AutoTokenizer.from_pretrained(folder))
+    with pytest.raises(RemoteError) as failed:
+        with taller.trace("Hello", remote=True):
+            hs = taller.model.layers[5].output.save()
+    assert "nnsight_error: the payload uses module 'model.layers.4'" in str(failed.value)
+    assert "which the served model tiny" in str(failed.value)
+
+
 def test_a_key_not_trusted_with_code_can_do_nothing_and_nothing_is_stored(stack, models):
     before = _stored_jobs(stack)
     form = {"data": '{"model_key": "x", "session_id": "", "compress": false, "env": {}}'}
@@ -200,6 +222,8 @@ def test_a_key_not_trusted_with_code_can_do_nothing_and_nothing_is_stored(stack,
         assert "ACTQ_NNSIGHT_KEYS" in response.text or status == 401
         for path in ("/response/00000000-0000-4000-8000-000000000000", "/status", "/env"):
             assert httpx.get(f"{stack.base_url}{path}", headers=headers, timeout=30).status_code == status
+        whoami = httpx.get(f"{stack.base_url}/whoami", headers=headers, timeout=30)
+        assert whoami.status_code == 401 if status == 401 else whoami.json()["tags"] == []
     assert _stored_jobs(stack) == before
 
     from websocket import WebSocketBadStatusException, create_connection

@@ -6,6 +6,7 @@ written through `.data`) changes nothing of the batch's jobs, checked against th
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -74,19 +75,19 @@ def broken(model, backend):
         int("not a number")  # the ValueError is the point
 
 
-def test_an_nnsight_job_between_decoding_steps_changes_nothing_of_the_running_batch(served, client_model):
+def run_core(served, jobs, blob: bytes | None = None, at_token: int = 4):
+    """`jobs` in one EngineCore batch; with `blob`, that nnsight payload runs as the first job
+    reaches `at_token` tokens (the batch decoding). Returns (outcomes by index and "alone", core,
+    the decoding steps run before the payload)."""
     from worker import nnsight_jobs
 
-    jobs = [job("What is 12 times 7?", 14), job("Name three colours.", 14)]
-    pointers = {name: p.data_ptr() for name, p in served.hf.named_parameters()}
-    blob = payload(client_model, vandal)
-    outcomes: dict[str, object] = {}
+    outcomes: dict[object, object] = {}
     steps_before: list[int] = []
     finished = threading.Event()
     core = EngineCore(served, max_batch=4, wait_s=0.2)
 
     def watch(tokens: int) -> None:
-        if tokens == 4 and "alone" not in outcomes:  # mid-generation: the batch pauses for it
+        if blob is not None and tokens == at_token and "alone" not in outcomes:
             outcomes["alone"] = None
             steps_before.append(core.stats.steps)
             run = lambda: nnsight_jobs.run(served, blob, False, 30, print)  # noqa: E731
@@ -95,14 +96,12 @@ def test_an_nnsight_job_between_decoding_steps_changes_nothing_of_the_running_ba
     def done_for(i: int):
         def done(outcome):
             outcomes[i] = outcome
-            if all(k in outcomes for k in (0, 1)):
+            if all(k in outcomes for k in range(len(jobs))):
                 finished.set()
 
         return done
 
-    seqs = [prepare(served, *jobs[0], watch=lambda t: watch(t)), prepare(served, *jobs[1])]
-    ran: list[object] = []
-    core.run_alone(Alone(run=lambda: None, done=ran.append))  # an exclusive run with nothing decoding
+    seqs = [prepare(served, *jobs[0], watch=watch), *(prepare(served, *j) for j in jobs[1:])]
     for i, seq in enumerate(seqs):
         core.submit(Entry(seq=seq, done=done_for(i)))
     core.start()
@@ -110,13 +109,34 @@ def test_an_nnsight_job_between_decoding_steps_changes_nothing_of_the_running_ba
         assert finished.wait(120)
     finally:
         core.stop()
-    assert ran == [None]
+    return outcomes, core, steps_before
+
+
+def test_an_nnsight_job_between_decoding_steps_changes_nothing_of_the_running_batch(served, client_model):
+    jobs = [job("What is 12 times 7?", 14), job("Name three colours.", 14)]
+    pointers = {name: p.data_ptr() for name, p in served.hf.named_parameters()}
+    outcomes, core, steps_before = run_core(served, jobs, payload(client_model, vandal))
     assert isinstance(outcomes["alone"], WeightsWritten)
-    assert len(core.paused_s) == 2 and steps_before and steps_before[0] > 0  # it ran while the batch decoded
+    assert len(core.paused_s) == 1 and steps_before and steps_before[0] > 0  # it ran while the batch decoded
     for i in (0, 1):
         assert_same(served.finish(outcomes[i], jobs[i][0]), solo(served, *jobs[i]), f"job {i}")
     assert {name: p.data_ptr() for name, p in served.hf.named_parameters()} == pointers
     assert not any(m.training or m._forward_hooks or "forward" in m.__dict__ for m in served.hf.modules())
+
+
+def test_exclusive_work_runs_with_nothing_decoding(served):
+    ran: list[object] = []
+    core = EngineCore(served, max_batch=4).start()
+    try:
+        core.run_alone(Alone(run=lambda: 7, done=ran.append))
+        core.run_alone(Alone(run=lambda: 1 / 0, done=ran.append))
+        deadline = time.monotonic() + 30
+        while len(ran) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert core.alive  # what the work raised was its answer, not the engine thread's end
+    finally:
+        core.stop()
+    assert ran[0] == 7 and isinstance(ran[1], ZeroDivisionError)
 
 
 def test_what_a_job_leaves_is_reported_and_its_failures_are_its_own(served, client_model):
