@@ -413,7 +413,11 @@ def test_the_readmes_example_runs_as_written(stack, tiny_dir, tmp_path):
     from tests.support.readme import _fences
 
     readme = Path(__file__).resolve().parents[2] / "README.md"
-    blocks = [body for _, lang, body, before in _fences(readme.read_text()) if "test_nnsight_remote.py runs" in before]
+    blocks = [
+        body
+        for _, lang, body, before in _fences(readme.read_text())
+        if lang == "python" and "test_nnsight_remote.py runs" in before
+    ]
     assert len(blocks) == 1
     script = tmp_path / "my_experiment.py"
     script.write_text(blocks[0])
