@@ -58,8 +58,8 @@ class Settings(BaseSettings):
         300.0,
         gt=0,
         description=(
-            "Seconds an nnsight job may run before it is interrupted and failed as a timeout; one that will not stop "
-            "is ended with its engine at ACTQ_JOB_TIME_LIMIT."
+            "Seconds an nnsight job may run before it is interrupted and failed as a timeout; code that will not "
+            "stop is ended with its engine half as long again later (at least 10 s), at most ACTQ_JOB_TIME_LIMIT."
         ),
     )
     nnsight_link_seconds: int = Field(

@@ -66,10 +66,10 @@ def run_job(job_id: str) -> None:
     if outcome == "redis":
         raise RuntimeError(f"job {job_id}: Redis is unreachable; its outcome is not recorded")
     if outcome == "timeout":
-        _record_hard_timeout(job_id)
+        _record_hard_timeout(job_id, engine.stopped_at.pop(job_id, settings.job_time_limit))
 
 
-def _record_hard_timeout(job_id: str) -> None:
+def _record_hard_timeout(job_id: str, limit: float) -> None:
     import redis
 
     from shared.errors import JobTimeout
@@ -78,7 +78,7 @@ def _record_hard_timeout(job_id: str) -> None:
     client = redis.Redis.from_url(settings.redis_url)
     try:
         store = JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds)
-        store.fail(job_id, JobTimeout(f"the job was stopped at the hard time limit of {settings.job_time_limit:g}s"))
+        store.fail(job_id, JobTimeout(f"the job was stopped at the hard time limit of {limit:g}s"))
     finally:
         client.close()
 

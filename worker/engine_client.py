@@ -37,6 +37,7 @@ class _Waiter:
     event: threading.Event = field(default_factory=threading.Event)
     outcome: str = ""
     started: float | None = None
+    limit: float | None = None  # the job's own hard limit, when shorter than the worker's
 
 
 class EngineClient:
@@ -48,6 +49,7 @@ class EngineClient:
         self._closing = False
         self._generation = 0  # which engine process a reader thread belongs to
         self._up = threading.Event()  # an engine process is ready for jobs
+        self.stopped_at: dict[str, float] = {}  # job id -> the hard limit it was stopped at (read once)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -107,7 +109,8 @@ class EngineClient:
     def run(self, job_id: str, time_limit: float) -> str:
         """Hand `job_id` to the engine and wait: "done" (its outcome is recorded), "redis" (Redis
         was unreachable: nothing recorded), "lost" (the engine died) or "timeout" (the engine
-        kept it past `time_limit` seconds from joining a batch; it has been restarted)."""
+        kept it past `time_limit` seconds from joining a batch, or past the job's own shorter
+        limit, which `stopped_at` then holds; it has been restarted)."""
         waiter = _Waiter()
         self._up.wait()  # while a dead engine is being replaced
         with self._lock:
@@ -122,10 +125,12 @@ class EngineClient:
                 self._waiting.pop(job_id, None)
                 return "lost"
         while not waiter.event.wait(0.5):
-            if waiter.started is not None and time.monotonic() - waiter.started > time_limit:
+            limit = time_limit if waiter.limit is None else min(time_limit, waiter.limit)
+            if waiter.started is not None and time.monotonic() - waiter.started > limit:
                 with self._lock:
                     self._waiting.pop(job_id, None)
-                log.error("job %s did not end %gs after it started: restarting the engine", job_id, time_limit)
+                    self.stopped_at[job_id] = limit
+                log.error("job %s did not end %gs after it started: restarting the engine", job_id, limit)
                 self._kill(proc)
                 return "timeout"
         return waiter.outcome
@@ -145,6 +150,7 @@ class EngineClient:
                 with self._lock:
                     waiter = self._waiting.get(message["started"])
                 if waiter is not None:
+                    waiter.limit = message.get("limit")
                     waiter.started = time.monotonic()
             elif "done" in message:
                 with self._lock:

@@ -6,6 +6,7 @@ Protocol: one JSON object per line, nothing else is ever decoded:
   stdin (from the worker)      {"run": JOB_ID}
   fd REPLY_FD (to the worker)  {"ready": WORKER_ID}   once the model is loaded and published
                                {"started": JOB_ID}    the job joined a batch
+                               {"started": JOB_ID, "limit": S}  ... with its own hard limit (an nnsight job)
                                {"done": JOB_ID, "outcome": "done" | "redis"}
 stdout and stderr stay free for logs. When stdin closes (the worker stopped or died) the process
 unpublishes itself and exits.
@@ -54,7 +55,7 @@ def main() -> None:
             runner.submit(
                 job_id,
                 reply=lambda job, outcome: send({"done": job, "outcome": outcome}),
-                started=lambda job: send({"started": job}),
+                started=lambda job, limit=None: send({"started": job, **({} if limit is None else {"limit": limit})}),
             )
     finally:
         runtime.stop()

@@ -21,6 +21,7 @@ from shared.storage import nnsight_request_key, nnsight_result_key
 from worker.engine_core import Alone
 
 if TYPE_CHECKING:
+    from shared.settings import Settings
     from worker import runtime
     from worker.nnsight_jobs import Outcome
 
@@ -39,13 +40,22 @@ def job(rt: runtime.Runtime, record: JobRecord, done: Callable[[Any], None], sta
             f"the stored payload ({len(blob)} bytes) is not the one the API recorded ({call.bytes} bytes, sha256 "
             f"{call.sha256[:12]}...); send the request again"
         )
-    limit = min(rt.settings.nnsight_time_limit, record.request.time_limit or float("inf"))
+    limit = limits(rt.settings, record)[0]
     emit = _logs.emitter(rt, record.id)
     return Alone(
         run=lambda: nnsight_jobs.run(rt.served, blob, call.compress, limit, emit),
         done=done,
         started=started,
     )
+
+
+def limits(settings: Settings, record: JobRecord) -> tuple[float, float]:
+    """(soft, hard) seconds for an nnsight job: at the soft limit its code is interrupted; code
+    that will not stop is ended with its engine at the hard one, half as long again (at least 10 s
+    more), never past ACTQ_JOB_TIME_LIMIT: one trusted job holds the model from everyone else's
+    jobs for no longer."""
+    soft = min(settings.nnsight_time_limit, record.request.time_limit or float("inf"))
+    return soft, min(settings.job_time_limit, soft + max(10.0, soft / 2))
 
 
 def record(rt: runtime.Runtime, record: JobRecord, outcome: Outcome) -> int:
@@ -83,11 +93,21 @@ class _Logs:
         self._lines: queue.SimpleQueue[tuple[redis.Redis, int, str, str]] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._written = threading.Condition()
+        self._pending: dict[str, int] = {}  # job id -> lines not yet written
+
+    def flush(self, job_id: str, timeout: float = 10.0) -> None:
+        """Until the job's printed lines are in Redis (before its outcome: the LOG statuses of a
+        job come before its last status)."""
+        with self._written:
+            self._written.wait_for(lambda: not self._pending.get(job_id), timeout)
 
     def emitter(self, rt: runtime.Runtime, job_id: str) -> Callable[[str], None]:
         client, ttl = rt.jobs.redis, rt.settings.job_retention_seconds
 
         def emit(line: str) -> None:
+            with self._written:
+                self._pending[job_id] = self._pending.get(job_id, 0) + 1
             self._lines.put((client, ttl, job_id, line))
             with self._lock:
                 if self._thread is None:
@@ -107,6 +127,15 @@ class _Logs:
                     pipe.execute()
             except redis.RedisError:
                 log.warning("job %s: a printed line could not be published (Redis is unreachable)", job_id)
+            finally:
+                with self._written:
+                    left = self._pending.get(job_id, 1) - 1
+                    if left:
+                        self._pending[job_id] = left
+                    else:
+                        self._pending.pop(job_id, None)
+                    self._written.notify_all()
 
 
 _logs = _Logs()
+flush_logs = _logs.flush

@@ -59,8 +59,9 @@ def release_memory() -> None:
 Reply = Callable[[str, str], None]
 
 
-def submit(job_id: str, reply: Reply, started: Callable[[str], None] = lambda _: None) -> None:
-    """Queue `job_id` for the engine thread. `started(job_id)` is called when it joins a batch and
+def submit(job_id: str, reply: Reply, started: Callable[..., None] = lambda *_: None) -> None:
+    """Queue `job_id` for the engine thread. `started(job_id)` is called when it joins a batch
+    (`started(job_id, seconds)` for a job with a hard limit of its own: an nnsight job) and
     `reply(job_id, outcome)` once it is over; neither blocks."""
     _preparer.put((job_id, reply, started))
 
@@ -71,11 +72,11 @@ class _Preparer:
     burst of deliveries joins the running batch together instead of one round trip apart."""
 
     def __init__(self) -> None:
-        self._waiting: queue.SimpleQueue[tuple[str, Reply, Callable[[str], None]]] = queue.SimpleQueue()
+        self._waiting: queue.SimpleQueue[tuple[str, Reply, Callable[..., None]]] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def put(self, item: tuple[str, Reply, Callable[[str], None]]) -> None:
+    def put(self, item: tuple[str, Reply, Callable[..., None]]) -> None:
         self._waiting.put(item)
         with self._lock:
             if self._thread is None:
@@ -105,7 +106,7 @@ class _Preparer:
 _preparer = _Preparer()
 
 
-def _prepare_many(rt: runtime.Runtime, batch: list[tuple[str, Reply, Callable[[str], None]]]) -> None:
+def _prepare_many(rt: runtime.Runtime, batch: list[tuple[str, Reply, Callable[..., None]]]) -> None:
     """Claim the jobs of `batch` together, then prepare each in order."""
     try:
         claims: dict[str, Any] = rt.jobs.claim_many(
@@ -121,7 +122,7 @@ def _prepare(
     rt: runtime.Runtime,
     job_id: str,
     reply: Reply,
-    started: Callable[[str], None],
+    started: Callable[..., None],
     claim: tuple[JobRecord | None, str] | Exception,
 ) -> None:
     """Tokenize the claimed `job_id`, then hand it to the engine thread (or answer why not)."""
@@ -159,8 +160,14 @@ def _prepare(
         if record.request.nnsight is not None:  # trusted code: the engine runs it with the model to itself
             from worker import nnsight_io
 
+            hard = nnsight_io.limits(rt.settings, record)[1]
+
+            def alone_started() -> None:
+                holder["joined"] = time.monotonic()
+                started(job_id, hard)  # the worker ends its engine past this, not ACTQ_JOB_TIME_LIMIT
+
             rt.progress.add(job_id)
-            rt.core.run_alone(nnsight_io.job(rt, record, done, joined))
+            rt.core.run_alone(nnsight_io.job(rt, record, done, alone_started))
             return
         watch = _watch(rt, record, holder)
         request, plain = paired(record.request)
@@ -220,6 +227,10 @@ def _record(
     job_id = record.id
     holder = holder or {}
     try:
+        if record.request.nnsight is not None:
+            from worker import nnsight_io
+
+            nnsight_io.flush_logs(job_id)  # its LOG statuses come before its last one
         if isinstance(outcome, BaseException):
             raise outcome
         if record.request.nnsight is not None:
