@@ -6,7 +6,6 @@ written through `.data`) changes nothing of the batch's jobs, checked against th
 from __future__ import annotations
 
 import threading
-import time
 
 import pytest
 import torch
@@ -126,13 +125,18 @@ def test_an_nnsight_job_between_decoding_steps_changes_nothing_of_the_running_ba
 
 def test_exclusive_work_runs_with_nothing_decoding(served):
     ran: list[object] = []
+    both = threading.Event()
+
+    def done(outcome: object) -> None:
+        ran.append(outcome)
+        if len(ran) == 2:
+            both.set()
+
     core = EngineCore(served, max_batch=4).start()
     try:
-        core.run_alone(Alone(run=lambda: 7, done=ran.append))
-        core.run_alone(Alone(run=lambda: 1 / 0, done=ran.append))
-        deadline = time.monotonic() + 30
-        while len(ran) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        core.run_alone(Alone(run=lambda: 7, done=done))
+        core.run_alone(Alone(run=lambda: 1 / 0, done=done))
+        assert both.wait(30)
         assert core.alive  # what the work raised was its answer, not the engine thread's end
     finally:
         core.stop()
