@@ -234,8 +234,6 @@ def _record(
         if isinstance(outcome, BaseException):
             raise outcome
         if record.request.nnsight is not None:
-            from worker import nnsight_io
-
             stored = nnsight_io.record(rt, record, outcome)  # type: ignore[arg-type]  # an nnsight Outcome
             log.info("job %s (nnsight) succeeded: run %.1f ms, %d bytes saved", job_id, _ms(started), stored)
             return
