@@ -48,21 +48,10 @@ from api.default_capture import with_default_capture
 from api.deps import Services
 from api.errors import redis_trouble
 from api.job_text import JobTexts, TextFeed
-from api.openai_compat import (
-    JOB_ID_HEADER,
-    ChatCompletion,
-    ChatCompletionRequest,
-    Completion,
-    CompletionRequest,
-    OpenAIError,
-    after_queued,
-    completion,
-    completion_job_requests,
-    text_completion,
-    to_job_requests,
-    unfinished,
-    whole_result,
-)
+from api.openai_errors import JOB_ID_HEADER, OpenAIError, after_queued, unfinished
+from api.openai_protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
+from api.openai_requests import completion_job_requests, to_job_requests
+from api.openai_responses import completion, text_completion, whole_result
 from api.submit import heavy, off_loop, submit
 from shared.schemas import JobRecord, JobRequest, JobStatus
 

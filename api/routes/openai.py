@@ -49,7 +49,7 @@ at most 3600; past it the answer is a 504 naming the job, which keeps running: p
 `GET /jobs/{id}`). An `Idempotency-Key` header works as for `POST /jobs`: resending a timed-out
 request with the same key waits for the same job instead of queueing another.
 
-Errors under /v1 use OpenAI's error shape (api/openai_compat.py says how); responses about a job
+Errors under /v1 use OpenAI's error shape (api/openai_errors.py says how); responses about a job
 that ran (failed, cancelled, still running) carry `x-should-retry: false`, so that OpenAI's
 clients do not resubmit it on their own: a retry would queue a new job. So does any error met while
 waiting for a queued job (`wait_failed`, naming the job). The wait takes one of the process's
@@ -76,25 +76,17 @@ from api.bodies import body_schema, in_turn, is_large, parsed
 from api.default_capture import with_default_capture
 from api.deps import CallerDep, Services, ServicesDep, get_caller
 from api.errors import redis_trouble
-from api.openai_compat import (
-    JOB_ID_HEADER,
+from api.openai_errors import JOB_ID_HEADER, OpenAIError, after_queued, from_actq, from_validation, unfinished
+from api.openai_protocol import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
     ModelCard,
     ModelList,
-    OpenAIError,
-    after_queued,
-    completion,
-    completion_job_requests,
-    from_actq,
-    from_validation,
-    text_completion,
-    to_job_requests,
-    unfinished,
-    whole_result,
 )
+from api.openai_requests import completion_job_requests, to_job_requests
+from api.openai_responses import completion, text_completion, whole_result
 from api.openai_stream import stream_chat, stream_completion
 from api.submit import heavy, off_loop, submit, submit_batch
 from shared.errors import ActqError

@@ -1,0 +1,245 @@
+"""Succeeded jobs as OpenAI's ChatCompletion and Completion: choices, usage, log-probabilities in
+OpenAI's two shapes (`chat_logprobs`, `legacy_logprobs`, from the job's `result.logprobs`) and the
+`actq` field.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from anyio import to_thread
+from fastapi import Request
+
+from api.openai_errors import OpenAIError
+from api.openai_protocol import (
+    ActqExtra,
+    AssistantMessage,
+    ChatCompletion,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    Choice,
+    ChoiceExtra,
+    ChoiceLogprobs,
+    Completion,
+    CompletionLogprobs,
+    TextChoice,
+)
+from api.presenters import view
+from shared.schemas import (
+    JobRecord,
+    JobResult,
+    Logprobs,
+    Usage,
+)
+
+if TYPE_CHECKING:
+    from shared.jobs import JobStore
+
+
+def _choice_extra(record: JobRecord, request: Request) -> ChoiceExtra:
+    """A job's part of the `actq` field: its manifest as GET /jobs/{id} renders it (download_url included)."""
+    result = record.result
+    return ChoiceExtra(
+        job_id=record.id,
+        activations=view(record, request).activations,
+        interventions=result.interventions if result is not None else None,
+        baseline=result.baseline if result is not None else None,
+    )
+
+
+def _extra(records: list[JobRecord], request: Request) -> ActqExtra:
+    """The `actq` field: the first job's manifest, and with several choices every job's."""
+    extras = [_choice_extra(record, request) for record in records]
+    return ActqExtra(**extras[0].model_dump(), choices=extras if len(extras) > 1 else None)
+
+
+def _usage(records: list[JobRecord]) -> Usage:
+    """Tokens over every choice, each prompt counted once (as OpenAI counts `n` choices)."""
+    prompts: dict[tuple, int] = {}
+    completion = 0
+    for record in records:
+        assert record.result is not None
+        request = record.request
+        key = (request.prompt, tuple(request.prompt_token_ids or ()), request.model_dump_json(include={"messages"}))
+        prompts[key] = record.result.usage.prompt_tokens
+        completion += record.result.usage.completion_tokens
+    prompt = sum(prompts.values())
+    return Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+LOGPROB_FLOOR = -9999.0  # what OpenAI (and vLLM) answer for a token with no probability at all
+
+
+def _openai_logprob(value: float | None) -> float:
+    """A log-probability JSON can carry: -inf (a token the model rules out; a result read back from
+    Redis holds it as null) and anything below the floor become LOGPROB_FLOOR, as OpenAI answers."""
+    if value is None or value != value:  # None or NaN
+        return LOGPROB_FLOOR
+    return max(value, LOGPROB_FLOOR)
+
+
+async def whole_result(jobs: JobStore, record: JobRecord) -> JobRecord:
+    """The record with its whole result: a result stored apart from the record (its text past the
+    first characters, its log-probability entries) is read from its own key and parsed on a thread."""
+    result = record.result
+    if result is None or result.stored is None:
+        return record
+    raw = await jobs.stored_result_async(record.id)
+    if raw is None:
+        raise OpenAIError(
+            404, f"job {record.id} succeeded, but its result is no longer stored", "job_not_found", job_id=record.id
+        )
+    whole = await to_thread.run_sync(JobResult.model_validate_json, raw)
+    return record.model_copy(update={"result": whole})
+
+
+def _inline_logprobs(record: JobRecord) -> Logprobs | None:
+    """The job's log-probabilities when its request asked for them; a 400 naming the job when there
+    were too many to hold inline (they are in its activations file instead)."""
+    result = record.result
+    if result is None or not record.request.logprobs or result.logprobs is None:
+        return None
+    if result.logprobs.content is None:
+        tokens = result.usage.prompt_tokens if record.request.trace else result.usage.completion_tokens
+        raise OpenAIError(
+            400,
+            f"job {record.id} succeeded, but its {tokens} tokens of log-probabilities are more than a response "
+            f"holds (the worker's ACTQ_LOGPROBS_INLINE_TOKENS): read them from its activations file, GET "
+            f"/jobs/{record.id}/activations (tensors logprobs, logprob_token_ids, top_logprobs, top_logprob_ids), "
+            "or raise ACTQ_LOGPROBS_INLINE_TOKENS",
+            "logprobs_too_long",
+            param="logprobs",
+            job_id=record.id,
+            retry=False,
+        )
+    return result.logprobs
+
+
+def _utf8(token: str) -> list[int]:
+    return list(token.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(record: JobRecord) -> ChoiceLogprobs | None:
+    """The job's generated tokens' log-probabilities in OpenAI's ChatCompletion shape (None when
+    not asked for). A token is its text decoded alone, so a piece of a multi-byte character is
+    U+FFFD, and `bytes` are that text's UTF-8 bytes (the token ids are in GET /jobs/{id})."""
+    logprobs = _inline_logprobs(record)
+    if logprobs is None:
+        return None
+    return ChoiceLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=entry.token,
+                logprob=_openai_logprob(entry.logprob),
+                bytes=_utf8(entry.token),
+                top_logprobs=[
+                    ChatTopLogprob(token=top.token, logprob=_openai_logprob(top.logprob), bytes=_utf8(top.token))
+                    for top in entry.top_logprobs
+                ],
+            )
+            for entry in logprobs.content or []
+        ]
+    )
+
+
+def _scores_prompt(record: JobRecord) -> bool:
+    """Whether the job's log-probability entries begin with its prompt's (a trace; an echo)."""
+    return record.request.trace or record.request.prompt_logprobs
+
+
+def legacy_logprobs(record: JobRecord) -> CompletionLogprobs | None:
+    """The job's log-probabilities in OpenAI's legacy Completion shape (None when not asked for):
+    generated tokens, or with echo every token of the prompt first (then the generated ones), the
+    prompt's first with no log-probability (None, and None in `top_logprobs`). `top_logprobs[i]`
+    maps the k likeliest tokens' texts to their log-probabilities (tokens that decode to the same
+    text share one key). `text_offset[i]` is where token i starts in the returned text, counted
+    over the tokens' texts before it: exact when the tokens' texts join into the text, which they
+    do but for a BOS the tokenizer adds (its text, e.g. "<s>", is not in the prompt), a character
+    split across tokens (each piece is U+FFFD), and tokens past a stop string (the text ends before
+    the stop string, the tokens go on to the last one generated)."""
+    logprobs = _inline_logprobs(record)
+    if logprobs is None:
+        return None
+    entries = logprobs.content or []
+    first_unscored = _scores_prompt(record)
+    offsets, offset = [], 0
+    for entry in entries:
+        offsets.append(offset)
+        offset += len(entry.token)
+    values: list[float | None] = [
+        None if first_unscored and i == 0 else _openai_logprob(entry.logprob) for i, entry in enumerate(entries)
+    ]
+    top: list[dict[str, float] | None] | None = None
+    if record.request.top_k:
+        top = [
+            None if first_unscored and i == 0 else {t.token: _openai_logprob(t.logprob) for t in entry.top_logprobs}
+            for i, entry in enumerate(entries)
+        ]
+    return CompletionLogprobs(
+        tokens=[entry.token for entry in entries], token_logprobs=values, top_logprobs=top, text_offset=offsets
+    )
+
+
+def _first_id(records: list[JobRecord]) -> str:
+    return records[0].id
+
+
+def completion(records: list[JobRecord], request: Request) -> ChatCompletion:
+    """Succeeded jobs, one per choice, as OpenAI's ChatCompletion."""
+    choices = []
+    for index, record in enumerate(records):
+        assert record.result is not None
+        choices.append(
+            Choice(
+                index=index,
+                message=AssistantMessage.of(record.result),
+                finish_reason=record.result.finish_reason,
+                logprobs=chat_logprobs(record),
+            )
+        )
+    return ChatCompletion(
+        id=f"chatcmpl-{_first_id(records)}",
+        created=int(records[0].created_at.timestamp()),
+        model=records[0].model,
+        choices=choices,
+        usage=_usage(records),
+        actq=_extra(records, request),
+    )
+
+
+def _prompt_text(record: JobRecord) -> str:
+    """The prompt as text, for echo: as sent, or for token ids their entries' texts joined (an
+    echo of token ids always scores its prompt, see `completion_job_requests`)."""
+    if record.request.prompt is not None:
+        return record.request.prompt
+    result = record.result
+    assert result is not None and result.logprobs is not None
+    logprobs = _inline_logprobs(record)
+    entries = (logprobs.content or []) if logprobs is not None else []
+    prompt = result.usage.prompt_tokens
+    return "".join(entry.token for entry in entries[:prompt])
+
+
+def _text_choice(index: int, record: JobRecord, echo: bool, logprobs: bool) -> TextChoice:
+    result = record.result
+    assert result is not None
+    text = _prompt_text(record) + result.text if echo else result.text
+    shown = legacy_logprobs(record) if logprobs else None
+    return TextChoice(text=text, index=index, finish_reason=result.finish_reason, logprobs=shown)
+
+
+def text_completion(records: list[JobRecord], request: Request, echo: bool, logprobs: bool) -> Completion:
+    """Succeeded jobs, one per choice, as OpenAI's Completion (finish_reason as for chat: a
+    succeeded job stopped or ran to its length; cancelled and timed-out jobs are errors, see
+    `unfinished`). With `echo` the text begins with the prompt; a trace job (echo with max_tokens
+    0) answers its prompt alone, with finish_reason "length" (as OpenAI: the 0 tokens asked for were
+    generated). `logprobs`: whether the request asked for them (an echo of token ids scores its
+    prompt without being asked, for the prompt's text)."""
+    return Completion(
+        id=f"cmpl-{_first_id(records)}",
+        created=int(records[0].created_at.timestamp()),
+        model=records[0].model,
+        choices=[_text_choice(i, record, echo, logprobs) for i, record in enumerate(records)],
+        usage=_usage(records),
+        actq=_extra(records, request),
+    )
