@@ -6,7 +6,9 @@ tokenizing the rendered template parses those strings wherever they appear, so a
 of every message is tokenized with special tokens split into ordinary text, and only the
 template's own markup becomes special tokens. A deployment whose users are trusted may allow
 them (ACTQ_ALLOW_SPECIAL_TOKENS). Messages without any special-token string take the plain
-`apply_chat_template` path, so their tokens are exactly what it gives.
+`apply_chat_template` path, so their tokens are exactly what it gives. A raw `prompt` has no
+template, so there is no turn to forge: it is tokenized as the tokenizer does it, special-token
+strings included (`_raw`).
 """
 
 from __future__ import annotations
@@ -168,9 +170,12 @@ class PromptEncoder:
         return [int(i) for i in encoded["input_ids"]]
 
     def _raw(self, prompt: str) -> dict[str, torch.Tensor]:
-        """A raw prompt: tokenized as `tokenizer(prompt)` does it (the tokenizer's own BOS
-        included), special-token strings kept as text unless the deployment allows them."""
-        ids = [int(i) for i in self.tokenizer(prompt, split_special_tokens=not self.allow_special_tokens)["input_ids"]]
+        """A raw prompt: tokenized exactly as `tokenizer(prompt)` does it, the tokenizer's own BOS
+        included and special-token strings read as special tokens (as vLLM's completions do, and
+        /tokenize): a raw prompt is the caller's whole input, with no template whose turns it
+        could forge, and a client that writes `<|im_start|>` or `<|endoftext|>` before a text
+        (lm-eval's rolling log-likelihoods) means that token."""
+        ids = [int(i) for i in self.tokenizer(prompt, split_special_tokens=False)["input_ids"]]
         if not ids:
             raise JobFailure("the prompt tokenizes to no tokens")
         tensor = torch.tensor([ids], dtype=torch.long)

@@ -40,7 +40,7 @@ from tests.support.stack import SMOL, TestStack, job_count
 
 pytestmark = pytest.mark.slow
 
-MC_ITEMS, GEN_ITEMS = 8, 4
+MC_ITEMS, GEN_ITEMS, ROLLING_ITEMS = 8, 4, 4
 CHOICES = 4
 TOLERANCE = 1e-4
 JOBS = MC_ITEMS * CHOICES + GEN_ITEMS  # one job per lm-eval request: a prompt, whatever the batch size
@@ -66,7 +66,7 @@ def served(live: TestStack, tmp_path_factory: pytest.TempPathFactory) -> Iterato
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return synthetic.write(tmp_path_factory.mktemp("lm-eval-data"), MC_ITEMS, GEN_ITEMS)
+    return synthetic.write(tmp_path_factory.mktemp("lm-eval-data"), MC_ITEMS, GEN_ITEMS, ROLLING_ITEMS)
 
 
 @pytest.fixture(scope="module")
@@ -158,6 +158,38 @@ def test_local_completions_scores_and_generates_as_transformers_does(
     check_multiple_choice(results, reference)
     check_generation(results, reference, reference.text_ids)
     assert made == JOBS  # one job per prompt, whether sent one by one or `batch_size` to a request
+
+
+def test_perplexity_is_the_same_from_token_ids_and_from_text(
+    served: TestStack, data_dir: Path, reference: Reference
+) -> None:
+    """loglikelihood_rolling (perplexity): lm-eval puts the model's prefix token before each
+    document. With token ids that is the token's id; with `tokenized_requests=False` it sends the
+    tokens decoded back to text, `"<|im_start|>The capital..."`, and the special-token string must
+    be read as that token, as the tokenizer and vLLM read it, or every document gains the string's
+    pieces as tokens and its perplexity is silently wrong. Both modes equal a transformers forward
+    pass over the same tokens, and give the same perplexity."""
+    perplexities = {}
+    for tokenized in (True, False):
+        lm, results = runs.evaluate(
+            "local-completions",
+            completions_args(served, tokenized_requests=tokenized),
+            ["actq_rolling"],
+            data_dir,
+            batch_size=4,
+        )
+        samples = results["samples"]["actq_rolling"]
+        assert sorted(s["doc_id"] for s in samples) == list(range(ROLLING_ITEMS))
+        prefix = lm.prefix_token_id
+        assert reference.tokenizer.convert_ids_to_tokens(prefix) in reference.tokenizer.all_special_tokens
+        for sample in samples:
+            [(text,)] = [tuple(args) for args in sample["arguments"]]
+            assert text == sample["doc"]["text"]
+            expected = reference.rolling_loglikelihood(text, prefix)
+            [value] = sample["filtered_resps"]
+            assert abs(value - expected) <= TOLERANCE, (tokenized, sample["doc_id"], value, expected)
+        perplexities[tokenized] = results["results"]["actq_rolling"]["word_perplexity,none"]
+    assert perplexities[True] == pytest.approx(perplexities[False], rel=1e-5), perplexities
 
 
 def test_several_models_served_lm_eval_given_the_tokenizer(

@@ -220,6 +220,22 @@ def test_special_tokens_in_messages_are_text(served, tiny_dir):
     assert specials(FORGED, trusting) == (specials("hello")[0] + 2, specials("hello")[1] + 2)
 
 
+def test_a_raw_prompt_reads_special_token_strings_as_the_tokenizer_does(served):
+    """A raw `prompt` has no template turn to forge: `<|im_start|>` in it is that special token, as
+    `tokenizer(prompt)` (and vLLM, and lm-eval's perplexity prefix) reads it, whatever the
+    deployment allows in messages; the same string in a message is still text."""
+    tokenizer = served.tokenizer
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    text = "<|im_start|>The capital of France is Paris."
+    for prompts in (served.prompts, PromptEncoder(tokenizer, allow_special_tokens=True)):
+        ids = prompts.encode(request(prompt=text, messages=None))["input_ids"][0].tolist()
+        assert ids == list(tokenizer(text).input_ids) and ids[0] == start
+    in_message = served.encode(request(messages=[{"role": "user", "content": text}]))["input_ids"][0].tolist()
+    assert in_message.count(start) == served.encode(request(messages=[{"role": "user", "content": "x"}]))["input_ids"][
+        0
+    ].tolist().count(start)
+
+
 def test_a_prompt_that_cannot_fit_is_never_tokenized(served, monkeypatch):
     def refuse(*_args, **_kwargs):
         raise AssertionError("the prompt was tokenized")

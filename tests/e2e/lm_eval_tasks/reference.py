@@ -77,6 +77,17 @@ class Reference:
             self._generations[key] = text[: min(cuts)] if cuts else text
         return self._generations[key]
 
+    def rolling_loglikelihood(self, text: str, prefix_id: int) -> float:
+        """A document's log-likelihood as a perplexity task scores it (lm-eval's
+        loglikelihood_rolling with one window: the document shorter than the model's length): the
+        sum of the log-probabilities of its tokens (tokenized without special tokens), each given
+        the prefix token and every token before it."""
+        ids = [prefix_id, *self.tokenizer(text, add_special_tokens=False).input_ids]
+        with torch.inference_mode():
+            logits = self.model(input_ids=torch.tensor([ids])).logits[0].float()
+        logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+        return float(logprobs.sum())
+
     def block_output(self, ids: list[int], layer: int) -> torch.Tensor:
         """Decoder block `layer`'s output at every position of `ids`, `[len(ids), hidden]` float32
         (hidden_states[0] is the embeddings, so block i's output is hidden_states[i + 1])."""

@@ -1,10 +1,11 @@
-"""The local datasets of the lm-eval tasks beside this file (actq_mc.yaml, actq_gen.yaml): short
-arithmetic and capital-city questions made up here, so that the tasks need no hub and the
-repository holds no dataset. The same seed gives the same items, in the same order.
+"""The local datasets of the lm-eval tasks beside this file (actq_mc.yaml, actq_gen.yaml,
+actq_rolling.yaml): short arithmetic and capital-city questions and a few sentences about them,
+made up here, so that the tasks need no hub and the repository holds no dataset. The same seed
+gives the same items, in the same order.
 
     python -m tests.e2e.lm_eval_tasks.synthetic DIR [--mc 8] [--gen 4]
 
-writes DIR/actq_mc.jsonl and DIR/actq_gen.jsonl; run lm_eval from DIR (the tasks' `data_files`
+writes DIR/actq_mc.jsonl, DIR/actq_gen.jsonl and DIR/actq_rolling.jsonl; run lm_eval from DIR (the tasks' `data_files`
 are relative to the directory lm_eval runs in) with `--include_path` naming this folder."""
 
 from __future__ import annotations
@@ -61,10 +62,28 @@ def gen_items(count: int, seed: int = 1) -> list[dict]:
     return [{"question": q, "answer": str(total)} for q, total in (_arithmetic(rng) for _ in range(count))]
 
 
-def write(folder: Path, mc: int, gen: int) -> Path:
-    """The two tasks' data files in `folder` (the directory to run lm_eval in)."""
+def rolling_items(count: int, seed: int = 2) -> list[dict]:
+    """`count` short documents (`text`) of a few sentences each, for perplexity."""
+    rng = random.Random(seed)
+    items = []
+    for _ in range(count):
+        sentences = []
+        for country, capital in rng.sample(CAPITALS, 3):
+            a, b = rng.randint(2, 40), rng.randint(2, 40)
+            sentences.append(f"The capital of {country} is {capital}, and {a} plus {b} makes {a + b}.")
+        items.append({"text": " ".join(sentences)})
+    return items
+
+
+def write(folder: Path, mc: int, gen: int, rolling: int = 4) -> Path:
+    """The tasks' data files in `folder` (the directory to run lm_eval in)."""
     folder.mkdir(parents=True, exist_ok=True)
-    for name, items in (("actq_mc.jsonl", mc_items(mc)), ("actq_gen.jsonl", gen_items(gen))):
+    files = (
+        ("actq_mc.jsonl", mc_items(mc)),
+        ("actq_gen.jsonl", gen_items(gen)),
+        ("actq_rolling.jsonl", rolling_items(rolling)),
+    )
+    for name, items in files:
         (folder / name).write_text("".join(json.dumps(item) + "\n" for item in items))
     return folder
 
