@@ -50,6 +50,7 @@ from collections.abc import Callable
 from functools import cache
 from typing import TYPE_CHECKING, Any
 
+from shared.closed_schemas import closed
 from shared.tools import Tool, ToolFormat
 
 if TYPE_CHECKING:
@@ -111,10 +112,11 @@ def arguments_schema(tool: Tool) -> dict[str, Any]:
     """The schema a call's arguments follow: the tool's parameters as rendered to the model (an
     empty object schema for a function without any), always an object: parse_tool_calls takes
     nothing else as arguments. A top-level `type` is added, never a wrapper, so `$ref`s into the
-    schema keep their meaning."""
+    schema keep their meaning; objects that list `properties` are closed to other keys unless the
+    function says `strict: false` (shared/closed_schemas.py)."""
     schema = dict(tool.rendered()["function"]["parameters"])
     schema.setdefault("type", "object")
-    return schema
+    return schema if tool.function.strict is False else closed(schema)
 
 
 def _json_grammar(schema: dict[str, Any]) -> str:

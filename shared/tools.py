@@ -23,6 +23,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+from shared.closed_schemas import closed
 from shared.schema_checks import arguments_problem
 
 MAX_TOOLS = 128  # as OpenAI
@@ -135,12 +136,14 @@ class ResponseFormat(_Strict):
         return self
 
     def json_schema_of(self) -> dict[str, Any] | None:
-        """The schema the output must satisfy (None: free text)."""
+        """The schema the output must satisfy (None: free text): objects that list `properties` are
+        closed to other keys unless `strict` is false (shared/closed_schemas.py)."""
         if self.type == "json_object":
             return {"type": "object"}
         if self.type == "json_schema":
             assert self.json_schema is not None
-            return self.json_schema.schema_
+            schema = self.json_schema.schema_
+            return schema if self.json_schema.strict is False else closed(schema)
         return None
 
 

@@ -96,7 +96,7 @@ LOOKUP = {
         },
     },
 }
-NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: any object
+NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: no arguments, `{}` (as OpenAI reads it)
 TOOLS = [CALC, LOOKUP, NOW]
 
 
@@ -177,7 +177,7 @@ def test_required_allows_one_or_more_calls_of_any_tool(fmt):
     req = request(tools=TOOLS, tool_choice="required")
     grammar = grammar_for(req, fmt)
     assert grammar is not None and grammar_problem(req, fmt) is None
-    calls = [("calculator", {"expression": "(2 + 3) * 4"}), ("now", {}), ("now", {"tz": "UTC", "x": [1]})]
+    calls = [("calculator", {"expression": "(2 + 3) * 4"}), ("now", {}), ("lookup", {"unit": "cm", "n": 3})]
     for count in (1, 2, 3):
         text = write_calls(fmt, calls[:count])
         assert accepts(grammar, text), text
@@ -187,6 +187,8 @@ def test_required_allows_one_or_more_calls_of_any_tool(fmt):
     assert not accepts(grammar, "")
     assert not accepts(grammar, write_calls(fmt, [("calculator", {"expression": "1", "extra": 1})]))
     assert not accepts(grammar, write_calls(fmt, [("unknown", {})]))
+    assert not accepts(grammar, write_calls(fmt, [("now", {"tz": "UTC"})]))  # listed no keys: takes none
+    assert not accepts(grammar, write_calls(fmt, [("lookup", {"unit": "cm", "extra": 1})]))  # closed by default
 
 
 @pytest.mark.parametrize("fmt", list(ToolFormat))
