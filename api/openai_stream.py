@@ -44,6 +44,7 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from api.bodies import in_turn, is_large
+from api.context_check import refuse_overflow
 from api.default_capture import with_default_capture
 from api.deps import Services
 from api.errors import redis_trouble
@@ -236,6 +237,7 @@ async def _open(
     held = AsyncExitStack()
     try:
         await held.enter_async_context(services.waiters.slot())
+        await refuse_overflow(services, caller, [job_request])
         checks = heavy([job_request], await is_large(request))
         record, created = await off_loop(services, caller, checks, submit, services, job_request, key, caller)
         if not created and record.status.terminal:

@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from typing import NamedTuple
 
 from shared.dtypes import ITEM_BYTES
-from shared.errors import CaptureSpecError, CaptureTooLarge, ContextLengthExceeded, JobTooLarge
+from shared.errors import CaptureSpecError, CaptureTooLarge, ContextLengthExceeded, JobTooLarge, over_context
 from shared.schemas import CapturePoint, CaptureSpec, JobRequest, ModelInfo, ModuleInfo
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
@@ -261,17 +261,11 @@ def check_prompt_fits(request: JobRequest, model: ModelInfo, max_tokens: int) ->
     checks it at submit and the worker again before it tokenizes anything."""
     least = prompt_tokens_lower_bound(request, model)
     if model.max_context and least + max_tokens > model.max_context:
-        what = "prompt is" if request.prompt is not None else "messages are"
+        what = "prompt" if request.prompt is not None or request.prompt_token_ids is not None else "messages"
         if request.prompt_token_ids is not None:
-            raise ContextLengthExceeded(
-                f"the prompt is {least:,} token ids and max_tokens is {max_tokens}: over {model.name}'s context of "
-                f"{model.max_context:,}; shorten the prompt or ask for fewer tokens"
-            )
-        raise ContextLengthExceeded(
-            f"the {what} at least {least:,} tokens ({model.name}'s tokens stand for at most "
-            f"{model.max_token_bytes} bytes each) and max_tokens is {max_tokens}: over the model's context of "
-            f"{model.max_context:,}; shorten the prompt or ask for fewer tokens"
-        )
+            raise ContextLengthExceeded(over_context(model.max_context, least, max_tokens, what))
+        why = f"{model.name}'s tokens stand for at most {model.max_token_bytes} bytes each"
+        raise ContextLengthExceeded(over_context(model.max_context, least, max_tokens, what, at_least=why))
 
 
 def token_ids_problem(request: JobRequest, vocab_size: int) -> str | None:

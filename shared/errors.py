@@ -191,6 +191,25 @@ class ContextLengthExceeded(JobFailure):
     error_type = "context_length_exceeded"
 
 
+def over_context(context: int, prompt: int, max_tokens: int, what: str = "prompt", at_least: str | None = None) -> str:
+    """Why a prompt of `prompt` tokens and `max_tokens` to generate do not fit a context of
+    `context` tokens, in the words OpenAI and vLLM use, which clients match to tell a context
+    overflow from other bad requests (litellm's ContextWindowExceededError and its
+    `context_window_fallbacks`). `at_least`: the prompt's count is a lower bound, and why."""
+    if at_least is not None:
+        return (
+            f"This model's maximum context length is {context:,} tokens. However, you requested {max_tokens:,} "
+            f"output tokens and your {what} contains at least {prompt:,} input tokens ({at_least}), for a total "
+            f"of at least {prompt + max_tokens:,} tokens. Please reduce the length of the {what} or the number "
+            "of tokens to generate (max_tokens)."
+        )
+    return (
+        f"This model's maximum context length is {context:,} tokens. However, you requested "
+        f"{prompt + max_tokens:,} tokens ({prompt:,} in the {what}, {max_tokens:,} in the completion). Please "
+        f"reduce the length of the {what} or completion."
+    )
+
+
 class StorageError(JobFailure):
     status_code = 503  # when the API meets it: the store is unusable right now
     error_type = "storage_error"

@@ -13,7 +13,7 @@ import torch
 
 from shared.capture_spec import check_prompt_fits, token_ids_problem
 from shared.edit_refs import References
-from shared.errors import ContextLengthExceeded, InterventionError, JobFailure
+from shared.errors import ContextLengthExceeded, InterventionError, JobFailure, over_context
 from shared.interventions import EditPoint
 from shared.schemas import CapturePoint, CaptureSpec, JobRequest
 from worker.capture import JobCapture
@@ -77,10 +77,8 @@ def prepare(
     prompt_tokens = int(prompt.shape[1])
     limit = info.max_context
     if limit and prompt_tokens + max_tokens > limit:
-        what = "the text" if request.trace else "prompt"
-        raise ContextLengthExceeded(
-            f"{what} ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's context of {limit}"
-        )
+        what = "messages" if request.messages is not None else "prompt"
+        raise ContextLengthExceeded(over_context(limit, prompt_tokens, max_tokens, what))
     capture = None
     if points:
         spec = request.capture or CaptureSpec(modules=[p.module for p in points])

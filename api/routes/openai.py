@@ -73,6 +73,7 @@ from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 
 from api.bodies import body_schema, in_turn, is_large, parsed
+from api.context_check import refuse_overflow
 from api.default_capture import with_default_capture
 from api.deps import CallerDep, Services, ServicesDep, get_caller
 from api.errors import redis_trouble
@@ -173,6 +174,7 @@ async def _finished(
     taken before submitting: at capacity the 429 comes before anything is queued, so the client's
     own retry cannot make a second job. `large`: the body was (api/bodies.py)."""
     async with services.waiters.slot():
+        await refuse_overflow(services, caller, job_requests)
         checks = heavy(job_requests, large)
         records = await off_loop(services, caller, checks, _submit_all, services, job_requests, idempotency_key, caller)
         deadline = time.monotonic() + wait_seconds

@@ -169,7 +169,7 @@ BAD = [
         "prompt past the context",
         body(messages=None, prompt="x" * 30_000, capture=None),
         422,
-        "the prompt is at least 371 tokens",
+        "your prompt contains at least 371 input tokens",
     ),
     (
         "unknown preset",
@@ -264,7 +264,8 @@ def test_a_prompt_that_cannot_fit_is_refused_at_submit(http, redis_client):
     assert response.status_code == 422, response.text
     error = response.json()
     assert error["error"] == "context_length_exceeded"
-    assert "at least 371 tokens" in error["detail"] and "context of 256" in error["detail"]
+    assert "contains at least 371 input tokens" in error["detail"]
+    assert error["detail"].startswith("This model's maximum context length is 256 tokens.")
     assert job_count(redis_client) == 0
     fits = http.post("/jobs", json=body(messages=[{"role": "user", "content": "x" * 2_000}], capture=None))
     assert fits.status_code == 202  # 25 tokens at least: the worker decides with the real count

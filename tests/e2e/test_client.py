@@ -173,7 +173,7 @@ def test_a_failed_job_raises_job_failed_with_its_error(client):
     with pytest.raises(JobFailed) as failed:
         job.wait(timeout=120)
     assert failed.value.error_type == "context_length_exceeded" and failed.value.job is job
-    assert "exceeds the model's context of 256" in str(failed.value)
+    assert "This model's maximum context length is 256 tokens" in str(failed.value)
     assert job.status == "failed" and job.result is None and job.error["type"] == "context_length_exceeded"
 
 

@@ -10,6 +10,7 @@ import openai
 import pytest
 from safetensors.torch import load as load_safetensors
 
+from shared.calculator import TOOL
 from tests.support.stack import TINY, job_count
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -270,13 +271,56 @@ def test_error_body_is_openai_shaped_and_has_detail(http):
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
 
 
+LONG = [{"role": "user", "content": "word " * 400}]  # past the tiny model's 256-token context, though not by its bytes
+
+
+def test_a_text_past_the_context_is_refused_in_openais_words_before_anything_is_queued(
+    http, client, redis_client, tiny_dir
+):
+    """A text prompt over the context used to be queued and fail in the worker: an error about a
+    job, not the bad request clients (litellm's ContextWindowExceededError) recognise by OpenAI's
+    and vLLM's words. Its tokens are counted first, as the worker will count them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    chat_tokens = len(tokenizer.apply_chat_template(LONG, add_generation_prompt=True, return_dict=True)["input_ids"])
+    text_tokens = len(tokenizer("word " * 400).input_ids)
+    assert chat_tokens > 256 and text_tokens > 256 and len(("word " * 400).encode()) // 81 < 256  # by count only
+    before = job_count(redis_client)
+    calls = {
+        "chat": lambda: client.chat.completions.create(model=TINY, messages=LONG, max_tokens=4),
+        "stream": lambda: client.chat.completions.create(model=TINY, messages=LONG, max_tokens=4, stream=True),
+        "completion": lambda: client.completions.create(model=TINY, prompt="word " * 400, max_tokens=4),
+    }
+    for name, call in calls.items():
+        with pytest.raises(openai.BadRequestError) as raised:
+            call()
+        error = raised.value
+        tokens, what = (text_tokens, "prompt") if name == "completion" else (chat_tokens, "messages")
+        assert error.code == "context_length_exceeded", name
+        assert error.body["message"] == (
+            f"This model's maximum context length is 256 tokens. However, you requested {tokens + 4} tokens "
+            f"({tokens} in the {what}, 4 in the completion). Please reduce the length of the {what} or completion."
+        ), name
+        assert "job_id" not in error.body
+    assert job_count(redis_client) == before  # nothing queued
+    fits = client.chat.completions.create(
+        model=TINY, messages=[{"role": "user", "content": "word " * 100}], max_tokens=4
+    )
+    assert fits.choices[0].finish_reason == "length"  # a long text that fits is counted, then queued
+
+
 def test_a_failed_job_is_an_error_naming_the_job(http, client, redis_client):
-    long_prompt = [{"role": "user", "content": "word " * 400}]  # past the tiny model's 256-token context
+    """The count before queueing leaves out the tools a chat template renders: a text that fits
+    alone and overflows with the calculator's tools in the prompt fails in the worker, which counts
+    every token, and the error names the job."""
+    messages = [{"role": "user", "content": "word " * 150}]
     before = job_count(redis_client)
     with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model=TINY, messages=long_prompt, max_tokens=4)
+        client.chat.completions.create(model=TINY, messages=messages, max_tokens=4, tools=[TOOL])
     error = raised.value
-    assert error.code == "context_length_exceeded" and "exceeds the model's context of 256" in str(error)
+    assert error.code == "context_length_exceeded"
+    assert "This model's maximum context length is 256 tokens" in str(error)
     assert error.response.headers["x-should-retry"] == "false"
     job = http.get(f"/jobs/{error.body['job_id']}").json()
     assert job["status"] == "failed" and job["error"]["type"] == "context_length_exceeded"

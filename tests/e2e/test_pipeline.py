@@ -142,7 +142,7 @@ def test_a_failing_job_is_recorded_and_the_next_succeeds(live, http):
     failed = live.wait(http, live.submit(http, job_body(messages=long_prompt, max_tokens=4)))
     assert failed["status"] == "failed" and failed["result"] is None and failed["activations"] is None
     assert failed["error"]["type"] == "context_length_exceeded"
-    assert "exceeds the model's context of 256" in failed["error"]["message"]
+    assert "This model's maximum context length is 256 tokens" in failed["error"]["message"]
     assert "Traceback" not in json.dumps(failed)
     assert http.get(f"/jobs/{failed['id']}/activations").status_code == 409
     assert live.wait(http, live.submit(http, job_body()))["status"] == "succeeded"

@@ -249,5 +249,5 @@ def test_a_prompt_that_cannot_fit_is_never_tokenized(served, monkeypatch):
 
 def test_prompt_past_the_context_fails_before_generating(served):
     long = request(messages=[{"role": "user", "content": "word " * 400}])
-    with pytest.raises(ContextLengthExceeded, match="context of 256"):
+    with pytest.raises(ContextLengthExceeded, match="maximum context length is 256 tokens"):
         run(served, long, 4)

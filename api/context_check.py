@@ -1,0 +1,66 @@
+"""A text prompt over the model's context, refused by the OpenAI routes before anything is queued.
+
+Submit refuses what cannot fit whatever the tokenizer does (token ids counted, text by its bytes:
+shared/capture_spec.check_prompt_fits). A text between that lower bound and the context used to
+be queued and then fail in the worker, where an OpenAI client sees a failed job, not a bad
+request, and does not fall back to a model with a longer context. Here such a text is counted
+by a live worker's tokenizer (api/tokenizer_calls.py, the /tokenize machinery) and refused
+with a 400 `context_length_exceeded` in OpenAI's and vLLM's words (shared/errors.over_context).
+
+It is cheap where it runs: only a text whose bytes (an upper bound on its tokens, plus a margin
+for the chat template) could overflow is counted, one call per distinct prompt of the request.
+Tools rendered into a chat are left out of the count, so a count that fits may still overflow in
+the worker, which checks again with every token; a count that overflows always does. When no
+worker answers in time, nothing is refused here and the worker decides.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from api.deps import Services
+from api.tokenizer_calls import tokenizer_call
+from shared.errors import ActqError, PromptTooLong, over_context
+from shared.schemas import JobRequest
+from shared.tokenization import TokenizeRequest
+
+log = logging.getLogger("actq.api")
+TEMPLATE_TOKENS = 256  # a chat template's own tokens, at most (a default system prompt included)
+MESSAGE_TOKENS = 16  # and per message (its role and turn markers)
+
+
+def may_overflow(request: JobRequest, context: int, max_tokens: int) -> bool:
+    """Whether the request's text could hold more tokens than `context` leaves beside
+    `max_tokens`: a token stands for at least one byte."""
+    if request.prompt_token_ids is not None or not context:
+        return False
+    most = request.content_bytes
+    if request.messages is not None:
+        most += TEMPLATE_TOKENS + MESSAGE_TOKENS * len(request.messages)
+    return most + max_tokens > context
+
+
+async def refuse_overflow(services: Services, caller: str | None, requests: list[JobRequest]) -> None:
+    """PromptTooLong when a request's text cannot fit its model's context beside its max_tokens
+    (module docstring); the requests of one OpenAI call share their prompts (n choices)."""
+    counted: dict[str, int] = {}
+    for request in requests:
+        info = await services.registry.get_async(request.model)
+        if info is None:
+            continue  # submit says the model is unknown
+        max_tokens = 0 if request.trace else request.max_tokens or services.settings.max_tokens_default
+        if not may_overflow(request, info.max_context, max_tokens):
+            continue
+        key = request.model_dump_json(include={"model", "prompt", "messages"})
+        if key not in counted:
+            tokenize = TokenizeRequest(model=request.model, prompt=request.prompt, messages=request.messages)
+            try:
+                result, _ = await tokenizer_call(services, caller, request.model, "tokenize", tokenize=tokenize)
+            except ActqError as exc:  # no worker answered, or its tokenizer refused: the worker decides
+                log.info("not counting a long prompt's tokens before queueing it: %s", exc.message)
+                return
+            counted[key] = int(result["count"])
+        prompt = counted[key]
+        if prompt + max_tokens > info.max_context:
+            what = "messages" if request.messages is not None else "prompt"
+            raise PromptTooLong(over_context(info.max_context, prompt, max_tokens, what))
