@@ -143,9 +143,12 @@ class AssistantMessage(BaseModel):
 
     @classmethod
     def of(cls, result: JobResult) -> AssistantMessage:
-        """A job's reply: its calls and the text outside them, or its whole text."""
+        """A job's reply: its calls and the text outside them, or its text (never call markup: a
+        call that did not parse is in the job's `result.tool_call_problems`, not here)."""
         if result.tool_calls:
             return cls(content=result.content, tool_calls=result.tool_calls)
+        if result.tool_call_problems:  # no call made: the text outside what looked like one
+            return cls(content=result.content or "")
         return cls(content=result.text)
 
 

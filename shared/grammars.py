@@ -10,12 +10,13 @@ text (worker/constrained.py).
 - Forced tool calls: a Lark grammar whose calls are written as the model's tool format writes
   them (worker/tool_calls.py reads them back): HERMES `<tool_call>\\n{"name": "f", "arguments":
   {...}}\\n</tool_call>`, several separated by "\\n" under "required" (one when
-  parallel_tool_calls is false); LLAMA3_JSON `{"name": "f", "parameters": {...}}`, several
-  separated by "; ". The call object's frame
+  parallel_tool_calls is false; at most MAX_CALLS); LLAMA3_JSON `{"name": "f", "parameters":
+  {...}}`, several separated by "; ". Once a call is complete the end of the reply is allowed, and
+  after the last one it is the only thing allowed. The call object's frame
   (the name as a JSON string constant, the key order) is literal text, and only the arguments
   are a `%json` sub-grammar: each tool's `parameters` schema stays a schema of its own, so its
   `$ref`s ("#/$defs/...") resolve against it as the client wrote them. A named tool_choice
-  allows exactly one call, "required" one or more, each of any of the tools.
+  allows exactly one call, "required" one to MAX_CALLS, each of any of the tools.
 
 Whitespace is fixed (`whitespace_flexible` off) with the separators `json.dumps` and chat
 templates' `tojson` write, ", " and ": ": the model is made to write JSON the way it saw JSON in
@@ -67,6 +68,9 @@ JSON_OPTIONS: dict[str, Any] = {
     "key_separator": KEY_SEPARATOR,
     "lenient": False,
 }
+# Calls in one reply under tool_choice "required" with parallel calls: after the last, only the
+# end of the reply. A model that would call on and on (small ones repeat one call) is ended.
+MAX_CALLS = 8
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>\n", "\n</tool_call>"
 HERMES_BETWEEN = "\n"
 LLAMA3_BETWEEN = "; "
@@ -143,7 +147,8 @@ def _calls_grammar(tools: list[Tool], fmt: ToolFormat, several: bool) -> str:
     else:
         call = f"call: {calls}"
         between = LLAMA3_BETWEEN
-    start = f"start: call ({_lark_string(between)} call)*" if several else "start: call"
+    more = f"{{0,{MAX_CALLS - 1}}}"
+    start = f"start: call ({_lark_string(between)} call){more}" if several else "start: call"
     return LLMatcher.grammar_from_lark("\n".join([start, call, *rules]) + "\n")
 
 

@@ -547,8 +547,9 @@ class JobResult(Strict):
     finish_reason: FinishReason
     usage: Usage
     # A job with `tools` (tool_choice not "none"): the calls read from the text, in OpenAI's shape
-    # (finish_reason "tool_calls"), `content` the text outside them (None when nothing is left),
-    # and `tool_call_problems` what looked like a call but did not parse (its text stays in content).
+    # (finish_reason "tool_calls", also when max_tokens cut a later call), `content` the text
+    # outside them (None when nothing is left), and `tool_call_problems` what looked like a call
+    # but did not parse, was cut short, or repeated an earlier call (left out of content too).
     tool_calls: list[ToolCall] | None = None
     content: str | None = None
     tool_call_problems: list[str] | None = None

@@ -78,8 +78,11 @@ def finish(
     parsed = None
     if request.parses_tool_calls and tool_format is not None:
         names = {tool.function.name for tool in request.tools or []}
-        parsed = parse_tool_calls(text, tool_format, names)
-        finish_reason = "tool_calls" if parsed.calls and finish_reason == "stop" else finish_reason
+        forced = request.forced_tools is not None
+        parsed = parse_tool_calls(text, tool_format, names, cut=finish_reason == "length", forced=forced)
+        # A reply cut by max_tokens after a complete call made that call (the cut one is dropped):
+        # "length" only when no call was completed.
+        finish_reason = "tool_calls" if parsed.calls and finish_reason in ("stop", "length") else finish_reason
     return Generation(
         interventions=reports,
         parsed=parsed,

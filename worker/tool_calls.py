@@ -27,7 +27,12 @@ The rules, and where they differ from vLLM's parsers:
   an object) is reported in `problems` with its text and a reason that can be shown to the
   model, and its text stays in the content; the other calls of the completion still count
   (vLLM drops every call when one fails). When no call parses, the whole text is the content,
-  unchanged: the caller answers plain text (`finish_reason: "stop"`).
+  unchanged: the caller answers plain text (`finish_reason: "stop"`). Call markup leaves the
+  content in three cases, reported in `problems` all the same: a call cut short by max_tokens
+  (the last one, still open at the end of the reply: it was never finished), every problem of
+  a reply made to be calls only (a forced tool_choice, whose grammar allows nothing else), and a
+  call that repeats an earlier one of the reply, name and arguments alike (small models made to
+  call a tool repeat their call until the length runs out; the repeat adds nothing).
 - HERMES: a last `<tool_call>` without its closing tag counts when a whole JSON object follows
   it and nothing else (generation may stop before the tag, `</tool_call>` as a stop string for
   one); the JSON is read with a JSON decoder, not up to the first `</tool_call>`, so the tag
@@ -37,8 +42,9 @@ The rules, and where they differ from vLLM's parsers:
   or at `{"name":` (or the other keys) anywhere. vLLM decodes every brace in the text; braces in
   prose are left alone here, so only a call's start is decoded, and text that is not JSON there
   is a malformed call (the rest of the text is left as it is).
-- The content is the text outside the calls that parsed, with the separators between calls
-  (whitespace, `;`) and `<|python_tag|>` dropped, stripped; None when nothing is left.
+- The content is the text outside the calls that parsed (and the markup left out above), with
+  the separators between calls (whitespace, `;`) and `<|python_tag|>` dropped, stripped; None
+  when nothing is left.
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ _LLAMA_SEPARATOR = re.compile(r"\s*;")
 _LLAMA_GAP = re.compile(r"(?:\s|;|" + re.escape(PYTHON_TAG) + r")*")
 _CALL_KEYS = {"name", "arguments", "parameters"}
 _CALL_START = re.compile(r'\{\s*"(?:name|arguments|parameters)"\s*:')
+_REPEATS = "repeats call "
 _ID_ALPHABET = string.ascii_letters + string.digits
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
 
@@ -113,23 +120,57 @@ def call_id() -> str:
 _Found = list[tuple[int, int, ToolCall | Problem]]  # (start, end, what) of each call, in order
 
 
-def parse_tool_calls(text: str, fmt: ToolFormat, tool_names: set[str] | None = None) -> Parsed:
-    """The calls in a completion, the text around them, and the calls that did not parse."""
+def parse_tool_calls(
+    text: str, fmt: ToolFormat, tool_names: set[str] | None = None, *, cut: bool = False, forced: bool = False
+) -> Parsed:
+    """The calls in a completion, the text around them, and the calls that did not parse.
+    `cut`: max_tokens ended the reply, so a call still open at its end was cut short. `forced`:
+    the reply was made to be calls only (tool_choice "required" or a named function)."""
     found = _hermes(text, tool_names) if fmt is ToolFormat.HERMES else _llama3(text, tool_names)
+    found = _without_repeats(found)
+    cut_at = len(text)
+    last = found[-1] if found else None
+    if cut and last is not None and last[1] == len(text) and isinstance(problem := last[2], Problem):
+        found[-1] = (last[0], last[1], Problem(problem.text, f"cut short by max_tokens ({problem.reason})"))
+        cut_at = last[0]
     calls = [item for _, _, item in found if isinstance(item, ToolCall)]
     problems = [item for _, _, item in found if isinstance(item, Problem)]
-    if not calls:
+    # left out of the content: the calls, repeats, a call cut short, and under a forced choice all
+    dropped = [
+        (s, e) for s, e, item in found if not isinstance(item, Problem) or forced or _repeat(item) or s >= cut_at
+    ]
+    if not dropped:
         return Parsed(text, [], problems)
     pieces, pos = [], 0
-    for start, end, item in found:
-        if isinstance(item, ToolCall):
-            pieces.append(text[pos:start])
-            pos = end
+    for start, end in dropped:
+        pieces.append(text[pos:start])
+        pos = end
     pieces.append(text[pos:])
     content = "".join(piece for piece in pieces if not _SEPARATOR.fullmatch(piece))
     if fmt is ToolFormat.LLAMA3_JSON:
         content = content.replace(PYTHON_TAG, "")
     return Parsed(content.strip() or None, calls, problems)
+
+
+def _repeat(problem: Problem) -> bool:
+    return problem.reason.startswith(_REPEATS)
+
+
+def _without_repeats(found: _Found) -> _Found:
+    """Each call that repeats an earlier call of the reply (the same name and arguments) as a
+    problem: it adds nothing to the calls, and a small model made to call a tool repeats its call
+    until the reply's length runs out."""
+    seen: dict[ToolCall, int] = {}
+    out: _Found = []
+    for start, end, item in found:
+        if isinstance(item, ToolCall):
+            if item in seen:
+                number = seen[item] + 1
+                item = Problem(f"{item.name}({item.arguments})", f"{_REPEATS}{number} (the same name and arguments)")
+            else:
+                seen[item] = len(seen)
+        out.append((start, end, item))
+    return out
 
 
 def _hermes(text: str, tool_names: set[str] | None) -> _Found:

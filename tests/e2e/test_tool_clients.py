@@ -32,9 +32,10 @@ from openai import OpenAI
 from pydantic import BaseModel, ConfigDict, Field
 
 from shared.calculator import TOOL, TOOL_NAME, calculate_arguments
+from shared.grammars import MAX_CALLS
 from tests.e2e.conftest import TOOL_MODEL
 from tests.support.constrained_reference import ConstrainedReference
-from tests.support.stack import TINY
+from tests.support.stack import SMOL, TINY
 from tests.support.tool_model import POOL, final_answer, problems
 
 pytestmark = pytest.mark.model
@@ -358,3 +359,72 @@ def test_a_batch_of_constrained_and_free_rows_each_equals_its_reference(live, ht
         assert job["result"]["text"] == expected, entry
         if "response_format" in entry:
             assert job["result"]["finish_reason"] == "stop" and isinstance(json.loads(expected), dict)
+
+
+# -- forced calls end: SmolLM2 at max_tokens 60 ---------------------------------------------------
+# The built-in model, made to call the calculator, repeats its call until the length runs out. A
+# forced reply must still answer its complete calls (finish_reason "tool_calls"), never a cut
+# `<tool_call>` fragment in the content, and never the same call twice.
+
+CALC_QUESTION = [{"role": "user", "content": "What is 12 times 7? Use the calculator."}]
+STRICT_TOOL = {**TOOL, "function": {**TOOL["function"], "strict": True}}  # parse() reads only strict tools
+
+
+class Arithmetic(BaseModel):
+    """instructor's TOOLS-mode model as users write it: no extra="forbid", so pydantic's schema
+    leaves other keys open (JSON Schema) and actq closes them (OpenAI's reading)."""
+
+    operation: Literal["add", "subtract", "multiply", "divide"]
+    result: int
+
+
+def check_calls(calls: list[Any], raw: str) -> None:
+    """Each call once, its arguments only the calculator's one key, and the raw text shows the
+    model went on to another (cut or repeated) call that is not among them."""
+    arguments = [call.function.arguments for call in calls]
+    assert calls and len(set(arguments)) == len(arguments), arguments
+    assert all(
+        call.function.name == TOOL_NAME and set(json.loads(a)) == {"expression"}
+        for call, a in zip(calls, arguments, strict=True)
+    )
+    assert raw.count("<tool_call>") > len(calls), raw  # what was dropped: the raw text keeps it
+
+
+def test_sdk_required_at_max_tokens_60_answers_the_complete_call(live_smol, http, sdk):
+    reply = sdk.chat.completions.parse(  # raised LengthFinishReasonError when a cut call left "length"
+        model=SMOL, messages=CALC_QUESTION, tools=[STRICT_TOOL], tool_choice="required", max_tokens=60, temperature=0
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    job = http.get(f"/jobs/{reply.model_extra['actq']['job_id']}").json()
+    assert job["result"]["usage"]["completion_tokens"] == 60  # the length did run out
+    check_calls(choice.message.tool_calls or [], job["result"]["text"])
+    longer = sdk.chat.completions.create(
+        model=SMOL, messages=CALC_QUESTION, tools=[TOOL], tool_choice="required", max_tokens=200, temperature=0
+    )
+    assert longer.choices[0].finish_reason == "tool_calls" and longer.choices[0].message.content is None
+    assert len(longer.choices[0].message.tool_calls or []) <= MAX_CALLS
+    job = http.get(f"/jobs/{longer.model_extra['actq']['job_id']}").json()
+    check_calls(longer.choices[0].message.tool_calls or [], job["result"]["text"])  # its repeats dropped
+
+
+def test_langchain_bind_tools_any_at_max_tokens_60_returns_calls_not_fragments(live_smol, wire):
+    llm = chat_model(live_smol, wire, SMOL, 60).bind_tools([TOOL], tool_choice="any")
+    message = llm.invoke(CALC_QUESTION[0]["content"])
+    assert wire.last()["tool_choice"] == "required"
+    assert message.content == "" and "<tool_call>" not in json.dumps(message.model_dump())
+    assert message.tool_calls and not message.invalid_tool_calls
+    assert message.response_metadata["finish_reason"] == "tool_calls"
+    assert all(call["name"] == TOOL_NAME and set(call["args"]) == {"expression"} for call in message.tool_calls)
+
+
+def test_instructor_tools_mode_at_max_tokens_60_gets_only_the_models_fields(live_smol, sdk, wire):
+    client = instructor.from_openai(sdk, mode=instructor.Mode.TOOLS)
+    answer, completion = client.chat.completions.create_with_completion(
+        model=SMOL, response_model=Arithmetic, messages=CALC_QUESTION, max_tokens=60, temperature=0, max_retries=0
+    )
+    (tool,) = wire.last()["tools"]
+    assert "additionalProperties" not in tool["function"]["parameters"]  # sent open, as pydantic writes it
+    assert isinstance(answer, Arithmetic)
+    (call,) = completion.choices[0].message.tool_calls
+    assert set(json.loads(call.function.arguments)) <= {"operation", "result"}  # invented no key

@@ -15,7 +15,7 @@ import llguidance
 import pytest
 from pydantic import BaseModel, Field
 
-from shared.grammars import grammar_for, grammar_problem
+from shared.grammars import MAX_CALLS, grammar_for, grammar_problem
 from shared.schemas import JobRequest
 from shared.tools import ToolFormat
 from worker.tool_calls import parse_tool_calls
@@ -198,6 +198,22 @@ def test_required_without_parallel_calls_allows_exactly_one_call(fmt):
     assert grammar is not None and grammar_problem(req, fmt) is None
     calls = [("calculator", {"expression": "2 + 3"}), ("now", {})]
     assert accepts(grammar, write_calls(fmt, calls[:1])) and accepts(grammar, write_calls(fmt, calls[1:]))
+    assert not accepts(grammar, write_calls(fmt, calls))
+
+
+@pytest.mark.parametrize("fmt", list(ToolFormat))
+def test_required_ends_after_each_call_and_must_end_after_max_calls(fmt):
+    """A reply under "required" may end after any complete call, and after MAX_CALLS calls the
+    end is all it may write: a model that would call on and on is ended."""
+    req = request(tools=TOOLS, tool_choice="required")
+    grammar = grammar_for(req, fmt)
+    assert grammar is not None
+    calls = [("calculator", {"expression": f"{i} + 1"}) for i in range(MAX_CALLS + 1)]
+    for count in (1, MAX_CALLS):
+        matcher = llguidance.LLMatcher(BYTES, grammar, log_level=0)
+        assert matcher.consume_tokens(BYTES.greedy_tokenize(write_calls(fmt, calls[:count])))
+        assert matcher.is_accepting()  # the end of the reply is offered
+        assert matcher.is_stopped() is (count == MAX_CALLS)  # ...and after the last call, nothing else
     assert not accepts(grammar, write_calls(fmt, calls))
 
 

@@ -188,6 +188,8 @@ def test_vllms_hermes_template_renders_past_calls_that_do_not_parse_and_they_are
 
 GOOD = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 1"}}\n</tool_call>'
 GOOD_CALL = ToolCall("calculator", '{"expression":"1 + 1"}')
+OTHER = '<tool_call>\n{"name": "lookup", "arguments": {"key": "pi"}}\n</tool_call>'
+OTHER_CALL = ToolCall("lookup", '{"key":"pi"}')
 
 
 @pytest.mark.parametrize(
@@ -222,8 +224,8 @@ def test_a_hermes_call_that_does_not_parse_is_a_problem_and_the_text_stays_plain
 
 def test_a_bad_call_beside_good_ones_is_reported_and_stays_in_the_content():
     bad = '<tool_call>{"name": "search", "arguments": {}}</tool_call>'
-    parsed = parse_tool_calls(f"{GOOD}\n{bad}\n{GOOD}", H, NAMES)
-    assert parsed.calls == [GOOD_CALL, GOOD_CALL]
+    parsed = parse_tool_calls(f"{GOOD}\n{bad}\n{OTHER}", H, NAMES)
+    assert parsed.calls == [GOOD_CALL, OTHER_CALL]
     assert parsed.content == bad and [p.text for p in parsed.problems] == [bad]
 
 
@@ -241,8 +243,8 @@ def test_a_whole_last_call_without_its_closing_tag_counts():
 
 
 def test_text_around_the_calls_is_the_content():
-    parsed = parse_tool_calls(f"  Let me compute that.\n{GOOD}\n\n{GOOD}\nThen I will answer.\n", H, NAMES)
-    assert parsed == Parsed("Let me compute that.\n\nThen I will answer.", [GOOD_CALL, GOOD_CALL], [])
+    parsed = parse_tool_calls(f"  Let me compute that.\n{GOOD}\n\n{OTHER}\nThen I will answer.\n", H, NAMES)
+    assert parsed == Parsed("Let me compute that.\n\nThen I will answer.", [GOOD_CALL, OTHER_CALL], [])
 
 
 def test_without_the_requests_tool_names_any_name_is_a_call():
@@ -294,11 +296,48 @@ def test_a_llama3_call_that_does_not_parse_is_a_problem_and_the_text_stays_plain
 
 def test_llama3_text_around_calls_and_a_broken_last_call():
     good = '{"name": "calculator", "arguments": {"expression": "{1}"}}'
-    parsed = parse_tool_calls(f'Calling.\n<|python_tag|>{good}; {good};{{"name": "lookup", "para', L, NAMES)
-    call = ToolCall("calculator", '{"expression":"{1}"}')
-    assert parsed.calls == [call, call]
+    other = '{"name": "calculator", "arguments": {"expression": "{2}"}}'
+    parsed = parse_tool_calls(f'Calling.\n<|python_tag|>{good}; {other};{{"name": "lookup", "para', L, NAMES)
+    calls = [ToolCall("calculator", '{"expression":"{1}"}'), ToolCall("calculator", '{"expression":"{2}"}')]
+    assert parsed.calls == calls
     assert parsed.content == 'Calling.\n{"name": "lookup", "para'
     assert [p.text for p in parsed.problems] == ['{"name": "lookup", "para']
+
+
+@pytest.mark.parametrize("fmt", [H, L])
+def test_a_call_that_repeats_an_earlier_one_is_a_problem_not_a_second_call(fmt):
+    """A small model made to call a tool repeats its call until the length runs out: the repeats
+    add nothing, so each is reported and left out of the calls and the content."""
+    if fmt is H:
+        text = "\n".join([GOOD, OTHER, GOOD, GOOD])
+    else:
+        one, two = (
+            '{"name": "calculator", "arguments": {"expression": "1 + 1"}}',
+            '{"name": "lookup", "arguments": {"key": "pi"}}',
+        )
+        text = "; ".join([one, two, one, one])
+    parsed = parse_tool_calls(text, fmt, NAMES)
+    assert parsed.calls == [GOOD_CALL, OTHER_CALL] and parsed.content is None
+    assert [p.reason for p in parsed.problems] == ["repeats call 1 (the same name and arguments)"] * 2
+    different = parse_tool_calls(GOOD + "\n" + GOOD.replace("1 + 1", "1 + 2"), H, NAMES)
+    assert len(different.calls) == 2  # the same tool with other arguments is another call
+
+
+@pytest.mark.parametrize("forced", [False, True])
+def test_a_call_cut_by_max_tokens_is_dropped_and_leaves_no_markup(forced):
+    """The reply ran out of tokens inside its second call: the complete call stands, the cut one
+    is a problem, and no `<tool_call>` fragment is left in the content, forced choice or not."""
+    fragment = '<tool_call>\n{"name": "calculator", "arguments": {"expre'
+    parsed = parse_tool_calls(f"{GOOD}\n{fragment}", H, NAMES, cut=True, forced=forced)
+    assert parsed.calls == [GOOD_CALL] and parsed.content is None
+    assert parsed.problems[0].text == fragment and parsed.problems[0].reason.startswith("cut short by max_tokens")
+    prose = parse_tool_calls(f"I will compute it. {fragment}", H, NAMES, cut=True, forced=forced)
+    assert prose.calls == [] and prose.content == "I will compute it."
+    # not cut (the reply ended by itself): an unfinished call is the model's text, as vLLM leaves it...
+    ended = parse_tool_calls(f"I will compute it. {fragment}", H, NAMES)
+    assert ended.content == f"I will compute it. {fragment}"
+    # ...unless the reply was made to be calls only
+    assert parse_tool_calls(f"{GOOD}\n{fragment}", H, NAMES, forced=True).content is None
 
 
 # --- the rest of the API -------------------------------------------------------------------
