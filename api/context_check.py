@@ -11,12 +11,14 @@ It is cheap where it runs: only a text whose bytes (an upper bound on its tokens
 for the chat template) could overflow is counted, one call per distinct prompt of the request.
 Tools rendered into a chat are left out of the count, so a count that fits may still overflow in
 the worker, which checks again with every token; a count that overflows always does. When no
-worker answers in time, nothing is refused here and the worker decides.
+worker answers in time (or Redis fails the call), nothing is refused here and the worker decides.
 """
 
 from __future__ import annotations
 
 import logging
+
+import redis
 
 from api.deps import Services
 from api.tokenizer_calls import tokenizer_call
@@ -58,6 +60,9 @@ async def refuse_overflow(services: Services, caller: str | None, requests: list
                 result, _ = await tokenizer_call(services, caller, request.model, "tokenize", tokenize=tokenize)
             except ActqError as exc:  # no worker answered, or its tokenizer refused: the worker decides
                 log.info("not counting a long prompt's tokens before queueing it: %s", exc.message)
+                return
+            except redis.RedisError as exc:  # submitting meets Redis next, and answers for it
+                log.info("not counting a long prompt's tokens before queueing it: Redis: %r", exc)
                 return
             counted[key] = int(result["count"])
         prompt = counted[key]
