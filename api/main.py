@@ -6,7 +6,7 @@ import sys
 
 from fastapi import FastAPI
 
-from api import errors
+from api import errors, run_labels
 from api.bodies import document_bodies
 from api.deps import build_services
 from api.limits import BodyLimit
@@ -49,8 +49,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(openai.router)
+    app.include_router(openai.router, prefix=run_labels.PREFIX, include_in_schema=False)  # a run's jobs tagged
     app.include_router(vectors.router)
     app.include_router(tokenizer.router)
+    app.include_router(tokenizer.router, prefix=run_labels.PREFIX, include_in_schema=False)  # beside its /v1
     app.include_router(nnsight.router)
     if not open_docs:
         app.include_router(docs.router)

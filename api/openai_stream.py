@@ -53,6 +53,7 @@ from api.openai_errors import JOB_ID_HEADER, OpenAIError, after_queued, unfinish
 from api.openai_protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
 from api.openai_requests import completion_job_requests, to_job_requests
 from api.openai_responses import completion, text_completion, whole_result
+from api.run_labels import labelled
 from api.submit import heavy, off_loop, submit
 from shared.schemas import JobRecord, JobRequest, JobStatus
 
@@ -119,7 +120,7 @@ async def stream_chat(
 ) -> StreamingResponse:
     """POST /v1/chat/completions with `stream: true` (or with `stream_options`, refused without it)."""
     usage = _options(body)
-    job_request = _one(await in_turn(request, services, caller, to_job_requests, body), body)
+    job_request = _one(labelled(request, await in_turn(request, services, caller, to_job_requests, body)), body)
 
     def render(record: JobRecord, request: Request) -> ChatCompletion:
         return completion([record], request)
@@ -132,7 +133,7 @@ async def stream_completion(
 ) -> StreamingResponse:
     """POST /v1/completions with `stream: true` (or with `stream_options`, refused without it)."""
     usage = _options(body)
-    job_request = _one(await in_turn(request, services, caller, completion_job_requests, body), body)
+    job_request = _one(labelled(request, await in_turn(request, services, caller, completion_job_requests, body)), body)
     echo, logprobs = bool(body.echo), body.logprobs is not None
 
     def render(record: JobRecord, request: Request) -> Completion:

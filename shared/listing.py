@@ -34,6 +34,7 @@ from shared.schemas import (
 
 SCAN_LIMIT = 2000  # index entries (records) one request reads at most; above GET /jobs' largest limit
 METADATA = "metadata."  # a filter on one metadata pair: `metadata.<key>=<value>`
+RUN_KEY = "run"  # the metadata key of a run label (/runs/<label>/v1, `actq export --label`)
 USER = "user"
 CURSOR_HEADER = "x-actq-next-cursor"
 

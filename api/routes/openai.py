@@ -89,6 +89,7 @@ from api.openai_protocol import (
 from api.openai_requests import completion_job_requests, to_job_requests
 from api.openai_responses import completion, text_completion, whole_result
 from api.openai_stream import stream_chat, stream_completion
+from api.run_labels import labelled
 from api.submit import heavy, off_loop, submit, submit_batch
 from shared.errors import ActqError
 from shared.schemas import BatchEntry, JobRecord, JobRequest, JobStatus
@@ -218,7 +219,7 @@ async def chat_completions(
     field `actq`; with `stream: true`, server-sent events as the job generates."""
     if body.stream or body.stream_options is not None:
         return await stream_chat(services, body, request, caller, idempotency_key)
-    job_requests = await in_turn(request, services, caller, to_job_requests, body)
+    job_requests = labelled(request, await in_turn(request, services, caller, to_job_requests, body))
     large = await is_large(request)
     records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
     _name_jobs(response, records)
@@ -240,7 +241,7 @@ async def completions(
     `stream: true`, server-sent events as the job generates."""
     if body.stream or body.stream_options is not None:
         return await stream_completion(services, body, request, caller, idempotency_key)
-    job_requests = await in_turn(request, services, caller, completion_job_requests, body)
+    job_requests = labelled(request, await in_turn(request, services, caller, completion_job_requests, body))
     large = await is_large(request)
     records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
     _name_jobs(response, records)

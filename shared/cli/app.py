@@ -426,6 +426,12 @@ def export_command(
         help="Instead of RESULTS, this API key's jobs that pass a GET /jobs filter: metadata.KEY=VALUE, "
         "user=NAME or created_after=ISO-TIME (repeat to AND them), oldest first.",
     ),
+    label: str | None = typer.Option(
+        None,
+        "--label",
+        help="Instead of RESULTS, this API key's jobs of one run: those sent to /runs/LABEL/v1 (the same as "
+        "--jobs metadata.run=LABEL; combines with --jobs).",
+    ),
     format: str = typer.Option("parquet", "--format", help="parquet (one file) or hf-dataset (datasets.save_to_disk)."),
     out: Path | None = typer.Option(
         None, help="Where to write (default: RESULTS/export.parquet or RESULTS/hf-dataset; with --jobs, here)."
@@ -437,12 +443,15 @@ def export_command(
     ),
 ) -> None:
     """A results directory of `actq run-file` (one row per prompt line) or `actq gsm8k` (one row per
-    problem and capture source), or the jobs `--jobs` picks (one row per job, with its created_at,
+    problem and capture source), or the jobs `--jobs` or `--label` picks (one row per job, with its created_at,
     user and metadata), a row per capture point: the tensor as an array, the prompt, token ids,
     positions and the sample's fields as columns; loadable with `datasets` or pandas, without actq
     installed."""
     from shared.cli import export
+    from shared.listing import METADATA, RUN_KEY
 
+    if label is not None:
+        jobs = [*(jobs or []), f"{METADATA}{RUN_KEY}={label}"]
     written = export.run(results, format=format, out=out, api=api, api_key=api_key, jobs=jobs, turns=turns)
     typer.echo(f"wrote {written}")
 

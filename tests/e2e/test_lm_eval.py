@@ -21,8 +21,8 @@ import json
 import os
 import subprocess
 import sys
+import uuid
 from collections.abc import Iterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -241,27 +241,36 @@ def test_the_runs_activations_export_to_one_parquet_file_matched_to_lm_evals_sam
     served: TestStack, data_dir: Path, reference: Reference, tmp_path: Path
 ) -> None:
     """The README's commands: `lm_eval` (its CLI, batch size 4, the server's tokenizer) against a
-    stack with a default capture for the model, then `actq export --jobs created_after=<the run's
-    start>`: one Parquet file, a row per job, each matched to its lm-eval sample (and choice) by
-    the prompt's tokens, which POST /tokenize gives from the sample's logged text. lm-eval sends
-    no capture, no metadata and keeps no job id: the default capture and the prompt are the link."""
-    started = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    labelled base URL (`/runs/<label>/v1/completions`) of a stack with a default capture for the
+    model, then `actq export --label <label>`: one Parquet file, a row per job of that run and no
+    other, each matched to its lm-eval sample (and choice) by the prompt's tokens, which POST
+    /tokenize gives from the sample's logged text. lm-eval sends no capture, no metadata and keeps
+    no job id: the URL's label tags every job, scoring included, and the prompt matches rows."""
+    label = f"lm-eval-{uuid.uuid4().hex[:8]}"
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    model_args = f"base_url={served.base_url}/v1/completions,model={SMOL}"
+    model_args = f"base_url={served.base_url}/runs/{label}/v1/completions,model={SMOL}"
     run = [sys.executable, "-m", "lm_eval", "run", "--model", "local-completions", "--model_args", model_args]
     run += ["--tasks", "actq_mc,actq_gen", "--include_path", str(synthetic.TASKS), "--batch_size", "4"]
     run += ["--log_samples", "--output_path", str(tmp_path / "lm-eval")]
     done = subprocess.run(run, cwd=data_dir, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    other = httpx.post(  # a job of the same stack outside the run: not exported with it
+        f"{served.base_url}/v1/completions",
+        json={"model": SMOL, "prompt": "Question: 1 + 1?", "max_tokens": 2},
+        timeout=120,
+    )
+    assert other.status_code == 200, other.text
     parquet = tmp_path / "activations.parquet"
-    export = [sys.executable, "-m", "shared.cli", "export", "--jobs", f"created_after={started}"]
+    export = [sys.executable, "-m", "shared.cli", "export", "--label", label]
     export += ["--out", str(parquet), "--api", served.base_url]
     done = subprocess.run(export, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
 
     rows = pq.read_table(parquet).to_pylist()
     by_prompt = {tuple(row["token_ids"][: row["prompt_tokens"]]): row for row in rows}
-    assert len(rows) == len(by_prompt) == JOBS  # a row per job (one capture point), no prompt twice
+    assert len(rows) == len(by_prompt) == JOBS  # a row per job of the run (one capture point), no prompt twice
+    assert {row["metadata.run"] for row in rows} == {label}
+    assert other.headers["x-actq-job-id"] not in {row["job_id"] for row in rows}
     [mc_file] = (tmp_path / "lm-eval").glob("*/samples_actq_mc_*.jsonl")
     [gen_file] = (tmp_path / "lm-eval").glob("*/samples_actq_gen_*.jsonl")
     matched: dict[str, tuple[str, int, int]] = {}  # job id -> (task, doc_id, choice)

@@ -470,3 +470,40 @@ def test_at_long_poll_capacity_calls_are_refused_before_queueing_and_their_retri
     assert 503 not in statuses
     assert job_count(redis_client) == 150 + 200
     assert len({job_of(o) for o in outcomes}) == 200
+
+
+def test_a_run_label_in_the_url_tags_every_job_of_the_run(live, http):
+    """`/runs/<label>/v1` is the OpenAI API with each job tagged metadata.run=<label> (for clients
+    that cannot tag their requests, lm-eval: tests/e2e/test_lm_eval.py), its tokenizer routes beside it."""
+    from openai import OpenAI
+
+    with OpenAI(base_url=f"{live.base_url}/runs/probe-7.a_b/v1", api_key="unused", max_retries=0) as labelled:
+        chat = labelled.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=2, n=2)
+        text = labelled.completions.create(
+            model=TINY, prompt="Hello", max_tokens=2, extra_body={"metadata": {"run": "probe-7.a_b"}}
+        )
+        streamed = [
+            chunk.id
+            for chunk in labelled.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=2, stream=True)
+            if chunk.choices
+        ]
+        with pytest.raises(openai.BadRequestError) as other_run:
+            labelled.completions.create(
+                model=TINY, prompt="Hello", max_tokens=2, extra_body={"metadata": {"run": "another"}}
+            )
+        assert other_run.value.code == "invalid_request" and "differs from the run label" in str(other_run.value)
+    ids = [c["job_id"] for c in chat.model_extra["actq"]["choices"]] + [text.model_extra["actq"]["job_id"]]
+    ids.append(streamed[0].removeprefix("chatcmpl-"))  # a stream's chunks carry its job's id
+    listed = http.get("/jobs", params={"metadata.run": "probe-7.a_b", "limit": 100}).json()
+    assert set(ids) == {job["id"] for job in listed} and len(ids) == 4  # both choices, the text, the stream
+    assert all(job["metadata"] == {"run": "probe-7.a_b"} for job in listed)
+    plain = http.post("/v1/completions", json={"model": TINY, "prompt": "Hello", "max_tokens": 2}).json()
+    unlabelled = http.get("/jobs", params={"metadata.run": "probe-7.a_b", "limit": 100}).json()
+    assert plain["actq"]["job_id"] not in {job["id"] for job in unlabelled}  # no label outside /runs/
+    bad = http.post("/runs/-x/v1/completions", json={"model": TINY, "prompt": "Hello", "max_tokens": 2})
+    assert bad.status_code == 400 and "is not a label" in bad.json()["error"]["message"]
+    tokens = http.post("/runs/probe-7.a_b/tokenize", json={"model": TINY, "prompt": "Hello"})
+    assert (
+        tokens.status_code == 200
+        and tokens.json() == http.post("/tokenize", json={"model": TINY, "prompt": "Hello"}).json()
+    )
