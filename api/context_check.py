@@ -27,6 +27,7 @@ from shared.schemas import JobRequest
 from shared.tokenization import TokenizeRequest
 
 log = logging.getLogger("actq.api")
+COUNT_WAIT_SECONDS = 2.0  # for the count: a live worker answers in milliseconds; the worker counts anyway
 TEMPLATE_TOKENS = 256  # a chat template's own tokens, at most (a default system prompt included)
 MESSAGE_TOKENS = 16  # and per message (its role and turn markers)
 
@@ -57,7 +58,9 @@ async def refuse_overflow(services: Services, caller: str | None, requests: list
         if key not in counted:
             tokenize = TokenizeRequest(model=request.model, prompt=request.prompt, messages=request.messages)
             try:
-                result, _ = await tokenizer_call(services, caller, request.model, "tokenize", tokenize=tokenize)
+                result, _ = await tokenizer_call(
+                    services, caller, request.model, "tokenize", tokenize=tokenize, wait=COUNT_WAIT_SECONDS
+                )
             except ActqError as exc:  # no worker answered, or its tokenizer refused: the worker decides
                 log.info("not counting a long prompt's tokens before queueing it: %s", exc.message)
                 return

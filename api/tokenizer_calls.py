@@ -51,17 +51,18 @@ async def tokenizer_call(
     op: Literal["tokenize", "detokenize", "info"],
     tokenize: TokenizeRequest | None = None,
     detokenize: DetokenizeRequest | None = None,
+    wait: float = WAIT_SECONDS,
 ) -> tuple[dict[str, Any], bool]:
     """Push the call for the model's workers and wait for the reply: its result, and whether the
     reply was large (parsed off the event loop, in `caller`'s turn: api/content_checks.py); or its
     error raised."""
     name = await _served(services, model)
-    deadline = time.monotonic() + WAIT_SECONDS
+    deadline = time.monotonic() + wait
     slots = _slots.setdefault(asyncio.get_running_loop(), asyncio.Semaphore(CONCURRENT_CALLS))
     try:  # a burst waits here, not for the Redis pool's connections
-        await asyncio.wait_for(slots.acquire(), WAIT_SECONDS)
+        await asyncio.wait_for(slots.acquire(), wait)
     except TimeoutError:
-        busy = f"this API process's tokenizer calls stayed busy for {WAIT_SECONDS:.0f} s; retry in a moment"
+        busy = f"this API process's tokenizer calls stayed busy for {wait:g} s; retry in a moment"
         raise NoWorkerAnswer(busy) from None
     try:
         remaining = max(deadline - time.monotonic(), 0.1)
@@ -79,7 +80,7 @@ async def tokenizer_call(
     finally:
         slots.release()
     if popped is None:
-        raise NoWorkerAnswer(f"no worker of model {name!r} answered within {WAIT_SECONDS:.0f} s; retry in a moment")
+        raise NoWorkerAnswer(f"no worker of model {name!r} answered within {wait:g} s; retry in a moment")
     large = len(popped[1]) > INLINE_BYTES
     if large:
         reply = await services.checks.run(caller, TokenizerReply.model_validate_json, popped[1])
