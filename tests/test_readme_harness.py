@@ -47,3 +47,15 @@ def test_the_wildcard_stands_for_any_text_within_a_line_only():
     assert not readme.matches('{"id": "…", "n": 1}', '{"id": "abc-123", "n": 2}')
     assert not readme.matches("a\n…", "a\nb\nc")  # one line each
     assert readme.matches("x (1.5)", "x (1.5)") and not readme.matches("x (1.5)", "x (105)")  # no regex
+
+
+def test_the_pages_are_the_readme_then_the_nav_in_order(tmp_path):
+    (tmp_path / "mkdocs.yml").write_text("nav:\n  - Home: index.md\n  - Guides:\n      - b.md\n      - A: a.md\n")
+    found = readme.pages(tmp_path)
+    names = [p.relative_to(tmp_path).as_posix() for p in found]
+    assert names == ["README.md", "docs/index.md", "docs/b.md", "docs/a.md"]
+    path = tmp_path / "docs" / "b.md"
+    path.parent.mkdir()
+    path.write_text(DOC)
+    example = readme.examples(path)[0]
+    assert example.path == path and readme.where(example, tmp_path) == "docs/b.md line 8"

@@ -402,7 +402,7 @@ def test_the_result_is_stored_by_job_id_and_the_non_blocking_mode_polls_it(model
 
 
 def test_the_readmes_example_runs_as_written(stack, tiny_dir, tmp_path):
-    """The README's nnsight script, extracted from the README, as a user runs it: its own process,
+    """The manual's nnsight script, extracted from its page (docs/nnsight.md), as a user runs it: its own process,
     nnsight's client configured by NDIF_HOST and NDIF_API_KEY alone."""
     import os
     import subprocess
@@ -410,7 +410,7 @@ def test_the_readmes_example_runs_as_written(stack, tiny_dir, tmp_path):
 
     from tests.support.readme import _fences
 
-    readme = Path(__file__).resolve().parents[2] / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "docs" / "nnsight.md"
     blocks = [
         body
         for _, lang, body, before in _fences(readme.read_text())

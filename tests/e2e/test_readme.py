@@ -1,6 +1,6 @@
-"""The README's examples run as written (tests/support/readme.py extracts them) against a live
-`actq serve` with the built-in SmolLM2-135M-Instruct, the model the README's examples name, and
-print what the README shows under them."""
+"""The manual's examples (README.md and every docs/ page, in mkdocs.yml's nav order) run as written
+(tests/support/readme.py extracts them) against a live `actq serve` with the built-in
+SmolLM2-135M-Instruct, the model the examples name, and print what the pages show under them."""
 
 from __future__ import annotations
 
@@ -18,15 +18,22 @@ import pytest
 from shared.cli.processes import free_port
 from tests.support import readme
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+PAGES = readme.pages(ROOT)
 MODEL = "smollm2-135m"
 
 
+def _examples() -> list[readme.Example]:
+    return [example for page in PAGES for example in readme.examples(page)]
+
+
 def test_every_example_that_talks_to_a_stack_is_run():
-    assert readme.unmarked_stack_examples(README) == [], "mark them <!-- run --> (tests/support/readme.py)"
-    found = readme.examples(README)
+    unmarked = {str(page.relative_to(ROOT)): readme.unmarked_stack_examples(page) for page in PAGES}
+    assert not any(unmarked.values()), f"mark them <!-- run --> (tests/support/readme.py): {unmarked}"
+    found = _examples()
     assert len(found) >= 10 and {e.lang for e in found} == {"sh", "python"}
-    assert all(e.expected for e in found), [e.line for e in found if not e.expected]
+    assert all(e.expected for e in found), [readme.where(e, ROOT) for e in found if not e.expected]
+    assert readme.examples(ROOT / "README.md"), "the README keeps one example that runs"
 
 
 @pytest.fixture
@@ -57,15 +64,15 @@ def test_the_readme_examples_run_as_written(serve, tmp_path):
     port, env = serve
     work = tmp_path / "reader"
     work.mkdir()
-    found = readme.examples(README)
+    found = _examples()
     results = readme.run_all(found, port, work, env)
     problems = []
     for example, result in zip(found, results, strict=True):
         if not result["ok"]:
-            problems.append(f"README line {example.line} failed:\n{example.code}\n{result['error'][-2000:]}")
+            problems.append(f"{readme.where(example, ROOT)} failed:\n{example.code}\n{result['error'][-2000:]}")
         elif example.expected is not None and not readme.matches(example.expected, result["stdout"]):
             problems.append(
-                f"README line {example.line} printed something else.\n--- README shows:\n{example.expected}"
+                f"{readme.where(example, ROOT)} printed something else.\n--- the page shows:\n{example.expected}"
                 f"--- it printed:\n{result['stdout']}"
             )
     assert not problems, "\n\n".join(problems)

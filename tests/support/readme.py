@@ -1,13 +1,14 @@
-"""The README's examples, extracted from the README itself and run as a reader would paste them.
+"""The manual's examples (README.md, then docs/ in mkdocs.yml's nav order: `pages`), extracted
+from the pages themselves and run as a reader would paste them.
 
 A fenced `sh` or `python` block right after a `<!-- run -->` line is an example; a fenced block
 right after a `<!-- output -->` line, as the next block after an example, is what that example
-prints. Shell examples run in one bash session in order (a variable such as `ID` set by one is
-there for the next, as in a terminal), Python examples in one interpreter in order (as in a REPL),
-all in one working directory. The only change made to an example before it runs: the stack's
-address `localhost:8000` / `127.0.0.1:8000` gets the test stack's port (and ACTQ_API_URL, which
-`actq` commands default to http://127.0.0.1:8000, names it too), and that port reads as 8000
-again in what the examples print.
+prints. Shell examples (of every page, in page order) run in one bash session in order (a
+variable such as `ID` set by one is there for the next, as in a terminal), Python examples in one
+interpreter in order (as in a REPL), all in one working directory. The only change made to an
+example before it runs: the stack's address `localhost:8000` / `127.0.0.1:8000` gets the test
+stack's port (and ACTQ_API_URL, which `actq` commands default to http://127.0.0.1:8000, names it
+too), and that port reads as 8000 again in what the examples print.
 
 An expected output matches line by line; `…` in it stands for any text (ids, timestamps).
 """
@@ -33,6 +34,30 @@ class Example:
     lang: str
     code: str
     expected: str | None
+    path: Path | None = None  # the page it is on
+
+
+def pages(root: Path) -> list[Path]:
+    """The manual's pages in reading order: README.md, then every docs/ page in mkdocs.yml's nav
+    (a page's examples may use what an earlier example on the same page set up)."""
+    import yaml
+
+    nav = yaml.safe_load((root / "mkdocs.yml").read_text())["nav"]
+
+    def walk(items: list) -> list[str]:
+        found: list[str] = []
+        for item in items:
+            value = next(iter(item.values())) if isinstance(item, dict) else item
+            found += walk(value) if isinstance(value, list) else [value]
+        return found
+
+    return [root / "README.md"] + [root / "docs" / name for name in walk(nav)]
+
+
+def where(example: Example, root: Path) -> str:
+    """`docs/capture.md line 12`: where a reader finds an example."""
+    name = example.path.relative_to(root) if example.path is not None else "README.md"
+    return f"{name} line {example.line}"
 
 
 def _fences(text: str) -> list[tuple[int, str, str, str]]:
@@ -56,10 +81,10 @@ def examples(readme: Path) -> list[Example]:
     for k, (line, lang, body, before) in enumerate(blocks):
         if before.strip() != RUN:
             continue
-        assert lang in ("sh", "python"), f"README line {line}: only sh and python examples can run"
+        assert lang in ("sh", "python"), f"{readme.name} line {line}: only sh and python examples can run"
         following = blocks[k + 1] if k + 1 < len(blocks) else None
         expected = following[2] if following and following[3].strip() == OUTPUT else None
-        found.append(Example(line, lang, body, expected))
+        found.append(Example(line, lang, body, expected, readme))
     return found
 
 
