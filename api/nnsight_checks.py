@@ -22,7 +22,7 @@ KEY_HEADER = "ndif-api-key"  # where nnsight's client sends its key
 # The wrappers whose requests the worker can run: nnsight's transformers wrappers (LanguageModel's
 # requests name TransformersModel).
 CLASSES = ("nnsight.modeling.transformers.TransformersModel", "nnsight.modeling.language.LanguageModel")
-SECTION = 'README "Your own nnsight code"'
+SECTION = 'docs/nnsight.md, "Your own nnsight code"'
 
 
 class Envelope(BaseModel):

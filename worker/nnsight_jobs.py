@@ -258,7 +258,7 @@ def _missing(pid: str, served: ServedModel) -> str:
         return (
             f"the payload uses module {path or '(the root)'!r}, which the served model {served.info.name} "
             f"({served.info.architecture}) does not have: build the client's model from the same checkpoint "
-            '(README "Your own nnsight code")'
+            '(docs/nnsight.md, "Your own nnsight code")'
         )
     return f"the payload refers to {pid!r}, which this worker cannot provide (nnsight {installed_version('nnsight')})"
 
