@@ -95,7 +95,7 @@ def _product_lines():
                     yield f"{path.relative_to(ROOT)}:{number}", line
 
 
-# The one exception, documented as code execution (README "Your own nnsight code"): the trusted
+# The one exception, documented as code execution (docs/nnsight.md): the trusted
 # nnsight job kind loads the payload that nnsight's client serialized, through nnsight itself.
 # Its client helper loads the saves the server sent back, as nnsight's own client does.
 CODE_EXECUTION = ("worker/nnsight_jobs.py:", "shared/nnsight_client.py:")

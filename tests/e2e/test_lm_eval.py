@@ -240,7 +240,7 @@ def test_local_chat_completions_with_the_chat_template(
 def test_the_runs_activations_export_to_one_parquet_file_matched_to_lm_evals_samples(
     served: TestStack, data_dir: Path, reference: Reference, tmp_path: Path
 ) -> None:
-    """The README's commands: `lm_eval` (its CLI, batch size 4, the server's tokenizer) against a
+    """The manual's commands (docs/lm-eval.md): `lm_eval` (its CLI, batch size 4, the server's tokenizer) against a
     labelled base URL (`/runs/<label>/v1/completions`) of a stack with a default capture for the
     model, then `actq export --label <label>`: one Parquet file, a row per job of that run and no
     other, each matched to its lm-eval sample (and choice) by the prompt's tokens, which POST

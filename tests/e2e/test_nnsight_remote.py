@@ -4,7 +4,7 @@ each compared with the same code run locally by nnsight on the same weights; tru
 
 The one stand-in: nnsight's client asks the Hub for the canonical id of the model it names
 (`HfApi().model_info`), which has no answer offline and none for a local folder; its cache of
-such answers is seeded with the folder itself (README "Your own nnsight code" says how a user
+such answers is seeded with the folder itself (docs/nnsight.md says how a user
 without the Hub does the same)."""
 
 # ruff: noqa: F841 - inside a trace, a name bound to a saved value is what nnsight sends back

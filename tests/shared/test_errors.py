@@ -19,7 +19,7 @@ def test_every_stored_error_type_is_a_job_failure_class():
         "worker_lost",
         "cancelled",
         "internal_error",
-        "nnsight_error",  # nnsight jobs (README "Your own nnsight code")
+        "nnsight_error",  # nnsight jobs (docs/nnsight.md)
         "weights_written",
         "result_too_large",
         "payload_mismatch",

@@ -1,5 +1,5 @@
 """The independent reference for interventions: plain PyTorch forward hooks that edit a module's
-value on a plain Hugging Face `generate` (or one forward pass), written from the README's
+value on a plain Hugging Face `generate` (or one forward pass), written from docs/interventions.md's
 definitions and nothing of actq's. Positions: the first pass feeds [0, P); pass k >= 1 feeds
 position P - 1 + k."""
 

@@ -13,7 +13,7 @@ def _first(value):
 
 
 def _rows(value: torch.Tensor) -> torch.Tensor:
-    """A step's value as `[S, W]` (README "Capture"): `[1, S, H]` loses its batch dim, `[1, S, heads, D]`
+    """A step's value as `[S, W]` (docs/capture.md): `[1, S, H]` loses its batch dim, `[1, S, heads, D]`
     flattens its trailing dims, OPT's `[S, H]` is already rows."""
     if value.dim() == 2:
         return value
@@ -62,7 +62,7 @@ def hooked_generate(model, tokenizer, messages, max_new_tokens, modules, hook="o
 
 
 def select(rows: torch.Tensor, positions: str, prompt_tokens: int, new_tokens: int) -> torch.Tensor:
-    """Rows for a positions choice, for a module that sees every position (README "Positions")."""
+    """Rows for a positions choice, for a module that sees every position (docs/capture.md, "Positions")."""
     fed = prompt_tokens + new_tokens - 1
     assert rows.shape[0] == fed, (rows.shape, fed)
     return {

@@ -1,4 +1,4 @@
-"""The command line's own words: each flag spelled once, as the README writes it."""
+"""The command line's own words: each flag spelled once, as the manual (docs/your-own-data.md) writes it."""
 
 from __future__ import annotations
 
