@@ -63,7 +63,7 @@ class GenerationRequest(BaseModel):
     seed: int | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     capture: CaptureSpec | None = None
-    interventions: list[Intervention] | None = None  # README "Interventions": the same as POST /jobs
+    interventions: list[Intervention] | None = None  # docs/interventions.md: the same as POST /jobs
     baseline: StrictBool = False
     actq_wait_seconds: Annotated[float, Field(gt=0, le=WAIT_MAX_SECONDS)] = WAIT_DEFAULT_SECONDS
     # Accepted only with a value actq honours (see UNSUPPORTED)
@@ -86,7 +86,7 @@ class ChatCompletionRequest(GenerationRequest):
     # Each generated token's log-probability, and the `top_logprobs` (0 to 20) likeliest tokens at its place
     logprobs: StrictBool | None = None
     top_logprobs: int | None = None
-    # Functions the model may call, whether it must, and JSON output (README "Tools and
+    # Functions the model may call, whether it must, and JSON output (docs/openai.md, "Tools and
     # structured output"); their shape is checked by JobRequest
     tools: Any = None
     tool_choice: Any = None

@@ -1,5 +1,5 @@
 """What an nnsight job costs through actq, on the built-in SmolLM2-135M-Instruct, side by side in
-one run (README "Your own nnsight code"):
+one run (docs/nnsight.md):
 
   overhead   one trace (hidden states at three layers and the last position's logits, a GSM8K
              question as the prompt) run locally by nnsight in this process, and the same code with

@@ -215,7 +215,7 @@ def prompt_tokens_upper_bound(request: JobRequest, model: ModelInfo) -> int:
 def span(
     positions: str, prompt_tokens: int, new_tokens: int, completion: tuple[int, int] | None = None
 ) -> tuple[int, int]:
-    """The token_ids range `[start, stop)` a positions choice keeps (README "Positions").
+    """The token_ids range `[start, stop)` a positions choice keeps (docs/capture.md, "Positions").
 
     A generation of N new tokens from a P-token prompt feeds P + N - 1 tokens to the model (the
     last new token is never fed back); row i of a capture is the activation at fed position i.

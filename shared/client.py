@@ -454,7 +454,7 @@ class Client:
     ) -> Job:
         """Queue a completion (`POST /jobs`) of a chat (`messages`) or of raw text (`prompt`, for
         base models); returns the queued `Job`. `interventions` edits the model while it runs
-        (README "Interventions"), `baseline=True` also runs it unedited. `capture` is the capture spec, e.g.
+        (docs/interventions.md), `baseline=True` also runs it unedited. `capture` is the capture spec, e.g.
         `{"modules": ["model.layers.*"], "positions": "all"}` or `{"preset": "residual", "layers": [8, 15]}`.
         `mode="trace"` generates nothing: one forward pass over the text (messages may end with
         the assistant turn to score). `logprobs`/`top_logprobs`: each token's log-probability.

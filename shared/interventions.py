@@ -1,5 +1,5 @@
 """Interventions: edits a job declares (`add`, `scale`, `zero`, `project_out`, `patch`), their
-request shape, and their checks against the model a worker published (README "Interventions").
+request shape, and their checks against the model a worker published (docs/interventions.md).
 
 An edit is data, never code: a module named with the capture grammar (shared/capture_spec.py) or
 a preset, which side of it (`output` or `input`), one operation with numbers, vectors given
@@ -218,7 +218,7 @@ _OPTIONAL = {"vector", "coeff", "normalize", "factor", "features", "value", "sou
 
 
 class Intervention(Strict):
-    """One edit (README "Interventions"). `module` is a capture path pattern (one edit may name
+    """One edit (docs/interventions.md). `module` is a capture path pattern (one edit may name
     several modules: `model.layers.{3,6,9}`), or `preset` with `layers`."""
 
     module: Annotated[str, Field(min_length=1, max_length=256)] | None = None

@@ -4,8 +4,8 @@ builds (`RequestModel.serialize`), sent to `POST /request` with the client's key
 waited for with actq's long polls and its saves downloaded from `GET /jobs/{id}/nnsight-result`.
 
 The saves are loaded with `torch.load(weights_only=False)`, as nnsight's own client loads them:
-only point this at an actq you trust, as you trust it to run your code (README "Your own
-nnsight code"). Imported only when called: nnsight patches torch when it is imported.
+only point this at an actq you trust, as you trust it to run your code (docs/nnsight.md).
+Imported only when called: nnsight patches torch when it is imported.
 """
 
 from __future__ import annotations

@@ -107,7 +107,7 @@ class ChatMessage(Strict):
 
 
 class CaptureSpec(Strict):
-    """Which activations to keep: module path patterns, a preset, or both (README "Capture")."""
+    """Which activations to keep: module path patterns, a preset, or both (docs/capture.md)."""
 
     modules: Annotated[
         list[Annotated[str, Field(min_length=1, max_length=256)]], Field(max_length=MAX_CAPTURE_PATTERNS)
@@ -152,7 +152,7 @@ class CaptureSpec(Strict):
 class NnsightCall(Strict):
     """What an nnsight job runs: a payload that nnsight's 0.8 client built (a trace's code and the
     values it uses, serialized), stored as opaque bytes in the job's storage. The API never reads
-    it; the worker loads and runs it (README "Your own nnsight code")."""
+    it; the worker loads and runs it (docs/nnsight.md)."""
 
     model_key: Annotated[str, Field(min_length=1, max_length=2000)]  # as the client sent it
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
@@ -195,7 +195,7 @@ class JobRequest(Strict):
     # A generation's logprobs also cover its prompt, before the generated tokens (the prompt's
     # first token has none): OpenAI's legacy `echo` with generation, from the same prefill.
     prompt_logprobs: StrictBool = False
-    # Edits applied during the job's forward passes (README "Interventions"), in this order on a
+    # Edits applied during the job's forward passes (docs/interventions.md), in this order on a
     # module that several name; `baseline: true` also runs the job unedited, in the same batch.
     interventions: Annotated[list[Intervention], Field(max_length=MAX_INTERVENTIONS)] | None = None
     baseline: StrictBool = False
@@ -555,12 +555,12 @@ class JobResult(Strict):
     tool_call_problems: list[str] | None = None
     logprobs: Logprobs | None = None
     # A trace over messages ending with an assistant turn: that turn's token_ids range
-    # [start, stop) (positions "completion"; README "Trace jobs").
+    # [start, stop) (positions "completion"; docs/jobs-api.md, "Trace jobs").
     completion_span: list[int] | None = None
     # Set when the result is stored apart: here `logprobs.content` is null (the totals stay) and
     # `text` may be cut (`stored.text_truncated`); GET /jobs/{id}/result answers the whole result.
     stored: StoredResult | None = None
-    # Per edit and module, the positions it touched at each forward step (README "Interventions").
+    # Per edit and module, the positions it touched at each forward step (docs/interventions.md).
     interventions: list[EditReport] | None = None
     baseline: BaselineResult | None = None
     nnsight: NnsightOutput | None = None  # mode "nnsight"
@@ -734,7 +734,7 @@ class ModelInfo(Strict):
     special_tokens: list[str] = []
     # Named module sets, one path per decoder block (worker/presets.py): residual, attention, mlp.
     presets: dict[str, list[str]] = {}
-    # What trusted nnsight code runs under on the worker (README "Your own nnsight code"): the
+    # What trusted nnsight code runs under on the worker (docs/nnsight.md): the
     # nnsight and Python versions (`3.11.9`); nnsight None: not installed, no nnsight jobs.
     nnsight_version: str | None = None
     python_version: str | None = None

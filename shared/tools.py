@@ -1,5 +1,5 @@
 """Tools and structured output in a job request: OpenAI's `tools`, `tool_choice`,
-`response_format`, and the tool turns of a conversation (README "Tools and structured output").
+`response_format`, and the tool turns of a conversation (docs/openai.md, "Tools and structured output").
 
 The shapes are OpenAI's: a tool is `{"type": "function", "function": {"name", "description",
 "parameters", "strict"}}`; `tool_choice` is "auto", "none", "required" or

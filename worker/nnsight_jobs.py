@@ -4,7 +4,7 @@ and run here, on the engine thread, between two decoding steps of the running ba
 
 THIS RUNS THE SENDER'S CODE AS THE WORKER. Only keys in ACTQ_NNSIGHT_KEYS reach it (the API
 refuses every other key before anything is stored); this module is the one place in actq that
-unpickles anything (README "Your own nnsight code", RELIABILITY.md).
+unpickles anything (docs/nnsight.md, docs/reliability.md).
 
 A run, as NDIF's own server does it: wrap the model the worker holds (nnsight's
 `TransformersModel` around the same module object: no copy of the weights), unpickle the

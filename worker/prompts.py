@@ -83,7 +83,7 @@ class PromptEncoder:
 
     def encode_trace(self, request: JobRequest, end_of_turn: set[int]) -> tuple[torch.Tensor, tuple[int, int] | None]:
         """A trace job's tokens `[1, P]` and, for messages ending with an assistant turn, that
-        turn's range `[start, stop)` (README "Trace jobs"): the conversation is rendered whole,
+        turn's range `[start, stop)` (docs/jobs-api.md, "Trace jobs"): the conversation is rendered whole,
         with no generation prompt; `start` is where the reply begins (the length of the
         conversation before it, rendered with the generation prompt: the tokens a generation job
         would have been given), `stop` is one past the turn's first end-of-turn token (the

@@ -1,5 +1,5 @@
 """nnsight 0.8's remote protocol, so that a researcher's unchanged script with `remote=True` and
-NDIF_HOST pointed here runs on the worker's model (README "Your own nnsight code"):
+NDIF_HOST pointed here runs on the worker's model (docs/nnsight.md):
 
     WS   /subscribe              the client's first call: its session id, then its jobs' statuses
     POST /request                the payload (multipart: `data` envelope, `blob`), queued as a job

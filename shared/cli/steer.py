@@ -1,6 +1,6 @@
 """Steering sweeps: `actq gsm8k` and `actq run-file` with `--steer VECTORS --at MODULE --coeff C
 [--coeff C ...]` run the whole dataset once per strength, adding `C * v` to MODULE's output at
-every position (an `add` intervention, README "Interventions"), and measure each strength.
+every position (an `add` intervention, docs/interventions.md), and measure each strength.
 
 VECTORS is a local safetensors file (one tensor is uploaded, with `POST /vectors`, as a set of
 its own; its id is kept in OUT/steer/run.json, so a resumed run reuses it) or the id of a vector
