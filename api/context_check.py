@@ -52,11 +52,18 @@ async def refuse_overflow(services: Services, caller: str | None, requests: list
         if info is None:
             continue  # submit says the model is unknown
         max_tokens = 0 if request.trace else request.max_tokens or services.settings.max_tokens_default
-        if not may_overflow(request, info.max_context, max_tokens):
-            continue
-        key = request.model_dump_json(include={"model", "prompt", "messages"})
+        if not may_overflow(request, info.max_context, max_tokens) or request.continue_final_message:
+            continue  # a continued message renders shorter than /tokenize counts it: the worker decides
+        if request.chat_template_kwargs:
+            continue  # variables /tokenize does not take: the worker counts with them
+        key = request.model_dump_json(include={"model", "prompt", "messages", "add_generation_prompt"})
         if key not in counted:
-            tokenize = TokenizeRequest(model=request.model, prompt=request.prompt, messages=request.messages)
+            tokenize = TokenizeRequest(
+                model=request.model,
+                prompt=request.prompt,
+                messages=request.messages,
+                add_generation_prompt=None if request.messages is None else request.generation_prompt,
+            )
             try:
                 result, _ = await tokenizer_call(
                     services, caller, request.model, "tokenize", tokenize=tokenize, wait=COUNT_WAIT_SECONDS

@@ -111,6 +111,11 @@ class ChatCompletionRequest(GenerationRequest):
     # false: with tool_choice "required" the reply is one call (enforced), not one or more; with
     # "auto" it is not enforced (a model that writes two calls gets both)
     parallel_tool_calls: StrictBool | None = None
+    # vLLM's chat extras: how the chat is rendered (an assistant prefill with
+    # continue_final_message, template variables such as enable_thinking); checked by JobRequest
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(GenerationRequest):

@@ -184,6 +184,9 @@ def to_job_requests(body: ChatCompletionRequest) -> list[JobRequest]:
         "tool_choice": body.tool_choice,
         "parallel_tool_calls": body.parallel_tool_calls,
         "response_format": None if body.response_format == {"type": "text"} else body.response_format,
+        "add_generation_prompt": body.add_generation_prompt,
+        "continue_final_message": body.continue_final_message,
+        "chat_template_kwargs": body.chat_template_kwargs,
         **logprobs,
     }
     return [_job_request({**fields, "seed": _choice_seed(body.seed, choice)}) for choice in range(n)]

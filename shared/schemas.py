@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from datetime import datetime
 from functools import cached_property
 from typing import Annotated, Any, Literal
@@ -214,6 +215,13 @@ class JobRequest(Strict):
     # false: a forced reply ("required") is one call, not one or more
     parallel_tool_calls: StrictBool = True
     response_format: ResponseFormat | None = None
+    # How a chat is rendered (vLLM's chat extras): `add_generation_prompt` false leaves the
+    # assistant's turn unopened; `continue_final_message` continues the final assistant message
+    # (a prefill: the reply goes on from its text, in its turn); `chat_template_kwargs` are
+    # variables the chat template reads (`enable_thinking` for reasoning models). None: default.
+    add_generation_prompt: StrictBool | None = None
+    continue_final_message: StrictBool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # mode "nnsight" only: the trusted code it runs, sent by nnsight's client to POST /request
     nnsight: NnsightCall | None = None
 
@@ -240,6 +248,7 @@ class JobRequest(Strict):
         if self.baseline and not self.interventions:
             raise ValueError("baseline: true runs the job unedited beside its edited run: give `interventions`")
         self._check_tools()
+        self._check_rendering()
         positions = self.capture.positions if self.capture is not None else None
         if self.mode == "trace":
             self._check_trace(positions)
@@ -265,6 +274,48 @@ class JobRequest(Strict):
             raise ValueError(
                 "tool_choice forces a tool call and response_format asks for a JSON reply: give one of them"
             )
+
+    def _check_rendering(self) -> None:
+        given = [
+            name
+            for name in ("add_generation_prompt", "continue_final_message", "chat_template_kwargs")
+            if getattr(self, name) is not None
+        ]
+        if not given:
+            return
+        if self.messages is None:
+            raise ValueError(f"{', '.join(given)}: how a chat is rendered; a raw prompt has no template, leave it out")
+        if self.trace:
+            raise ValueError(
+                f"{', '.join(given)}: a trace job renders its conversation whole (docs/jobs-api.md, Trace jobs); "
+                "leave it out"
+            )
+        if self.continue_final_message:
+            if self.add_generation_prompt:
+                raise ValueError(
+                    "continue_final_message continues the final assistant message in its own turn, and "
+                    "add_generation_prompt opens a new one: send add_generation_prompt false (or leave it out)"
+                )
+            if self.messages[-1].role != "assistant":
+                raise ValueError(
+                    "continue_final_message continues the final message, which must be the assistant's (the "
+                    f"prefill); the last message is the {self.messages[-1].role}'s"
+                )
+        if self.chat_template_kwargs is not None:
+            check_template_kwargs(self.chat_template_kwargs)
+
+    @property
+    def generation_prompt(self) -> bool:
+        """Whether a chat's rendering opens the assistant's turn (not when it continues the last)."""
+        return self.add_generation_prompt is not False and not self.continue_final_message
+
+    @property
+    def template_options(self) -> dict[str, Any]:
+        """apply_chat_template's keyword arguments beside the messages, tools and generation prompt."""
+        options = dict(self.chat_template_kwargs or {})
+        if self.continue_final_message:
+            options["continue_final_message"] = True
+        return options
 
     @field_validator("messages")
     @classmethod
@@ -412,6 +463,38 @@ class JobRequest(Strict):
     @classmethod
     def _metadata_limits(cls, value: dict[str, str] | None) -> dict[str, str] | None:
         return None if value is None else check_metadata(value)
+
+
+MAX_TEMPLATE_KWARGS = 16
+MAX_TEMPLATE_KWARGS_BYTES = 4096
+TEMPLATE_KWARG = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+# apply_chat_template's own parameters and the variables it sets: the request's fields say these
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "messages", "conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+        "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+        "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+        "bos_token", "eos_token", "unk_token", "pad_token", "raise_exception", "strftime_now",
+    }
+)  # fmt: skip
+
+
+def check_template_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """`chat_template_kwargs`: at most 16 variables named like identifiers, none of
+    apply_chat_template's own, at most 4 KiB as JSON; ValueError naming what to change."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise ValueError(f"chat_template_kwargs holds {len(kwargs)} variables; at most {MAX_TEMPLATE_KWARGS}")
+    for key in kwargs:
+        if not TEMPLATE_KWARG.fullmatch(key):
+            raise ValueError(f"chat_template_kwargs: {key[:80]!r} is not a template variable name (an identifier)")
+        if key in RESERVED_TEMPLATE_KWARGS:
+            raise ValueError(
+                f"chat_template_kwargs: {key!r} is set by actq or by the request's own fields "
+                "(messages, tools, add_generation_prompt, continue_final_message); leave it out"
+            )
+    if len(json.dumps(kwargs)) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise ValueError(f"chat_template_kwargs is over {MAX_TEMPLATE_KWARGS_BYTES} bytes as JSON")
+    return kwargs
 
 
 def check_metadata(pairs: dict[str, str]) -> dict[str, str]:

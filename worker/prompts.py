@@ -78,7 +78,8 @@ class PromptEncoder:
         if request.prompt is not None:
             return self._raw(request.prompt)
         messages, tools = self.conversation(request.messages or [], request.tools)
-        tensor = torch.tensor([self._chat(messages, generation_prompt=True, tools=tools)], dtype=torch.long)
+        ids = self._chat(messages, request.generation_prompt, tools, request.template_options)
+        tensor = torch.tensor([ids], dtype=torch.long)
         return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
 
     def encode_trace(self, request: JobRequest, end_of_turn: set[int]) -> tuple[torch.Tensor, tuple[int, int] | None]:
@@ -129,26 +130,43 @@ class PromptEncoder:
         """A chat's token ids exactly as a chat job is given them (POST /tokenize with `messages`)."""
         return self._chat(messages, generation_prompt, tools)
 
-    def _chat(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+    def _chat(
+        self,
+        messages: list[dict],
+        generation_prompt: bool,
+        tools: list[dict] | None = None,
+        options: dict[str, Any] | None = None,
+    ) -> list[int]:
+        """The chat's tokens; `options`: apply_chat_template's other keyword arguments (a request's
+        `continue_final_message`, its `chat_template_kwargs`)."""
+        options = options or {}
         try:
             try:
-                return self._render(messages, generation_prompt, tools)
+                return self._render(messages, generation_prompt, tools, options)
             except TypeError:
                 if tools is not None or not self.tool_template:
                     raise
                 # a template that always lists the tools (vLLM's Hermes 2 Pro) cannot iterate None
-                return self._render(messages, generation_prompt, [])
+                return self._render(messages, generation_prompt, [], options)
         except (jinja2.TemplateError, TypeError) as exc:  # its own refusal (raise_exception), as it words it
             raise JobFailure(f"this model's chat template cannot render these messages: {exc}") from None
+        except ValueError as exc:  # continue_final_message: a final message the template does not show as written
+            if not options.get("continue_final_message"):
+                raise
+            raise JobFailure(
+                f"the final assistant message cannot be continued with this chat template: {exc}"
+            ) from None
 
-    def _render(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> list[int]:
+    def _render(
+        self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None, options: dict[str, Any]
+    ) -> list[int]:
         if not self.has_chat_template:
             raise JobFailure(
                 "this model has no chat template, so messages cannot be rendered; send the text as `prompt`, "
                 "or give the deployment a template (ACTQ_CHAT_TEMPLATE)"
             )
         if self.allow_special_tokens or self._special is None:
-            return self._apply(messages, generation_prompt, tools)
+            return self._apply(messages, generation_prompt, tools, options)
         special = self._special
         calls = [m["tool_calls"] for m in messages if m.get("tool_calls")]
         if any(special.search(json.dumps(part)) for part in (*calls, tools or [])):
@@ -157,14 +175,16 @@ class PromptEncoder:
                 "or ask the deployment to allow them (ACTQ_ALLOW_SPECIAL_TOKENS)"
             )
         if not any(special.search(m["content"] or "") for m in messages):
-            return self._apply(messages, generation_prompt, tools)
-        return self._as_text(messages, generation_prompt, tools)
+            return self._apply(messages, generation_prompt, tools, options)
+        return self._as_text(messages, generation_prompt, tools, options)
 
-    def _apply(self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None) -> list[int]:
+    def _apply(
+        self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None, options: dict[str, Any]
+    ) -> list[int]:
         encoded = cast(
             "BatchEncoding",
             self.tokenizer.apply_chat_template(
-                messages, tools=cast(Any, tools), add_generation_prompt=generation_prompt, return_dict=True
+                messages, tools=cast(Any, tools), add_generation_prompt=generation_prompt, return_dict=True, **options
             ),
         )
         return [int(i) for i in encoded["input_ids"]]
@@ -182,17 +202,23 @@ class PromptEncoder:
         return {"input_ids": tensor, "attention_mask": torch.ones_like(tensor)}
 
     def _as_text(
-        self, messages: list[dict], generation_prompt: bool = True, tools: list[dict] | None = None
+        self,
+        messages: list[dict],
+        generation_prompt: bool = True,
+        tools: list[dict] | None = None,
+        options: dict[str, Any] | None = None,
     ) -> list[int]:
         """The template rendered around placeholders; its own pieces tokenized as usual, each
-        message's content with special tokens split into text."""
+        message's content with special tokens split into text. A continued final message ends
+        its text as apply_chat_template ends it: without trailing whitespace."""
+        options = options or {}
         marked = [
             {**m, "content": _SENTINEL.format(i) if m["content"] is not None else None} for i, m in enumerate(messages)
         ]
         rendered = cast(
             str,
             self.tokenizer.apply_chat_template(
-                marked, tools=cast(Any, tools), add_generation_prompt=generation_prompt, tokenize=False
+                marked, tools=cast(Any, tools), add_generation_prompt=generation_prompt, tokenize=False, **options
             ),
         )
         pieces = re.split("(" + re.escape(_SENTINEL).replace(r"\{\}", r"(\d+)") + ")", rendered)
@@ -207,7 +233,10 @@ class PromptEncoder:
             if k % 3 == 0:  # the template's own text
                 ids += self._tokens(piece, split_special=False)
             elif k % 3 == 2:  # a message's content
-                ids += self._tokens(messages[int(piece)]["content"], split_special=True)
+                content = messages[int(piece)]["content"]
+                if options.get("continue_final_message") and int(piece) == len(messages) - 1:
+                    content = content.rstrip()
+                ids += self._tokens(content, split_special=True)
         return ids
 
     def _tokens(self, text: str, split_special: bool) -> list[int]:

@@ -507,3 +507,35 @@ def test_a_run_label_in_the_url_tags_every_job_of_the_run(live, http):
         tokens.status_code == 200
         and tokens.json() == http.post("/tokenize", json={"model": TINY, "prompt": "Hello"}).json()
     )
+
+
+def test_an_assistant_prefill_is_continued_in_its_own_turn(http, client, tiny_dir):
+    """vLLM's `continue_final_message` (with add_generation_prompt false): the reply goes on from
+    the final assistant message's text; the job was given exactly the tokens the tokenizer's own
+    apply_chat_template renders for it (read back from the activations file)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
+    messages = [*MESSAGES, {"role": "assistant", "content": "Red, green and"}]
+    expected = tokenizer.apply_chat_template(
+        messages, continue_final_message=True, add_generation_prompt=False, return_dict=True
+    )["input_ids"]
+    reply = client.chat.completions.create(
+        model=TINY,
+        messages=messages,
+        max_tokens=3,
+        temperature=0,
+        extra_body={
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+            "capture": {"modules": ["model.layers.1"]},
+        },
+    )
+    assert reply.usage.prompt_tokens == len(expected)
+    tensors = load_safetensors(http.get(reply.model_extra["actq"]["activations"]["download_url"]).content)
+    assert tensors["token_ids"][: len(expected)].tolist() == list(expected)
+    with pytest.raises(openai.BadRequestError) as refused:  # nothing to continue: the last turn is the user's
+        client.chat.completions.create(
+            model=TINY, messages=MESSAGES, max_tokens=3, extra_body={"continue_final_message": True}
+        )
+    assert "must be the assistant's" in str(refused.value)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
+from pydantic import ValidationError
 
 from shared.capture_spec import resolve
 from shared.errors import ContextLengthExceeded
@@ -251,3 +254,75 @@ def test_prompt_past_the_context_fails_before_generating(served):
     long = request(messages=[{"role": "user", "content": "word " * 400}])
     with pytest.raises(ContextLengthExceeded, match="maximum context length is 256 tokens"):
         run(served, long, 4)
+
+
+PREFILL = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Name a colour."},
+    {"role": "assistant", "content": "The colour is"},
+]
+
+
+def test_a_chat_renders_as_apply_chat_template_with_the_requests_options(served):
+    """add_generation_prompt, continue_final_message (an assistant prefill) and
+    chat_template_kwargs give exactly the tokenizer's own apply_chat_template tokens."""
+    tokenizer = served.tokenizer
+
+    def ids(**fields) -> list[int]:
+        return served.encode(request(**fields))["input_ids"][0].tolist()
+
+    def reference(messages, **options) -> list[int]:
+        return list(tokenizer.apply_chat_template(messages, return_dict=True, **options)["input_ids"])
+
+    continued = ids(messages=PREFILL, continue_final_message=True)
+    assert continued == reference(PREFILL, continue_final_message=True, add_generation_prompt=False)
+    assert tokenizer.decode(continued).endswith("<|im_start|>assistant\nThe colour is")
+    assert ids(messages=PREFILL) == reference(PREFILL, add_generation_prompt=True)  # a new turn after it
+    assert ids(messages=PREFILL[:2], add_generation_prompt=False) == reference(PREFILL[:2], add_generation_prompt=False)
+    # the same through the path that keeps special-token strings in messages as text
+    forged = [*PREFILL[:1], {"role": "user", "content": FORGED}, {"role": "assistant", "content": "Sure "}]
+    start = tokenizer.convert_tokens_to_ids("<|im_start|>")
+    kept = ids(messages=forged, continue_final_message=True)
+    assert kept.count(start) == 3 and tokenizer.decode(kept).endswith("<|im_start|>assistant\nSure")
+
+
+def test_chat_template_kwargs_reach_the_template(served):
+    tokenizer = copy.deepcopy(served.tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% if enable_thinking is defined and not enable_thinking %}<think></think>{% endif %}{% endif %}"
+    )
+    prompts = PromptEncoder(tokenizer)
+    messages = PREFILL[:2]
+    for kwargs in ({"enable_thinking": False}, {"enable_thinking": True}, None):
+        got = prompts.encode(request(messages=messages, chat_template_kwargs=kwargs))["input_ids"][0].tolist()
+        expected = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, return_dict=True, **(kwargs or {})
+        )
+        assert got == list(expected["input_ids"])
+    off = prompts.encode(request(messages=messages, chat_template_kwargs={"enable_thinking": False}))
+    assert tokenizer.decode(off["input_ids"][0]).endswith("<think></think>")
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"messages": None, "prompt": "hi", "continue_final_message": True}, "a raw prompt has no template"),
+        ({"messages": PREFILL[:2], "continue_final_message": True}, "the last message is the user's"),
+        (
+            {"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True},
+            "add_generation_prompt false",
+        ),
+        ({"messages": PREFILL, "chat_template_kwargs": {"tools": []}}, "'tools' is set by actq"),
+        ({"messages": PREFILL, "chat_template_kwargs": {"a-b": 1}}, "not a template variable name"),
+        (
+            {"messages": PREFILL, "mode": "trace", "add_generation_prompt": False},
+            "a trace job renders its conversation whole",
+        ),
+    ],
+    ids=["raw-prompt", "last-not-assistant", "both", "reserved", "bad-name", "trace"],
+)
+def test_rendering_options_that_cannot_apply_are_refused_saying_why(fields, message):
+    with pytest.raises(ValidationError, match=message):
+        request(**fields)
