@@ -70,9 +70,14 @@ class GenerationRequest(BaseModel):
     n: int | None = None
     stream: StrictBool | None = None  # server-sent events: api/openai_stream.py
     stream_options: Any = None  # checked there (include_usage)
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
+    # OpenAI's penalties and logit_bias, and vLLM's sampling extras: checked by JobRequest (ranges)
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    repetition_penalty: float | None = None
     # Stored with the job (GET /jobs shows them and filters on them); no effect on what runs
     user: str | None = None
     metadata: dict[str, str] | None = None

@@ -31,15 +31,6 @@ MAX_JOBS_PER_REQUEST = 256  # prompts x n: each choice is its own job
 _NO_FUNCTIONS = "the deprecated function calling is not supported: use tools and tool_choice"
 # field -> (is the value one actq honours?, the refusal; {value} is the value sent)
 UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "frequency_penalty": (
-        lambda v: v in (None, 0),
-        "frequency_penalty={value} is not supported: no penalties; send 0 or leave it out",
-    ),
-    "presence_penalty": (
-        lambda v: v in (None, 0),
-        "presence_penalty={value} is not supported: no penalties; send 0 or leave it out",
-    ),
-    "logit_bias": (lambda v: not v, "logit_bias is not supported"),
     "functions": (lambda v: not v, f"functions are not supported: {_NO_FUNCTIONS}"),
     "function_call": (lambda v: v in (None, "none"), f"function_call={{value}} is not supported: {_NO_FUNCTIONS}"),
     "modalities": (lambda v: v in (None, ["text"]), "modalities={value} is not supported: only text output"),
@@ -174,6 +165,7 @@ def to_job_requests(body: ChatCompletionRequest) -> list[JobRequest]:
         "max_tokens": body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
+        **shaping(body),
         "stop": body.stop,
         "capture": body.capture,
         "interventions": body.interventions,
@@ -192,6 +184,12 @@ def to_job_requests(body: ChatCompletionRequest) -> list[JobRequest]:
     return [_job_request({**fields, "seed": _choice_seed(body.seed, choice)}) for choice in range(n)]
 
 
+def shaping(body: GenerationRequest) -> dict[str, Any]:
+    """The sampler's other settings, as the job takes them (None: the default)."""
+    fields = ("top_k", "min_p", "min_tokens", "repetition_penalty", "presence_penalty", "frequency_penalty")
+    return {field: getattr(body, field) for field in fields} | {"logit_bias": body.logit_bias or None}
+
+
 def _job_request(fields: dict[str, Any]) -> JobRequest:
     """JobRequest's own constraints (ranges, limits), exactly as for POST /jobs; a field left
     None takes JobRequest's default."""
@@ -204,7 +202,6 @@ def _job_request(fields: dict[str, Any]) -> JobRequest:
 # The chat refusals that mean the same here, plus the completion's own fields (`echo` and
 # `max_tokens` are checked together in `completion_job_requests`).
 COMPLETION_UNSUPPORTED: dict[str, tuple[Callable[[Any], bool], str]] = {
-    **{field: UNSUPPORTED[field] for field in ("frequency_penalty", "presence_penalty", "logit_bias")},
     "suffix": (
         lambda v: v is None,
         "suffix is not supported (no fill-in-the-middle): the model continues the prompt; leave suffix out",
@@ -340,6 +337,7 @@ def completion_job_requests(body: CompletionRequest) -> list[JobRequest]:
             sampling = {
                 "temperature": body.temperature,
                 "top_p": body.top_p,
+                **shaping(body),
                 "seed": _choice_seed(body.seed, choice),
                 "stop": body.stop,
                 "prompt_logprobs": scored or None,

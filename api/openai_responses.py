@@ -170,7 +170,7 @@ def legacy_logprobs(record: JobRecord) -> CompletionLogprobs | None:
         None if first_unscored and i == 0 else _openai_logprob(entry.logprob) for i, entry in enumerate(entries)
     ]
     top: list[dict[str, float] | None] | None = None
-    if record.request.top_k:
+    if record.request.alternatives:
         top = [
             None if first_unscored and i == 0 else {t.token: _openai_logprob(t.logprob) for t in entry.top_logprobs}
             for i, entry in enumerate(entries)

@@ -121,6 +121,8 @@ def plan(
         )
     if (problem := capture_spec.token_ids_problem(request, info.vocab_size)) is not None:
         raise BadRequest(problem)
+    if (problem := capture_spec.logit_bias_problem(request, info.vocab_size)) is not None:
+        raise BadRequest(problem)
     check_schema_budget(request, settings.max_schema_bytes, cache)
     try:
         capture_spec.check_prompt_fits(request, info, max_tokens)

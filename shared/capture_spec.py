@@ -268,6 +268,15 @@ def check_prompt_fits(request: JobRequest, model: ModelInfo, max_tokens: int) ->
         raise ContextLengthExceeded(over_context(model.max_context, least, max_tokens, what, at_least=why))
 
 
+def logit_bias_problem(request: JobRequest, vocab_size: int) -> str | None:
+    """What is wrong with a request's `logit_bias` for a model of `vocab_size` tokens (None: fine)."""
+    bad = sorted(t for t in request.logit_bias or {} if t >= vocab_size)
+    if not bad:
+        return None
+    shown = ", ".join(map(str, bad[:5])) + (" ..." if len(bad) > 5 else "")
+    return f"logit_bias names tokens outside the model's vocabulary of {vocab_size}: {shown}"
+
+
 def token_ids_problem(request: JobRequest, vocab_size: int) -> str | None:
     """What is wrong with a `prompt_token_ids` prompt for a model of `vocab_size` tokens (None: fine);
     the API refuses it at submit and the worker checks again before the ids reach the embedding."""

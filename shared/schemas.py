@@ -57,6 +57,7 @@ MAX_PROMPT_TOKEN_IDS = 1_000_000
 MAX_STOP_STRINGS = 8
 GREEDY_BELOW = 1e-5  # temperatures below this decode greedily (as vLLM does)
 MAX_TOP_LOGPROBS = 20  # as OpenAI
+MAX_LOGIT_BIAS = 300  # tokens a request biases (OpenAI's limit)
 MAX_FEATURES = 65_536
 MAX_METADATA_PAIRS = 16  # OpenAI's limits on `metadata` and `user`
 MAX_METADATA_KEY_CHARS = 64
@@ -184,6 +185,20 @@ class JobRequest(Strict):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
+    # The rest of the sampler, each a per-row tensor of the decoding step (worker/sampling.py), in
+    # the order transformers' generate applies its processors: `logit_bias` (token id -> -100 to
+    # 100, added to its logit), `repetition_penalty` (transformers', over prompt and reply),
+    # `presence_penalty` / `frequency_penalty` (OpenAI's, -2 to 2, over the reply), `min_tokens`
+    # (EOS held off until this many tokens), then `top_k` (0 or -1: off) and `min_p` (0: off).
+    top_k: Annotated[int, Field(ge=-1, le=1_000_000)] = 0
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] = 0.0
+    min_tokens: Annotated[int, Field(ge=0)] = 0
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] = 1.0
+    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] = 0.0
+    logit_bias: (
+        Annotated[dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]], Field(max_length=MAX_LOGIT_BIAS)] | None
+    ) = None
     stop: Annotated[list[Annotated[str, Field(min_length=1, max_length=200)]], Field(max_length=MAX_STOP_STRINGS)] = []
     capture: CaptureSpec | None = None
     time_limit: Annotated[float, Field(gt=0, le=7 * 24 * 3600)] | None = (
@@ -421,7 +436,7 @@ class JobRequest(Strict):
         return self.mode == "trace"
 
     @property
-    def top_k(self) -> int:
+    def alternatives(self) -> int:
         """Alternatives per position in the log-probabilities (0 when none were asked for)."""
         return self.top_logprobs or 0
 
@@ -447,7 +462,7 @@ class JobRequest(Strict):
         logits by 1e-300 overflows to inf and NaN: such a job used to fail as internal_error)."""
         return self.temperature >= GREEDY_BELOW
 
-    @field_validator("temperature", "top_p")
+    @field_validator("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
     @classmethod
     def _finite(cls, value: float) -> float:
         if not math.isfinite(value):

@@ -6,12 +6,13 @@ job's failure before it reaches the engine core."""
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 from typing import TYPE_CHECKING
 
 import torch
 
-from shared.capture_spec import check_prompt_fits, token_ids_problem
+from shared.capture_spec import check_prompt_fits, logit_bias_problem, token_ids_problem
 from shared.edit_refs import References
 from shared.errors import ContextLengthExceeded, InterventionError, JobFailure, over_context
 from shared.interventions import EditPoint
@@ -26,19 +27,51 @@ if TYPE_CHECKING:
 
 
 def generate_settings(request: JobRequest) -> dict:
-    """The `generate` settings that pick tokens for this request (shared with benchmarks)."""
+    """The `generate` settings that pick tokens for this request (shared with benchmarks):
+    transformers' own processors for what it has (OpenAI's presence and frequency penalties it has
+    not: `unsupported_by_generate`)."""
     if request.samples:
-        return {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
-    return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+        settings: dict = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
+        settings |= {"top_k": max(request.top_k, 0) or None, "min_p": request.min_p or None}
+    else:
+        settings = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    if request.repetition_penalty != 1.0:
+        settings["repetition_penalty"] = request.repetition_penalty
+    if request.min_tokens:
+        settings["min_new_tokens"] = request.min_tokens
+    if request.logit_bias:
+        settings["sequence_bias"] = {(token,): bias for token, bias in request.logit_bias.items()}
+    return settings
+
+
+def unsupported_by_generate(request: JobRequest) -> str | None:
+    """Which of the request's settings only the slots' sampler applies (None: all are generate's)."""
+    if request.presence_penalty or request.frequency_penalty:
+        return "presence_penalty and frequency_penalty"
+    return None
 
 
 def row_sampling(request: JobRequest) -> RowSampling:
     """The request's settings for the vectorised sampler; a job without a seed gets a random one
     (its draws are then its own, as with a fresh generator)."""
+    shaping = RowSampling(
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=dict(request.logit_bias or {}),
+        min_tokens=request.min_tokens,
+    )
     if not request.samples:
-        return RowSampling()
+        return shaping
     seed = request.seed if request.seed is not None else secrets.randbits(63)
-    return RowSampling(temperature=request.temperature, top_p=request.top_p, seed=seed)
+    return dataclasses.replace(
+        shaping,
+        temperature=request.temperature,
+        seed=seed,
+        top_p=request.top_p,
+        top_k=max(request.top_k, 0),
+        min_p=request.min_p,
+    )
 
 
 def prepare(
@@ -62,6 +95,13 @@ def prepare(
     check_prompt_fits(request, info, max_tokens)  # before tokenizing megabytes of text
     if (problem := token_ids_problem(request, info.vocab_size)) is not None:
         raise JobFailure(problem)
+    if (problem := logit_bias_problem(request, info.vocab_size)) is not None:
+        raise JobFailure(problem)
+    if served.slot_reason is not None and not request.trace and (what := unsupported_by_generate(request)):
+        raise JobFailure(
+            f"{what} are applied by the slots' sampler, and {info.name} decodes {served.describe_decoder()}; "
+            "leave them out for this model"
+        )
     if request.prompt_logprobs and served.solo_reason is not None:
         raise JobFailure(
             f"prompt_logprobs (echo with generation) is not supported for {info.name}, which runs one job at "
@@ -106,7 +146,7 @@ def prepare(
         capture=capture,
         stops=list(request.stop),
         watch=watch,
-        scores=TokenScores(request.top_k) if request.logprobs else None,
+        scores=TokenScores(request.alternatives) if request.logprobs else None,
         completion=completion,
         echo=request.prompt_logprobs,
         constraint=served.grammars.constraint(request, info.tool_format),

@@ -171,10 +171,10 @@ REFUSED = [
     ),
     (
         "penalty",
-        dict(presence_penalty=0.5),
+        dict(presence_penalty=5),
         openai.BadRequestError,
         "presence_penalty",
-        "presence_penalty=0.5 is not supported",
+        "presence_penalty: Input should be less than or equal to 2",
     ),
     (
         "unknown field",
@@ -262,11 +262,12 @@ def test_refused_with_a_clear_error_and_nothing_enqueued(client, redis_client, c
 
 
 def test_error_body_is_openai_shaped_and_has_detail(http):
-    response = http.post("/v1/chat/completions", json={"model": TINY, "messages": MESSAGES, "logit_bias": {"1": 5}})
+    response = http.post("/v1/chat/completions", json={"model": TINY, "messages": MESSAGES, "service_tier": "flex"})
     assert response.status_code == 400
     body = response.json()
     assert body["error"]["type"] == "invalid_request_error" and body["error"]["code"] == "unsupported_parameter"
-    assert body["error"]["message"] == body["detail"] and body["detail"].startswith("logit_bias is not supported")
+    assert body["error"]["message"] == body["detail"]
+    assert body["detail"].startswith("service_tier='flex' is not supported")
     bad_json = http.post("/v1/chat/completions", content=b'{"model": ', headers={"content-type": "application/json"})
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
 
@@ -539,3 +540,32 @@ def test_an_assistant_prefill_is_continued_in_its_own_turn(http, client, tiny_di
             model=TINY, messages=MESSAGES, max_tokens=3, extra_body={"continue_final_message": True}
         )
     assert "must be the assistant's" in str(refused.value)
+
+
+def test_penalties_bias_and_vllms_sampling_extras_reach_the_job(http, client):
+    """The SDK's `logit_bias` and penalties, and vLLM's extras in `extra_body`, become the job's
+    own settings (worker/sampling.py applies them: tests/worker/test_engine.py checks the tokens
+    against transformers' processors): a banned first token is not the reply's first token, and a
+    sampled reply with top_k 1 is the greedy one."""
+    greedy = client.completions.create(model=TINY, prompt="Hello there", max_tokens=6, temperature=0, logprobs=0)
+    first = greedy.choices[0].logprobs.tokens[0]
+    first_id = http.post("/tokenize", json={"model": TINY, "prompt": first, "add_special_tokens": False}).json()
+    banned = client.completions.create(
+        model=TINY,
+        prompt="Hello there",
+        max_tokens=6,
+        temperature=0,
+        logprobs=0,
+        logit_bias={str(first_id["tokens"][0]): -100},
+        presence_penalty=0.5,
+        frequency_penalty=0.25,
+        extra_body={"repetition_penalty": 1.2, "min_tokens": 6},
+    )
+    assert banned.choices[0].logprobs.tokens[0] != first
+    stored = http.get(f"/jobs/{banned.model_extra['actq']['job_id']}/request").json()
+    assert stored["logit_bias"] == {str(first_id["tokens"][0]): -100.0} and stored["repetition_penalty"] == 1.2
+    assert (stored["presence_penalty"], stored["frequency_penalty"], stored["min_tokens"]) == (0.5, 0.25, 6)
+    top1 = client.completions.create(
+        model=TINY, prompt="Hello there", max_tokens=6, temperature=1.5, seed=5, extra_body={"top_k": 1}
+    )
+    assert top1.choices[0].text == greedy.choices[0].text

@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from shared.capture_spec import resolve
-from shared.errors import ContextLengthExceeded
+from shared.errors import ContextLengthExceeded, JobFailure
 from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.support.reference import hooked_generate, select
@@ -326,3 +326,85 @@ def test_chat_template_kwargs_reach_the_template(served):
 def test_rendering_options_that_cannot_apply_are_refused_saying_why(fields, message):
     with pytest.raises(ValidationError, match=message):
         request(**fields)
+
+
+class _PresenceFrequency:
+    """OpenAI's presence and frequency penalties over the generated tokens (transformers has none),
+    written out here: logit -= presence * [count > 0] + frequency * count."""
+
+    def __init__(self, prompt_tokens: int, presence: float, frequency: float) -> None:
+        self.prompt_tokens, self.presence, self.frequency = prompt_tokens, presence, frequency
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        counts = torch.zeros_like(scores)
+        generated = input_ids[:, self.prompt_tokens :]
+        counts.scatter_add_(1, generated, torch.ones_like(generated, dtype=scores.dtype))
+        return scores - self.presence * (counts > 0).to(scores.dtype) - self.frequency * counts
+
+
+def shaped_reference(served, prompt: torch.Tensor, bias: dict, presence: float, frequency: float) -> list[int]:
+    """transformers' greedy `generate` with its own processors (and OpenAI's penalty formula for
+    the two it lacks), in the order the sampler applies them: 12 tokens, EOS held off for all."""
+    from transformers import (
+        LogitsProcessorList,
+        MinNewTokensLengthLogitsProcessor,
+        RepetitionPenaltyLogitsProcessor,
+        SequenceBiasLogitsProcessor,
+    )
+
+    eos = sorted(served.eos_ids)
+    processors = LogitsProcessorList(
+        [
+            SequenceBiasLogitsProcessor({(t,): v for t, v in bias.items()}),
+            RepetitionPenaltyLogitsProcessor(1.3),
+            _PresenceFrequency(len(prompt), presence, frequency),
+            MinNewTokensLengthLogitsProcessor(len(prompt), 12, eos),
+        ]
+    )
+    with torch.inference_mode():
+        out = served.hf.generate(
+            input_ids=prompt[None].to(served.loaded.device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            max_new_tokens=12,
+            do_sample=False,
+            logits_processor=processors,
+            eos_token_id=eos,
+            pad_token_id=eos[0],
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def test_bias_penalties_and_min_tokens_pick_the_tokens_transformers_processors_pick(served, tiny_dir):
+    """logit_bias, repetition_penalty, presence/frequency penalties and min_tokens in one greedy
+    job: its tokens are transformers' greedy `generate` with its own processors. The same settings
+    (but the two penalties transformers lacks, which are refused there) through a model that
+    decodes in a compacted batch instead of slots."""
+    from worker.models import load
+    from worker.served_model import ServedModel
+
+    plain = run(served, request(), 12)
+    prompt = plain.token_ids[: plain.prompt_tokens]
+    first = int(plain.token_ids[plain.prompt_tokens])
+    bias = {first: -100.0, 7: 2.5, 11: 1.5}  # the plain reply's first token banned, two nudged
+    common = {"logit_bias": bias, "repetition_penalty": 1.3, "min_tokens": 12}
+    got = run(served, request(presence_penalty=0.7, frequency_penalty=0.4, **common), 12)
+    assert got.token_ids[len(prompt) :].tolist() == shaped_reference(served, prompt, bias, 0.7, 0.4)
+    assert got.token_ids[len(prompt)] != first and got.completion_tokens == 12
+
+    compacted = ServedModel(load(Settings(model=str(tiny_dir), model_name="tiny")))
+    compacted.slot_reason = "this test's"
+    assert "compacted" in compacted.describe_decoder()
+    got = run(compacted, request(**common), 12)
+    assert got.token_ids[len(prompt) :].tolist() == shaped_reference(served, prompt, bias, 0.0, 0.0)
+    with pytest.raises(JobFailure, match="presence_penalty and frequency_penalty are applied by the slots"):
+        run(compacted, request(presence_penalty=0.7, **common), 12)
+
+
+def test_top_k_1_and_min_p_1_sample_only_the_likeliest_token(served):
+    """A sampled job whose filter keeps one token per step draws exactly the greedy reply: top_k
+    and min_p reach the sampler."""
+    greedy = run(served, request(), 10).token_ids.tolist()
+    for fields in ({"top_k": 1}, {"min_p": 1.0}):
+        sampled = run(served, request(temperature=1.5, seed=3, **fields), 10).token_ids.tolist()
+        assert sampled == greedy, fields
+    assert run(served, request(temperature=1.5, seed=3), 10).token_ids.tolist() != greedy  # the draw is free
