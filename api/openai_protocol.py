@@ -70,6 +70,8 @@ class GenerationRequest(BaseModel):
     n: int | None = None
     stream: StrictBool | None = None  # server-sent events: api/openai_stream.py
     stream_options: Any = None  # checked there (include_usage)
+    # vLLM's: logprob entries name tokens as "token_id:<id>" (a piece of a character stays identifiable)
+    return_tokens_as_token_ids: StrictBool | None = None
     # OpenAI's penalties and logit_bias, and vLLM's sampling extras: checked by JobRequest (ranges)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None

@@ -119,7 +119,13 @@ def _utf8(token: str) -> list[int]:
     return list(token.encode("utf-8", errors="replace"))
 
 
-def chat_logprobs(record: JobRecord) -> ChoiceLogprobs | None:
+def _shown(token: str, token_id: int, as_ids: bool) -> str:
+    """A token as a logprob entry names it: its text, or with vLLM's `return_tokens_as_token_ids`
+    `token_id:<id>` (a piece of a multi-byte character, whose text is U+FFFD, stays identifiable)."""
+    return f"token_id:{token_id}" if as_ids else token
+
+
+def chat_logprobs(record: JobRecord, as_ids: bool = False) -> ChoiceLogprobs | None:
     """The job's generated tokens' log-probabilities in OpenAI's ChatCompletion shape (None when
     not asked for). A token is its text decoded alone, so a piece of a multi-byte character is
     U+FFFD, and `bytes` are that text's UTF-8 bytes (the token ids are in GET /jobs/{id})."""
@@ -129,11 +135,15 @@ def chat_logprobs(record: JobRecord) -> ChoiceLogprobs | None:
     return ChoiceLogprobs(
         content=[
             ChatTokenLogprob(
-                token=entry.token,
+                token=_shown(entry.token, entry.token_id, as_ids),
                 logprob=_openai_logprob(entry.logprob),
-                bytes=_utf8(entry.token),
+                bytes=_utf8(_shown(entry.token, entry.token_id, as_ids)),
                 top_logprobs=[
-                    ChatTopLogprob(token=top.token, logprob=_openai_logprob(top.logprob), bytes=_utf8(top.token))
+                    ChatTopLogprob(
+                        token=_shown(top.token, top.token_id, as_ids),
+                        logprob=_openai_logprob(top.logprob),
+                        bytes=_utf8(_shown(top.token, top.token_id, as_ids)),
+                    )
                     for top in entry.top_logprobs
                 ],
             )
@@ -147,7 +157,7 @@ def _scores_prompt(record: JobRecord) -> bool:
     return record.request.trace or record.request.prompt_logprobs
 
 
-def legacy_logprobs(record: JobRecord) -> CompletionLogprobs | None:
+def legacy_logprobs(record: JobRecord, as_ids: bool = False) -> CompletionLogprobs | None:
     """The job's log-probabilities in OpenAI's legacy Completion shape (None when not asked for):
     generated tokens, or with echo every token of the prompt first (then the generated ones), the
     prompt's first with no log-probability (None, and None in `top_logprobs`). `top_logprobs[i]`
@@ -172,11 +182,16 @@ def legacy_logprobs(record: JobRecord) -> CompletionLogprobs | None:
     top: list[dict[str, float] | None] | None = None
     if record.request.alternatives:
         top = [
-            None if first_unscored and i == 0 else {t.token: _openai_logprob(t.logprob) for t in entry.top_logprobs}
+            None
+            if first_unscored and i == 0
+            else {_shown(t.token, t.token_id, as_ids): _openai_logprob(t.logprob) for t in entry.top_logprobs}
             for i, entry in enumerate(entries)
         ]
     return CompletionLogprobs(
-        tokens=[entry.token for entry in entries], token_logprobs=values, top_logprobs=top, text_offset=offsets
+        tokens=[_shown(entry.token, entry.token_id, as_ids) for entry in entries],
+        token_logprobs=values,
+        top_logprobs=top,
+        text_offset=offsets,
     )
 
 
@@ -184,8 +199,9 @@ def _first_id(records: list[JobRecord]) -> str:
     return records[0].id
 
 
-def completion(records: list[JobRecord], request: Request) -> ChatCompletion:
-    """Succeeded jobs, one per choice, as OpenAI's ChatCompletion."""
+def completion(records: list[JobRecord], request: Request, as_ids: bool = False) -> ChatCompletion:
+    """Succeeded jobs, one per choice, as OpenAI's ChatCompletion (`as_ids`: logprob tokens as
+    `token_id:<id>`)."""
     choices = []
     for index, record in enumerate(records):
         assert record.result is not None
@@ -194,7 +210,7 @@ def completion(records: list[JobRecord], request: Request) -> ChatCompletion:
                 index=index,
                 message=AssistantMessage.of(record.result),
                 finish_reason=record.result.finish_reason,
-                logprobs=chat_logprobs(record),
+                logprobs=chat_logprobs(record, as_ids),
             )
         )
     return ChatCompletion(
@@ -220,15 +236,17 @@ def _prompt_text(record: JobRecord) -> str:
     return "".join(entry.token for entry in entries[:prompt])
 
 
-def _text_choice(index: int, record: JobRecord, echo: bool, logprobs: bool) -> TextChoice:
+def _text_choice(index: int, record: JobRecord, echo: bool, logprobs: bool, as_ids: bool = False) -> TextChoice:
     result = record.result
     assert result is not None
     text = _prompt_text(record) + result.text if echo else result.text
-    shown = legacy_logprobs(record) if logprobs else None
+    shown = legacy_logprobs(record, as_ids) if logprobs else None
     return TextChoice(text=text, index=index, finish_reason=result.finish_reason, logprobs=shown)
 
 
-def text_completion(records: list[JobRecord], request: Request, echo: bool, logprobs: bool) -> Completion:
+def text_completion(
+    records: list[JobRecord], request: Request, echo: bool, logprobs: bool, as_ids: bool = False
+) -> Completion:
     """Succeeded jobs, one per choice, as OpenAI's Completion (finish_reason as for chat: a
     succeeded job stopped or ran to its length; cancelled and timed-out jobs are errors, see
     `unfinished`). With `echo` the text begins with the prompt; a trace job (echo with max_tokens
@@ -239,7 +257,7 @@ def text_completion(records: list[JobRecord], request: Request, echo: bool, logp
         id=f"cmpl-{_first_id(records)}",
         created=int(records[0].created_at.timestamp()),
         model=records[0].model,
-        choices=[_text_choice(i, record, echo, logprobs) for i, record in enumerate(records)],
+        choices=[_text_choice(i, record, echo, logprobs, as_ids) for i, record in enumerate(records)],
         usage=_usage(records),
         actq=_extra(records, request),
     )

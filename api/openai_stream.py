@@ -123,7 +123,7 @@ async def stream_chat(
     job_request = _one(labelled(request, await in_turn(request, services, caller, to_job_requests, body)), body)
 
     def render(record: JobRecord, request: Request) -> ChatCompletion:
-        return completion([record], request)
+        return completion([record], request, as_ids=bool(body.return_tokens_as_token_ids))
 
     return await _open(services, job_request, _Format(chat=True, usage=usage), render, request, caller, key, body)
 
@@ -137,7 +137,9 @@ async def stream_completion(
     echo, logprobs = bool(body.echo), body.logprobs is not None
 
     def render(record: JobRecord, request: Request) -> Completion:
-        return text_completion([record], request, echo=echo, logprobs=logprobs)
+        return text_completion(
+            [record], request, echo=echo, logprobs=logprobs, as_ids=bool(body.return_tokens_as_token_ids)
+        )
 
     fmt = _Format(chat=False, usage=usage)
     if echo:

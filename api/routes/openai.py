@@ -223,7 +223,7 @@ async def chat_completions(
     large = await is_large(request)
     records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
     _name_jobs(response, records)
-    return completion(records, request)
+    return completion(records, request, as_ids=bool(body.return_tokens_as_token_ids))
 
 
 @router.post("/completions", response_model=Completion, responses=ERRORS, openapi_extra=body_schema(CompletionRequest))
@@ -245,7 +245,8 @@ async def completions(
     large = await is_large(request)
     records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
     _name_jobs(response, records)
-    return text_completion(records, request, echo=bool(body.echo), logprobs=body.logprobs is not None)
+    as_ids = bool(body.return_tokens_as_token_ids)
+    return text_completion(records, request, echo=bool(body.echo), logprobs=body.logprobs is not None, as_ids=as_ids)
 
 
 def _live_models(services: Services) -> list[str]:

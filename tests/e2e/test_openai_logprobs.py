@@ -272,3 +272,42 @@ def test_more_logprobs_than_held_inline_is_a_400_naming_the_job_whose_file_has_t
     with pytest.raises(openai.BadRequestError) as raised:  # a scored prompt of more than 4 tokens too
         no_retries.completions.create(model=inline_4, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1)
     assert raised.value.code == "logprobs_too_long" and "tokens of log-probabilities" in str(raised.value)
+
+
+def test_return_tokens_as_token_ids_names_each_token_by_its_id(client, tiny):
+    """vLLM's `return_tokens_as_token_ids`: every token of the logprob entries, and every
+    alternative, is `token_id:<id>`, the ids the tokenizer gives the reply (the same values)."""
+    _, tokenizer = tiny
+    chat = client.chat.completions.create(
+        model=TINY, messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True, top_logprobs=2
+    )
+    as_ids = client.chat.completions.create(
+        model=TINY,
+        messages=MESSAGES,
+        max_tokens=5,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    plain, named = chat.choices[0].logprobs.content, as_ids.choices[0].logprobs.content
+    ids = [int(entry.token.removeprefix("token_id:")) for entry in named]
+    assert all(entry.token.startswith("token_id:") for entry in named)
+    assert [tokenizer.decode([i]) for i in ids] == [entry.token for entry in plain]
+    assert [e.logprob for e in named] == [e.logprob for e in plain]
+    for a, b in zip(plain, named, strict=True):
+        assert [tokenizer.decode([int(t.token.removeprefix("token_id:"))]) for t in b.top_logprobs] == [
+            t.token for t in a.top_logprobs
+        ]
+    legacy = client.completions.create(
+        model=TINY,
+        prompt=PROMPT,
+        max_tokens=3,
+        temperature=0,
+        logprobs=2,
+        extra_body={"return_tokens_as_token_ids": True},
+    )
+    tokens = legacy.choices[0].logprobs.tokens
+    assert all(t.startswith("token_id:") for t in tokens)
+    assert tokenizer.decode([int(t.removeprefix("token_id:")) for t in tokens]) == legacy.choices[0].text
+    assert all(key.startswith("token_id:") for top in legacy.choices[0].logprobs.top_logprobs for key in top)
