@@ -75,8 +75,8 @@ async def tokenizer_call(
             await pipe.execute()
         popped = None
         while popped is None and (left := deadline - time.monotonic()) > 0:  # 0 would block for ever
-            wait = min(max(left, 0.01), BLOCK_SECONDS)
-            popped = await services.aredis.blpop([keys.tokenizer_reply(call.id)], timeout=wait)
+            block = min(max(left, 0.01), BLOCK_SECONDS)
+            popped = await services.aredis.blpop([keys.tokenizer_reply(call.id)], timeout=block)
     finally:
         slots.release()
     if popped is None:
