@@ -38,8 +38,11 @@ for the first mask: a grammar that allows no byte is refused. A schema whose eve
 endless (an object that requires itself: `{"x": {"x": ...`) allows a first byte, but forces
 everything after it: llguidance's matcher gave up mid-reply ("Too many items"), failing the job.
 Its forced prefix is measured (`compute_ff_bytes`), and one of MAX_FORCED_BYTES or more is
-refused. A cycle with a choice at each level is not caught this way; its reply ends with
-finish_reason "length", which is what constraining promises for a reply cut short.
+refused. Such a part below the root, reachable through an optional property, an array item or a
+branch, is found by a static analysis (shared/endless_schemas.py) and refused too: the reply could
+start it and never end. A cycle with a choice at each level (a way out) is finite and allowed;
+its reply may still end with finish_reason "length", which is what constraining promises for a
+reply cut short.
 Whatever llguidance raises on a request's schema (its reader's recursion limit, a schema that is
 not an object) is a problem of that field, never an exception.
 """
@@ -52,6 +55,7 @@ from functools import cache
 from typing import TYPE_CHECKING, Any
 
 from shared.closed_schemas import closed
+from shared.endless_schemas import endless_part
 from shared.tools import Tool, ToolFormat
 
 if TYPE_CHECKING:
@@ -98,7 +102,7 @@ def grammar_problem(request: JobRequest, fmt: ToolFormat | None) -> str | None:
     if schema is not None:
         named = request.response_format is not None and request.response_format.type == "json_schema"
         where = "response_format.json_schema.schema" if named else "response_format"
-        return _problem(lambda: _json_grammar(schema), where)
+        return _problem(lambda: _json_grammar(schema), where) or _endless(schema, where)
     forced = request.forced_tools
     if forced is None:
         return None
@@ -107,7 +111,8 @@ def grammar_problem(request: JobRequest, fmt: ToolFormat | None) -> str | None:
     index = {tool.function.name: i for i, tool in enumerate(request.tools or [])}
     for tool in forced:
         where = f"tools[{index[tool.function.name]}].function.parameters"
-        if (problem := _problem(lambda tool=tool: _json_grammar(arguments_schema(tool)), where)) is not None:  # type: ignore[misc]
+        problem = _problem(lambda tool=tool: _json_grammar(arguments_schema(tool)), where)  # type: ignore[misc]
+        if (problem := problem or _endless(arguments_schema(tool), where)) is not None:
             return problem
     return _problem(lambda: _calls_grammar(forced, fmt, several=request.several_calls), "tool_choice")
 
@@ -155,6 +160,18 @@ def _calls_grammar(tools: list[Tool], fmt: ToolFormat, several: bool) -> str:
 def _lark_string(text: str) -> str:
     """A Lark string literal of `text` (JSON's escapes are Lark's)."""
     return json.dumps(text)
+
+
+def _endless(schema: dict[str, Any], where: str) -> str | None:
+    """A part of the schema a reply could start but never finish (shared/endless_schemas.py)."""
+    pointer = endless_part(schema)
+    if pointer is None:
+        return None
+    return (
+        f"{where}: the part at {pointer} can be started but never finished (every value of it requires itself "
+        "again, through a required property or a minimum of items): make that reference optional, or give it "
+        "something to end on"
+    )
 
 
 def _problem(build: Callable[[], str], where: str) -> str | None:

@@ -97,11 +97,11 @@ def _subschemas(pointer: str, node: dict[str, Any]) -> list[tuple[str, Any, bool
         elif isinstance(value, list):
             found += [(f"{pointer}/{key}/{i}", child, same) for i, child in enumerate(value)]
         elif isinstance(value, dict):
-            found += [(f"{pointer}/{key}/{_escape(name)}", child, False) for name, child in value.items()]
+            found += [(f"{pointer}/{key}/{escape_token(name)}", child, False) for name, child in value.items()]
     return found
 
 
-def _escape(token: str) -> str:
+def escape_token(token: str) -> str:
     return token.replace("~", "~0").replace("/", "~1")
 
 
@@ -122,13 +122,14 @@ def self_reference(schema: Any) -> str | None:
             if same:
                 targets.append(child_pointer)
         ref = node.get("$ref")
-        if isinstance(ref, str) and ref.startswith("#") and (target := _resolve(schema, ref[1:])) is not None:
+        if isinstance(ref, str) and ref.startswith("#") and (target := resolve(schema, ref[1:])) is not None:
             targets.append(ref[1:].rstrip("/"))
             pending.append((ref[1:].rstrip("/"), target))  # a target outside the known keywords, too
     return _cycle(edges)
 
 
-def _resolve(schema: Any, pointer: str) -> Any:
+def resolve(schema: Any, pointer: str) -> Any:
+    """The part of `schema` at a JSON pointer (`/$defs/a`, "" for the root); None when there is none."""
     node = schema
     for token in pointer.split("/")[1:] if pointer else []:
         token = token.replace("~1", "/").replace("~0", "~")
