@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,15 +89,25 @@ def test_control_commands_answer_while_a_job_runs(live_smol):
         assert live_smol.wait(http, job_id, timeout=300)["status"] == "succeeded"
 
 
-def _our_processes() -> set[str]:
+def _run_processes(home: Path) -> set[str]:
+    """Workers, API processes and Redis servers started by this test's `actq run`: those whose
+    environment has its own HOME (inherited by every process it starts), so that processes other
+    tests or another checkout start meanwhile on the same machine do not count."""
     found = subprocess.run(
         ["pgrep", "-f", "worker.celery_app|uvicorn api.main|redis-server"], capture_output=True, text=True
     )
-    return set(found.stdout.split())
+    ours = set()
+    for pid in found.stdout.split():
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if f"HOME={home}".encode() in environ:
+            ours.add(pid)
+    return ours
 
 
 def test_actq_run_does_the_main_job_and_leaves_nothing_behind(smol_dir, tmp_path):
-    before = _our_processes()
     env = {k: v for k, v in os.environ.items() if not k.startswith("ACTQ_")}
     home = tmp_path / "home"  # where the default store (~/.local/share/actq) would be
     env.update(ACTQ_MODEL_CACHE_DIR=str(smol_dir.parent), HOME=str(home))
@@ -145,4 +156,4 @@ def test_actq_run_does_the_main_job_and_leaves_nothing_behind(smol_dir, tmp_path
     assert f"steering plot: {out / 'steered' / 'steering.png'}" in text
     assert (out / "steered" / "steering.png").read_bytes()[:4] == b"\x89PNG"
     assert not (home / ".local" / "share" / "actq").exists()  # no second copy of the demo's files
-    assert _our_processes() - before == set()  # no worker, API or Redis left running
+    assert _run_processes(home) == set()  # no worker, API or Redis left running
