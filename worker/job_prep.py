@@ -32,7 +32,10 @@ def generate_settings(request: JobRequest) -> dict:
     not: `unsupported_by_generate`)."""
     if request.samples:
         settings: dict = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
-        settings |= {"top_k": max(request.top_k, 0) or None, "min_p": request.min_p or None}
+        if request.top_k > 0:  # otherwise the model's generation config's own, as `generate` has it
+            settings["top_k"] = request.top_k
+        if request.min_p:
+            settings["min_p"] = request.min_p
     else:
         settings = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     if request.repetition_penalty != 1.0:
