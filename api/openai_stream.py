@@ -1,30 +1,34 @@
-"""`stream: true` on `POST /v1/chat/completions` and `POST /v1/completions`: the job's text as
+"""`stream: true` on `POST /v1/chat/completions` and `POST /v1/completions`: the jobs' text as
 server-sent events in OpenAI's chunk format, as the worker generates it.
 
-The request becomes the same job as without `stream` (with `stream: true` on it, so the worker
-publishes its text as it grows: worker/progress.py, `keys.job_text`), submitted the same way and
-holding one of the process's long-poll places for as long as the stream is open. Before the first
-byte, a bad request, an unknown model or a full queue is an ordinary 4xx JSON answer in OpenAI's
-error shape; after it, an error is an event `{"error": {...}}` in the same shape (the openai SDK
-raises APIError on it), then `[DONE]`.
+The request becomes the same jobs as without `stream` (one per choice: prompts x `n`, with
+`stream: true` on each, so the worker publishes its text as it grows: worker/progress.py,
+`keys.job_text`), submitted the same way (api/openai_submit.py) and holding one of the process's
+long-poll places for as long as the stream is open. Before the first byte, a bad request, an
+unknown model or a full queue is an ordinary 4xx JSON answer in OpenAI's error shape; after it, an
+error is an event `{"error": {...}}` in the same shape (the openai SDK raises APIError on it), then
+`[DONE]`.
 
-The events: chat answers `chat.completion.chunk` objects (a first chunk with the assistant's role,
-then `choices[0].delta.content` pieces); the legacy completion answers `text_completion` objects
-(`choices[0].text` pieces). Once the job has finished, a last piece with whatever part of the
-job's final text (exactly the non-streamed answer's text) the pieces did not hold yet, so the
-pieces always join into that text; then a chunk with an empty delta, the finish reason and, if
-asked, the whole job's log-probabilities; with `stream_options.include_usage` a chunk with empty
-`choices` and `usage` (and `usage: null` on every other chunk). The last chunk before
-`data: [DONE]` carries `actq`, as in the non-streamed answer (the job id and activations manifest),
-plus `live`: whether the text came as it was generated. The `x-actq-job-id` header names the job.
+The events: every chunk holds one choice, named by its `index` (prompt i's choice j is index
+i * n + j, as in the non-streamed answer), and the choices' chunks interleave as their jobs
+generate, as OpenAI's do. Chat answers `chat.completion.chunk` objects (first, for each choice, a
+chunk with the assistant's role, then `delta.content` pieces); the legacy completion answers
+`text_completion` objects (`text` pieces). Once a choice's job has finished: a last piece with
+whatever part of its final text (exactly the non-streamed answer's text) the pieces did not hold
+yet, so that each choice's pieces always join into that text; its tool calls, if any; then a chunk
+with an empty delta, its finish reason and, if asked, its log-probabilities. With
+`stream_options.include_usage`, after every choice has finished, a chunk with empty `choices` and
+the whole request's `usage` (and `usage: null` on every other chunk). The last chunk before
+`data: [DONE]` carries `actq`, as in the non-streamed answer (the job ids and activations
+manifests), plus `live`: whether every choice's text came as it was generated. The
+`x-actq-job-id` header names the jobs, in choice order.
 
 A stream that cannot be served live says so in a comment line (`: actq: not streamed live: ...`)
-and with `actq.live: false`, and sends the whole text in one piece once the job has finished: an
-Idempotency-Key replay of a job already finished, or of one submitted without `stream`; a scoring
-job (`echo` with `max_tokens: 0`), and `echo` with generation (the prompt comes with the text).
-One prompt and one choice per streamed request (`n` > 1 or several prompts: a 400). A client
-that goes away does not cancel the job: it runs to its end, activations and all (DELETE
-/jobs/{id} cancels it).
+and with `actq.live: false`, and sends each choice's whole text in one piece once its job has
+finished: an Idempotency-Key replay of a job already finished, or of one submitted without
+`stream`; a scoring job (`echo` with `max_tokens: 0`), `echo` with generation (the prompt comes
+with the text), and a reply that may call tools. A client that goes away does not cancel the jobs:
+they run to their end, activations and all (DELETE /jobs/{id} cancels one).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
@@ -53,15 +57,16 @@ from api.openai_errors import JOB_ID_HEADER, OpenAIError, after_queued, unfinish
 from api.openai_protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
 from api.openai_requests import completion_job_requests, to_job_requests
 from api.openai_responses import completion, text_completion, whole_result
+from api.openai_submit import submit_choices
 from api.run_labels import labelled
-from api.submit import heavy, off_loop, submit
+from api.submit import heavy, off_loop
 from shared.schemas import JobRecord, JobRequest, JobStatus
 
 log = logging.getLogger("actq.api")
 KEEPALIVE_SECONDS = 15.0  # a comment line when nothing else was sent for this long (proxies drop idle streams)
 STREAM_OPTIONS = ("include_usage", "include_obfuscation")
 
-Render = Callable[[JobRecord, Request], ChatCompletion | Completion]
+Render = Callable[[list[JobRecord], Request], ChatCompletion | Completion]
 
 
 def _options(body: ChatCompletionRequest | CompletionRequest) -> bool:
@@ -102,30 +107,17 @@ def _options(body: ChatCompletionRequest | CompletionRequest) -> bool:
     return bool(options.get("include_usage"))
 
 
-def _one(job_requests: Sequence[JobRequest], body: ChatCompletionRequest | CompletionRequest) -> JobRequest:
-    if len(job_requests) != 1:
-        what = f"n={body.n}" if (body.n or 1) > 1 else f"{len(job_requests)} prompts"
-        raise OpenAIError(
-            400,
-            f"a streamed request generates one choice of one prompt, not {what}: send n=1 and one prompt per "
-            "streamed request, or leave stream out to get all choices in one answer",
-            "unsupported_parameter",
-            param="n" if (body.n or 1) > 1 else "prompt",
-        )
-    return job_requests[0]
-
-
 async def stream_chat(
     services: Services, body: ChatCompletionRequest, request: Request, caller: str | None, key: str | None
 ) -> StreamingResponse:
     """POST /v1/chat/completions with `stream: true` (or with `stream_options`, refused without it)."""
     usage = _options(body)
-    job_request = _one(labelled(request, await in_turn(request, services, caller, to_job_requests, body)), body)
+    job_requests = labelled(request, await in_turn(request, services, caller, to_job_requests, body))
 
-    def render(record: JobRecord, request: Request) -> ChatCompletion:
-        return completion([record], request, as_ids=bool(body.return_tokens_as_token_ids))
+    def render(records: list[JobRecord], request: Request) -> ChatCompletion:
+        return completion(records, request, as_ids=bool(body.return_tokens_as_token_ids))
 
-    return await _open(services, job_request, _Format(chat=True, usage=usage), render, request, caller, key, body)
+    return await _open(services, job_requests, _Format(chat=True, usage=usage), render, request, caller, key, body)
 
 
 async def stream_completion(
@@ -133,22 +125,22 @@ async def stream_completion(
 ) -> StreamingResponse:
     """POST /v1/completions with `stream: true` (or with `stream_options`, refused without it)."""
     usage = _options(body)
-    job_request = _one(labelled(request, await in_turn(request, services, caller, completion_job_requests, body)), body)
+    job_requests = labelled(request, await in_turn(request, services, caller, completion_job_requests, body))
     echo, logprobs = bool(body.echo), body.logprobs is not None
 
-    def render(record: JobRecord, request: Request) -> Completion:
+    def render(records: list[JobRecord], request: Request) -> Completion:
         return text_completion(
-            [record], request, echo=echo, logprobs=logprobs, as_ids=bool(body.return_tokens_as_token_ids)
+            records, request, echo=echo, logprobs=logprobs, as_ids=bool(body.return_tokens_as_token_ids)
         )
 
     fmt = _Format(chat=False, usage=usage)
     if echo:
         fmt.not_live = (
             "a scoring job (echo with max_tokens 0) generates no text step by step"
-            if job_request.trace
+            if job_requests[0].trace
             else "echo=true: the prompt comes with its completion"
         )
-    return await _open(services, job_request, fmt, render, request, caller, key, body)
+    return await _open(services, job_requests, fmt, render, request, caller, key, body)
 
 
 @dataclass
@@ -157,7 +149,7 @@ class _Format:
 
     chat: bool
     usage: bool  # stream_options.include_usage
-    not_live: str | None = None  # why the text cannot come as it is generated
+    not_live: str | None = None  # why no choice's text can come as it is generated
     id: str = ""
     created: int = 0
     model: str = ""
@@ -177,14 +169,33 @@ class _Format:
         body.update(extra)
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    def choice(self, text: str, finish_reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+    def choice(self, index: int, text: str, finish_reason: str | None = None, logprobs: Any = None) -> dict[str, Any]:
         if self.chat:
             delta = {"content": text} if text or finish_reason is None else {}
-            return {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-        return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish_reason}
+            return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish_reason}
 
-    def piece(self, text: str) -> str:
-        return self.chunk([self.choice(text)])
+    def piece(self, index: int, text: str) -> str:
+        return self.chunk([self.choice(index, text)])
+
+
+@dataclass(eq=False)
+class _Choice:
+    """One choice of the stream: its job, the live text feed (None: not live, or no longer), the
+    wait for the job's end, and the text sent so far."""
+
+    index: int
+    job_id: str
+    done: asyncio.Future[JobRecord | None]
+    feed: TextFeed | None = None
+    not_live: str | None = None
+    text: str = ""  # the live text read so far (pieces must follow on from it)
+    sent: str = ""
+    record: JobRecord | None = None  # once finished, its whole result
+
+    @property
+    def live(self) -> bool:
+        return self.not_live is None
 
 
 def _error(exc: OpenAIError) -> str:
@@ -223,7 +234,7 @@ def _texts(request: Request, services: Services) -> JobTexts:
 
 async def _open(
     services: Services,
-    job_request: JobRequest,
+    job_requests: list[JobRequest],
     fmt: _Format,
     render: Render,
     request: Request,
@@ -231,35 +242,43 @@ async def _open(
     key: str | None,
     body: ChatCompletionRequest | CompletionRequest,
 ) -> StreamingResponse:
-    """Take a long-poll place (the 429 comes before anything is queued), submit the job, and
-    answer the stream of its events."""
-    job_request = with_default_capture(services.settings, job_request, caller)
-    if job_request.parses_tool_calls:
+    """Take a long-poll place (the 429 comes before anything is queued), submit the jobs, and
+    answer the stream of their events."""
+    job_requests = [with_default_capture(services.settings, r, caller) for r in job_requests]
+    if any(r.parses_tool_calls for r in job_requests):
         fmt.not_live = "a reply that may call tools comes whole: its calls are read from the finished text"
-    job_request = job_request.model_copy(update={"stream": fmt.not_live is None})
+    job_requests = [r.model_copy(update={"stream": fmt.not_live is None}) for r in job_requests]
     held = AsyncExitStack()
     try:
         await held.enter_async_context(services.waiters.slot())
-        await refuse_overflow(services, caller, [job_request])
-        checks = heavy([job_request], await is_large(request))
-        record, created = await off_loop(services, caller, checks, submit, services, job_request, key, caller)
-        if not created and record.status.terminal:
-            fmt.not_live = "the job had already finished (an Idempotency-Key replay)"
-        elif not created and not record.request.stream:
-            fmt.not_live = "the job (an Idempotency-Key replay) was submitted without stream"
-        fmt.id, fmt.created, fmt.model = record.id, int(record.created_at.timestamp()), record.model
-        feed = None
-        if fmt.not_live is None:
-            texts = _texts(request, services)
-            feed = texts.open(record.id)
-            held.callback(texts.close, feed)
-        done = asyncio.ensure_future(services.waiters.wait(record.id, body.actq_wait_seconds))
-        held.callback(done.cancel)
+        await refuse_overflow(services, caller, job_requests)
+        checks = heavy(job_requests, await is_large(request))
+        submitted = await off_loop(services, caller, checks, submit_choices, services, job_requests, key, caller)
+        first = submitted[0][0]
+        fmt.id, fmt.created, fmt.model = first.id, int(first.created_at.timestamp()), first.model
+        choices = []
+        for index, (record, created) in enumerate(submitted):
+            done = asyncio.ensure_future(services.waiters.wait(record.id, body.actq_wait_seconds))
+            held.callback(done.cancel)
+            choice = _Choice(index, record.id, done, not_live=fmt.not_live)
+            if not created and record.status.terminal:
+                choice.not_live = "the job had already finished (an Idempotency-Key replay)"
+            elif not created and not record.request.stream:
+                choice.not_live = "the job (an Idempotency-Key replay) was submitted without stream"
+            if choice.live:
+                texts = _texts(request, services)
+                choice.feed = texts.open(record.id)
+                held.callback(texts.close, choice.feed)
+            choices.append(choice)
     except BaseException:
         await held.aclose()
         raise
-    events = _events(services, fmt, render, request, record.id, feed, done, body.actq_wait_seconds, key)
-    headers = {JOB_ID_HEADER: record.id, "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    events = _events(services, fmt, render, request, choices, body.actq_wait_seconds, key)
+    headers = {
+        JOB_ID_HEADER: ",".join(choice.job_id for choice in choices),
+        "Cache-Control": "no-cache",
+        "X-Accel-Buffering": "no",
+    }
     return _EventStream(events, held, headers)
 
 
@@ -268,89 +287,105 @@ async def _events(
     fmt: _Format,
     render: Render,
     request: Request,
-    job_id: str,
-    feed: TextFeed | None,
-    done: asyncio.Future[JobRecord | None],
+    choices: list[_Choice],
     waited: float,
     key: str | None,
 ) -> AsyncIterator[str]:
-    if fmt.chat:  # as OpenAI: the role first, with empty content
-        yield fmt.chunk(
-            [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]
-        )
-    if fmt.not_live is not None:
-        yield f": actq: not streamed live: {fmt.not_live}; the whole text comes when the job has finished\n\n"
-    sent = ""
+    if fmt.chat:  # as OpenAI: each choice's role first, with empty content
+        for choice in choices:
+            first = {"role": "assistant", "content": ""}
+            yield fmt.chunk([{"index": choice.index, "delta": first, "logprobs": None, "finish_reason": None}])
+    reasons = dict.fromkeys(choice.not_live for choice in choices if choice.not_live is not None)
+    for reason in reasons:
+        yield f": actq: not streamed live: {reason}; the whole text comes when the job has finished\n\n"
+    open_ = list(choices)
     try:
-        async for text in _live(feed, done):
-            if text is None:
+        while open_:
+            readies = [asyncio.ensure_future(c.feed.ready.wait()) for c in open_ if c.feed is not None]
+            waits: set[asyncio.Future[Any]] = {*readies, *(c.done for c in open_)}
+            try:
+                finished, _ = await asyncio.wait(waits, timeout=KEEPALIVE_SECONDS, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for ready in readies:
+                    ready.cancel()
+            if not finished:
                 yield ": keep-alive\n\n"
                 continue
-            piece = text[len(sent) :]
-            if piece:
-                sent = text
-                yield fmt.piece(piece)
-        try:
-            record = done.result()
-        except Exception as exc:  # whatever it is, the job is queued: say so, and no retry
-            log.warning("waiting for job %s failed: %r", job_id, exc)
-            raise after_queued(job_id, exc) from exc
-        if record is None:
-            raise OpenAIError(500, f"job {job_id} is no longer stored", "job_not_found", job_id=job_id, retry=False)
-        if record.status is not JobStatus.succeeded:
-            raise unfinished(record, waited, key)
-        answer = render(await whole_result(services.jobs, record), request)
-        async for event in _ending(fmt, answer, sent, live=feed is not None and not fmt.not_live):
-            yield event
+            for choice in list(open_):
+                if not choice.done.done():
+                    piece = _grown(choice)
+                    if piece:
+                        yield fmt.piece(choice.index, piece)
+                    continue
+                open_.remove(choice)
+                choice.record = await _result(services, choice, waited, key)
+                whole = None
+                if not open_:  # the last choice: the whole answer's usage and `actq` come with it
+                    whole = render([c.record for c in choices if c.record is not None], request)
+                async for event in _ending(fmt, choice, render([choice.record], request), whole, reasons):
+                    yield event
     except OpenAIError as exc:
         yield _error(exc)
     except redis.RedisError as exc:
-        yield _error(OpenAIError(503, redis_trouble(exc), "service_unavailable", job_id=job_id))
+        job_ids = ",".join(choice.job_id for choice in choices)
+        yield _error(OpenAIError(503, redis_trouble(exc), "service_unavailable", job_id=job_ids))
     except Exception:  # the stream has started: an error event, never a broken stream
-        log.exception("streaming job %s failed", job_id)
-        yield _error(OpenAIError(500, f"streaming job {job_id} failed; GET /jobs/{job_id} has it", "internal_error"))
+        job_ids = ",".join(choice.job_id for choice in choices)
+        log.exception("streaming jobs %s failed", job_ids)
+        yield _error(OpenAIError(500, f"streaming jobs {job_ids} failed; GET /jobs/{{id}} has each", "internal_error"))
     yield "data: [DONE]\n\n"
 
 
-async def _live(feed: TextFeed | None, done: asyncio.Future[JobRecord | None]) -> AsyncIterator[str | None]:
-    """The text so far each time it grows (None: nothing for KEEPALIVE_SECONDS), until the job
-    has ended. Pieces that do not follow on from the text so far (entries trimmed or lost, a job
-    run again after a lost worker) end the live text: the rest comes from the final text."""
-    text = ""
-    while not done.done():
-        waits: set[asyncio.Future[Any]] = {done}
-        ready = None
-        if feed is not None:
-            ready = asyncio.ensure_future(feed.ready.wait())
-            waits.add(ready)
-        try:
-            finished, _ = await asyncio.wait(waits, timeout=KEEPALIVE_SECONDS, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            if ready is not None:
-                ready.cancel()
-        if not finished:
-            yield None
-            continue
-        if feed is None:
-            continue
-        grown = False
-        for entry in feed.take():
-            if entry is None:  # the job left the engine: its record says the rest
-                feed = None
-                break
-            at, piece = entry
-            overlap = min(len(text) - at, len(piece))  # what this entry repeats of the text so far
-            if at > len(text) or text[at : at + overlap] != piece[:overlap]:
-                feed = None  # a gap, or text that differs: no more live pieces
-                break
-            if at + len(piece) > len(text):
-                text, grown = text[:at] + piece, True
-        if grown:
-            yield text
+def _grown(choice: _Choice) -> str:
+    """The new part of a live choice's text. Pieces that do not follow on from the text so far
+    (entries trimmed or lost, a job run again after a lost worker) end its live text: the rest
+    comes from the final text."""
+    feed = choice.feed
+    if feed is None:
+        return ""
+    text = choice.text
+    for entry in feed.take():
+        if entry is None:  # the job left the engine: its record says the rest
+            choice.feed = None
+            break
+        at, piece = entry
+        overlap = min(len(text) - at, len(piece))  # what this entry repeats of the text so far
+        if at > len(text) or text[at : at + overlap] != piece[:overlap]:
+            choice.feed = None  # a gap, or text that differs: no more live pieces
+            break
+        if at + len(piece) > len(text):
+            text = text[:at] + piece
+    choice.text = text
+    piece = text[len(choice.sent) :] if text.startswith(choice.sent) else ""
+    choice.sent = text if piece else choice.sent
+    return piece
 
 
-async def _ending(fmt: _Format, answer: ChatCompletion | Completion, sent: str, live: bool) -> AsyncIterator[str]:
-    """The rest of the final text, the finish chunk, the usage chunk, `actq` on the last."""
+async def _result(services: Services, choice: _Choice, waited: float, key: str | None) -> JobRecord:
+    """A finished choice's record with its whole result, or the error that ends the stream."""
+    try:
+        record = choice.done.result()
+    except Exception as exc:  # whatever it is, the job is queued: say so, and no retry
+        log.warning("waiting for job %s failed: %r", choice.job_id, exc)
+        raise after_queued(choice.job_id, exc) from exc
+    if record is None:
+        raise OpenAIError(
+            500, f"job {choice.job_id} is no longer stored", "job_not_found", job_id=choice.job_id, retry=False
+        )
+    if record.status is not JobStatus.succeeded:
+        raise unfinished(record, waited, key)
+    return await whole_result(services.jobs, record)
+
+
+async def _ending(
+    fmt: _Format,
+    choice: _Choice,
+    answer: ChatCompletion | Completion,
+    whole: ChatCompletion | Completion | None,
+    reasons: dict[str, None],
+) -> AsyncIterator[str]:
+    """A finished choice: the rest of its final text, its tool calls, its finish chunk; after the
+    last choice (`whole`: the answer of every choice), the usage chunk and `actq` on the last."""
     logprobs: BaseModel | None
     calls: list[dict[str, Any]] = []
     if isinstance(answer, ChatCompletion):
@@ -360,18 +395,24 @@ async def _ending(fmt: _Format, answer: ChatCompletion | Completion, sent: str, 
     else:
         legacy = answer.choices[0]
         text, reason, logprobs = legacy.text, legacy.finish_reason, legacy.logprobs
+    sent = choice.sent
     if not text.startswith(sent):
-        log.warning("job %s: its streamed text is not a prefix of its final text", fmt.id)
+        log.warning("job %s: its streamed text is not a prefix of its final text", choice.job_id)
     if text[len(sent) :]:
-        yield fmt.piece(text[len(sent) :])
+        yield fmt.piece(choice.index, text[len(sent) :])
     if calls:  # each call whole, in one delta (as OpenAI's chunks, which split the arguments)
-        yield fmt.chunk([{"index": 0, "delta": {"tool_calls": calls}, "logprobs": None, "finish_reason": None}])
-    actq = {**answer.actq.model_dump(mode="json"), "live": live}
-    if fmt.not_live is not None:
-        actq["not_live"] = fmt.not_live
-    finish = fmt.choice("", reason, logprobs.model_dump(mode="json") if logprobs is not None else None)
+        delta = {"tool_calls": calls}
+        yield fmt.chunk([{"index": choice.index, "delta": delta, "logprobs": None, "finish_reason": None}])
+    shown = logprobs.model_dump(mode="json") if logprobs is not None else None
+    finish = fmt.choice(choice.index, "", reason, shown)
+    if whole is None:
+        yield fmt.chunk([finish])
+        return
+    actq = {**whole.actq.model_dump(mode="json"), "live": not reasons}
+    if reasons:
+        actq["not_live"] = next(iter(reasons))
     if not fmt.usage:
         yield fmt.chunk([finish], actq=actq)
         return
     yield fmt.chunk([finish])
-    yield fmt.chunk([], usage=answer.usage.model_dump(mode="json"), actq=actq)
+    yield fmt.chunk([], usage=whole.usage.model_dump(mode="json"), actq=actq)

@@ -32,15 +32,14 @@ the job's own (`result.logprobs` of GET /jobs/{id}): log_softmax of the raw logi
 temperature and top_p. More entries than the worker holds inline (ACTQ_LOGPROBS_INLINE_TOKENS)
 answer a 400 `logprobs_too_long` naming the job, whose activations file has them.
 
-`stream: true` (one prompt, one choice) answers server-sent events in OpenAI's chunk format as the
-job generates, `actq` in the last chunk: api/openai_stream.py, which takes the request at the
-start of each handler.
+`stream: true` answers server-sent events in OpenAI's chunk format as the jobs generate, choices
+interleaved by `index`, `actq` in the last chunk: api/openai_stream.py, which takes the request at
+the start of each handler.
 
-Differences from OpenAI, each refused with a 400 naming the field rather than silently ignored:
-no tools or function calls, no penalties or logit bias, text only (content parts other than
-`text`, audio, images), `response_format` text only. `user` and `metadata` are stored with the
-job (GET /jobs filters on them); `store`, `safety_identifier` and the prompt-cache hints are
-accepted and ignored. A request without a `capture` may get the deployment's default one
+What is served and what is refused, field by field, is docs/feature-matrix.md; a field that is
+not served is refused with a 400 naming it rather than silently ignored. `user` and `metadata`
+are stored with the job (GET /jobs filters on them); `store`, `safety_identifier` and the
+prompt-cache hints are accepted and ignored. A request without a `capture` may get the deployment's default one
 (api/default_capture.py: ACTQ_DEFAULT_CAPTURE_BY_KEY, then ..._BY_MODEL). A
 `developer` message is a `system` message; list content (`[{"type": "text", "text":
 ...}]`) is the concatenation of its text parts, with no separator. Two extra request fields:
@@ -60,7 +59,6 @@ this flow (`_finished`), so they cannot drift apart on it.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from collections.abc import Callable
@@ -74,7 +72,6 @@ from starlette.exceptions import HTTPException
 
 from api.bodies import body_schema, in_turn, is_large, parsed
 from api.context_check import refuse_overflow
-from api.default_capture import with_default_capture
 from api.deps import CallerDep, Services, ServicesDep, get_caller
 from api.errors import redis_trouble
 from api.openai_errors import JOB_ID_HEADER, OpenAIError, after_queued, from_actq, from_validation, unfinished
@@ -89,10 +86,11 @@ from api.openai_protocol import (
 from api.openai_requests import completion_job_requests, to_job_requests
 from api.openai_responses import completion, text_completion, whole_result
 from api.openai_stream import stream_chat, stream_completion
+from api.openai_submit import submit_choices
 from api.run_labels import labelled
-from api.submit import heavy, off_loop, submit, submit_batch
+from api.submit import heavy, off_loop
 from shared.errors import ActqError
-from shared.schemas import BatchEntry, JobRecord, JobRequest, JobStatus
+from shared.schemas import JobRecord, JobRequest, JobStatus
 
 
 class OpenAIRoute(APIRoute):
@@ -136,32 +134,6 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 IdempotencyKey = Annotated[str | None, Header(min_length=1, max_length=256)]
 
 
-def _keys(idempotency_key: str | None, count: int) -> list[str | None]:
-    """Each fanned-out job's Idempotency-Key: the header's with `#i` (hashed when that is too long)."""
-    if idempotency_key is None:
-        return [None] * count
-    if count == 1:
-        return [idempotency_key]
-    base = idempotency_key if len(idempotency_key) <= 240 else hashlib.sha256(idempotency_key.encode()).hexdigest()
-    return [f"{base}#{i}" for i in range(count)]
-
-
-def _submit_all(
-    services: Services, job_requests: list[JobRequest], idempotency_key: str | None, caller: str | None
-) -> list[JobRecord]:
-    """One job: as POST /jobs. Several (prompts x n): validated together and queued in one
-    transaction (nothing is queued when one is bad), as POST /jobs/batch. A request without a
-    capture gets the deployment's default one."""
-    job_requests = [with_default_capture(services.settings, r, caller) for r in job_requests]
-    if len(job_requests) == 1:
-        return [submit(services, job_requests[0], idempotency_key, caller)[0]]
-    entries = [
-        BatchEntry.model_construct(request=r, idempotency_key=k)
-        for r, k in zip(job_requests, _keys(idempotency_key, len(job_requests)), strict=True)
-    ]
-    return [record for record, _ in submit_batch(services, entries, owner=caller, label="choice")]
-
-
 async def _finished(
     services: Services,
     job_requests: list[JobRequest],
@@ -177,7 +149,10 @@ async def _finished(
     async with services.waiters.slot():
         await refuse_overflow(services, caller, job_requests)
         checks = heavy(job_requests, large)
-        records = await off_loop(services, caller, checks, _submit_all, services, job_requests, idempotency_key, caller)
+        submitted = await off_loop(
+            services, caller, checks, submit_choices, services, job_requests, idempotency_key, caller
+        )
+        records = [record for record, _ in submitted]
         deadline = time.monotonic() + wait_seconds
         for index, record in enumerate(records):
             if record.status.terminal:

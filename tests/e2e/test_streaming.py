@@ -1,5 +1,6 @@
 """`stream: true` on the OpenAI routes, read with the openai SDK's streaming iterator and LangChain's
-`.stream` against the live stack: the pieces join into exactly the non-streamed text, the last chunk
+`.stream` against the live stack: the pieces join into exactly the non-streamed text (choice by
+choice with `n` > 1 or several prompts, each chunk naming its choice's index), the last chunk
 carries `actq` (the job and its activations manifest), `include_usage` adds the usage chunk, a
 stop string never shows, and an error after the stream began reaches the SDK as an APIError."""
 
@@ -113,18 +114,71 @@ def test_stream_options_are_checked_before_anything_is_queued(live, http, client
         ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats"),
         ({"stream": True, "stream_options": ["include_usage"]}, "stream_options"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
-        ({"stream": True, "n": 2}, "n"),
     ]
     for fields, param in bad:
         response = http.post("/v1/chat/completions", json={"model": TINY, "messages": MESSAGES, **fields})
         assert response.status_code == 400, (fields, response.text)
         assert response.headers["content-type"] == "application/json"
         assert response.json()["error"]["param"] == param, response.json()
-    two = http.post("/v1/completions", json={"model": TINY, "prompt": ["a", "b"], "stream": True})
-    assert two.status_code == 400 and two.json()["error"]["param"] == "prompt"
+    many = http.post("/v1/completions", json={"model": TINY, "prompt": ["a", "b"], "n": 200, "stream": True})
+    assert many.status_code == 400 and "would make 400 jobs" in many.json()["error"]["message"], many.text
     with pytest.raises(openai.BadRequestError, match="include_usage"):
         client.chat.completions.create(model=TINY, messages=MESSAGES, stream=True, stream_options={"include_usage": 1})
     assert http.get("/jobs").json() == []
+
+
+def by_index(chunks) -> dict[int, list]:
+    """Each choice's chunks, in order of arrival."""
+    choices: dict[int, list] = {}
+    for chunk in chunks:
+        assert len(chunk.choices) <= 1, chunk  # one choice per chunk, named by its index
+        for choice in chunk.choices:
+            choices.setdefault(choice.index, []).append(choice)
+    return choices
+
+
+def test_chat_stream_with_n_choices_names_each_by_index(live, http, client):
+    """n=3 at temperature 1 with a seed: three different jobs, each choice's pieces join into its
+    own job's text, each choice starts with the role and ends with its own finish chunk, the usage
+    is the whole request's and `actq` (on the last chunk) names every job."""
+    asked = {"model": TINY, "messages": MESSAGES, "max_tokens": 12, "temperature": 1.0, "seed": 5, "n": 3}
+    raw = client.chat.completions.with_raw_response.create(**asked, stream=True, stream_options={"include_usage": True})
+    job_ids = raw.headers["x-actq-job-id"].split(",")
+    chunks = list(raw.parse())
+    choices = by_index(chunks)
+    assert sorted(choices) == [0, 1, 2] and len(set(job_ids)) == 3
+    texts = []
+    for index, job_id in enumerate(job_ids):
+        mine = choices[index]
+        assert mine[0].delta.role == "assistant" and mine[0].delta.content == ""
+        assert mine[-1].finish_reason == "length" and [c for c in mine if c.finish_reason] == [mine[-1]]
+        text = "".join(c.delta.content or "" for c in mine)
+        job = http.get(f"/jobs/{job_id}").json()
+        assert text == job["result"]["text"] and http.get(f"/jobs/{job_id}/request").json()["stream"] is True
+        texts.append(text)
+    assert len(set(texts)) > 1, texts  # sampled: the choices are different jobs, not one text three times
+    usage = chunks[-1]
+    assert usage.choices == [] and usage.usage.completion_tokens == 3 * 12
+    assert [c["job_id"] for c in usage.model_extra["actq"]["choices"]] == job_ids
+    assert usage.model_extra["actq"]["live"] is True
+    assert not any("actq" in (c.model_extra or {}) for c in chunks[:-1])
+
+
+def test_completion_stream_of_several_prompts_matches_the_non_streamed_choices(live, client):
+    """Prompt i's choice j is index i * n + j, streamed or not; at temperature 0 each streamed
+    choice joins into exactly the non-streamed choice of the same index."""
+    prompts = ["The quick brown fox", "日本語の文章"]
+    asked = {"model": TINY, "prompt": prompts, "max_tokens": 16, "temperature": 0, "n": 2}
+    whole = client.completions.create(**asked)
+    chunks = list(client.completions.create(**asked, stream=True))
+    choices = by_index(chunks)
+    assert sorted(choices) == [0, 1, 2, 3]
+    for choice in whole.choices:
+        assert "".join(c.text for c in choices[choice.index]) == choice.text
+        assert choices[choice.index][-1].finish_reason == choice.finish_reason
+    assert whole.choices[0].text != whole.choices[2].text  # two prompts, two texts
+    streamed_jobs = {c["job_id"] for c in chunks[-1].model_extra["actq"]["choices"]}
+    assert len(streamed_jobs) == 4 and not streamed_jobs & {c["job_id"] for c in whole.model_extra["actq"]["choices"]}
 
 
 def test_an_unknown_model_is_an_ordinary_404_before_the_stream(live, client):
