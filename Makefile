@@ -32,7 +32,7 @@ run: $(STAMP)
 	$(BIN)/actq run
 
 test: lint docs browser
-	$(BIN)/python -m pytest -ra
+	$(BIN)/python -m pytest -ra --durations=40
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -ra -m "not e2e and not model"

@@ -72,6 +72,8 @@ class GenerationRequest(BaseModel):
     stream_options: Any = None  # checked there (include_usage)
     # vLLM's: logprob entries name tokens as "token_id:<id>" (a piece of a character stays identifiable)
     return_tokens_as_token_ids: StrictBool | None = None
+    # vLLM's: each prompt token's log-probability and rank, with this many (0 to 20) likeliest alternatives
+    prompt_logprobs: int | None = None
     # OpenAI's penalties and logit_bias, and vLLM's sampling extras: checked by JobRequest (ranges)
     frequency_penalty: float | None = None
     presence_penalty: float | None = None
@@ -188,6 +190,18 @@ class Choice(BaseModel):
     logprobs: ChoiceLogprobs | None = None
 
 
+class PromptLogprob(BaseModel):
+    """vLLM's entry of `prompt_logprobs`."""
+
+    logprob: float
+    rank: int | None  # how many tokens were at least as likely, itself included (1: the likeliest)
+    decoded_token: str
+
+
+# vLLM's `prompt_logprobs`: per prompt token, None for the first, else token id (as a string) -> entry
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
+
+
 class ChoiceExtra(BaseModel):
     job_id: str
     activations: ActivationsManifest | None  # as GET /jobs/{id} renders it, with download_url
@@ -210,6 +224,8 @@ class ChatCompletion(BaseModel):
     choices: list[Choice]
     usage: Usage
     actq: ActqExtra
+    # vLLM's, for the request's one prompt; left out unless asked for (OpenAI's shape has no such field)
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionLogprobs(BaseModel):
@@ -227,6 +243,7 @@ class TextChoice(BaseModel):
     index: int
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length"]
+    prompt_logprobs: PromptLogprobs | None = Field(default=None, exclude_if=lambda v: v is None)  # vLLM's, as above
 
 
 class Completion(BaseModel):

@@ -4,7 +4,8 @@
 naming the field (`UNSUPPORTED` and `COMPLETION_UNSUPPORTED`).
 
 Log-probabilities: chat `logprobs`/`top_logprobs` and the legacy completion's `logprobs` (a count)
-become the job's `logprobs`/`top_logprobs`. A legacy completion with `echo: true` and
+become the job's `logprobs`/`top_logprobs`; vLLM's `prompt_logprobs` (both routes) makes the job
+score its prompt too (`prompt_logprobs`). A legacy completion with `echo: true` and
 `max_tokens: 0` is a trace job over the prompt (scoring the text, no generation).
 """
 
@@ -139,7 +140,27 @@ def _chat_logprobs(body: ChatCompletionRequest) -> dict[str, Any]:
                 "invalid_request",
                 param="top_logprobs",
             )
-    return {"logprobs": bool(body.logprobs), "top_logprobs": top if body.logprobs else None}
+    return _with_prompt(body, {"logprobs": bool(body.logprobs), "top_logprobs": top if body.logprobs else None})
+
+
+def _with_prompt(body: GenerationRequest, fields: dict[str, Any]) -> dict[str, Any]:
+    """The job's log-probability fields with vLLM's `prompt_logprobs` (k: each prompt token's, and
+    its k likeliest alternatives) added: the job scores its prompt in the same prefill and holds the
+    larger count of alternatives (the answer shows each part its own count: api/openai_responses.py)."""
+    k = body.prompt_logprobs
+    if k is None:
+        return fields
+    what = "vLLM's prompt_logprobs is how many of the likeliest tokens to return at each prompt token"
+    _top_count("prompt_logprobs", k, f"{what} (0: each prompt token's own log-probability and rank only)")
+    if body.stream:
+        raise OpenAIError(
+            400,
+            "prompt_logprobs is not streamed: leave stream out to get them, or prompt_logprobs out to stream",
+            "unsupported_parameter",
+            param="prompt_logprobs",
+        )
+    top = max(fields.get("top_logprobs") or 0, k)
+    return {**fields, "logprobs": True, "top_logprobs": top or None, "prompt_logprobs": True}
 
 
 def to_job_requests(body: ChatCompletionRequest) -> list[JobRequest]:
@@ -327,12 +348,18 @@ def completion_job_requests(body: CompletionRequest) -> list[JobRequest]:
         fields = {
             **common,
             "prompt_token_ids" if ids else "prompt": prompt,
-            "logprobs": body.logprobs is not None or scored,
-            "top_logprobs": body.logprobs or None,
+            **_with_prompt(
+                body,
+                {
+                    "logprobs": body.logprobs is not None or scored,
+                    "top_logprobs": body.logprobs or None,
+                    "prompt_logprobs": scored or None,
+                },
+            ),
         }
         for choice in range(n):
-            if scoring == "trace":
-                jobs.append(_job_request({**fields, "mode": "trace"}))
+            if scoring == "trace":  # its entries are all the prompt's
+                jobs.append(_job_request({**fields, "mode": "trace", "prompt_logprobs": None}))
                 continue
             sampling = {
                 "temperature": body.temperature,
@@ -340,7 +367,6 @@ def completion_job_requests(body: CompletionRequest) -> list[JobRequest]:
                 **shaping(body),
                 "seed": _choice_seed(body.seed, choice),
                 "stop": body.stop,
-                "prompt_logprobs": scored or None,
             }
             jobs.append(_job_request({**fields, "max_tokens": body.max_tokens, **sampling}))
     return jobs

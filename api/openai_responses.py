@@ -1,10 +1,11 @@
 """Succeeded jobs as OpenAI's ChatCompletion and Completion: choices, usage, log-probabilities in
-OpenAI's two shapes (`chat_logprobs`, `legacy_logprobs`, from the job's `result.logprobs`) and the
-`actq` field.
+OpenAI's two shapes (`chat_logprobs`, `legacy_logprobs`) and vLLM's `prompt_logprobs`, all from the
+job's `result.logprobs`, and the `actq` field.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from anyio import to_thread
@@ -15,6 +16,7 @@ from api.openai_protocol import (
     ActqExtra,
     AssistantMessage,
     ChatCompletion,
+    ChatCompletionRequest,
     ChatTokenLogprob,
     ChatTopLogprob,
     Choice,
@@ -22,6 +24,9 @@ from api.openai_protocol import (
     ChoiceLogprobs,
     Completion,
     CompletionLogprobs,
+    CompletionRequest,
+    PromptLogprob,
+    PromptLogprobs,
     TextChoice,
 )
 from api.presenters import view
@@ -29,11 +34,33 @@ from shared.schemas import (
     JobRecord,
     JobResult,
     Logprobs,
+    TokenLogprob,
     Usage,
 )
 
 if TYPE_CHECKING:
     from shared.jobs import JobStore
+
+
+@dataclass(frozen=True)
+class Shown:
+    """What a request asked to see of its jobs' log-probabilities (a job may hold more: one job
+    serves a request's `logprobs` and `prompt_logprobs` with the larger count of alternatives)."""
+
+    generated: bool = False  # `choices[].logprobs` (legacy with `echo`: the prompt's entries first)
+    top: int = 0  # the likeliest alternatives shown per token there
+    prompt: int | None = None  # vLLM's `prompt_logprobs`: each prompt token's, with this many alternatives
+    echo: bool = False  # legacy `echo`: the text (and the logprobs) begin with the prompt
+    as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`
+
+    @classmethod
+    def of(cls, body: ChatCompletionRequest | CompletionRequest) -> Shown:
+        as_ids = bool(body.return_tokens_as_token_ids)
+        if isinstance(body, ChatCompletionRequest):
+            top = (body.top_logprobs or 0) if body.logprobs else 0
+            return cls(bool(body.logprobs), top, body.prompt_logprobs, as_ids=as_ids)
+        generated = body.logprobs is not None
+        return cls(generated, body.logprobs or 0, body.prompt_logprobs, echo=bool(body.echo), as_ids=as_ids)
 
 
 def _choice_extra(record: JobRecord, request: Request) -> ChoiceExtra:
@@ -125,13 +152,14 @@ def _shown(token: str, token_id: int, as_ids: bool) -> str:
     return f"token_id:{token_id}" if as_ids else token
 
 
-def chat_logprobs(record: JobRecord, as_ids: bool = False) -> ChoiceLogprobs | None:
+def chat_logprobs(record: JobRecord, shown: Shown) -> ChoiceLogprobs | None:
     """The job's generated tokens' log-probabilities in OpenAI's ChatCompletion shape (None when
     not asked for). A token is its text decoded alone, so a piece of a multi-byte character is
     U+FFFD, and `bytes` are that text's UTF-8 bytes (the token ids are in GET /jobs/{id})."""
-    logprobs = _inline_logprobs(record)
+    logprobs = _inline_logprobs(record) if shown.generated else None
     if logprobs is None:
         return None
+    as_ids = shown.as_ids
     return ChoiceLogprobs(
         content=[
             ChatTokenLogprob(
@@ -144,20 +172,27 @@ def chat_logprobs(record: JobRecord, as_ids: bool = False) -> ChoiceLogprobs | N
                         logprob=_openai_logprob(top.logprob),
                         bytes=_utf8(_shown(top.token, top.token_id, as_ids)),
                     )
-                    for top in entry.top_logprobs
+                    for top in entry.top_logprobs[: shown.top]
                 ],
             )
-            for entry in logprobs.content or []
+            for entry in _parts(record, logprobs)[1]
         ]
     )
 
 
-def _scores_prompt(record: JobRecord) -> bool:
-    """Whether the job's log-probability entries begin with its prompt's (a trace; an echo)."""
-    return record.request.trace or record.request.prompt_logprobs
+def _parts(record: JobRecord, logprobs: Logprobs) -> tuple[list[TokenLogprob], list[TokenLogprob]]:
+    """A job's log-probability entries split into its prompt's (a trace: all of them; a job with
+    `prompt_logprobs`: the first `prompt_entries`) and its generated tokens'."""
+    entries = logprobs.content or []
+    if record.request.trace:
+        return entries, []
+    if record.request.prompt_logprobs:
+        prompt = logprobs.prompt_entries or 0
+        return entries[:prompt], entries[prompt:]
+    return [], entries
 
 
-def legacy_logprobs(record: JobRecord, as_ids: bool = False) -> CompletionLogprobs | None:
+def legacy_logprobs(record: JobRecord, shown: Shown) -> CompletionLogprobs | None:
     """The job's log-probabilities in OpenAI's legacy Completion shape (None when not asked for):
     generated tokens, or with echo every token of the prompt first (then the generated ones), the
     prompt's first with no log-probability (None, and None in `top_logprobs`). `top_logprobs[i]`
@@ -167,11 +202,13 @@ def legacy_logprobs(record: JobRecord, as_ids: bool = False) -> CompletionLogpro
     do but for a BOS the tokenizer adds (its text, e.g. "<s>", is not in the prompt), a character
     split across tokens (each piece is U+FFFD), and tokens past a stop string (the text ends before
     the stop string, the tokens go on to the last one generated)."""
-    logprobs = _inline_logprobs(record)
+    logprobs = _inline_logprobs(record) if shown.generated else None
     if logprobs is None:
         return None
-    entries = logprobs.content or []
-    first_unscored = _scores_prompt(record)
+    prompt, generated = _parts(record, logprobs)
+    entries = prompt + generated if shown.echo else generated
+    first_unscored = bool(shown.echo and prompt)
+    as_ids = shown.as_ids
     offsets, offset = [], 0
     for entry in entries:
         offsets.append(offset)
@@ -180,11 +217,13 @@ def legacy_logprobs(record: JobRecord, as_ids: bool = False) -> CompletionLogpro
         None if first_unscored and i == 0 else _openai_logprob(entry.logprob) for i, entry in enumerate(entries)
     ]
     top: list[dict[str, float] | None] | None = None
-    if record.request.alternatives:
+    if shown.top:
         top = [
             None
             if first_unscored and i == 0
-            else {_shown(t.token, t.token_id, as_ids): _openai_logprob(t.logprob) for t in entry.top_logprobs}
+            else {
+                _shown(t.token, t.token_id, as_ids): _openai_logprob(t.logprob) for t in entry.top_logprobs[: shown.top]
+            }
             for i, entry in enumerate(entries)
         ]
     return CompletionLogprobs(
@@ -195,13 +234,46 @@ def legacy_logprobs(record: JobRecord, as_ids: bool = False) -> CompletionLogpro
     )
 
 
+def prompt_logprobs(record: JobRecord, shown: Shown) -> PromptLogprobs | None:
+    """vLLM's `prompt_logprobs` (None when not asked for): per prompt token, None for the first
+    (nothing predicts it), then a map from token id to its log-probability, rank and text: the
+    prompt's own token first, then the `shown.prompt` likeliest (ranks 1 to k; one entry when the
+    prompt's token is among them)."""
+    logprobs = _inline_logprobs(record) if shown.prompt is not None else None
+    if logprobs is None or shown.prompt is None:
+        return None
+    shown_prompt: PromptLogprobs = []
+    for entry in _parts(record, logprobs)[0]:
+        if entry.logprob is None:
+            shown_prompt.append(None)
+            continue
+        place = {
+            str(entry.token_id): PromptLogprob(
+                logprob=_openai_logprob(entry.logprob),
+                rank=entry.rank,
+                decoded_token=_shown(entry.token, entry.token_id, shown.as_ids),
+            )
+        }
+        for rank, top in enumerate(entry.top_logprobs[: shown.prompt], start=1):
+            place.setdefault(
+                str(top.token_id),
+                PromptLogprob(
+                    logprob=_openai_logprob(top.logprob),
+                    rank=rank,
+                    decoded_token=_shown(top.token, top.token_id, shown.as_ids),
+                ),
+            )
+        shown_prompt.append(place)
+    return shown_prompt
+
+
 def _first_id(records: list[JobRecord]) -> str:
     return records[0].id
 
 
-def completion(records: list[JobRecord], request: Request, as_ids: bool = False) -> ChatCompletion:
-    """Succeeded jobs, one per choice, as OpenAI's ChatCompletion (`as_ids`: logprob tokens as
-    `token_id:<id>`)."""
+def completion(records: list[JobRecord], request: Request, shown: Shown) -> ChatCompletion:
+    """Succeeded jobs, one per choice, as OpenAI's ChatCompletion; vLLM's `prompt_logprobs` (one
+    prompt for every choice) from the first."""
     choices = []
     for index, record in enumerate(records):
         assert record.result is not None
@@ -210,7 +282,7 @@ def completion(records: list[JobRecord], request: Request, as_ids: bool = False)
                 index=index,
                 message=AssistantMessage.of(record.result),
                 finish_reason=record.result.finish_reason,
-                logprobs=chat_logprobs(record, as_ids),
+                logprobs=chat_logprobs(record, shown),
             )
         )
     return ChatCompletion(
@@ -220,6 +292,7 @@ def completion(records: list[JobRecord], request: Request, as_ids: bool = False)
         choices=choices,
         usage=_usage(records),
         actq=_extra(records, request),
+        prompt_logprobs=prompt_logprobs(records[0], shown),
     )
 
 
@@ -236,28 +309,31 @@ def _prompt_text(record: JobRecord) -> str:
     return "".join(entry.token for entry in entries[:prompt])
 
 
-def _text_choice(index: int, record: JobRecord, echo: bool, logprobs: bool, as_ids: bool = False) -> TextChoice:
+def _text_choice(index: int, record: JobRecord, shown: Shown) -> TextChoice:
     result = record.result
     assert result is not None
-    text = _prompt_text(record) + result.text if echo else result.text
-    shown = legacy_logprobs(record, as_ids) if logprobs else None
-    return TextChoice(text=text, index=index, finish_reason=result.finish_reason, logprobs=shown)
+    text = _prompt_text(record) + result.text if shown.echo else result.text
+    return TextChoice(
+        text=text,
+        index=index,
+        finish_reason=result.finish_reason,
+        logprobs=legacy_logprobs(record, shown),
+        prompt_logprobs=prompt_logprobs(record, shown),
+    )
 
 
-def text_completion(
-    records: list[JobRecord], request: Request, echo: bool, logprobs: bool, as_ids: bool = False
-) -> Completion:
+def text_completion(records: list[JobRecord], request: Request, shown: Shown) -> Completion:
     """Succeeded jobs, one per choice, as OpenAI's Completion (finish_reason as for chat: a
     succeeded job stopped or ran to its length; cancelled and timed-out jobs are errors, see
     `unfinished`). With `echo` the text begins with the prompt; a trace job (echo with max_tokens
     0) answers its prompt alone, with finish_reason "length" (as OpenAI: the 0 tokens asked for were
-    generated). `logprobs`: whether the request asked for them (an echo of token ids scores its
-    prompt without being asked, for the prompt's text)."""
+    generated). `shown`: which log-probabilities the request asked for (an echo of token ids scores
+    its prompt without being asked, for the prompt's text)."""
     return Completion(
         id=f"cmpl-{_first_id(records)}",
         created=int(records[0].created_at.timestamp()),
         model=records[0].model,
-        choices=[_text_choice(i, record, echo, logprobs, as_ids) for i, record in enumerate(records)],
+        choices=[_text_choice(i, record, shown) for i, record in enumerate(records)],
         usage=_usage(records),
         actq=_extra(records, request),
     )

@@ -56,7 +56,7 @@ from api.job_text import JobTexts, TextFeed
 from api.openai_errors import JOB_ID_HEADER, OpenAIError, after_queued, unfinished
 from api.openai_protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
 from api.openai_requests import completion_job_requests, to_job_requests
-from api.openai_responses import completion, text_completion, whole_result
+from api.openai_responses import Shown, completion, text_completion, whole_result
 from api.openai_submit import submit_choices
 from api.run_labels import labelled
 from api.submit import heavy, off_loop
@@ -115,7 +115,7 @@ async def stream_chat(
     job_requests = labelled(request, await in_turn(request, services, caller, to_job_requests, body))
 
     def render(records: list[JobRecord], request: Request) -> ChatCompletion:
-        return completion(records, request, as_ids=bool(body.return_tokens_as_token_ids))
+        return completion(records, request, Shown.of(body))
 
     return await _open(services, job_requests, _Format(chat=True, usage=usage), render, request, caller, key, body)
 
@@ -126,15 +126,12 @@ async def stream_completion(
     """POST /v1/completions with `stream: true` (or with `stream_options`, refused without it)."""
     usage = _options(body)
     job_requests = labelled(request, await in_turn(request, services, caller, completion_job_requests, body))
-    echo, logprobs = bool(body.echo), body.logprobs is not None
 
     def render(records: list[JobRecord], request: Request) -> Completion:
-        return text_completion(
-            records, request, echo=echo, logprobs=logprobs, as_ids=bool(body.return_tokens_as_token_ids)
-        )
+        return text_completion(records, request, Shown.of(body))
 
     fmt = _Format(chat=False, usage=usage)
-    if echo:
+    if body.echo:
         fmt.not_live = (
             "a scoring job (echo with max_tokens 0) generates no text step by step"
             if job_requests[0].trace

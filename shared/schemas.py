@@ -591,6 +591,7 @@ class TokenLogprob(Strict):
     token: str
     logprob: float | None  # None only for a trace's first token
     top_logprobs: list[TopLogprob] = []
+    rank: int | None = None  # how many tokens were at least as likely, itself included (1: the likeliest)
 
 
 class Logprobs(Strict):

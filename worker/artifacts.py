@@ -24,11 +24,13 @@ log = logging.getLogger(__name__)
 def score_tensors(scores: TokenScores) -> dict[str, torch.Tensor]:
     """Log-probabilities as tensors: `logprobs` [N] float32 (NaN where nothing predicted the token:
     a trace's first), `logprob_token_ids` [N] int64 (the scored tokens) and, with top_logprobs k,
-    `top_logprobs` [N, k] float32 and `top_logprob_ids` [N, k] int64 (a trace's first row: NaN and -1)."""
+    `top_logprobs` [N, k] float32 and `top_logprob_ids` [N, k] int64 (a trace's first row: NaN and -1),
+    `logprob_ranks` [N] int64 (each scored token's rank; 0 where nothing predicted it)."""
     values = [float("nan") if v is None else v for v in scores.values]
     out = {
         "logprobs": torch.tensor(values, dtype=torch.float32),
         "logprob_token_ids": torch.tensor(scores.tokens, dtype=torch.int64),
+        "logprob_ranks": torch.tensor([r or 0 for r in scores.ranks], dtype=torch.int64),
     }
     if scores.k:
         out["top_logprobs"] = torch.tensor(

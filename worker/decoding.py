@@ -107,14 +107,29 @@ def stop_window(stops: list[str]) -> int:
 class TokenScores:
     """Log-probabilities of scored tokens: `values[i]` is the log-probability of `tokens[i]` (None:
     nothing predicted it, a trace's first token), `top_ids[i]`/`top_values[i]` the `k` likeliest
-    tokens at that position; from the raw logits (log_softmax in float32, before any sampling
-    setting)."""
+    tokens at that position, `ranks[i]` the rank of `tokens[i]` there (how many tokens are at
+    least as likely, itself included: 1 for the likeliest; vLLM's count); from the raw logits
+    (log_softmax in float32, before any sampling setting)."""
 
     k: int
     tokens: list[int] = field(default_factory=list)
     values: list[float | None] = field(default_factory=list)
     top_ids: list[list[int]] = field(default_factory=list)
     top_values: list[list[float]] = field(default_factory=list)
+    ranks: list[int | None] = field(default_factory=list)
+
+    def unpredicted(self, token: int) -> None:
+        """A text's first token: nothing predicts it."""
+        self.tokens.append(token)
+        self.values.append(None)
+        self.top_ids.append([])
+        self.top_values.append([])
+        self.ranks.append(None)
+
+    def truncate(self, entries: int) -> None:
+        """Keep the first `entries` entries (a rolled-back step's are dropped)."""
+        for column in (self.tokens, self.values, self.top_ids, self.top_values, self.ranks):
+            del column[entries:]
 
     def add(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Score `tokens` `[n]` against the logits `[n, V]` of the positions that predicted them,
@@ -126,9 +141,10 @@ class TokenScores:
     def _add(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         # a token the model rules out (-inf) as the lowest finite float32: JSON has no infinity
         logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).clamp_(min=torch.finfo(torch.float32).min)
-        chosen = logprobs.gather(1, tokens.view(-1, 1).to(logprobs.device))[:, 0]
+        chosen = logprobs.gather(1, tokens.view(-1, 1).to(logprobs.device))
         self.tokens += [int(t) for t in tokens.tolist()]
-        self.values += [float(v) for v in chosen.tolist()]
+        self.values += [float(v) for v in chosen[:, 0].tolist()]
+        self.ranks += [int(r) for r in (logprobs >= chosen).sum(dim=-1).tolist()]
         if self.k:
             top = torch.topk(logprobs, self.k, dim=-1)
             self.top_ids += top.indices.tolist()
@@ -144,7 +160,8 @@ def score_rows(scores: list[TokenScores], logits: torch.Tensor, tokens: list[int
     logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).clamp_(min=torch.finfo(torch.float32).min)
     chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))
     k = max(s.k for s in scores)
-    parts = [chosen.to(torch.float64)]
+    ranks = (logprobs >= chosen).sum(dim=-1, keepdim=True)
+    parts = [chosen.to(torch.float64), ranks.to(torch.float64)]
     if k:
         top = torch.topk(logprobs, k, dim=-1)
         parts += [top.values.to(torch.float64), top.indices.to(torch.float64)]  # ids < 2**53: exact
@@ -152,8 +169,9 @@ def score_rows(scores: list[TokenScores], logits: torch.Tensor, tokens: list[int
     for row, token, line in zip(scores, tokens, host, strict=True):
         row.tokens.append(token)
         row.values.append(line[0])
-        row.top_ids.append([int(i) for i in line[1 + k : 1 + k + row.k]])
-        row.top_values.append(line[1 : 1 + row.k])
+        row.ranks.append(int(line[1]))
+        row.top_ids.append([int(i) for i in line[2 + k : 2 + k + row.k]])
+        row.top_values.append(line[2 : 2 + row.k])
 
 
 @dataclass(eq=False)  # a sequence is itself: compared by identity
@@ -381,10 +399,7 @@ class Decoder:
             seq.failure = seq.failure or self.hooks.failures.get(index)
             if seq.failure is None and seq.scores is not None:
                 first = width - lengths[index]
-                seq.scores.values.append(None)  # the first token: nothing predicts it
-                seq.scores.tokens.append(int(seq.prompt_ids[0, 0]))
-                seq.scores.top_ids.append([])
-                seq.scores.top_values.append([])
+                seq.scores.unpredicted(int(seq.prompt_ids[0, 0]))
                 seq.scores.add(out.logits[index, first : width - 1], seq.prompt_ids[0, 1:].to(device))
             seq.ended = "failed" if seq.failure is not None else "trace"
 
@@ -463,11 +478,8 @@ class Decoder:
         predict, from those positions' logits."""
         scores = seq.scores
         assert scores is not None
-        if start == 0:  # the first token: nothing predicts it
-            scores.values.append(None)
-            scores.tokens.append(int(seq.prompt_ids[0, 0]))
-            scores.top_ids.append([])
-            scores.top_values.append([])
+        if start == 0:
+            scores.unpredicted(int(seq.prompt_ids[0, 0]))
         last = min(end, seq.prompt_tokens - 1)  # the text's last position predicts nothing
         if last > start:
             scores.add(logits[: last - start], seq.prompt_ids[0, start + 1 : last + 1].to(logits.device))
@@ -731,8 +743,7 @@ class Undo:
             seq.capture.reset(self.mark)
             seq.capture.failure = None
         if seq.scores is not None:
-            for name in ("tokens", "values", "top_ids", "top_values"):
-                del getattr(seq.scores, name)[self.scores :]
+            seq.scores.truncate(self.scores)
         if self.generator is not None and seq.sampler is not None and seq.sampler.generator is not None:
             seq.sampler.generator.set_state(self.generator)
         if seq.edits is not None and self.edits is not None:

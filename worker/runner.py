@@ -341,8 +341,11 @@ def logprobs_result(
             token=text[token],
             logprob=value,
             top_logprobs=[TopLogprob(token_id=i, token=text[i], logprob=v) for i, v in zip(ids, vals, strict=True)],
+            rank=rank,
         )
-        for token, value, ids, vals in zip(scores.tokens, values, scores.top_ids, scores.top_values, strict=True)
+        for token, value, ids, vals, rank in zip(
+            scores.tokens, values, scores.top_ids, scores.top_values, scores.ranks, strict=True
+        )
     ]
     return Logprobs(content=content, total=total, completion_total=turn)
 

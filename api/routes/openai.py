@@ -84,7 +84,7 @@ from api.openai_protocol import (
     ModelList,
 )
 from api.openai_requests import completion_job_requests, to_job_requests
-from api.openai_responses import completion, text_completion, whole_result
+from api.openai_responses import Shown, completion, text_completion, whole_result
 from api.openai_stream import stream_chat, stream_completion
 from api.openai_submit import submit_choices
 from api.run_labels import labelled
@@ -198,7 +198,7 @@ async def chat_completions(
     large = await is_large(request)
     records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
     _name_jobs(response, records)
-    return completion(records, request, as_ids=bool(body.return_tokens_as_token_ids))
+    return completion(records, request, Shown.of(body))
 
 
 @router.post("/completions", response_model=Completion, responses=ERRORS, openapi_extra=body_schema(CompletionRequest))
@@ -220,8 +220,7 @@ async def completions(
     large = await is_large(request)
     records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
     _name_jobs(response, records)
-    as_ids = bool(body.return_tokens_as_token_ids)
-    return text_completion(records, request, echo=bool(body.echo), logprobs=body.logprobs is not None, as_ids=as_ids)
+    return text_completion(records, request, Shown.of(body))
 
 
 def _live_models(services: Services) -> list[str]:

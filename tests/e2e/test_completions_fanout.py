@@ -134,6 +134,82 @@ def test_echo_with_generation_scores_the_prompt_then_the_tokens_like_a_plain_for
     assert echoed.choices[0].text.startswith(PROMPTS[0]) and echoed.choices[0].text != PROMPTS[0]
 
 
+def reference_prompt_logprobs(model, ids: list[int], k: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs from a plain float32 forward pass: per prompt token after the first,
+    token id -> (log-probability, rank), the token's own entry and the k likeliest."""
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    places: list[dict | None] = [None]
+    for i in range(1, len(ids)):
+        row = logprobs[i - 1]
+        own = float(row[ids[i]])
+        place = {ids[i]: (own, int((row >= row[ids[i]]).sum()))}
+        top = torch.topk(row, k)
+        for rank, (value, token) in enumerate(zip(top.values.tolist(), top.indices.tolist(), strict=True), start=1):
+            place.setdefault(token, (value, rank))
+        places.append(place)
+    return places
+
+
+def assert_prompt_logprobs_match(shown: list, expected: list[dict | None], tokenizer) -> None:
+    assert len(shown) == len(expected) and shown[0] is None and expected[0] is None
+    for got, want in zip(shown[1:], expected[1:], strict=True):
+        assert set(got) == {str(t) for t in want}, (got, want)
+        for token, (value, rank) in want.items():
+            entry = got[str(token)]
+            assert abs(entry["logprob"] - value) < 1e-4 and entry["rank"] == rank, (token, entry, value, rank)
+            assert entry["decoded_token"] == tokenizer.decode([token])
+
+
+def test_prompt_logprobs_follow_vllms_shape_and_a_plain_forward_pass(client, http, tiny):
+    """vLLM's `prompt_logprobs: k` on both routes: per prompt token, its log-probability and rank
+    (how many tokens were at least as likely) and the k likeliest, none for the first; beside the
+    generated tokens' own `logprobs` count, each part with its own number of alternatives."""
+    model, tokenizer = tiny
+    prompt_ids = tokenizer(PROMPTS[1])["input_ids"]
+    asked = {"model": TINY, "prompt": PROMPTS[1], "max_tokens": 3, "temperature": 0}
+    raw = http.post("/v1/completions", json={**asked, "prompt_logprobs": 3, "logprobs": 1}).json()
+    (choice,) = raw["choices"]
+    assert_prompt_logprobs_match(choice["prompt_logprobs"], reference_prompt_logprobs(model, prompt_ids, 3), tokenizer)
+    plain = client.completions.create(**asked, logprobs=1).choices[0]
+    assert choice["text"] == plain.text  # the prompt's scores change nothing generated, nor the generated logprobs
+    assert choice["logprobs"]["tokens"] == plain.logprobs.tokens and len(choice["logprobs"]["tokens"]) == 3
+    assert all(len(top) <= 1 for top in choice["logprobs"]["top_logprobs"])  # its own count, not the prompt's 3
+
+    # only prompt_logprobs asked: no `logprobs`; k = 0: each token's own entry alone; a scoring job too
+    only = http.post("/v1/completions", json={**asked, "prompt_logprobs": 0}).json()["choices"][0]
+    assert only["logprobs"] is None
+    assert_prompt_logprobs_match(only["prompt_logprobs"], reference_prompt_logprobs(model, prompt_ids, 0), tokenizer)
+    scoring = {**asked, "max_tokens": 0, "echo": True, "prompt_logprobs": 2}
+    scored = http.post("/v1/completions", json=scoring).json()["choices"][0]
+    assert_prompt_logprobs_match(scored["prompt_logprobs"], reference_prompt_logprobs(model, prompt_ids, 2), tokenizer)
+    assert scored["logprobs"] is None and scored["text"] == PROMPTS[1]
+
+    # chat: at the top level, over the prompt the chat template renders
+    messages = [{"role": "user", "content": "Count: one, two"}]
+    chat = http.post(
+        "/v1/chat/completions", json={"model": TINY, "messages": messages, "max_tokens": 2, "prompt_logprobs": 1}
+    ).json()
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)
+    expected = reference_prompt_logprobs(model, list(rendered["input_ids"]), 1)
+    assert_prompt_logprobs_match(chat["prompt_logprobs"], expected, tokenizer)
+    assert chat["choices"][0]["logprobs"] is None
+
+
+def test_prompt_logprobs_are_refused_where_they_cannot_be_served(http, redis_client):
+    before = job_count(redis_client)
+    bad = [
+        ({"prompt_logprobs": 21}, "prompt_logprobs=21 is out of range"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs=-1 is out of range"),
+        ({"prompt_logprobs": 1, "stream": True}, "prompt_logprobs is not streamed"),
+    ]
+    for fields, message in bad:
+        response = http.post("/v1/completions", json={"model": TINY, "prompt": "a b", **fields})
+        assert response.status_code == 400 and message in response.json()["error"]["message"], response.text
+        assert response.json()["error"]["param"] == "prompt_logprobs"
+    assert job_count(redis_client) == before  # nothing queued
+
+
 def test_an_idempotency_key_covers_every_job_of_the_request(live, redis_client):
     body = {"model": TINY, "prompt": PROMPTS[:2], "max_tokens": 2, "temperature": 0, "n": 2}
     headers = {"Idempotency-Key": "fanout-1"}

@@ -63,7 +63,13 @@ def test_a_trace_job_captures_and_scores_the_given_text(live, http, reference_mo
     assert [[t["token_id"] for t in c["top_logprobs"]] for c in content[1:]] == top_ids.tolist()
     assert result["logprobs"]["total"] == pytest.approx(float(values.sum()), abs=1e-4)
     assert result["logprobs"]["completion_total"] == pytest.approx(float(values[start - 1 : stop - 1].sum()), abs=1e-4)
-    assert set(job["activations"]["extra"]) == {"logprobs", "logprob_token_ids", "top_logprobs", "top_logprob_ids"}
+    assert set(job["activations"]["extra"]) == {
+        "logprobs",
+        "logprob_token_ids",
+        "logprob_ranks",
+        "top_logprobs",
+        "top_logprob_ids",
+    }
     assert torch.isnan(tensors["logprobs"][0]) and torch.allclose(tensors["logprobs"][1:], values, atol=1e-5, rtol=0)
     assert torch.equal(tensors["top_logprob_ids"][1:], top_ids)
     one = http.get(f"/jobs/{job['id']}/activations/logprobs")  # the extra tensors download one by one too
