@@ -82,6 +82,9 @@ def test_a_trace_equals_one_plain_forward_pass(served, messages):
     assert torch.allclose(torch.tensor(scores.values[1:]), values, atol=LOGPROB_TOLERANCE, rtol=0)
     assert torch.allclose(torch.tensor(scores.top_values[1:]), top_values, atol=LOGPROB_TOLERANCE, rtol=0)
     assert torch.equal(torch.tensor(scores.top_ids[1:]), top_ids)
+    reference = torch.log_softmax(logits[:-1].float(), dim=-1)  # position i predicts token i + 1
+    own = reference.gather(1, torch.tensor(ids[1:]).view(-1, 1))
+    assert scores.ranks == [None, *(reference >= own).sum(dim=-1).tolist()]  # vLLM's count
 
 
 def test_completion_and_prompt_positions_split_the_text_at_the_final_turn(served):
@@ -147,6 +150,7 @@ def test_generated_tokens_log_probabilities_equal_those_of_generate(served):
     assert float((torch.tensor(got.scores.values) - values).abs().max()) <= LOGPROB_TOLERANCE
     assert float((torch.tensor(got.scores.top_values) - top.values).abs().max()) <= LOGPROB_TOLERANCE
     assert torch.equal(torch.tensor(got.scores.top_ids), top.indices)
+    assert got.scores.ranks == (logprobs >= values.view(-1, 1)).sum(dim=-1).tolist()  # greedy: mostly 1
     for sampling in ({}, {"temperature": 0.8, "top_p": 0.9, "seed": 7}):  # sampling settings change no logprob
         req = JobRequest.model_validate({"model": "tiny", "messages": CONVERSATIONS[2], "logprobs": True, **sampling})
         got = run(served, req, max_tokens=12)
