@@ -88,6 +88,7 @@ class ToolCall:
 class Problem:
     text: str  # the call as the model wrote it
     reason: str
+    repeat: bool = False  # a complete call that repeats an earlier one of the reply (left out of the content)
 
     def __str__(self) -> str:
         return f"{self.reason}: {self.text}"
@@ -136,9 +137,7 @@ def parse_tool_calls(
     calls = [item for _, _, item in found if isinstance(item, ToolCall)]
     problems = [item for _, _, item in found if isinstance(item, Problem)]
     # left out of the content: the calls, repeats, a call cut short, and under a forced choice all
-    dropped = [
-        (s, e) for s, e, item in found if not isinstance(item, Problem) or forced or _repeat(item) or s >= cut_at
-    ]
+    dropped = [(s, e) for s, e, item in found if not isinstance(item, Problem) or forced or item.repeat or s >= cut_at]
     if not dropped:
         return Parsed(text, [], problems)
     pieces, pos = [], 0
@@ -152,10 +151,6 @@ def parse_tool_calls(
     return Parsed(content.strip() or None, calls, problems)
 
 
-def _repeat(problem: Problem) -> bool:
-    return problem.reason.startswith(_REPEATS)
-
-
 def _without_repeats(found: _Found) -> _Found:
     """Each call that repeats an earlier call of the reply (the same name and arguments) as a
     problem: it adds nothing to the calls, and a small model made to call a tool repeats its call
@@ -166,7 +161,8 @@ def _without_repeats(found: _Found) -> _Found:
         if isinstance(item, ToolCall):
             if item in seen:
                 number = seen[item] + 1
-                item = Problem(f"{item.name}({item.arguments})", f"{_REPEATS}{number} (the same name and arguments)")
+                reason = f"{_REPEATS}{number} (the same name and arguments)"
+                item = Problem(f"{item.name}({item.arguments})", reason, repeat=True)
             else:
                 seen[item] = len(seen)
         out.append((start, end, item))
