@@ -40,12 +40,19 @@ def run_label(request: Request) -> str | None:
 
 
 def labelled(request: Request, job_requests: list[JobRequest]) -> list[JobRequest]:
-    """The jobs, each tagged with the URL's run label (unchanged outside /runs/<label>/)."""
+    """The jobs, each tagged with the URL's run label (unchanged outside /runs/<label>/). The
+    metadata limits are checked by validating one job per distinct metadata (the n choices of a
+    prompt share theirs); the others are copies with the checked metadata."""
     label = run_label(request)
     if label is None:
         return job_requests
     out = []
+    checked: dict[tuple[tuple[str, str], ...], dict[str, str]] = {}
     for job in job_requests:
+        given = tuple(sorted((job.metadata or {}).items()))
+        if given in checked:
+            out.append(job.model_copy(update={"metadata": checked[given]}))
+            continue
         metadata = dict(job.metadata or {})
         if (own := metadata.get(RUN_KEY, label)) != label:
             raise OpenAIError(
@@ -57,7 +64,9 @@ def labelled(request: Request, job_requests: list[JobRequest]) -> list[JobReques
             )
         metadata[RUN_KEY] = label
         try:
-            out.append(JobRequest.model_validate({**job.model_dump(exclude_unset=True), "metadata": metadata}))
+            tagged = JobRequest.model_validate({**job.model_dump(exclude_unset=True), "metadata": metadata})
         except ValidationError as exc:  # the label is one pair too many
             raise from_validation(list(exc.errors())) from None
+        checked[given] = metadata
+        out.append(tagged)
     return out
