@@ -5,6 +5,7 @@ job's `result.logprobs`, and the `actq` field.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -116,7 +117,7 @@ async def whole_result(jobs: JobStore, record: JobRecord) -> JobRecord:
         raise OpenAIError(
             404, f"job {record.id} succeeded, but its result is no longer stored", "job_not_found", job_id=record.id
         )
-    whole = await to_thread.run_sync(JobResult.model_validate_json, raw)
+    whole = await to_thread.run_sync(functools.partial(JobResult.model_validate_json, raw, extra="ignore"))
     return record.model_copy(update={"result": whole})
 
 

@@ -227,6 +227,12 @@ class WorkerLost(JobFailure):
     error_type = "worker_lost"
 
 
+class UnsupportedByWorker(JobFailure):
+    """The job's request has fields the worker's version does not know (a newer API wrote it)."""
+
+    error_type = "unsupported_by_worker"
+
+
 class JobCancelled(JobFailure):
     """Not a failure of the job's own: it ends `cancelled`, not `failed`."""
 

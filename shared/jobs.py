@@ -22,9 +22,10 @@ import redis.asyncio as aioredis
 import stamina
 from anyio import to_thread
 from celery import Celery
+from pydantic import ValidationError
 
 from shared import broker, keys, stats
-from shared.errors import JobCancelled, JobFailure, WorkerLost
+from shared.errors import JobCancelled, JobFailure, UnsupportedByWorker, WorkerLost
 from shared.listing import AFTER, SCAN_LIMIT, JobFilters, JobPage, encode_cursor, tag_indexes
 from shared.redis_faults import refuses_writes
 from shared.schemas import RESULT_PREVIEW_CHARS, RESULT_TEXT_INLINE_CHARS, JobRecord, JobStatus, JobSummary
@@ -174,6 +175,11 @@ class JobStore:
     that long, retrying with backoff, so a job's outcome is recorded once Redis is back instead of
     being lost. 0 (the API's store): errors surface at once and the API answers 503.
     `aclient` (the API's): a redis.asyncio client for the reads on the event loop.
+
+    Rolling upgrades: a stored record's fields that this version does not know (written by a newer
+    API or worker) are left out when it is read, so that an older API still answers for, lists and
+    waits on the jobs newer processes wrote. A job whose *request* holds such fields is not run by
+    an older worker without them: `claim` fails it as `unsupported_by_worker`, naming them.
     """
 
     def __init__(
@@ -187,6 +193,11 @@ class JobStore:
         self.aredis = aclient
         self.retention = retention_seconds
         self.outage_seconds = outage_seconds
+
+    @staticmethod
+    def record(raw: str | bytes) -> JobRecord:
+        """A stored record, parsed; fields this version does not know are left out (class docstring)."""
+        return JobRecord.model_validate_json(raw, extra="ignore")
 
     def _through_outage(self, call: Callable[[], T]) -> T:
         if not self.outage_seconds:
@@ -318,7 +329,7 @@ class JobStore:
 
     def get(self, job_id: str) -> JobRecord | None:
         raw = self.redis.get(keys.job(job_id))
-        return None if raw is None else JobRecord.model_validate_json(raw)
+        return None if raw is None else self.record(raw)
 
     async def get_async(self, job_id: str) -> JobRecord | None:
         """`get` on the event loop; a large record (a long prompt) is parsed on a thread."""
@@ -327,8 +338,8 @@ class JobStore:
         if raw is None:
             return None
         if len(raw) > PARSE_ON_LOOP_BYTES:
-            return await to_thread.run_sync(JobRecord.model_validate_json, raw)
-        return JobRecord.model_validate_json(raw)
+            return await to_thread.run_sync(self.record, raw)
+        return self.record(raw)
 
     async def stored_result_async(self, job_id: str) -> bytes | None:
         """The whole JSON of a result stored apart (split_result), as stored: never parsed here."""
@@ -425,7 +436,7 @@ class JobStore:
                 if raw is None or job_id in seen:
                     continue
                 seen.add(job_id)
-                record = JobRecord.model_validate_json(raw)
+                record = self.record(raw)
                 if filters.matches(record):
                     found.append(summarize(record))
                     if len(found) == limit:
@@ -458,7 +469,7 @@ class JobStore:
                     if raw is None:
                         pipe.unwatch()
                         return None
-                    old = JobRecord.model_validate_json(raw)
+                    old = self.record(raw)
                     new = change(old)
                     if new is None:
                         pipe.unwatch()
@@ -474,11 +485,15 @@ class JobStore:
                     continue
 
     def update_many(
-        self, job_ids: Sequence[str], change: Callable[[JobRecord], JobRecord | None]
+        self,
+        job_ids: Sequence[str],
+        change: Callable[[JobRecord], JobRecord | None],
+        newer: Callable[[JobRecord, Sequence[str]], JobRecord | None] | None = None,
     ) -> dict[str, JobRecord]:
         """`update` for several jobs in one transaction: one WATCH, one MGET, one MULTI/EXEC
         whatever their number (a change to any of them meanwhile retries them all). Returns what
-        was written, by job id."""
+        was written, by job id. `newer`, if given, is called instead of `change` for a record whose
+        request has fields this version does not know (`newer_request_fields`)."""
         names = [keys.job(job_id) for job_id in job_ids]
         with self.redis.pipeline() as pipe:
             while True:
@@ -487,8 +502,9 @@ class JobStore:
                     changed = []
                     for raw in pipe.mget(names):
                         if raw is not None:
-                            old = JobRecord.model_validate_json(raw)
-                            if (new := change(old)) is not None:
+                            old = self.record(raw)
+                            fields = newer_request_fields(raw) if newer is not None else []
+                            if (new := newer(old, fields) if newer and fields else change(old)) is not None:
                                 changed.append((old, new))
                     if not changed:
                         pipe.unwatch()
@@ -536,6 +552,13 @@ class JobStore:
             raise ValueError("claim_many: a job id appears twice (claim its deliveries one after another)")
         why = dict.fromkeys(job_ids, "unknown job")
 
+        def newer(record: JobRecord, fields: Sequence[str]) -> JobRecord | None:
+            if record.status.terminal:
+                why[record.id] = f"already {record.status.value}"
+                return None
+            why[record.id] = "unsupported by this worker"  # running it without those fields would be wrong
+            return _ended(record, UnsupportedByWorker(_newer_message(fields)), None)
+
         def change(record: JobRecord) -> JobRecord | None:
             if record.status.terminal:
                 why[record.id] = f"already {record.status.value}"
@@ -555,7 +578,7 @@ class JobStore:
                 }
             )
 
-        written = self._through_outage(lambda: self.update_many(job_ids, change))
+        written = self._through_outage(lambda: self.update_many(job_ids, change, newer))
         claimed = {}
         for job_id in job_ids:
             record = written.get(job_id)
@@ -636,6 +659,29 @@ class JobStore:
             for index in tag_indexes(record):
                 pipe.zrem(index, job_id)
             pipe.execute()
+
+
+def newer_request_fields(raw: bytes | str | None) -> list[str]:
+    """The fields of a stored record's request that this version does not know (dotted paths):
+    written by a newer API during a rolling upgrade."""
+    if raw is None:
+        return []
+    try:
+        JobRecord.model_validate_json(raw)
+    except ValidationError as exc:
+        return [
+            ".".join(str(part) for part in error["loc"][1:])
+            for error in exc.errors()
+            if error["type"] == "extra_forbidden" and error["loc"][:1] == ("request",)
+        ]
+    return []
+
+
+def _newer_message(fields: Sequence[str]) -> str:
+    return (
+        f"the job's request has fields this worker's version of actq does not know ({', '.join(fields[:8])}): it "
+        "was submitted through a newer API; upgrade this model's workers and submit it again"
+    )
 
 
 def _ended(record: JobRecord, failure: JobFailure, result: dict[str, Any] | None) -> JobRecord:

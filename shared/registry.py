@@ -61,7 +61,8 @@ class ModelRegistry:
         """Parse a stored description (read by the caller, e.g. with redis.asyncio) and cache it."""
         if raw is None:
             return None
-        info = ModelInfo.model_validate_json(raw)
+        # a newer worker's description may hold fields this version does not know: read without them
+        info = ModelInfo.model_validate_json(raw, extra="ignore")
         if self.cache_seconds:
             self._cache[info.name] = (time.monotonic(), info)
         return info

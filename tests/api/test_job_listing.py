@@ -116,7 +116,7 @@ def test_a_listing_reads_a_bounded_number_of_records(http, monkeypatch):
     crowd = [job(http, metadata={"run": "big"}) for _ in range(10)]
     parsed = []
     original = JobRecord.model_validate_json
-    monkeypatch.setattr(JobRecord, "model_validate_json", lambda raw: parsed.append(raw) or original(raw))
+    monkeypatch.setattr(JobRecord, "model_validate_json", lambda raw, **kw: parsed.append(raw) or original(raw, **kw))
     assert listed(http, **{"metadata.run": "big", "metadata.pick": "yes"}) == [rare]
     assert len(parsed) == 1  # read from the one-job index of pick=yes, not the eleven of run=big
     parsed.clear()

@@ -17,6 +17,7 @@ def test_every_stored_error_type_is_a_job_failure_class():
         "timeout",
         "out_of_memory",
         "worker_lost",
+        "unsupported_by_worker",  # a rolling upgrade: a newer API's request on an older worker
         "cancelled",
         "internal_error",
         "nnsight_error",  # nnsight jobs (docs/nnsight.md)

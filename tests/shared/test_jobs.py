@@ -201,7 +201,7 @@ def test_a_status_filter_reads_only_that_states_index(store, celery, redis_clien
     parsed = []
     original = JobRecord.model_validate_json
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(JobRecord, "model_validate_json", lambda raw: parsed.append(raw) or original(raw))
+        patch.setattr(JobRecord, "model_validate_json", lambda raw, **kw: parsed.append(raw) or original(raw, **kw))
         assert [r.id for r in store.list("k1", JobStatus.running, 10)] == [ids[3]]
     assert len(parsed) == 1
     store.succeed(ids[3], RESULT, None)
