@@ -493,7 +493,7 @@ class JobStore:
         """`update` for several jobs in one transaction: one WATCH, one MGET, one MULTI/EXEC
         whatever their number (a change to any of them meanwhile retries them all). Returns what
         was written, by job id. `newer`, if given, is called instead of `change` for a record whose
-        request has fields this version does not know (`newer_request_fields`)."""
+        request has fields this version does not know (`checked_record`)."""
         names = [keys.job(job_id) for job_id in job_ids]
         with self.redis.pipeline() as pipe:
             while True:
@@ -502,8 +502,7 @@ class JobStore:
                     changed = []
                     for raw in pipe.mget(names):
                         if raw is not None:
-                            old = self.record(raw)
-                            fields = newer_request_fields(raw) if newer is not None else []
+                            old, fields = checked_record(raw) if newer is not None else (self.record(raw), [])
                             if (new := newer(old, fields) if newer and fields else change(old)) is not None:
                                 changed.append((old, new))
                     if not changed:
@@ -661,20 +660,19 @@ class JobStore:
             pipe.execute()
 
 
-def newer_request_fields(raw: bytes | str | None) -> list[str]:
-    """The fields of a stored record's request that this version does not know (dotted paths):
-    written by a newer API during a rolling upgrade."""
-    if raw is None:
-        return []
+def checked_record(raw: bytes | str) -> tuple[JobRecord, list[str]]:
+    """A stored record and the fields of its request that this version does not know (dotted
+    paths: written by a newer API during a rolling upgrade). One strict parse; only a record that
+    fails it is parsed again, without the unknown fields."""
     try:
-        JobRecord.model_validate_json(raw)
+        return JobRecord.model_validate_json(raw), []
     except ValidationError as exc:
-        return [
+        fields = [
             ".".join(str(part) for part in error["loc"][1:])
             for error in exc.errors()
             if error["type"] == "extra_forbidden" and error["loc"][:1] == ("request",)
         ]
-    return []
+        return JobStore.record(raw), fields
 
 
 def _newer_message(fields: Sequence[str]) -> str:
