@@ -23,6 +23,7 @@ tokens; the repetition penalty follows transformers' (CTRL's), over prompt and g
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -95,10 +96,10 @@ def fold_seed(seed: int) -> int:
     return (seed ^ (seed >> 32)) & MASK32
 
 
-def uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int, out_dtype=torch.float32) -> torch.Tensor:
-    """`[B, vocab]` numbers in (0, 1), a function of (seed, step, token id) only: each row's
-    `seeds[b]` (32-bit) and `steps[b]` (how many tokens it generated). Integer arithmetic in
-    int64 keeping the low 32 bits (products wrap; the low bits stay exact)."""
+def hash32(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`[B, vocab]` int64 values in [0, 2**32), a function of (seed, step, token id) only: each
+    row's `seeds[b]` (32-bit) and `steps[b]` (how many tokens it generated). Integer arithmetic
+    in int64 keeping the low 32 bits (products wrap; the low bits stay exact)."""
     tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
     x = (seeds.view(-1, 1) * _SEED_MIX + steps.view(-1, 1) * _STEP_MIX) & MASK32
     x = (x + tokens * _TOKEN_MIX) & MASK32
@@ -106,9 +107,28 @@ def uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int, out_dtype=torc
     x = (x * _FMIX1) & MASK32
     x = x ^ (x >> 13)
     x = (x * _FMIX2) & MASK32
-    x = x ^ (x >> 16)
-    # 24 bits: exact in float32, and (k + 0.5) / 2**24 is never 0 or 1
-    return ((x >> 8).to(out_dtype) + 0.5) * (1.0 / (1 << 24))
+    return x ^ (x >> 16)
+
+
+def uniform_bits(dtype: torch.dtype) -> int:
+    """How many of a hash's 32 bits `open_unit` keeps for `dtype`: one fewer than its significand
+    holds (float32: 23), so that k + 0.5 is exact and (2**bits - 0.5) / 2**bits, the largest
+    value, is 1 - 2**-(bits + 1), which `dtype` still tells apart from 1 (its spacing below 1)."""
+    return min(round(-math.log2(torch.finfo(dtype).eps)), 32)  # eps = 2**-(significand bits - 1)
+
+
+def open_unit(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Hash values `x` in [0, 2**32) as numbers strictly inside (0, 1) in `dtype`: the top
+    `uniform_bits(dtype)` bits k give (k + 0.5) / 2**bits, computed exactly. Keeping 24 bits in
+    float32 was wrong: (2**24 - 0.5) / 2**24 rounds to 1.0, whose Gumbel noise is +inf (issue 46)."""
+    bits = uniform_bits(dtype)
+    return ((x >> (32 - bits)).to(dtype) + 0.5) * (1.0 / (1 << bits))
+
+
+def uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int, out_dtype=torch.float32) -> torch.Tensor:
+    """`[B, vocab]` numbers strictly inside (0, 1) in `out_dtype`, a function of (seed, step,
+    token id) only (`hash32`, then `open_unit`)."""
+    return open_unit(hash32(seeds, steps, vocab), out_dtype)
 
 
 class SamplingTable:

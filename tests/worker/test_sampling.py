@@ -21,7 +21,20 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from worker.sampling import Features, RowSampling, SamplingTable, process, sample, token_counts, uniform
+from worker.sampling import (
+    MASK32,
+    Features,
+    RowSampling,
+    SamplingTable,
+    fold_seed,
+    hash32,
+    open_unit,
+    process,
+    sample,
+    token_counts,
+    uniform,
+    uniform_bits,
+)
 
 VOCAB = 97
 EOS = {3, 5}
@@ -223,3 +236,127 @@ def test_the_parts_a_batch_skips_change_none_of_its_tokens(seed: int) -> None:
         got = sample(logits[lo:hi], state.table, generated, penalties, part=part, features=needed)
         assert got.tolist() == every[lo:hi].tolist(), (lo, hi, needed)
     assert state.table.features(slice(0, 16)) == Features(bias=True, penalties=True, filters=True, sampled=True)
+
+
+# -- the draw itself: strictly inside (0, 1), everywhere ----------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_value_the_hash_can_give_is_strictly_inside_0_1_with_finite_noise(dtype: torch.dtype) -> None:
+    """Exhaustive, not sampled: `open_unit` keeps the top `uniform_bits` bits of a 32-bit hash, so
+    every hash value falls in one of 2**bits buckets; both ends of every bucket (the smallest and
+    the largest 32-bit value in it) give a number strictly inside (0, 1) in `dtype`, the same for
+    both ends, all distinct and increasing (computed exactly), and Gumbel noise that is finite.
+    With 24 bits in float32 (the old draw), the last bucket gave exactly 1.0 and +inf noise."""
+    bits = uniform_bits(dtype)
+    k = torch.arange(1 << bits, dtype=torch.int64)
+    low, high = k << (32 - bits), ((k + 1) << (32 - bits)) - 1
+    assert int(high[-1]) == MASK32 and int(low[0]) == 0  # every 32-bit value lies in some bucket
+    u = open_unit(low, dtype)
+    assert u.dtype == dtype
+    assert torch.equal(u, open_unit(high, dtype))
+    assert bool((u > 0).all()) and bool((u < 1).all())
+    assert bool((u[1:] > u[:-1]).all())  # exact: no two buckets round together
+    noise = -torch.log(-torch.log(u))
+    assert bool(torch.isfinite(noise).all())
+    # the float32 value the old draw produced for its last bucket
+    assert float((torch.tensor(float((1 << 24) - 1)) + 0.5) * (1.0 / (1 << 24))) == 1.0
+
+
+def test_the_hash_stays_in_32_bits_for_any_seed_and_step() -> None:
+    """`hash32`'s output is what `open_unit` was proven over: [0, 2**32) for seeds and steps at
+    their extremes (folded seeds are 32-bit; steps are token counts)."""
+    seeds = torch.tensor([0, 1, MASK32, fold_seed(2**64 - 1), 0x9E3779B1], dtype=torch.int64)
+    steps = torch.tensor([0, 1, 2**20, 2**31 - 1, 7], dtype=torch.int64)
+    x = hash32(seeds, steps, 49_152)
+    assert int(x.min()) >= 0 and int(x.max()) <= MASK32
+
+
+# -- statistics over many seeds: the draw never leaves the distribution --------------------------
+
+BIG_VOCAB = 49_152  # SmolLM2's: an out-of-distribution draw hit about 0.3% of steps at this size
+
+
+def test_no_draw_ever_leaves_its_rows_filters_mask_or_bias() -> None:
+    """32 sampled rows with mixed settings (top_k, top_p, min_p, a -100 logit_bias on the
+    likeliest tokens, a grammar-like mask), each with its own seed, over 160 steps of fresh
+    logits at SmolLM2's vocabulary size: 5,120 draws, every one among the tokens its processed
+    scores keep (finite), allowed by its mask, and never a token biased by -100. Before the fix
+    about 0.3% of draws (15 expected here) were a token from anywhere in the vocabulary."""
+    rows, steps = 32, 160
+    rng = random.Random(46)
+    table = SamplingTable(rows, BIG_VOCAB, EOS, "cpu")
+    banned = {}
+    for slot in range(rows):
+        kind = slot % 5
+        settings_ = RowSampling(
+            temperature=rng.choice([0.3, 0.7, 1.0, 1.6]),
+            top_k=rng.choice([1, 5, 40]) if kind == 0 else 0,
+            top_p=rng.choice([0.5, 0.9]) if kind == 1 else 1.0,
+            min_p=rng.choice([0.05, 0.2]) if kind == 2 else 0.0,
+            seed=rng.randrange(2**63),
+            logit_bias={t: -100.0 for t in range(slot * 7, slot * 7 + 5)} if kind == 3 else {},
+        )
+        table.set_row(slot, settings_)
+        banned[slot] = set(settings_.logit_bias)
+    allowed = torch.ones(rows, BIG_VOCAB, dtype=torch.bool)
+    masked_rows = [slot for slot in range(rows) if slot % 5 == 4]
+    generator = torch.Generator().manual_seed(46)
+    features = table.features(slice(0, rows))
+    outside = []
+    for step in range(steps):
+        logits = torch.randn(rows, BIG_VOCAB, generator=generator) * 3
+        for slot in range(rows):  # the biased tokens lead: a -100 bias is what keeps them out
+            if banned[slot]:
+                logits[slot, sorted(banned[slot])] += 20
+        allowed[masked_rows] = False
+        allowed[masked_rows, step % 50 :: 50] = True  # ~1,000 allowed tokens, moving each step
+        generated = torch.full((rows,), step, dtype=torch.int64)
+        scores = process(logits, table, generated, allowed=allowed, features=features)
+        tokens = sample(logits, table, generated, allowed=allowed, features=features)
+        kept = torch.isfinite(scores.gather(1, tokens.view(-1, 1)))[:, 0] & allowed.gather(1, tokens.view(-1, 1))[:, 0]
+        for slot, token in enumerate(tokens.tolist()):
+            if not kept[slot] or token in banned[slot]:
+                outside.append((step, slot, token))
+    assert not outside, f"{len(outside)} of {rows * steps} draws left their distribution: {outside[:5]}"
+
+
+CASES = {
+    "temperature 0.7": RowSampling(temperature=0.7),
+    "temperature 1.6, top_k 5": RowSampling(temperature=1.6, top_k=5),
+    "top_p 0.8": RowSampling(temperature=1.0, top_p=0.8),
+    "min_p 0.1": RowSampling(temperature=1.3, min_p=0.1),
+    "logit_bias": RowSampling(temperature=1.0, logit_bias={0: -100.0, 3: 2.5}),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_seeded_draws_fit_the_softmax_of_the_processed_scores(case: str) -> None:
+    """A chi-square goodness-of-fit test: 20,000 seeds, one draw each from the same 16 logits
+    with one row's settings, against softmax(processed scores), where `process` is checked
+    against transformers' own processors above. Tokens expected fewer than 5 times are pooled.
+    The draws are a fixed function of the seeds: the p-value is the same every run."""
+    from scipy.stats import chisquare
+
+    rows, vocab = 20_000, 16
+    base = torch.randn(vocab, generator=torch.Generator().manual_seed(7)) * 1.5
+    table = SamplingTable(rows, vocab, set(), "cpu")
+    settings_ = CASES[case]
+    for slot in range(rows):
+        settings_.seed = slot * 2_654_435_761 + 12_345
+        table.set_row(slot, settings_)
+    logits = base.expand(rows, -1).clone()
+    generated = torch.zeros(rows, dtype=torch.int64)
+    features = table.features(slice(0, rows))
+    tokens = sample(logits, table, generated, features=features)
+    p = process(logits[:1], table, generated[:1], features=features).softmax(-1)[0].double()
+    counts = torch.bincount(tokens, minlength=vocab).double()
+    assert float(counts[p == 0].sum()) == 0  # nothing the filters removed is ever drawn
+    expected = p * rows
+    big = expected >= 5
+    observed = torch.cat([counts[big], counts[~big].sum().view(1)])
+    wanted = torch.cat([expected[big], expected[~big].sum().view(1)])
+    if float(wanted[-1]) == 0:
+        observed, wanted = observed[:-1], wanted[:-1]
+    result = chisquare(observed.numpy(), wanted.numpy() * (observed.sum() / wanted.sum()).item())
+    assert result.pvalue > 1e-3, (case, result, observed.tolist(), wanted.tolist())
