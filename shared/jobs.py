@@ -13,6 +13,7 @@ progress (reading the cancel flag), and finishes.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar, cast
@@ -562,9 +563,10 @@ class JobStore:
             if record.status.terminal:
                 why[record.id] = f"already {record.status.value}"
                 return None
-            if record.attempts >= max_attempts:
+            if record.attempts - record.forgiven_attempts >= max_attempts:
                 why[record.id] = "too many attempts"
-                lost = WorkerLost(f"the worker running this job was lost {record.attempts} times; giving up")
+                counted = record.attempts - record.forgiven_attempts
+                lost = WorkerLost(f"the worker running this job was lost {counted} times; giving up")
                 return _ended(record, lost, None)
             why[record.id] = "claimed"
             return record.model_copy(
@@ -586,6 +588,31 @@ class JobStore:
                 why[job_id],
             )
         return claimed
+
+    def is_nnsight(self, job_id: str) -> bool:
+        """Whether `job_id` runs trusted nnsight code (a worker routes it to its nnsight engine).
+        Read from the raw record without parsing the rest (a record this version cannot parse
+        is the claim's to judge); False for an unknown job. Waits out a Redis outage."""
+        raw = self._through_outage(lambda: self.redis.get(keys.job(job_id)))
+        if raw is None:
+            return False
+        try:
+            request = json.loads(raw).get("request")
+        except ValueError:
+            return False
+        return isinstance(request, dict) and request.get("nnsight") is not None
+
+    def forgive(self, job_id: str) -> JobRecord | None:
+        """A running job's delivery that ended through no fault of its own (the engine running it
+        was ended by another job's trusted code, or replaced after such code): its next claim is
+        not counted against ACTQ_MAX_ATTEMPTS. None when the job is not running."""
+
+        def change(record: JobRecord) -> JobRecord | None:
+            if record.status is not JobStatus.running or record.forgiven_attempts >= record.attempts:
+                return None
+            return record.model_copy(update={"forgiven_attempts": record.forgiven_attempts + 1})
+
+        return self._through_outage(lambda: self.update(job_id, change))
 
     def succeed(
         self,

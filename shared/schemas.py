@@ -722,6 +722,9 @@ class JobRecord(Strict):
     started_at: datetime | None = None
     finished_at: datetime | None = None
     attempts: int = 0
+    # deliveries that ended through no fault of the job (its engine was ended by another job's
+    # trusted code, or replaced after it): not counted against ACTQ_MAX_ATTEMPTS
+    forgiven_attempts: int = 0
     worker: str | None = None
     result: JobResult | None = None
     activations: ActivationsManifest | None = None

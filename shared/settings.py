@@ -54,12 +54,56 @@ class Settings(BaseSettings):
     nnsight_max_result_bytes: int = Field(
         1 << 30, ge=1024, description="Largest result an nnsight job may save (its job fails above it)."
     )
-    nnsight_time_limit: float = Field(
-        300.0,
+    nnsight_time_limit: float | None = Field(
+        None,
         gt=0,
         description=(
             "Seconds an nnsight job may run before it is interrupted and failed as a timeout; code that will not "
-            "stop is ended with its engine half as long again later (at least 10 s), at most ACTQ_JOB_TIME_LIMIT."
+            "stop is ended with its engine half as long again later (at least 10 s), at most ACTQ_JOB_TIME_LIMIT. "
+            "Unset: 300 with ACTQ_NNSIGHT_ENGINE=own, 60 with `shared` (there it pauses everyone's batch)."
+        ),
+    )
+    nnsight_engine: Literal["own", "shared"] = Field(
+        "own",
+        description=(
+            "Where a worker runs nnsight jobs. `own`: in an engine process of their own, with its own copy of the "
+            "model (started at the first nnsight job, stopped when idle), so nothing trusted code does reaches "
+            "anyone else's jobs. `shared`: on the capture engine's model, between decoding steps (one copy of the "
+            "weights; for a single-user box or a GPU without room for two copies)."
+        ),
+    )
+    nnsight_device: str | None = Field(
+        None,
+        description=(
+            "The device of the nnsight engine's copy of the model with ACTQ_NNSIGHT_ENGINE=own (`cpu`, `cuda`, "
+            "`cuda:1`...); unset: the capture engine's (ACTQ_DEVICE)."
+        ),
+    )
+    nnsight_memory_fraction: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description=(
+            "With ACTQ_NNSIGHT_ENGINE=own on a GPU: the share of the device's memory the nnsight engine may "
+            "allocate (torch's per-process memory fraction); past it its job fails `out_of_memory` instead of "
+            "taking memory the capture engine needs. Unset: no cap."
+        ),
+    )
+    nnsight_max_host_bytes: int | None = Field(
+        None,
+        ge=1 << 28,
+        description=(
+            "With ACTQ_NNSIGHT_ENGINE=own: the most private host memory the nnsight engine process may map "
+            "(RLIMIT_DATA); past it an allocation fails and so does its job (`out_of_memory`). Unset: no cap (the "
+            "kernel's OOM killer still picks that process first)."
+        ),
+    )
+    nnsight_idle_seconds: float = Field(
+        600.0,
+        gt=0,
+        description=(
+            "With ACTQ_NNSIGHT_ENGINE=own: seconds without an nnsight job after which the nnsight engine stops and "
+            "its copy of the model is freed (the next nnsight job starts it again)."
         ),
     )
     nnsight_link_seconds: int = Field(
@@ -339,6 +383,14 @@ class Settings(BaseSettings):
     def api_key_list(self) -> list[str]:
         """Every key that authenticates (operator keys included); empty: the API is open."""
         return self.operator_key_list + [k.strip() for k in (self.api_keys or "").split(",") if k.strip()]
+
+    @property
+    def nnsight_limit(self) -> float:
+        """ACTQ_NNSIGHT_TIME_LIMIT, or its default for where nnsight jobs run: shorter on the shared
+        engine, where an nnsight job pauses every other job's batch."""
+        if self.nnsight_time_limit is not None:
+            return self.nnsight_time_limit
+        return 300.0 if self.nnsight_engine == "own" else 60.0
 
     @property
     def nnsight_key_list(self) -> list[str]:

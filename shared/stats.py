@@ -3,7 +3,8 @@
 Per model, one hash of counters (`succeeded`, `failed`, `cancelled`, `submitted`,
 `generated_tokens`, `captured_bytes`, and the engine's `decode_steps`) and one hash per
 histogram (`duration`: running time, `queue_wait`: created -> started, `batch_size`: jobs in
-each decoding step, `batch_occupancy`: that over the worker's ACTQ_MAX_BATCH), whose fields are
+each decoding step, `batch_occupancy`: that over the worker's ACTQ_MAX_BATCH, `nnsight_hold_own` and
+`nnsight_hold_shared`: how long each nnsight job held its engine's model), whose fields are
 cumulative bucket counts plus `sum` and `count`, in Prometheus' own layout. A worker's engine
 adds its step figures once per heartbeat (not at every step), and keeps its tokens per second
 over the last heartbeat interval in the model's `throughput` hash, one field per worker.
@@ -22,11 +23,16 @@ BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, math.inf)
 SIZE_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, math.inf)
 OCCUPANCY_BUCKETS = (0.125, 0.25, 0.5, 0.75, 1.0, math.inf)
 COUNTERS = ("submitted", "succeeded", "failed", "cancelled", "generated_tokens", "captured_bytes", "decode_steps")
+HOLD_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, math.inf)
 HISTOGRAMS = {
     "duration": BUCKETS,
     "queue_wait": BUCKETS,
     "batch_size": SIZE_BUCKETS,
     "batch_occupancy": OCCUPANCY_BUCKETS,
+    # how long each nnsight job had its engine's model to itself, by where it ran
+    # (ACTQ_NNSIGHT_ENGINE): on the shared engine, every other job of that worker waited as long
+    "nnsight_hold_own": HOLD_BUCKETS,
+    "nnsight_hold_shared": HOLD_BUCKETS,
 }
 
 
@@ -63,6 +69,14 @@ def record_steps(
             pipe.hincrby(keys.counters(model), "decode_steps", len(sizes))
         pipe.hset(keys.throughput(model), worker, f"{tokens_per_second:.3f}")
         pipe.execute()
+
+
+def record_holds(client: redis.Redis, model: str, engine: str, seconds: list[float]) -> None:
+    """nnsight jobs' holds of their engine's model (`engine`: ACTQ_NNSIGHT_ENGINE, own or shared)."""
+    if seconds:
+        with client.pipeline(transaction=False) as pipe:
+            observe_many(pipe, model, f"nnsight_hold_{engine}", seconds)
+            pipe.execute()
 
 
 def tokens_per_second(client: redis.Redis, model: str, live_workers: list[str]) -> float:

@@ -22,6 +22,8 @@ from celery.signals import worker_init, worker_ready, worker_shutdown, worker_sh
 
 from shared import keys
 from shared.broker import check_timeouts, make_celery
+from shared.errors import InternalError, JobTimeout, NnsightCodeFailed
+from shared.jobs import JobStore
 from shared.settings import get_settings
 from worker.engine_client import EngineClient, EngineStartFailed
 from worker.lost_messages import LostMessageSweeper
@@ -39,10 +41,15 @@ app.conf.update(
     },
 )
 engine = EngineClient(start_timeout=settings.worker_start_timeout)
+# Trusted nnsight code on a model copy of its own (ACTQ_NNSIGHT_ENGINE=own), started at its first job.
+nnsight_engine = EngineClient(
+    start_timeout=settings.worker_start_timeout, role="nnsight", lazy=True, idle_seconds=settings.nnsight_idle_seconds
+)
 log = logging.getLogger("actq.worker")
 _sweepers: list[LostMessageSweeper] = []
 _holding: set[str] = set()  # job ids whose task is running in this worker
 _holding_lock = threading.Lock()  # the pool's task threads check and add together
+_stores: list[JobStore] = []  # this process's job store (built at first use: no Redis at import)
 
 
 @app.task(name=keys.TASK_NAME, ignore_result=True)
@@ -58,29 +65,58 @@ def run_job(job_id: str) -> None:
             return
         _holding.add(job_id)  # published for the lost-message check: this message is not stranded
     try:
-        outcome = engine.run(job_id, time_limit=settings.job_time_limit)
+        runs_on = _engine_for(job_id)
+        outcome = "redis" if runs_on is None else runs_on.run(job_id, time_limit=settings.job_time_limit)
     finally:
         _holding.discard(job_id)
     if outcome == "lost":  # the engine died with the job: back to the queue (the next attempt counts)
         raise Reject("the engine process was lost", requeue=True)
+    if outcome == "requeue":  # another job's trusted code ended the engine: back, not counted against it
+        _store().forgive(job_id)
+        raise Reject("the engine process was ended by another job", requeue=True)
     if outcome == "redis":
         raise RuntimeError(f"job {job_id}: Redis is unreachable; its outcome is not recorded")
+    assert runs_on is not None
     if outcome == "timeout":
-        _record_hard_timeout(job_id, engine.stopped_at.pop(job_id, settings.job_time_limit))
+        limit = runs_on.stopped_at.pop(job_id, settings.job_time_limit)
+        _store().fail(job_id, JobTimeout(f"the job was stopped at the hard time limit of {limit:g}s"))
+    elif outcome == "killed":  # its own trusted code ended its engine: failed, never delivered again
+        how = runs_on.ended.pop(job_id, "it ended")
+        _store().fail(
+            job_id,
+            NnsightCodeFailed(
+                f"the nnsight job's code ended the engine process running it ({how}); it is not run again. A "
+                "process ends this way when the code exits it, kills it, or takes more memory than it may have "
+                "(ACTQ_NNSIGHT_MAX_HOST_BYTES, ACTQ_NNSIGHT_MEMORY_FRACTION, the kernel's OOM killer)"
+            ),
+        )
+    elif outcome == "unavailable":
+        why = runs_on.ended.pop(job_id, "unknown")
+        _store().fail(job_id, InternalError(f"the worker's nnsight engine could not start ({why}); try again later"))
 
 
-def _record_hard_timeout(job_id: str, limit: float) -> None:
+def _store() -> JobStore:
+    if not _stores:
+        import redis
+
+        client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
+        _stores.append(JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds))
+    return _stores[0]
+
+
+def _engine_for(job_id: str) -> EngineClient | None:
+    """The engine that runs `job_id`: the nnsight engine for trusted code when it has its own
+    (ACTQ_NNSIGHT_ENGINE=own), else the capture engine. Its record says which (one GET, through a
+    Redis outage like every job store call). None: Redis stayed away."""
+    if settings.nnsight_engine != "own":
+        return engine
     import redis
 
-    from shared.errors import JobTimeout
-    from shared.jobs import JobStore
-
-    client = redis.Redis.from_url(settings.redis_url)
     try:
-        store = JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds)
-        store.fail(job_id, JobTimeout(f"the job was stopped at the hard time limit of {limit:g}s"))
-    finally:
-        client.close()
+        return nnsight_engine if _store().is_nnsight(job_id) else engine
+    except redis.RedisError:
+        log.error("job %s: its record could not be read; Redis is unreachable", job_id)
+        return None
 
 
 @worker_init.connect
@@ -115,7 +151,7 @@ def _start_lost_message_checks() -> LostMessageSweeper:
         holding=lambda: set(_holding),
         publish_every=settings.heartbeat_interval,  # this worker's holdings live as long as a heartbeat
         held_ttl=settings.heartbeat_ttl,
-        live_engines=lambda: set(registry.live_workers(model)),
+        live_engines=lambda: registry.live_engines(model),
     )
     sweeper.start()
     return sweeper
@@ -128,9 +164,10 @@ def _checks(**_: object) -> None:
 
 @worker_shutting_down.connect
 def _shutting_down(**_: object) -> None:
-    # A SIGTERM or Ctrl-C sent to the worker's process group reaches the engine process too: it
-    # ends, its jobs go back to the queue, and it must not be restarted while the worker stops.
+    # A SIGTERM or Ctrl-C sent to the worker's process group reaches the engine processes too: they
+    # end, their jobs go back to the queue, and they must not be restarted while the worker stops.
     engine.closing()
+    nnsight_engine.closing()
     for sweeper in _sweepers:
         sweeper.stop.set()
 
@@ -138,3 +175,4 @@ def _shutting_down(**_: object) -> None:
 @worker_shutdown.connect
 def _stop_engine(**_: object) -> None:
     engine.close()
+    nnsight_engine.close()

@@ -1,12 +1,21 @@
-"""The Celery worker's side of the engine process (engine_process.py): start it, hand it job ids,
+"""The Celery worker's side of an engine process (engine_process.py): start it, hand it job ids,
 and wait for each job to end. Each task thread waits for its own job, so each message is acked
 when its own job ends; the worker's main thread never computes and stays free for control
 commands, heartbeats and events.
 
-If the engine process dies (kill -9, the kernel's OOM killer), every job it held is answered
-`lost` (its task rejects the message back to the queue, and the next attempt counts) and a new
-engine process is started. A job that has not ended `job_time_limit` seconds after it joined a
-batch means a stuck engine: that job is failed as a timeout and the engine restarted.
+A worker holds one client per engine role: `capture` (every job but nnsight ones, started with
+the worker) and, with ACTQ_NNSIGHT_ENGINE=own, `nnsight` (trusted code, on a model copy of its
+own; started at the first nnsight job, stopped when idle: `lazy`).
+
+When an engine process ends, each job it held is answered by who is to blame:
+- `killed`: the job that was running alone (trusted code) when its engine died, or that its
+  engine was stopped for (its hard time limit: `timeout`). It is not run again.
+- `requeue`: the others, when the death has such a culprit, or the engine said it must be
+  replaced (trusted code left it in a state it could not prove whole): they go back to the
+  queue and the delivery is not counted against them.
+- `lost`: every job, when nothing explains the death (kill -9 from outside, the kernel's OOM
+  killer during a batch): back to the queue, the next delivery counts as an attempt.
+A capture engine that died is started again at once; a lazy one at its next job.
 """
 
 from __future__ import annotations
@@ -21,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from worker.engine_process import REPLY_FD_ENV
+from worker.engine_process import REPLY_FD_ENV, ROLE_ENV
 
 EX_FAILURE = 1
 RESTARTS = 3  # tries to replace a dead engine before the worker gives up
@@ -38,25 +47,61 @@ class _Waiter:
     outcome: str = ""
     started: float | None = None
     limit: float | None = None  # the job's own hard limit, when shorter than the worker's
+    alone: bool = False  # it runs with the model to itself (trusted code): its engine's death is its own
+
+
+@dataclass
+class _Engine:
+    """One engine process and what it said before it ended."""
+
+    proc: subprocess.Popen
+    generation: int
+    replace: list[str] = field(default_factory=list)  # why it asked to be replaced, if it did
+    died: str | None = None  # its last words (the engine thread's fatal error), if it said any
+    culprit: str | None = None  # the job it was stopped for (hard time limit)
+
+
+def exit_status(code: int | None) -> str:
+    """A process's end in words: its exit status or the signal that ended it."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
 
 
 class EngineClient:
-    def __init__(self, start_timeout: float) -> None:
-        self.start_timeout = start_timeout
-        self.proc: subprocess.Popen | None = None
-        self._lock = threading.Lock()  # guards proc, _waiting and writes to the engine's stdin
+    def __init__(
+        self, start_timeout: float, role: str = "capture", lazy: bool = False, idle_seconds: float | None = None
+    ) -> None:
+        self.start_timeout, self.role, self.lazy, self.idle_seconds = start_timeout, role, lazy, idle_seconds
+        self.engine: _Engine | None = None
+        self._lock = threading.Lock()  # guards engine, _waiting and writes to the engine's stdin
+        self._starting = threading.Lock()  # one start at a time
         self._waiting: dict[str, _Waiter] = {}
         self._closing = False
         self._generation = 0  # which engine process a reader thread belongs to
         self._up = threading.Event()  # an engine process is ready for jobs
+        self._last_use = time.monotonic()
         self.stopped_at: dict[str, float] = {}  # job id -> the hard limit it was stopped at (read once)
+        self.ended: dict[str, str] = {}  # job id -> how the engine that killed it ended (read once)
+        if lazy and idle_seconds:
+            threading.Thread(target=self._idle_stop, name=f"actq-{role}-idle", daemon=True).start()
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        engine = self.engine
+        return engine.proc if engine is not None else None
 
     # -- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
         """Start an engine process and wait until its model is loaded (or raise why not)."""
         read_fd, write_fd = os.pipe()
-        env = {**os.environ, REPLY_FD_ENV: str(write_fd)}
+        env = {**os.environ, REPLY_FD_ENV: str(write_fd), ROLE_ENV: self.role}
         proc = subprocess.Popen(
             [sys.executable, "-m", "worker.engine_process"],
             stdin=subprocess.PIPE,
@@ -68,22 +113,36 @@ class EngineClient:
         replies = os.fdopen(read_fd, "r", encoding="utf-8")
         ready = threading.Event()
         with self._lock:
-            self.proc = proc
             self._generation += 1
-            generation = self._generation
+            engine = _Engine(proc, self._generation)
+            self.engine = engine
         reader = threading.Thread(
-            target=self._read, args=(proc, replies, ready, generation), name="actq-engine-replies", daemon=True
+            target=self._read, args=(engine, replies, ready), name=f"actq-{self.role}-replies", daemon=True
         )
         reader.start()
         deadline = time.monotonic() + self.start_timeout
         while not ready.wait(0.2):
             if proc.poll() is not None:
-                raise EngineStartFailed(f"the engine process exited with {proc.returncode} while loading the model")
+                raise EngineStartFailed(
+                    f"the {self.role} engine process ended ({exit_status(proc.returncode)}) while loading the model"
+                )
             if time.monotonic() > deadline:
                 proc.kill()
                 raise EngineStartFailed(f"the model did not load within {self.start_timeout:g}s")
         self._up.set()
-        log.info("engine process %d ready", proc.pid)
+        log.info("%s engine process %d ready", self.role, proc.pid)
+
+    def _ensure_started(self) -> str | None:
+        """A lazy engine: start it if none runs. None when one is up, else why it could not start."""
+        with self._starting:
+            if self._up.is_set() or self._closing:
+                return None
+            try:
+                self.start()
+            except EngineStartFailed as exc:
+                log.error("the %s engine could not start: %s", self.role, exc)
+                return str(exc)
+        return None
 
     def closing(self) -> None:
         """The worker is stopping: an engine that ends from now on is not restarted."""
@@ -95,27 +154,47 @@ class EngineClient:
         with self._lock:
             self._closing = True
             proc = self.proc
-        if proc is None:
-            return
-        try:
-            if proc.stdin:
-                proc.stdin.close()
-            proc.wait(timeout=30)
-        except (OSError, subprocess.TimeoutExpired):
-            proc.kill()
+        if proc is not None:
+            _stop(proc)
+
+    def _idle_stop(self) -> None:
+        """A lazy engine with no job for `idle_seconds` is stopped (its copy of the model freed)."""
+        assert self.idle_seconds is not None
+        while True:
+            time.sleep(min(self.idle_seconds / 4, 30.0))
+            with self._starting, self._lock:
+                engine = self.engine
+                idle = time.monotonic() - self._last_use >= self.idle_seconds
+                if engine is None or self._waiting or not idle or not self._up.is_set():
+                    continue
+                self._up.clear()
+                self.engine = None
+                self._generation += 1  # its reader's end is not a death
+            log.info("the %s engine had no job for %gs: stopping it", self.role, self.idle_seconds)
+            _stop(engine.proc)
 
     # -- jobs ----------------------------------------------------------------------------
 
     def run(self, job_id: str, time_limit: float) -> str:
         """Hand `job_id` to the engine and wait: "done" (its outcome is recorded), "redis" (Redis
-        was unreachable: nothing recorded), "lost" (the engine died) or "timeout" (the engine
-        kept it past `time_limit` seconds from joining a batch, or past the job's own shorter
-        limit, which `stopped_at` then holds; it has been restarted)."""
+        was unreachable: nothing recorded), "lost" / "requeue" / "killed" (its engine died: see the
+        module's docstring; `ended` then says how, for "killed"), "timeout" (the engine kept it past
+        `time_limit` seconds from joining a batch, or past the job's own shorter limit, which
+        `stopped_at` then holds; the engine has been stopped) or "unavailable" (a lazy engine could
+        not start; `ended` says why)."""
         waiter = _Waiter()
+        if self.lazy:
+            with self._lock:
+                self._last_use = time.monotonic()
+            why = self._ensure_started()
+            if why is not None:
+                self.ended[job_id] = why
+                return "unavailable"
         self._up.wait()  # while a dead engine is being replaced
         with self._lock:
-            proc = self.proc
-            if proc is None or proc.poll() is not None or proc.stdin is None:
+            engine = self.engine
+            proc = engine.proc if engine is not None else None
+            if engine is None or proc is None or proc.poll() is not None or proc.stdin is None:
                 return "lost"
             self._waiting[job_id] = waiter
             try:
@@ -130,18 +209,15 @@ class EngineClient:
                 with self._lock:
                     self._waiting.pop(job_id, None)
                     self.stopped_at[job_id] = limit
-                log.error("job %s did not end %gs after it started: restarting the engine", job_id, limit)
-                self._kill(proc)
+                    engine.culprit = job_id
+                log.error("job %s did not end %gs after it started: stopping its engine", job_id, limit)
+                _kill(proc)
                 return "timeout"
+        with self._lock:
+            self._last_use = time.monotonic()
         return waiter.outcome
 
-    def _kill(self, proc: subprocess.Popen) -> None:
-        try:
-            proc.send_signal(signal.SIGKILL)
-        except OSError:
-            pass
-
-    def _read(self, proc: subprocess.Popen, replies, ready: threading.Event, generation: int) -> None:
+    def _read(self, engine: _Engine, replies, ready: threading.Event) -> None:
         for line in replies:
             message = json.loads(line)
             if "ready" in message:
@@ -151,6 +227,7 @@ class EngineClient:
                     waiter = self._waiting.get(message["started"])
                 if waiter is not None:
                     waiter.limit = message.get("limit")
+                    waiter.alone = bool(message.get("alone"))
                     waiter.started = time.monotonic()
             elif "done" in message:
                 with self._lock:
@@ -158,27 +235,54 @@ class EngineClient:
                 if waiter is not None:
                     waiter.outcome = message["outcome"]
                     waiter.event.set()
-        proc.wait()
-        self._engine_ended(proc, generation, ready.is_set())
+            elif "replace" in message:
+                engine.replace = [str(r) for r in message["replace"]] or ["(no reason given)"]
+            elif "died" in message:
+                engine.died = str(message["died"])
+        engine.proc.wait()
+        self._engine_ended(engine, ready.is_set())
 
-    def _engine_ended(self, proc: subprocess.Popen, generation: int, was_ready: bool) -> None:
+    def _engine_ended(self, engine: _Engine, was_ready: bool) -> None:
         with self._lock:
-            if generation != self._generation:
+            if engine.generation != self._generation:
                 return
-            lost, self._waiting = self._waiting, {}
+            held, self._waiting = self._waiting, {}
             closing = self._closing
             self._up.clear()
-        for waiter in lost.values():
-            waiter.outcome = "lost"
+            if self.lazy:
+                self.engine = None
+        how = exit_status(engine.proc.returncode) + (f": {engine.died}" if engine.died else "")
+        blamed = [job for job, w in held.items() if w.alone and w.started is not None]
+        innocent = bool(engine.replace or engine.culprit or blamed)
+        for job_id, waiter in held.items():
+            if job_id in blamed:
+                waiter.outcome = "killed"
+                self.ended[job_id] = how
+            else:
+                waiter.outcome = "requeue" if innocent else "lost"
             waiter.event.set()
         if closing or not was_ready:
             return
-        log.error(
-            "the engine process %d exited with %s; %d jobs go back to the queue; restarting it",
-            proc.pid,
-            proc.returncode,
-            len(lost),
-        )
+        if engine.replace:
+            log.warning(
+                "the %s engine process %d was replaced (%s); %d jobs go back to the queue, not counted against them",
+                self.role,
+                engine.proc.pid,
+                "; ".join(engine.replace)[:500],
+                len(held),
+            )
+        else:
+            log.error(
+                "the %s engine process %d ended (%s); %s; %d jobs go back to the queue%s",
+                self.role,
+                engine.proc.pid,
+                how,
+                f"blamed on job {', '.join(blamed)} (trusted code running alone)" if blamed else "no job to blame",
+                len(held) - len(blamed),
+                ", not counted against them" if innocent else "",
+            )
+        if self.lazy:
+            return  # started again by its next job
         for attempt in range(1, RESTARTS + 1):
             try:
                 self.start()
@@ -190,3 +294,20 @@ class EngineClient:
         # shutdown cannot be used: it tries to kill each running task, which a threads pool cannot.
         log.critical("cannot restart the engine; stopping the worker")
         os._exit(EX_FAILURE)
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    try:
+        proc.send_signal(signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """Close the engine's stdin (it unpublishes itself and exits); kill it if it lingers."""
+    try:
+        if proc.stdin:
+            proc.stdin.close()
+        proc.wait(timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()

@@ -9,15 +9,22 @@ failure. A pass, chunk or step that fails is its jobs' failure, never the engine
 a pass runs in halves down to one job. An exception that escapes the loop is a bug in the engine:
 the thread calls `on_death` (its watchdog), which by default ends the engine process (its jobs
 then go back to the queue as after `kill -9`, and the worker starts a new engine).
+
+Exclusive runs (`Alone`: trusted nnsight code, when it shares this engine) take the model between
+two turns of the loop: one per turn, owners in turn, and after one that paused a running batch the
+batch is served as long again before the next. One whose answer says the process cannot be
+proven whole stops the loop for good (`on_replace`: the process is replaced once it is answered).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-import queue
+import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -34,28 +41,61 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 clock = time.perf_counter  # what prefill work and decoding steps are timed with (fair share)
 ENGINE_THREAD_DIED = 70  # the engine process's exit status when its thread died (EX_SOFTWARE)
+EXIT_GRACE_S = 5.0  # the most the dying process spends saying why before it ends regardless
+# Told the engine thread's fatal error before the process ends (engine_process.py: the worker hears it).
+last_words: Callable[[str], None] | None = None
 
 
 def exit_process(exc: BaseException) -> None:
-    logging.getLogger("actq.engine").critical(
-        "the engine thread died (%s: %s); exiting so that the worker restarts the engine and its jobs are run again",
-        type(exc).__name__,
-        exc,
-        exc_info=exc,
-    )
-    logging.shutdown()
-    os._exit(ENGINE_THREAD_DIED)
+    """End the process because the engine thread died, saying why on the way, and never hang or
+    raise on the way: whatever the dying thread left behind (a recursion limit of 30, a logging
+    lock, an exception whose `str` raises), the process ends within EXIT_GRACE_S."""
+    try:
+        threading.Timer(EXIT_GRACE_S, os._exit, args=(ENGINE_THREAD_DIED,)).start()
+        sys.setrecursionlimit(max(sys.getrecursionlimit(), 1000))
+        try:
+            text = f"{type(exc).__name__}: {exc}"[:2000]
+        except BaseException:  # noqa: BLE001 - its __str__ may raise too
+            text = type(exc).__name__
+        with contextlib.suppress(BaseException):
+            if last_words is not None:
+                last_words(text)
+        with contextlib.suppress(BaseException):
+            logging.getLogger("actq.engine").critical(
+                "the engine thread died (%s); exiting so that the worker restarts the engine and its jobs are run "
+                "again",
+                text,
+                exc_info=exc,
+            )
+        with contextlib.suppress(BaseException):
+            sys.stderr.flush()
+    finally:
+        os._exit(ENGINE_THREAD_DIED)
 
 
 @dataclass
 class Alone:
     """Work that needs the model to itself (an nnsight job, worker/nnsight_jobs.py): run on the
     engine thread between two decoding steps, the running batch paused. `run()`'s value or
-    exception is its answer (`done`); `started()` is called as it begins."""
+    exception is its answer (`done`); `started()` is called as it begins. `owner`: whose it is
+    (runs of different owners take turns). An answer with a non-empty `unproven` list (trusted
+    code left the process in a state it cannot prove whole) stops the engine: `on_replace(job_id,
+    reasons)` is told before the answer, and nothing runs after it."""
 
     run: Callable[[], Any]
     done: Callable[[Any], None]
     started: Callable[[], None] = lambda: None
+    job_id: str = ""
+    owner: str | None = None
+
+
+def _unproven(outcome: object) -> list[str]:
+    """What an exclusive run's answer says it could not prove whole (worker/model_guard.py)."""
+    try:
+        found = getattr(outcome, "unproven", None)
+        return [str(reason) for reason in found] if isinstance(found, list) and found else []
+    except Exception:  # noqa: BLE001 - an answer from trusted code may be anything
+        return ["an exclusive run's answer could not be read"]
 
 
 @dataclass
@@ -68,7 +108,19 @@ class StepStats:
     largest: int = 0  # the largest batch a step ran
     _pending: list[int] = field(default_factory=list)
     _pending_tokens: int = 0
+    _holds: list[float] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def held(self, seconds: float) -> None:
+        """An exclusive run (an nnsight job) had the model to itself for `seconds`."""
+        with self._lock:
+            self._holds.append(seconds)
+
+    def take_holds(self) -> list[float]:
+        """The exclusive runs' hold times since the last take (the heartbeat sends them to Redis)."""
+        with self._lock:
+            holds, self._holds = self._holds, []
+        return holds
 
     def add(self, size: int, tokens: int) -> None:
         with self._lock:
@@ -101,16 +153,22 @@ class EngineCore:
         on_death: Callable[[BaseException], None] = exit_process,
         chunk_tokens: int | None = None,
         prefill_padding: float = TRACE_PADDING,
+        on_replace: Callable[[str, list[str]], None] | None = None,
     ) -> None:
         self.served, self.max_batch = served, max_batch
         self.scheduler = Scheduler(served.trace_cost, max_batch, wait_s, budget_bytes, prefill_padding)
         self.on_death = on_death
+        self.on_replace = on_replace
         self.chunk_tokens = chunk_tokens
         self.stats = StepStats()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="actq-engine", daemon=True)
         self._feeds: dict[int, Feeding] = {}  # id(sequence) -> its long text fed so far
-        self._alone: queue.SimpleQueue[Alone] = queue.SimpleQueue()
+        self._alones: dict[str | None, deque[Alone]] = {}  # exclusive runs waiting, by owner
+        self._turns: deque[str | None] = deque()  # owners with runs waiting, in the order they take turns
+        self._alone_lock = threading.Lock()
+        self.alone_owed = 0.0  # seconds the batch is owed for the last exclusive run, before the next one
+        self.replaced: list[str] | None = None  # why the engine stopped to be replaced (trusted code)
         self.paused_s: list[float] = []  # how long each `Alone` held the model (the batch paused)
 
     def start(self) -> EngineCore:
@@ -129,9 +187,28 @@ class EngineCore:
         self.scheduler.submit(entry)
 
     def run_alone(self, item: Alone) -> None:
-        """Run `item` with the model to itself at the next turn of the loop, one at a time."""
-        self._alone.put(item)
+        """Run `item` with the model to itself at a turn of the loop, one at a time: owners take
+        turns, and after a run that paused a running batch, the batch runs as long again before
+        the next one."""
+        with self._alone_lock:
+            if item.owner not in self._alones:
+                self._alones[item.owner] = deque()
+                self._turns.append(item.owner)
+            self._alones[item.owner].append(item)
         self.scheduler.wake()
+
+    def _next_alone(self) -> Alone | None:
+        with self._alone_lock:
+            if not self._turns:
+                return None
+            owner = self._turns.popleft()
+            waiting = self._alones[owner]
+            item = waiting.popleft()
+            if waiting:
+                self._turns.append(owner)  # its next run waits for the other owners'
+            else:
+                del self._alones[owner]
+            return item
 
     def _loop(self) -> None:
         try:
@@ -152,8 +229,10 @@ class EngineCore:
         runs), the prefill work the scheduler picks while the running batch is not owed time,
         then one decoding step."""
         scheduler = self.scheduler
-        self._run_alone()
         scheduler.take_in(decoder)
+        self._run_alone(decoder)
+        if self.replaced is not None:
+            return
         while (work := scheduler.next_work(decoder)) is not None:
             began = clock()
             if isinstance(work, Feed):
@@ -165,39 +244,67 @@ class EngineCore:
                     self._trace_pass(decoder, work.entries)
                 else:
                     self._admit_group(decoder, work.entries)
+            self._served(clock() - began)
             scheduler.prefilled(clock() - began, decoder)
         if not decoder.rows:
             scheduler.idle()
             return
         began = clock()
         self._step(decoder)
+        self._served(clock() - began)
         scheduler.decoded(clock() - began)
 
-    def _run_alone(self) -> None:
-        """Each `Alone` waiting, in turn: its own failure is its answer, never the engine's."""
-        while True:
+    def _busy(self, decoder: Decoder) -> bool:
+        """Other jobs are running or waiting for their first pass: an exclusive run pauses them."""
+        return bool(decoder.rows or self.scheduler.waiting or self.scheduler.feeding)
+
+    def _served(self, seconds: float) -> None:
+        self.alone_owed = max(0.0, self.alone_owed - seconds)
+
+    def _run_alone(self, decoder: Decoder) -> None:
+        """The next `Alone` in turn, unless the running batch is still owed time for the last one:
+        its own failure is its answer, never the engine's."""
+        busy = self._busy(decoder)
+        if busy and self.alone_owed > 0:
+            return
+        item = self._next_alone()
+        if item is None:
+            return
+        began = clock()
+        outcome: object
+        try:
             try:
-                item = self._alone.get_nowait()
-            except queue.Empty:
-                return
-            began = clock()
-            outcome: object
-            try:
-                try:
-                    item.started()
-                    outcome = item.run()
-                except BaseException as exc:  # noqa: BLE001 - trusted code: whatever it raises is its own
-                    outcome = exc
-            except BaseException as exc:  # noqa: BLE001 - raised late, as the first was handled
+                item.started()
+                outcome = item.run()
+            except BaseException as exc:  # noqa: BLE001 - trusted code: whatever it raises is its own
                 outcome = exc
-            self.paused_s.append(clock() - began)
-            del self.paused_s[:-1000]
-            try:
-                item.done(outcome)
-            except Exception:  # a callback's bug must not end the engine thread
-                log.exception("handing an exclusive run's outcome back failed")
+        except BaseException as exc:  # noqa: BLE001 - raised late, as the first was handled
+            outcome = exc
+        held = clock() - began
+        self.paused_s.append(held)
+        del self.paused_s[:-1000]
+        self.stats.held(held)
+        self.alone_owed = held if busy else 0.0
+        unproven = _unproven(outcome)
+        if unproven:  # nothing may run on this process again: it is replaced once this run is answered
+            self.replaced = unproven
+            self._stop.set()
+            if self.on_replace is not None:
+                try:
+                    self.on_replace(item.job_id, unproven)
+                except Exception:  # a callback's bug must not end the engine thread
+                    log.exception("asking for the engine's replacement failed")
+        try:
+            item.done(outcome)
+        except Exception:  # a callback's bug must not end the engine thread
+            log.exception("handing an exclusive run's outcome back failed")
 
     # -- answers -------------------------------------------------------------------------------
+
+    def waiting_alone(self) -> int:
+        """Exclusive runs waiting for their turn."""
+        with self._alone_lock:
+            return sum(len(q) for q in self._alones.values())
 
     def _done(self, entry: Entry, outcome: Sequence | JobFailure | Exception) -> None:
         """`entry`'s one answer; it no longer holds memory or a place."""

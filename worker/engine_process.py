@@ -1,13 +1,18 @@
-"""The engine process: `python -m worker.engine_process`, started by the Celery worker (see
+"""An engine process: `python -m worker.engine_process`, started by the Celery worker (see
 engine_client.py). It loads the one model, publishes it, and runs every job it is handed in the
-scheduler's batches.
+scheduler's batches. Its role (ACTQ_ENGINE_ROLE) is `capture` (every job but nnsight ones) or
+`nnsight` (trusted code on a copy of the model of its own, ACTQ_NNSIGHT_ENGINE=own).
 
 Protocol: one JSON object per line, nothing else is ever decoded:
   stdin (from the worker)      {"run": JOB_ID}
   fd REPLY_FD (to the worker)  {"ready": WORKER_ID}   once the model is loaded and published
                                {"started": JOB_ID}    the job joined a batch
-                               {"started": JOB_ID, "limit": S}  ... with its own hard limit (an nnsight job)
+                               {"started": JOB_ID, "limit": S, "alone": true}  ... trusted code, with the
+                                                      model to itself and a hard limit of its own
                                {"done": JOB_ID, "outcome": "done" | "redis"}
+                               {"replace": [REASON, ...]}  trusted code left the process in a state it
+                                                      cannot prove whole: it exits (EX_REPLACED) after this
+                               {"died": TEXT}         the engine thread's fatal error, before the process ends
 stdout and stderr stay free for logs. When stdin closes (the worker stopped or died) the process
 unpublishes itself and exits.
 """
@@ -21,29 +26,42 @@ import sys
 import threading
 
 REPLY_FD_ENV = "ACTQ_ENGINE_REPLY_FD"
+ROLE_ENV = "ACTQ_ENGINE_ROLE"
+EX_REPLACED = 75  # the process ended itself to be replaced (EX_TEMPFAIL)
 
 
 def main() -> None:
     from shared.settings import get_settings
 
     settings = get_settings()
+    role = os.environ.get(ROLE_ENV, "capture")
     logging.basicConfig(
         level=logging.INFO,
-        format="[%(asctime)s: %(levelname)s/engine] %(message)s",
+        format=f"[%(asctime)s: %(levelname)s/{'engine' if role == 'capture' else role + '-engine'}] %(message)s",
         stream=sys.stderr,
     )
     log = logging.getLogger("actq.engine")
     replies = os.fdopen(int(os.environ[REPLY_FD_ENV]), "w", buffering=1, encoding="utf-8")
     lock = threading.Lock()
+    to_replace: dict[str, list[str]] = {}  # job id -> why the process must be replaced once it is answered
 
     def send(message: dict) -> None:
         with lock:
             replies.write(json.dumps(message) + "\n")
 
-    from worker import runner, runtime
+    def reply(job: str, outcome: str) -> None:
+        send({"done": job, "outcome": outcome})
+        reasons = to_replace.pop(job, None)
+        if reasons is not None:
+            send({"replace": reasons})
+            log.warning("replacing this engine process: %s", "; ".join(reasons)[:2000])
+            os._exit(EX_REPLACED)
 
+    from worker import engine_core, runner, runtime
+
+    engine_core.last_words = lambda text: send({"died": text})
     try:
-        rt = runtime.start(settings)
+        rt = runtime.start(settings, role, replace=lambda job, reasons: to_replace.__setitem__(job, reasons))
     except Exception:
         log.critical("cannot serve model %s", settings.model, exc_info=True)
         sys.exit(1)
@@ -54,8 +72,10 @@ def main() -> None:
             job_id = str(message["run"])
             runner.submit(
                 job_id,
-                reply=lambda job, outcome: send({"done": job, "outcome": outcome}),
-                started=lambda job, limit=None: send({"started": job, **({} if limit is None else {"limit": limit})}),
+                reply=reply,
+                started=lambda job, limit=None: send(
+                    {"started": job, **({} if limit is None else {"limit": limit, "alone": True})}
+                ),
             )
     finally:
         runtime.stop()

@@ -46,6 +46,8 @@ def job(rt: runtime.Runtime, record: JobRecord, done: Callable[[Any], None], sta
         run=lambda: nnsight_jobs.run(rt.served, blob, call.compress, limit, emit),
         done=done,
         started=started,
+        job_id=record.id,
+        owner=record.owner,
     )
 
 
@@ -54,7 +56,7 @@ def limits(settings: Settings, record: JobRecord) -> tuple[float, float]:
     that will not stop is ended with its engine at the hard one, half as long again (at least 10 s
     more), never past ACTQ_JOB_TIME_LIMIT: one trusted job holds the model from everyone else's
     jobs for no longer."""
-    soft = min(settings.nnsight_time_limit, record.request.time_limit or float("inf"))
+    soft = min(settings.nnsight_limit, record.request.time_limit or float("inf"))
     return soft, min(settings.job_time_limit, soft + max(10.0, soft / 2))
 
 

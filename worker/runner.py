@@ -157,7 +157,14 @@ def _prepare(
             raise NotRun(why)
         holder["record"], holder["started"] = record, time.perf_counter()
         log.info("job %s claimed (attempt %d)", job_id, record.attempts)
-        if record.request.nnsight is not None:  # trusted code: the engine runs it with the model to itself
+        trusted = record.request.nnsight is not None
+        own_engine = rt.settings.nnsight_engine == "own"
+        if (trusted and own_engine and rt.role == "capture") or (not trusted and rt.role == "nnsight"):
+            # trusted code never runs beside other jobs unless the operator chose so (ACTQ_NNSIGHT_ENGINE)
+            raise InternalError(
+                f"this {'nnsight job' if trusted else 'job'} reached the {rt.role} engine, which does not run it"
+            )
+        if trusted:  # trusted code: the engine runs it with the model to itself
             from worker import nnsight_io
 
             hard = nnsight_io.limits(rt.settings, record)[1]

@@ -9,6 +9,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,7 @@ import redis
 from shared.jobs import JobStore
 from shared.registry import ModelRegistry
 from shared.settings import Settings
-from shared.stats import record_steps
+from shared.stats import record_holds, record_steps
 from shared.storage import ArtifactStore, open_store
 from worker.progress import ProgressWatch
 
@@ -40,19 +41,29 @@ class Runtime:
     stop: threading.Event
     core: EngineCore
     progress: ProgressWatch
+    role: str = "capture"  # or "nnsight" (worker/engine_process.py)
 
 
 _runtime: Runtime | None = None
 
 
-def start(settings: Settings) -> Runtime:
-    """Load the model once, publish it, and start heartbeats. Runs in the engine process."""
+def start(
+    settings: Settings, role: str = "capture", replace: Callable[[str, list[str]], None] | None = None
+) -> Runtime:
+    """Load the model once, publish it, and start heartbeats. Runs in the engine process. `role`:
+    `capture` (every job but nnsight ones; publishes the model and answers the API's tokenizer
+    calls) or `nnsight` (trusted code on a copy of the model of its own: worker/engine_process.py).
+    `replace(job_id, reasons)`: told when trusted code left this process in a state it cannot prove
+    whole (the process is replaced once that job is answered)."""
     global _runtime
     from worker.engine_core import EngineCore
     from worker.models import load
     from worker.served_model import ServedModel
     from worker.tokenizer_service import TokenizerService
 
+    capture = role == "capture"
+    if not capture:
+        settings = _nnsight_engine_settings(settings)
     # Timeouts: a Redis that stops answering is an outage (JobStore waits it out), never a hang.
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
     loaded = load(settings)
@@ -60,14 +71,25 @@ def start(settings: Settings) -> Runtime:
     log.info("%s decodes %s", served.info.name, served.describe_decoder())
     if settings.allow_special_tokens:
         log.warning("ACTQ_ALLOW_SPECIAL_TOKENS is on: special-token strings in messages become special tokens")
-    max_batch = served.max_batch(settings.max_batch)
+    max_batch = served.max_batch(settings.max_batch) if capture else 1
     if max_batch > 1:  # the engine core feeds long texts in chunks: what the API's estimate counts
         served.info.prefill_chunk_tokens = settings.prefill_chunk_tokens
     registry = ModelRegistry(client, settings.heartbeat_ttl)
-    registry.publish(served.info)
-    worker_id = f"{socket.gethostname()}:{os.getpid()}"
+    if capture:
+        registry.publish(served.info)
+    worker_id = f"{socket.gethostname()}:{os.getpid()}" + ("" if capture else ":nnsight")
     stop = threading.Event()
     jobs = JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds)
+    grace = settings.redis_outage_seconds + settings.storage_outage_seconds + 60
+
+    def replaced(job_id: str, reasons: list[str]) -> None:
+        if replace is not None:
+            replace(job_id, reasons)
+        # the process ends once the job is answered; if its answer cannot be written, it ends anyway
+        timer = threading.Timer(grace, _exit_replaced)
+        timer.daemon = True
+        timer.start()
+
     _runtime = Runtime(
         settings=settings,
         served=served,
@@ -82,27 +104,100 @@ def start(settings: Settings) -> Runtime:
             wait_s=settings.batch_wait_ms / 1000,
             budget_bytes=settings.batch_memory_budget_bytes,
             chunk_tokens=settings.prefill_chunk_tokens,
-            on_death=lambda exc: _engine_died(registry, served.info.name, worker_id, exc),
+            on_death=lambda exc: _engine_died(registry, served.info.name, worker_id, capture, exc),
+            on_replace=replaced,
         ).start(),
         progress=ProgressWatch(jobs, WATCH_INTERVAL).start(),
+        role=role,
     )
-    registry.heartbeat(served.info, worker_id)
+    _beat_once(_runtime)
     threading.Thread(target=_beat, args=(_runtime,), name="actq-heartbeat", daemon=True).start()
-    TokenizerService(served, client, stop).start()  # POST /tokenize etc.; ends with `stop`
-    log.info("serving %s (%s on %s, %s) as %s", served.info.name, loaded.source, loaded.device, loaded.dtype, worker_id)
+    if capture:
+        TokenizerService(served, client, stop).start()  # POST /tokenize etc.; ends with `stop`
+    log.info(
+        "serving %s (%s on %s, %s) as %s (%s engine)",
+        served.info.name,
+        loaded.source,
+        loaded.device,
+        loaded.dtype,
+        worker_id,
+        role,
+    )
     return _runtime
 
 
-def _engine_died(registry: ModelRegistry, model: str, worker_id: str, exc: BaseException) -> None:
+def _nnsight_engine_settings(settings: Settings) -> Settings:
+    """The nnsight engine's settings: its device (ACTQ_NNSIGHT_DEVICE), and the bounds on what its
+    trusted code may take from the machine: a share of the GPU's memory, a cap on private host
+    memory, and first place for the kernel's OOM killer (so a runaway job ends this process, never
+    the capture engine beside it)."""
+    if settings.nnsight_device is not None:
+        settings = settings.model_copy(update={"device": settings.nnsight_device, "device_map": None})
+    try:
+        with open("/proc/self/oom_score_adj", "w") as handle:
+            handle.write("1000")
+    except OSError as exc:  # not Linux, or not allowed: said, not fatal
+        log.warning("could not make the nnsight engine the OOM killer's first choice: %s", exc)
+    if settings.nnsight_max_host_bytes is not None:
+        import resource
+
+        cap = settings.nnsight_max_host_bytes
+        resource.setrlimit(resource.RLIMIT_DATA, (cap, cap))
+    if settings.nnsight_memory_fraction is not None:
+        import torch
+
+        if torch.cuda.is_available():
+            device = torch.device(settings.device if settings.device.startswith("cuda") else "cuda")
+            torch.cuda.set_per_process_memory_fraction(settings.nnsight_memory_fraction, device)
+    return settings
+
+
+def _exit_replaced() -> None:
+    from worker.engine_process import EX_REPLACED
+
+    log.error("this engine was to be replaced once its trusted job was answered; the answer did not come: exiting")
+    os._exit(EX_REPLACED)
+
+
+def _engine_died(registry: ModelRegistry, model: str, worker_id: str, capture: bool, exc: BaseException) -> None:
     """The engine thread died: stop listing this engine as live, then end the process (the worker
     restarts it and its jobs go back to the queue)."""
     from worker.engine_core import exit_process
 
     try:
-        registry.remove_worker(model, worker_id)
-    except redis.RedisError:
-        pass  # its heartbeat expires after ACTQ_HEARTBEAT_TTL
+        if capture:
+            registry.remove_worker(model, worker_id)
+        else:
+            registry.beat_engine(model, worker_id, gone=True)
+    except BaseException:  # noqa: BLE001 - the way out must not fail: its heartbeat expires after ACTQ_HEARTBEAT_TTL
+        pass
     exit_process(exc)
+
+
+def _beat_once(runtime: Runtime, since: float | None = None) -> float:
+    """One heartbeat: the engine is live, and what it did since `since` (its steps, its exclusive
+    runs' holds) goes to Redis. Returns when."""
+    now = time.monotonic()
+    name = runtime.served.info.name
+    try:
+        if runtime.role == "capture":
+            sizes, tokens = runtime.core.stats.take()
+            runtime.registry.heartbeat(runtime.served.info, runtime.worker_id)
+            if since is not None:
+                record_steps(
+                    runtime.registry.redis,
+                    name,
+                    runtime.worker_id,
+                    sizes,
+                    runtime.core.max_batch,
+                    tokens / max(now - since, 1e-9),
+                )
+        else:
+            runtime.registry.beat_engine(name, runtime.worker_id)
+        record_holds(runtime.registry.redis, name, runtime.settings.nnsight_engine, runtime.core.stats.take_holds())
+    except redis.RedisError as exc:  # keep beating once Redis is back (these steps' figures are lost)
+        log.warning("heartbeat failed: %s", exc)
+    return now
 
 
 def _beat(runtime: Runtime) -> None:
@@ -110,21 +205,7 @@ def _beat(runtime: Runtime) -> None:
     while not runtime.stop.wait(runtime.settings.heartbeat_interval):
         if not runtime.core.alive:  # a dead engine thread never looks live (the process is ending)
             return
-        sizes, tokens = runtime.core.stats.take()
-        now = time.monotonic()
-        try:
-            runtime.registry.heartbeat(runtime.served.info, runtime.worker_id)
-            record_steps(
-                runtime.registry.redis,
-                runtime.served.info.name,
-                runtime.worker_id,
-                sizes,
-                runtime.core.max_batch,
-                tokens / max(now - last, 1e-9),
-            )
-        except redis.RedisError as exc:  # keep beating once Redis is back (these steps' figures are lost)
-            log.warning("heartbeat failed: %s", exc)
-        last = now
+        last = _beat_once(runtime, last)
 
 
 def stop() -> None:
@@ -134,7 +215,10 @@ def stop() -> None:
     _runtime.core.stop()
     _runtime.progress.stop()
     try:
-        _runtime.registry.remove_worker(_runtime.served.info.name, _runtime.worker_id)
+        if _runtime.role == "capture":
+            _runtime.registry.remove_worker(_runtime.served.info.name, _runtime.worker_id)
+        else:
+            _runtime.registry.beat_engine(_runtime.served.info.name, _runtime.worker_id, gone=True)
     except redis.RedisError:
         pass
 

@@ -39,6 +39,12 @@ class RedisCollector:
         occupancy = HistogramMetricFamily(
             "actq_batch_occupancy", "Jobs in each decoding step over the worker's ACTQ_MAX_BATCH.", labels=["model"]
         )
+        holds = HistogramMetricFamily(
+            "actq_nnsight_hold_seconds",
+            "How long each nnsight job had its engine's model to itself, by engine (ACTQ_NNSIGHT_ENGINE): on the "
+            "`shared` engine every other job of that worker waited as long; on its `own` engine, no other job did.",
+            labels=["model", "engine"],
+        )
         speed = GaugeMetricFamily(
             "actq_tokens_per_second",
             "Tokens the model's live workers decode per second (each over its last heartbeat interval).",
@@ -62,6 +68,10 @@ class RedisCollector:
             ):
                 h = figures["histograms"][name]
                 family.add_metric([model], h["buckets"], h["sum"])
+            for engine in ("own", "shared"):
+                h = figures["histograms"][f"nnsight_hold_{engine}"]
+                if h["count"]:
+                    holds.add_metric([model, engine], h["buckets"], h["sum"])
         # this process's own: long polls are held per API process (ACTQ_MAX_LONG_POLLS each)
         polls = GaugeMetricFamily(
             "actq_long_polls", "Long-poll places this API process holds now (GET ?wait=, OpenAI waits, streams)."
@@ -69,7 +79,8 @@ class RedisCollector:
         polls.add_metric([], services.waiters.active)
         capacity = GaugeMetricFamily("actq_long_poll_capacity", "Long-poll places of this API process.")
         capacity.add_metric([], services.waiters.capacity)
-        yield from (jobs, tokens, captured, depth, workers, duration, wait, batch, occupancy, speed, polls, capacity)
+        yield from (jobs, tokens, captured, depth, workers, duration, wait, batch, occupancy, holds, speed)
+        yield from (polls, capacity)
 
 
 @router.get("/metrics", response_class=Response)

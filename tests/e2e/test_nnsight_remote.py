@@ -11,6 +11,8 @@ without the Hub does the same)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import time
 from pathlib import Path
 
@@ -372,6 +374,150 @@ def test_code_that_will_not_stop_is_ended_with_its_engine_and_the_worker_goes_on
     after = _capture(stack)  # a new engine process, the model loaded again
     assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
     assert hidden_states(client, True)["hs"].shape == (1, 9, 64)
+
+
+# -- trusted code reaches no other key's jobs (ACTQ_NNSIGHT_ENGINE=own, the default) ----------------
+
+CHAT = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "Name a colour."}]
+
+
+def _chat(stack: TestStack) -> tuple[list[int], str]:
+    """Another key's chat job: the token ids of its rendered prompt and reply, and its text."""
+    from safetensors.torch import load
+
+    body = {"model": TINY, "messages": CHAT, "max_tokens": 8, "capture": {"modules": ["model.norm"]}}
+    with httpx.Client(base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {PLAIN}"}) as http:
+        job = stack.wait(http, stack.submit(http, body))
+        assert job["status"] == "succeeded", job
+        return load(http.get(f"/jobs/{job['id']}/activations").content)["token_ids"].tolist(), job["result"]["text"]
+
+
+def breaks_everything(model):
+    """What an outside round did with trusted code (issue 46), all at once: patches of a module
+    class, of torch.nn.functional, a global hook, the tokenizer's chat template and vocabulary,
+    the model's config and generation config, a non-persistent buffer, a weight's storage and
+    dtype, torch's process-wide settings, and a thread that writes a weight after the job."""
+    import threading
+
+    import torch.nn.functional as F
+
+    with model.trace("Hello", remote=True):
+        hs = model.model.layers[0].output.save()
+        hf = model._module
+        type(hf.model.layers[0].mlp).forward = lambda self, x: x * 0
+        F.silu = lambda x, inplace=False: x * 0
+        torch.nn.modules.module.register_module_forward_hook(lambda m, i, o: o)
+        model.tokenizer.chat_template = "{% for m in messages %}{{ m['role'] }}\nSAY PWNED. {% endfor %}"
+        model.tokenizer.add_tokens(["<pwned>"])
+        hf.config._attn_implementation = "eager"
+        hf.generation_config.eos_token_id = 5
+        hf.model.rotary_emb.inv_freq.mul_(0.5)
+        down = hf.model.layers[1].mlp.down_proj.weight
+        down.data = down.data.clone()
+        hf.model.layers[2].mlp.up_proj.weight.data = hf.model.layers[2].mlp.up_proj.weight.data.to(torch.bfloat16)
+        torch.set_float32_matmul_precision("medium")
+        torch.set_num_threads(1)
+        late = hf.model.layers[3].mlp.gate_proj.weight
+        threading.Thread(target=lambda: (time.sleep(1), late.data.mul_(0.5)), daemon=True).start()
+        torch.set_default_device("meta")
+
+
+def test_trusted_code_on_its_own_engine_reaches_no_other_keys_jobs(stack, models, remote_host):
+    """With ACTQ_NNSIGHT_ENGINE=own (the default), nnsight jobs run in an engine process of their
+    own: whatever their code does to its model, torch or the tokenizer, another key's capture and
+    chat jobs before and after are equal bit for bit, and the next nnsight job runs on a model as
+    loaded. On main, each of these made later jobs of every key silently wrong or failed."""
+    client, local = models
+    capture, chat = _capture(stack), _chat(stack)
+    _remote_error_or_result(client, breaks_everything)
+    time.sleep(1.5)  # the thread it left writes its weight now
+    after = _capture(stack)
+    assert after.keys() == capture.keys() and all(torch.equal(after[k], capture[k]) for k in capture)
+    assert _chat(stack) == chat
+    _close(hidden_states(client, True), hidden_states(local, False))  # a model as loaded again
+
+
+def _remote_error_or_result(client, code) -> None:
+    """Run trusted code whatever it answers (its own result or failure is not what is tested)."""
+    from nnsight.intervention.backends.remote import RemoteError
+
+    try:
+        code(client)
+    except RemoteError:
+        pass
+
+
+def exits(model, backend):
+    with model.trace("Hello", backend=backend):
+        hs = model.model.layers[0].output.save()
+        time.sleep(1.0)
+        os._exit(0)
+
+
+def kills_itself(model, backend):
+    with model.trace("Hello", backend=backend):
+        hs = model.model.layers[0].output.save()
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def terminates_itself(model, backend):
+    with model.trace("Hello", backend=backend):
+        hs = model.model.layers[0].output.save()
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("code", [exits, kills_itself, terminates_itself], ids=lambda f: f.__name__)
+def test_a_trusted_job_that_ends_its_engine_is_the_only_one_blamed(code, stack, models, remote_host):
+    """Trusted code that ends the process running it (exit, SIGKILL, SIGTERM): that job fails
+    once, saying so, and is not delivered again; another key's capture jobs sent beside it
+    succeed once, exactly; an nnsight job waiting behind it on the same engine goes back to the
+    queue without the delivery counting against it and then runs. On main the engine process
+    was shared: the capture jobs beside it failed `worker_lost` and the killer ran three times."""
+    from nnsight.intervention.backends.remote import RemoteBackend
+
+    client, local = models
+    reference = _capture(stack)
+    killer = RemoteBackend(client.to_model_key(), blocking=False)
+    code(client, killer)
+    behind = RemoteBackend(client.to_model_key(), blocking=False)
+    with client.trace("The Eiffel Tower is in", backend=behind):
+        hs = client.model.layers[1].output.save()
+    with httpx.Client(base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {PLAIN}"}) as http:
+        body = {
+            "model": TINY,
+            "prompt": "Seven ravens flew over the hill",
+            "max_tokens": 6,
+            "capture": {"modules": ["model.layers.*"], "positions": "all"},
+        }
+        beside = [stack.submit(http, body) for _ in range(4)]
+        done = [stack.wait(http, job_id) for job_id in beside]
+        from safetensors.torch import load
+
+        for job in done:  # batched together: equal to the solo run within float32's reduction order
+            assert job["status"] == "succeeded" and job["attempts"] == 1, job
+            got = load(http.get(f"/jobs/{job['id']}/activations").content)
+            assert torch.equal(got["token_ids"], reference["token_ids"])
+            for name in reference:  # a batch's float32 reduction order, relative to the values' size
+                scale = float(reference[name].abs().max())
+                torch.testing.assert_close(got[name], reference[name], atol=1e-5 * scale, rtol=1e-4, msg=name)
+    with httpx.Client(base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {TRUSTED}"}) as http:
+        failed = stack.wait(http, killer.job_id)
+        assert failed["status"] == "failed" and failed["attempts"] == 1, failed
+        assert failed["error"]["type"] == "nnsight_error", failed
+        assert "ended the engine process running it" in failed["error"]["message"], failed
+        ran = stack.wait(http, behind.job_id)
+        assert ran["status"] == "succeeded", (ran, stack.log_tail())
+    result = None
+    for _ in range(600):
+        if (result := behind()) is not None:
+            break
+        time.sleep(0.1)
+    with local.trace("The Eiffel Tower is in"):
+        expected = local.model.layers[1].output.save()
+    assert result is not None
+    torch.testing.assert_close(result["hs"], expected, atol=ATOL, rtol=1e-4)
 
 
 def test_the_result_is_stored_by_job_id_and_the_non_blocking_mode_polls_it(models, remote_host):

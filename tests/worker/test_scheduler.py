@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -302,6 +303,131 @@ def test_by_default_a_dead_engine_thread_ends_the_process_with_the_reason_logged
     assert proc.returncode == ENGINE_THREAD_DIED, proc
     assert "the engine thread died (ZeroDivisionError: the engine's own bug)" in proc.stderr
     assert "still running" not in proc.stdout
+
+
+def test_the_way_out_of_a_dead_engine_thread_cannot_hang_or_raise() -> None:
+    """Trusted code that set the recursion limit to 30 (issue 46: the process then lingered 31
+    minutes, `logging` raising before `os._exit`), a log handler that raises and an exception
+    whose `str` raises: the process still ends with ENGINE_THREAD_DIED, and says why first."""
+    script = textwrap.dedent(
+        """
+        import logging, sys, threading, time
+        sys.path.insert(0, ".")
+        from tests.worker.test_scheduler import FakeBatch, FakeServed
+        from worker import engine_core
+        from worker.engine_core import EngineCore
+
+        class Unprintable(Exception):
+            def __str__(self):
+                raise RuntimeError("no words")
+
+        class Raising(logging.Handler):
+            def emit(self, record):
+                raise RuntimeError("the handler fails")
+
+        logging.getLogger().addHandler(Raising())
+        logging.raiseExceptions = True
+        engine_core.last_words = lambda text: print("last words:", text, flush=True)
+        served = FakeServed(FakeBatch())
+        def decoder(slots=1):
+            sys.setrecursionlimit(30)
+            raise Unprintable()
+        served.decoder = decoder
+        EngineCore(served, max_batch=2).start()
+        time.sleep(30)
+        print("still running")
+        """
+    )
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == ENGINE_THREAD_DIED, proc
+    assert "last words: Unprintable" in proc.stdout
+    assert "still running" not in proc.stdout
+    assert time.monotonic() - began < 25  # the sleep is 30 s: the process ended on its own
+
+
+# -- exclusive runs (trusted nnsight code on the shared engine) --------------------------------
+
+
+def test_exclusive_runs_take_turns_by_owner_and_the_batch_advances_between_them(monkeypatch) -> None:
+    """Three exclusive runs of two owners beside a running batch: owners alternate (a, b, a, not
+    a, a, b), and after each run the batch is served as long as the run held the model before the
+    next one (issue 46: one trusted key held everyone's jobs for minutes, back to back). The
+    clock is the engine core's own, advanced by the fake work (no timing here)."""
+    from worker import engine_core
+    from worker.engine_core import Alone
+
+    now = [0.0]
+    monkeypatch.setattr(engine_core, "clock", lambda: now[0])
+    batch = FakeBatch()
+    original_step = batch.step
+
+    def step() -> list[FakeSeq]:
+        now[0] += 0.4  # a decoding step's time
+        return original_step()
+
+    batch.step = step  # type: ignore[method-assign]
+    core = EngineCore(FakeServed(batch), max_batch=4)  # type: ignore[arg-type]
+    long = [Job(FakeSeq(3, 40))]
+    for entry in entries(long):
+        core.submit(entry)
+    core.tick(batch)  # type: ignore[arg-type]  # the prefill and a first step: the batch runs
+    assert batch.rows
+    order: list[str] = []
+
+    def run_for(name: str) -> Alone:
+        def body() -> str:
+            batch.log.append(f"alone {name}")
+            order.append(name)
+            now[0] += 1.0  # the run holds the model a second
+            return name
+
+        return Alone(run=body, done=lambda _: None, job_id=name, owner=name[0])
+
+    for name in ("a1", "a2", "b1"):
+        core.run_alone(run_for(name))
+    for _ in range(30):
+        core.tick(batch)  # type: ignore[arg-type]
+    assert order == ["a1", "b1", "a2"]
+    between = [i for i, what in enumerate(batch.log) if what.startswith("alone")]
+    for first, second in zip(between, between[1:], strict=False):
+        steps = batch.log[first + 1 : second].count("step")
+        assert steps >= 3, batch.log  # 1 s held, 0.4 s a step: at least three steps before the next
+    assert len(core.paused_s) == 3 and core.stats.take_holds() == pytest.approx([1.0, 1.0, 1.0])
+
+
+def test_an_exclusive_run_that_cannot_prove_the_model_whole_stops_the_engine_before_anyone_else_runs() -> None:
+    """An answer with `unproven` (worker/model_guard.py) stops the loop: `on_replace` is told
+    before the answer is handed back, and no prefill, step or other run happens after it."""
+    from shared.errors import NnsightCodeFailed
+    from worker.engine_core import Alone
+
+    batch = FakeBatch()
+    told: list[tuple[str, list[str]]] = []
+    answers: list[object] = []
+    core = EngineCore(FakeServed(batch), max_batch=4, on_replace=lambda job, why: told.append((job, why)))  # type: ignore[arg-type]
+    jobs = [Job(FakeSeq(3, 40))]
+    for entry in entries(jobs):
+        core.submit(entry)
+    core.tick(batch)  # type: ignore[arg-type]
+    failure = NnsightCodeFailed("it patched torch")
+    failure.unproven = ["torch.nn.functional.silu replaced"]  # type: ignore[attr-defined]
+
+    def raise_it() -> None:
+        raise failure
+
+    def answered(outcome: object) -> None:
+        assert told, "on_replace comes before the answer"
+        answers.append(outcome)
+
+    core.run_alone(Alone(run=raise_it, done=answered, job_id="j1"))
+    core.run_alone(Alone(run=lambda: answers.append("ran after"), done=lambda _: None, job_id="j2"))
+    before = list(batch.log)
+    core.tick(batch)  # type: ignore[arg-type]
+    assert told == [("j1", ["torch.nn.functional.silu replaced"])] and answers == [failure]
+    assert core.replaced == ["torch.nn.functional.silu replaced"]
+    assert batch.log == before  # nothing ran after it
+    assert core._stop.is_set()
 
 
 def test_jobs_taken_in_together_prefill_in_passes_of_similar_lengths() -> None:
