@@ -66,19 +66,25 @@ def run_job(job_id: str) -> None:
     if outcome == "redis":
         raise RuntimeError(f"job {job_id}: Redis is unreachable; its outcome is not recorded")
     if outcome == "timeout":
-        _record_hard_timeout(job_id, engine.stopped_at.pop(job_id, settings.job_time_limit))
+        _record_hard_timeout(job_id, *engine.stopped_at.pop(job_id, (settings.job_time_limit, None)))
 
 
-def _record_hard_timeout(job_id: str, limit: float) -> None:
+def _record_hard_timeout(job_id: str, limit: float, attempt: tuple[int, str | None] | None) -> None:
+    """Fail the job the engine was stopped for, if it is still the attempt the engine ran (it
+    may have been claimed again meanwhile by another worker, whose outcome then stands)."""
     import redis
 
+    from shared.attempts import Attempt, StaleAttempt
     from shared.errors import JobTimeout
     from shared.jobs import JobStore
 
     client = redis.Redis.from_url(settings.redis_url)
     try:
         store = JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds)
-        store.fail(job_id, JobTimeout(f"the job was stopped at the hard time limit of {limit:g}s"))
+        failure = JobTimeout(f"the job was stopped at the hard time limit of {limit:g}s")
+        store.fail(job_id, failure, attempt=Attempt(*attempt) if attempt is not None else None)
+    except StaleAttempt as lost:
+        log.warning("%s; its timeout is not recorded", lost)
     finally:
         client.close()
 

@@ -38,6 +38,7 @@ class _Waiter:
     outcome: str = ""
     started: float | None = None
     limit: float | None = None  # the job's own hard limit, when shorter than the worker's
+    attempt: tuple[int, str | None] | None = None  # the claim it runs as (number, worker)
 
 
 class EngineClient:
@@ -49,7 +50,8 @@ class EngineClient:
         self._closing = False
         self._generation = 0  # which engine process a reader thread belongs to
         self._up = threading.Event()  # an engine process is ready for jobs
-        self.stopped_at: dict[str, float] = {}  # job id -> the hard limit it was stopped at (read once)
+        # job id -> the hard limit it was stopped at and the attempt it ran as (read once)
+        self.stopped_at: dict[str, tuple[float, tuple[int, str | None] | None]] = {}
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -110,7 +112,8 @@ class EngineClient:
         """Hand `job_id` to the engine and wait: "done" (its outcome is recorded), "redis" (Redis
         was unreachable: nothing recorded), "lost" (the engine died) or "timeout" (the engine
         kept it past `time_limit` seconds from joining a batch, or past the job's own shorter
-        limit, which `stopped_at` then holds; it has been restarted)."""
+        limit; `stopped_at` then holds that limit and the attempt the engine ran it as; it has been
+        restarted)."""
         waiter = _Waiter()
         self._up.wait()  # while a dead engine is being replaced
         with self._lock:
@@ -129,7 +132,7 @@ class EngineClient:
             if waiter.started is not None and time.monotonic() - waiter.started > limit:
                 with self._lock:
                     self._waiting.pop(job_id, None)
-                    self.stopped_at[job_id] = limit
+                    self.stopped_at[job_id] = (limit, waiter.attempt)
                 log.error("job %s did not end %gs after it started: restarting the engine", job_id, limit)
                 self._kill(proc)
                 return "timeout"
@@ -151,6 +154,8 @@ class EngineClient:
                     waiter = self._waiting.get(message["started"])
                 if waiter is not None:
                     waiter.limit = message.get("limit")
+                    attempt = message.get("attempt")
+                    waiter.attempt = (int(attempt[0]), attempt[1]) if attempt else None
                     waiter.started = time.monotonic()
             elif "done" in message:
                 with self._lock:

@@ -5,8 +5,10 @@ scheduler's batches.
 Protocol: one JSON object per line, nothing else is ever decoded:
   stdin (from the worker)      {"run": JOB_ID}
   fd REPLY_FD (to the worker)  {"ready": WORKER_ID}   once the model is loaded and published
-                               {"started": JOB_ID}    the job joined a batch
-                               {"started": JOB_ID, "limit": S}  ... with its own hard limit (an nnsight job)
+                               {"started": JOB_ID, "attempt": [N, WORKER]}  the job joined a batch, as
+                                                      the attempt its claim made (shared/attempts.py)
+                               {"started": JOB_ID, "attempt": ..., "limit": S}  ... with its own hard
+                                                      limit (an nnsight job)
                                {"done": JOB_ID, "outcome": "done" | "redis"}
 stdout and stderr stay free for logs. When stdin closes (the worker stopped or died) the process
 unpublishes itself and exits.
@@ -19,6 +21,10 @@ import logging
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.attempts import Attempt
 
 REPLY_FD_ENV = "ACTQ_ENGINE_REPLY_FD"
 
@@ -40,6 +46,14 @@ def main() -> None:
         with lock:
             replies.write(json.dumps(message) + "\n")
 
+    def started(job_id: str, limit: float | None = None, attempt: Attempt | None = None) -> None:
+        message: dict = {"started": job_id}
+        if attempt is not None:
+            message["attempt"] = [attempt.number, attempt.worker]
+        if limit is not None:
+            message["limit"] = limit
+        send(message)
+
     from worker import runner, runtime
 
     try:
@@ -52,11 +66,7 @@ def main() -> None:
         for line in sys.stdin:
             message = json.loads(line)
             job_id = str(message["run"])
-            runner.submit(
-                job_id,
-                reply=lambda job, outcome: send({"done": job, "outcome": outcome}),
-                started=lambda job, limit=None: send({"started": job, **({} if limit is None else {"limit": limit})}),
-            )
+            runner.submit(job_id, reply=lambda job, outcome: send({"done": job, "outcome": outcome}), started=started)
     finally:
         runtime.stop()
     os._exit(0)  # daemon threads (finishers, heartbeat) end with the process

@@ -63,9 +63,10 @@ Reply = Callable[[str, str], None]
 
 
 def submit(job_id: str, reply: Reply, started: Callable[..., None] = lambda *_: None) -> None:
-    """Queue `job_id` for the engine thread. `started(job_id)` is called when it joins a batch
-    (`started(job_id, seconds)` for a job with a hard limit of its own: an nnsight job) and
-    `reply(job_id, outcome)` once it is over; neither blocks."""
+    """Queue `job_id` for the engine thread. `started(job_id, limit, attempt)` is called when it
+    joins a batch (`limit`: seconds for a job with a hard limit of its own, an nnsight job, else
+    None; `attempt`: the claim it runs as) and `reply(job_id, outcome)` once it is over; neither
+    blocks."""
     _preparer.put((job_id, reply, started))
 
 
@@ -150,7 +151,7 @@ def _prepare(
 
     def joined() -> None:
         holder["joined"] = time.monotonic()  # the time limit counts from here, not from the queue
-        started(job_id)
+        started(job_id, None, Attempt.of(holder["record"]))
 
     try:
         if isinstance(claim, Exception):
@@ -167,7 +168,8 @@ def _prepare(
 
             def alone_started() -> None:
                 holder["joined"] = time.monotonic()
-                started(job_id, hard)  # the worker ends its engine past this, not ACTQ_JOB_TIME_LIMIT
+                # the worker ends its engine past `hard`, not ACTQ_JOB_TIME_LIMIT
+                started(job_id, hard, Attempt.of(record))
 
             rt.progress.add(job_id)
             rt.core.run_alone(nnsight_io.job(rt, record, done, alone_started))
