@@ -1,7 +1,8 @@
 """An nnsight job's way in and out of the engine (the run itself: worker/nnsight_jobs.py): its
 payload read from storage and checked against the hash the API recorded, its printed lines
 published to Redis as they come (the API sends them as LOG statuses), and its saves stored
-where activations go, under the result size cap."""
+where activations go (the folder of the attempt that ran it; the record's `result.nnsight.key`),
+under the result size cap."""
 
 from __future__ import annotations
 
