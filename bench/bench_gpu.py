@@ -219,7 +219,7 @@ def storage(served, prompts, max_tokens: int, dtype: str, sync, folder: Path, wr
 
     def write(i: int, outcome) -> None:
         generation = served.finish(outcome, requests[i])
-        write_activations(store, f"bench-{i}", "m", requests[i].capture, generation)
+        write_activations(store, f"bench-{i}", "m", requests[i].capture, generation, prefix=f"jobs/bench-{i}/attempt-1")
         with lock:
             written.append(sum(c.tensor.numel() * c.tensor.element_size() for c in generation.captured))
 

@@ -32,7 +32,7 @@ import torch  # noqa: E402
 from safetensors.torch import save  # noqa: E402
 
 from shared.schemas import CapturePoint  # noqa: E402
-from shared.storage import LocalStore  # noqa: E402
+from shared.storage import LocalStore, attempt_prefix, manifest_key  # noqa: E402
 from shared.storage.s3 import S3Store  # noqa: E402
 from shared.storage.tensors import read_tensor  # noqa: E402
 from tests.support.s3_server import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedS3  # noqa: E402
@@ -86,6 +86,11 @@ def raw_file_write(path: Path, data: bytes) -> None:
         os.fsync(handle.fileno())
 
 
+def actq_write(store: LocalStore | S3Store, job: str, generation: Generation) -> None:
+    """actq's own write: file, sha256, manifest, in the folder of the job's first attempt."""
+    write_activations(store, job, "bench", None, generation, prefix=attempt_prefix(job, 1))
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mb", type=int, default=256, help="activation bytes per job, in MiB (default 256)")
@@ -105,7 +110,7 @@ def main() -> int:
             local_times["raw"].append(timed(lambda raw_path=raw_path: raw_file_write(raw_path, data)))
             raw_path.unlink()  # outside the timing, as the actq side's clean-up below
             job = str(uuid.uuid4())
-            local_times["actq"].append(timed(lambda job=job: write_activations(local, job, "bench", None, generation)))
+            local_times["actq"].append(timed(lambda job=job: actq_write(local, job, generation)))
             local.delete_prefix(f"jobs/{job}")
 
         server = SeaweedS3(root / "s3").start()
@@ -123,11 +128,11 @@ def main() -> int:
                 s3_times["raw"].append(timed(lambda key=key: raw_client.upload_file(str(source), BUCKET, key)))
                 raw_client.delete_object(Bucket=BUCKET, Key=key)
                 job = str(uuid.uuid4())
-                s3_times["actq"].append(timed(lambda job=job: write_activations(s3, job, "bench", None, generation)))
+                s3_times["actq"].append(timed(lambda job=job: actq_write(s3, job, generation)))
                 last_job = job
             reads = []
-            manifest = json.loads(s3.read_range(f"jobs/{last_job}/manifest.json", 0, 1 << 20))
-            header = 8 + int.from_bytes(s3.read_range(f"jobs/{last_job}/activations.safetensors", 0, 8), "little")
+            manifest = json.loads(s3.read_range(manifest_key(attempt_prefix(last_job, 1)), 0, 1 << 20))
+            header = 8 + int.from_bytes(s3.read_range(manifest["key"], 0, 8), "little")
             for info in manifest["tensors"]:
                 before = s3.bytes_read
                 read_tensor(s3, manifest["key"], info["name"], None)

@@ -7,7 +7,8 @@ are WATCH/MULTI transactions on the record, so they cannot race: a terminal reco
 again.
 
 Who calls what: the API enqueues, reads, lists, cancels and deletes; the worker claims, reports
-progress (reading the cancel flag), and finishes.
+progress (reading the cancel flag), and finishes. A worker finishes as the attempt its claim
+made (shared/attempts.py): the outcome of an attempt the job no longer names is refused.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from celery import Celery
 from pydantic import ValidationError
 
 from shared import broker, keys, stats
+from shared.attempts import Attempt, StaleAttempt
 from shared.errors import JobCancelled, JobFailure, UnsupportedByWorker, WorkerLost
 from shared.listing import AFTER, SCAN_LIMIT, JobFilters, JobPage, encode_cursor, tag_indexes
 from shared.redis_faults import refuses_writes
@@ -602,13 +604,16 @@ class JobStore:
             return False
         return isinstance(request, dict) and request.get("nnsight") is not None
 
-    def forgive(self, job_id: str) -> JobRecord | None:
+    def forgive(self, job_id: str, attempt: Attempt | None = None) -> JobRecord | None:
         """A running job's delivery that ended through no fault of its own (the engine running it
         was ended by another job's trusted code, or replaced after such code): its next claim is
-        not counted against ACTQ_MAX_ATTEMPTS. None when the job is not running."""
+        not counted against ACTQ_MAX_ATTEMPTS. None when the job is not running (or, given
+        `attempt`, no longer that attempt's)."""
 
         def change(record: JobRecord) -> JobRecord | None:
             if record.status is not JobStatus.running or record.forgiven_attempts >= record.attempts:
+                return None
+            if attempt is not None and not attempt.holds(record):
                 return None
             return record.model_copy(update={"forgiven_attempts": record.forgiven_attempts + 1})
 
@@ -620,19 +625,20 @@ class JobStore:
         result: dict[str, Any],
         activations: dict[str, Any] | None,
         inline_bytes: int = RESULT_INLINE_BYTES,
+        attempt: Attempt | None = None,
     ) -> JobRecord | None:
         """A running job's result (and manifest). A terminal job is left alone. A result larger
-        than `inline_bytes` is stored apart from the record (split_result)."""
+        than `inline_bytes` is stored apart from the record (split_result). `attempt` (a worker's
+        call): recorded only while the record is still that attempt's and running, otherwise
+        StaleAttempt and nothing changed (`_end`)."""
         shown, whole = split_result(result, inline_bytes)
 
-        def change(record: JobRecord) -> JobRecord | None:
-            if record.status.terminal:
-                return None
+        def ending(record: JobRecord) -> JobRecord:
             data = record.model_dump()
             data.update(status=JobStatus.succeeded, result=shown, activations=activations, finished_at=now())
             return JobRecord.model_validate(data)
 
-        return self._through_outage(lambda: self.update(job_id, change, whole))
+        return self._end(job_id, ending, whole, attempt)
 
     def fail(
         self,
@@ -640,14 +646,46 @@ class JobStore:
         failure: JobFailure,
         result: dict[str, Any] | None = None,
         inline_bytes: int = RESULT_INLINE_BYTES,
+        attempt: Attempt | None = None,
     ) -> JobRecord | None:
         """End a job with `failure` (a JobCancelled ends it `cancelled`, anything else `failed`),
         keeping a partial `result` when given (stored apart when larger than `inline_bytes`). A
-        terminal job is left alone."""
+        terminal job is left alone. `attempt`: as for `succeed`."""
         shown, whole = split_result(result, inline_bytes) if result is not None else (None, None)
-        return self._through_outage(
-            lambda: self.update(job_id, lambda r: None if r.status.terminal else _ended(r, failure, shown), whole)
-        )
+        return self._end(job_id, lambda r: _ended(r, failure, shown), whole, attempt)
+
+    def _end(
+        self,
+        job_id: str,
+        ending: Callable[[JobRecord], JobRecord],
+        stored_result: bytes | None,
+        attempt: Attempt | None,
+    ) -> JobRecord | None:
+        """Write `ending(record)` through an outage, in one transaction with the check (a
+        compare-and-set): the job is running and, given `attempt`, still that attempt's. Returns
+        what was written; without `attempt`, None for an unknown or terminal job. With `attempt`,
+        a record it no longer holds (or none) raises StaleAttempt, except the very outcome this
+        attempt wrote already (an outage took the reply of an EXEC that did run)."""
+        seen: list[JobRecord] = []  # the record as a refused change found it
+
+        def change(record: JobRecord) -> JobRecord | None:
+            if attempt is not None and (record.status is not JobStatus.running or not attempt.holds(record)):
+                seen.append(record)
+                return None
+            return None if record.status.terminal else ending(record)
+
+        def write() -> JobRecord | None:
+            seen.clear()
+            return self.update(job_id, change, stored_result)
+
+        written = self._through_outage(write)
+        if written is not None or attempt is None:
+            return written
+        current = seen[-1] if seen else None  # None: the record is gone
+        if current is not None and current.status.terminal and attempt.holds(current):
+            if _same_outcome(current, ending(current)):
+                return current
+        raise StaleAttempt(job_id, attempt, current)
 
     def cancel_queued(self, job_id: str, failure: JobCancelled) -> JobRecord | None:
         """A queued job becomes `cancelled` (the worker skips it); None when it is no longer queued."""
@@ -707,6 +745,11 @@ def _newer_message(fields: Sequence[str]) -> str:
         f"the job's request has fields this worker's version of actq does not know ({', '.join(fields[:8])}): it "
         "was submitted through a newer API; upgrade this model's workers and submit it again"
     )
+
+
+def _same_outcome(stored: JobRecord, wanted: JobRecord) -> bool:
+    """Whether `stored` is `wanted` but for the time it was written."""
+    return stored.model_dump(exclude={"finished_at"}) == wanted.model_dump(exclude={"finished_at"})
 
 
 def _ended(record: JobRecord, failure: JobFailure, result: dict[str, Any] | None) -> JobRecord:

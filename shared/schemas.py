@@ -635,6 +635,9 @@ class NnsightOutput(Strict):
     bytes: int
     sha256: str
     saved: list[str]  # the names the trace saved
+    # The storage key of the saves (in the folder of the attempt that ran the job); None in records
+    # written before attempts had folders of their own: `jobs/<id>/nnsight-result.pt`.
+    key: str | None = None
     # Besides nnsight's own wrapping, what the code changed on the model and the worker put back
     # (a hook left registered, a module in train mode): `module: attributes`.
     restored: list[str] = []

@@ -1,4 +1,5 @@
-"""Writing a job's activations: one safetensors file and a manifest.json beside it."""
+"""Writing a job's activations: one safetensors file and a manifest.json beside it, in the
+folder of the attempt that ran it (shared/storage/base.py: `jobs/<id>/attempt-<n>-<worker>/`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from shared.errors import StorageError
 from shared.schemas import ActivationsManifest, CaptureSpec, TensorInfo
-from shared.storage import ArtifactStore, activations_key, job_prefix, manifest_key
+from shared.storage import ArtifactStore, activations_key, manifest_key
 from shared.storage.tensors import write_file
 from worker.decoding import TokenScores
 from worker.results import Generation
@@ -50,9 +51,12 @@ def write_activations(
     capture: CaptureSpec | None,
     generation: Generation,
     baseline: Generation | None = None,
+    *,
+    prefix: str,
 ) -> ActivationsManifest:
-    """Write the file, then the manifest; both are whole before this returns (the job is marked
-    succeeded only afterwards). A re-run of the same job overwrites the same keys. `baseline`: the
+    """Write the file, then the manifest, under `prefix` (the attempt's folder: attempt_prefix);
+    both are whole before this returns (the job is marked succeeded only afterwards). Another
+    attempt of the same job writes under another prefix, never over these keys. `baseline`: the
     same job run without its interventions, whose tensors are named `baseline/<name>`."""
     positions = capture.positions if capture is not None else "all"
     captured = [(c.point.name, c, False) for c in generation.captured]
@@ -89,7 +93,7 @@ def write_activations(
             size, sha = write_file(tmp, tensors, metadata, fsync=store.durable_scratch, tensor_sha256=checksums)
         except OSError as exc:
             raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
-        key = activations_key(job_id)
+        key = activations_key(prefix)
         uri = store.put_file(key, tmp)
     finally:
         tmp.unlink(missing_ok=True)
@@ -117,10 +121,10 @@ def write_activations(
     )
     document = {"job_id": job_id, "model": model, "metadata": metadata, **manifest.model_dump(exclude_none=True)}
     try:
-        store.put_bytes(manifest_key(job_id), json.dumps(document).encode())  # indent would be the slow encoder
+        store.put_bytes(manifest_key(prefix), json.dumps(document).encode())  # indent would be the slow encoder
     except StorageError:  # remove the file that has no manifest (the job fails with the first error)
         try:
-            store.delete_prefix(job_prefix(job_id))
+            store.delete_prefix(prefix)  # this attempt's alone: never another attempt's files
         except StorageError as exc:
             log.warning("job %s: activations without a manifest left at %s: %s", job_id, uri, exc.message)
         raise

@@ -21,8 +21,9 @@ from celery.platforms import EX_FAILURE
 from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 
 from shared import keys
+from shared.attempts import Attempt, StaleAttempt
 from shared.broker import check_timeouts, make_celery
-from shared.errors import InternalError, JobTimeout, NnsightCodeFailed
+from shared.errors import InternalError, JobFailure, JobTimeout, NnsightCodeFailed
 from shared.jobs import JobStore
 from shared.settings import get_settings
 from worker.engine_client import EngineClient, EngineStartFailed
@@ -72,27 +73,39 @@ def run_job(job_id: str) -> None:
     if outcome == "lost":  # the engine died with the job: back to the queue (the next attempt counts)
         raise Reject("the engine process was lost", requeue=True)
     if outcome == "requeue":  # another job's trusted code ended the engine: back, not counted against it
-        _store().forgive(job_id)
+        assert runs_on is not None
+        _store().forgive(job_id, _attempt(runs_on.requeued.pop(job_id, None)))
         raise Reject("the engine process was ended by another job", requeue=True)
     if outcome == "redis":
         raise RuntimeError(f"job {job_id}: Redis is unreachable; its outcome is not recorded")
     assert runs_on is not None
     if outcome == "timeout":
-        limit = runs_on.stopped_at.pop(job_id, settings.job_time_limit)
-        _store().fail(job_id, JobTimeout(f"the job was stopped at the hard time limit of {limit:g}s"))
+        limit, attempt = runs_on.stopped_at.pop(job_id, (settings.job_time_limit, None))
+        _fail(job_id, JobTimeout(f"the job was stopped at the hard time limit of {limit:g}s"), attempt)
     elif outcome == "killed":  # its own trusted code ended its engine: failed, never delivered again
-        how = runs_on.ended.pop(job_id, "it ended")
-        _store().fail(
-            job_id,
-            NnsightCodeFailed(
-                f"the nnsight job's code ended the engine process running it ({how}); it is not run again. A "
-                "process ends this way when the code exits it, kills it, or takes more memory than it may have "
-                "(ACTQ_NNSIGHT_MAX_HOST_BYTES, ACTQ_NNSIGHT_MEMORY_FRACTION, the kernel's OOM killer)"
-            ),
+        how, attempt = runs_on.ended.pop(job_id, ("it ended", None))
+        failure = NnsightCodeFailed(
+            f"the nnsight job's code ended the engine process running it ({how}); it is not run again. A "
+            "process ends this way when the code exits it, kills it, or takes more memory than it may have "
+            "(ACTQ_NNSIGHT_MAX_HOST_BYTES, ACTQ_NNSIGHT_MEMORY_FRACTION, the kernel's OOM killer)"
         )
+        _fail(job_id, failure, attempt)
     elif outcome == "unavailable":
-        why = runs_on.ended.pop(job_id, "unknown")
-        _store().fail(job_id, InternalError(f"the worker's nnsight engine could not start ({why}); try again later"))
+        why, _ = runs_on.ended.pop(job_id, ("unknown", None))
+        _fail(job_id, InternalError(f"the worker's nnsight engine could not start ({why}); try again later"), None)
+
+
+def _attempt(attempt: tuple[int, str | None] | None) -> Attempt | None:
+    return Attempt(*attempt) if attempt is not None else None
+
+
+def _fail(job_id: str, failure: JobFailure, attempt: tuple[int, str | None] | None) -> None:
+    """Fail the job the engine ran, if it is still the attempt the engine ran (it may have been
+    claimed again meanwhile by another worker, whose outcome then stands)."""
+    try:
+        _store().fail(job_id, failure, attempt=_attempt(attempt))
+    except StaleAttempt as lost:
+        log.warning("%s; its %s is not recorded", lost, failure.error_type)
 
 
 def _store() -> JobStore:

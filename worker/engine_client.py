@@ -48,6 +48,7 @@ class _Waiter:
     started: float | None = None
     limit: float | None = None  # the job's own hard limit, when shorter than the worker's
     alone: bool = False  # it runs with the model to itself (trusted code): its engine's death is its own
+    attempt: tuple[int, str | None] | None = None  # the claim it runs as (number, worker: shared/attempts.py)
 
 
 @dataclass
@@ -86,8 +87,12 @@ class EngineClient:
         self._generation = 0  # which engine process a reader thread belongs to
         self._up = threading.Event()  # an engine process is ready for jobs
         self._last_use = time.monotonic()
-        self.stopped_at: dict[str, float] = {}  # job id -> the hard limit it was stopped at (read once)
-        self.ended: dict[str, str] = {}  # job id -> how the engine that killed it ended (read once)
+        # job id -> the hard limit it was stopped at and the attempt it ran as (read once)
+        self.stopped_at: dict[str, tuple[float, tuple[int, str | None] | None]] = {}
+        # job id -> how the engine that killed it ended (or why none could start), and its attempt (read once)
+        self.ended: dict[str, tuple[str, tuple[int, str | None] | None]] = {}
+        # job id -> the attempt an engine's death sent back to the queue ran as (read once)
+        self.requeued: dict[str, tuple[int, str | None] | None] = {}
         if lazy and idle_seconds:
             threading.Thread(target=self._idle_stop, name=f"actq-{role}-idle", daemon=True).start()
 
@@ -179,16 +184,16 @@ class EngineClient:
         """Hand `job_id` to the engine and wait: "done" (its outcome is recorded), "redis" (Redis
         was unreachable: nothing recorded), "lost" / "requeue" / "killed" (its engine died: see the
         module's docstring; `ended` then says how, for "killed"), "timeout" (the engine kept it past
-        `time_limit` seconds from joining a batch, or past the job's own shorter limit, which
-        `stopped_at` then holds; the engine has been stopped) or "unavailable" (a lazy engine could
-        not start; `ended` says why)."""
+        `time_limit` seconds from joining a batch, or past the job's own shorter limit; `stopped_at`
+        then holds that limit and the attempt the engine ran it as; the engine has been stopped) or
+        "unavailable" (a lazy engine could not start; `ended` says why)."""
         waiter = _Waiter()
         if self.lazy:
             with self._lock:
                 self._last_use = time.monotonic()
             why = self._ensure_started()
             if why is not None:
-                self.ended[job_id] = why
+                self.ended[job_id] = (why, None)
                 return "unavailable"
         self._up.wait()  # while a dead engine is being replaced
         with self._lock:
@@ -208,7 +213,7 @@ class EngineClient:
             if waiter.started is not None and time.monotonic() - waiter.started > limit:
                 with self._lock:
                     self._waiting.pop(job_id, None)
-                    self.stopped_at[job_id] = limit
+                    self.stopped_at[job_id] = (limit, waiter.attempt)
                     engine.culprit = job_id
                 log.error("job %s did not end %gs after it started: stopping its engine", job_id, limit)
                 _kill(proc)
@@ -228,6 +233,8 @@ class EngineClient:
                 if waiter is not None:
                     waiter.limit = message.get("limit")
                     waiter.alone = bool(message.get("alone"))
+                    attempt = message.get("attempt")
+                    waiter.attempt = (int(attempt[0]), attempt[1]) if attempt else None
                     waiter.started = time.monotonic()
             elif "done" in message:
                 with self._lock:
@@ -257,9 +264,11 @@ class EngineClient:
         for job_id, waiter in held.items():
             if job_id in blamed:
                 waiter.outcome = "killed"
-                self.ended[job_id] = how
+                self.ended[job_id] = (how, waiter.attempt)
             else:
                 waiter.outcome = "requeue" if innocent else "lost"
+                if innocent:
+                    self.requeued[job_id] = waiter.attempt
             waiter.event.set()
         if closing or not was_ready:
             return

@@ -6,9 +6,10 @@ scheduler's batches. Its role (ACTQ_ENGINE_ROLE) is `capture` (every job but nns
 Protocol: one JSON object per line, nothing else is ever decoded:
   stdin (from the worker)      {"run": JOB_ID}
   fd REPLY_FD (to the worker)  {"ready": WORKER_ID}   once the model is loaded and published
-                               {"started": JOB_ID}    the job joined a batch
-                               {"started": JOB_ID, "limit": S, "alone": true}  ... trusted code, with the
-                                                      model to itself and a hard limit of its own
+                               {"started": JOB_ID, "attempt": [N, WORKER]}  the job joined a batch, as
+                                                      the attempt its claim made (shared/attempts.py)
+                               {"started": JOB_ID, "attempt": ..., "limit": S, "alone": true}  ... trusted
+                                                      code, with the model to itself and a hard limit of its own
                                {"done": JOB_ID, "outcome": "done" | "redis"}
                                {"replace": [REASON, ...]}  trusted code left the process in a state it
                                                       cannot prove whole: it exits (EX_REPLACED) after this
@@ -24,6 +25,10 @@ import logging
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.attempts import Attempt
 
 REPLY_FD_ENV = "ACTQ_ENGINE_REPLY_FD"
 ROLE_ENV = "ACTQ_ENGINE_ROLE"
@@ -49,6 +54,14 @@ def main() -> None:
         with lock:
             replies.write(json.dumps(message) + "\n")
 
+    def started(job_id: str, limit: float | None = None, attempt: Attempt | None = None) -> None:
+        message: dict = {"started": job_id}
+        if attempt is not None:
+            message["attempt"] = [attempt.number, attempt.worker]
+        if limit is not None:
+            message["limit"], message["alone"] = limit, True
+        send(message)
+
     def reply(job: str, outcome: str) -> None:
         send({"done": job, "outcome": outcome})
         reasons = to_replace.pop(job, None)
@@ -70,13 +83,7 @@ def main() -> None:
         for line in sys.stdin:
             message = json.loads(line)
             job_id = str(message["run"])
-            runner.submit(
-                job_id,
-                reply=reply,
-                started=lambda job, limit=None: send(
-                    {"started": job, **({} if limit is None else {"limit": limit, "alone": True})}
-                ),
-            )
+            runner.submit(job_id, reply=reply, started=started)
     finally:
         runtime.stop()
     os._exit(0)  # daemon threads (finishers, heartbeat) end with the process

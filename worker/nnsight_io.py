@@ -1,7 +1,8 @@
 """An nnsight job's way in and out of the engine (the run itself: worker/nnsight_jobs.py): its
 payload read from storage and checked against the hash the API recorded, its printed lines
 published to Redis as they come (the API sends them as LOG statuses), and its saves stored
-where activations go, under the result size cap."""
+where activations go (the folder of the attempt that ran it; the record's `result.nnsight.key`),
+under the result size cap."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import redis
 
 from shared import keys
+from shared.attempts import Attempt
 from shared.errors import PayloadMismatch, ResultTooLarge
 from shared.schemas import JobRecord, JobResult, NnsightOutput, Usage
 from shared.storage import nnsight_request_key, nnsight_result_key
@@ -60,8 +62,9 @@ def limits(settings: Settings, record: JobRecord) -> tuple[float, float]:
     return soft, min(settings.job_time_limit, soft + max(10.0, soft / 2))
 
 
-def record(rt: runtime.Runtime, record: JobRecord, outcome: Outcome) -> int:
-    """Store the saves and mark the job succeeded; returns the bytes stored."""
+def record(rt: runtime.Runtime, record: JobRecord, outcome: Outcome, attempt: Attempt) -> int:
+    """Store the saves in `attempt`'s folder and mark the job succeeded, if it is still that
+    attempt's (else StaleAttempt: the caller removes the folder); returns the bytes stored."""
     from worker.nnsight_jobs import save_result
 
     call = record.request.nnsight
@@ -73,17 +76,19 @@ def record(rt: runtime.Runtime, record: JobRecord, outcome: Outcome) -> int:
             f"the nnsight job saved {len(data):,} bytes, over this deployment's cap of {cap:,} "
             "(ACTQ_NNSIGHT_MAX_RESULT_BYTES): save less (a slice, a mean, a lower dtype)"
         )
-    rt.store.put_bytes(nnsight_result_key(record.id), data)
+    key = nnsight_result_key(attempt.prefix(record.id))
+    rt.store.put_bytes(key, data)
     output = NnsightOutput(
         bytes=len(data),
         sha256=hashlib.sha256(data).hexdigest(),
         saved=sorted(outcome.saves),
+        key=key,
         restored=outcome.restored,
         held_s=round(outcome.held_s, 6),
     )
     result = JobResult(text="", finish_reason="stop", usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0))
     result.nnsight = output
-    rt.jobs.succeed(record.id, result.model_dump(), None, rt.settings.result_inline_bytes)
+    rt.jobs.succeed(record.id, result.model_dump(), None, rt.settings.result_inline_bytes, attempt=attempt)
     return len(data)
 
 

@@ -1,5 +1,7 @@
 """Running delivered jobs: claim -> the engine thread's batch -> artifacts -> outcome, with every
-failure mapped to the job's recorded error. `submit` hands a job to a preparing thread, which
+failure mapped to the job's recorded error. Artifacts go in the claim's own folder and the
+outcome is recorded only while the job is still that claim's (shared/attempts.py); an attempt
+that lost logs its outcome and removes its folder. `submit` hands a job to a preparing thread, which
 claims it (Redis, waiting out an outage) and tokenizes it, then queues it for the engine thread;
 its artifacts are written and its outcome recorded on a finisher thread. The engine thread itself
 never waits on Redis or a tokenizer: it decodes the batch."""
@@ -20,11 +22,12 @@ from typing import TYPE_CHECKING, Any
 import redis
 from celery.utils.log import get_task_logger
 
+from shared.attempts import Attempt, StaleAttempt
 from shared.edit_refs import References
 from shared.errors import InternalError, JobCancelled, JobFailure, JobTimeout, OutOfMemory
 from shared.schemas import BaselineResult, JobRecord, JobRequest, JobResult, Logprobs, TokenLogprob, TopLogprob, Usage
 from shared.tools import ToolCall
-from worker import runtime
+from worker import attempt_files, runtime
 from worker.scheduler import Entry
 from worker.text_stream import TextStream
 from worker.tool_calls import call_id
@@ -60,9 +63,10 @@ Reply = Callable[[str, str], None]
 
 
 def submit(job_id: str, reply: Reply, started: Callable[..., None] = lambda *_: None) -> None:
-    """Queue `job_id` for the engine thread. `started(job_id)` is called when it joins a batch
-    (`started(job_id, seconds)` for a job with a hard limit of its own: an nnsight job) and
-    `reply(job_id, outcome)` once it is over; neither blocks."""
+    """Queue `job_id` for the engine thread. `started(job_id, limit, attempt)` is called when it
+    joins a batch (`limit`: seconds for a job with a hard limit of its own, an nnsight job, else
+    None; `attempt`: the claim it runs as) and `reply(job_id, outcome)` once it is over; neither
+    blocks."""
     _preparer.put((job_id, reply, started))
 
 
@@ -147,7 +151,7 @@ def _prepare(
 
     def joined() -> None:
         holder["joined"] = time.monotonic()  # the time limit counts from here, not from the queue
-        started(job_id)
+        started(job_id, None, Attempt.of(holder["record"]))
 
     try:
         if isinstance(claim, Exception):
@@ -171,7 +175,8 @@ def _prepare(
 
             def alone_started() -> None:
                 holder["joined"] = time.monotonic()
-                started(job_id, hard)  # the worker ends its engine past this, not ACTQ_JOB_TIME_LIMIT
+                # the worker ends its engine past `hard`, not ACTQ_JOB_TIME_LIMIT
+                started(job_id, hard, Attempt.of(record))
 
             rt.progress.add(job_id)
             rt.core.run_alone(nnsight_io.job(rt, record, done, alone_started))
@@ -233,6 +238,7 @@ def _record(
 ) -> None:
     job_id = record.id
     holder = holder or {}
+    attempt = Attempt.of(record)
     try:
         if record.request.nnsight is not None:
             from worker import nnsight_io
@@ -241,8 +247,9 @@ def _record(
         if isinstance(outcome, BaseException):
             raise outcome
         if record.request.nnsight is not None:
-            stored = nnsight_io.record(rt, record, outcome)  # type: ignore[arg-type]  # an nnsight Outcome
+            stored = nnsight_io.record(rt, record, outcome, attempt)  # type: ignore[arg-type]  # an nnsight Outcome
             log.info("job %s (nnsight) succeeded: run %.1f ms, %d bytes saved", job_id, _ms(started), stored)
+            attempt_files.tidy(rt.store, job_id, attempt, succeeded=True)
             return
         generation = rt.served.finish(outcome, holder.get("request", record.request))
         if generation.stopped_by is not None:
@@ -262,7 +269,13 @@ def _record(
             from worker.artifacts import write_activations
 
             manifest = write_activations(
-                rt.store, record.id, record.model, record.request.capture, generation, baseline
+                rt.store,
+                record.id,
+                record.model,
+                record.request.capture,
+                generation,
+                baseline,
+                prefix=attempt.prefix(record.id),
             )
         result = _result(generation, tokenizer=rt.served.tokenizer, inline=inline)
         if baseline is not None:
@@ -278,6 +291,7 @@ def _record(
             result.model_dump(),
             manifest.model_dump() if manifest is not None else None,
             rt.settings.result_inline_bytes,
+            attempt=attempt,
         )
         log.info(
             "job %s succeeded: %d prompt + %d new tokens, run %.1f ms, store %.1f ms, %d bytes stored",
@@ -288,12 +302,15 @@ def _record(
             (time.perf_counter() - generated) * 1e3,
             manifest.bytes if manifest is not None else 0,
         )
+        attempt_files.tidy(rt.store, job_id, attempt, succeeded=True)
+    except StaleAttempt as lost:
+        attempt_files.discard(rt.store, record.id, lost)
     except JobFailure as exc:
-        _fail(rt, job_id, exc)
+        _fail(rt, record, exc)
     except redis.RedisError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure ends the job, never the worker
-        _fail(rt, job_id, _classify(exc))
+        _fail(rt, record, _classify(exc))
 
 
 def _ms(since: float) -> float:
@@ -388,7 +405,10 @@ def _stopped(rt: runtime.Runtime, record: JobRecord, generation: Generation) -> 
         limit = time_limit(rt.settings.job_soft_time_limit, record)
         failure = JobTimeout(f"the job ran past its time limit of {limit:g}s (after {tokens} tokens)")
     partial = _result(generation, failure.error_type).model_dump()
-    rt.jobs.fail(record.id, failure, result=partial, inline_bytes=rt.settings.result_inline_bytes)
+    rt.jobs.fail(
+        record.id, failure, result=partial, inline_bytes=rt.settings.result_inline_bytes, attempt=Attempt.of(record)
+    )
+    attempt_files.tidy(rt.store, record.id, Attempt.of(record), succeeded=False)
     log.info("job %s ended %s after %d tokens", record.id, failure.error_type, tokens)
 
 
@@ -401,6 +421,11 @@ def _classify(exc: Exception) -> JobFailure:
     return InternalError(f"{type(exc).__name__}: {str(exc)[:500]}")
 
 
-def _fail(rt: runtime.Runtime, job_id: str, exc: JobFailure) -> None:
-    log.warning("job %s failed: %s: %s", job_id, exc.error_type, exc.message)
-    rt.jobs.fail(job_id, exc)
+def _fail(rt: runtime.Runtime, record: JobRecord, exc: JobFailure) -> None:
+    log.warning("job %s failed: %s: %s", record.id, exc.error_type, exc.message)
+    try:
+        rt.jobs.fail(record.id, exc, attempt=Attempt.of(record))
+    except StaleAttempt as lost:
+        attempt_files.discard(rt.store, record.id, lost)
+        return
+    attempt_files.tidy(rt.store, record.id, Attempt.of(record), succeeded=False)

@@ -36,7 +36,7 @@ from shared import keys
 from shared.errors import ActqError, BadRequest, JobNotFound, NotReady, PayloadTooLarge, Unauthorized
 from shared.jobs import OverQuota
 from shared.schemas import JobRecord, JobRequest, JobStatus, NnsightCall
-from shared.storage import nnsight_request_key, nnsight_result_key
+from shared.storage import legacy_nnsight_result_key, nnsight_request_key
 
 router = APIRouter(tags=["nnsight"])
 LINK_PREFIX = "/nnsight/results/"
@@ -223,7 +223,8 @@ def _result_response(services: ServicesDep, record: JobRecord) -> Response:
         raise JobNotFound(f"job {record.id} is not an nnsight job")
     if record.status is not JobStatus.succeeded or record.result is None or record.result.nnsight is None:
         raise NotReady(f"job {record.id} is {record.status.value}: its result exists once it succeeded")
-    key = nnsight_result_key(record.id)
+    # the attempt that ran it wrote the saves where its result says; older records say nothing
+    key = record.result.nnsight.key or legacy_nnsight_result_key(record.id)
     path = services.store.local_path(key)
     if path is not None:
         return FileResponse(path, media_type="application/octet-stream")

@@ -1,7 +1,24 @@
 """What every artifact store offers, and the layout of its keys.
 
-Layout: `jobs/<job_id>/activations.safetensors` and `jobs/<job_id>/manifest.json`. Keys are built
-by actq from job ids, never taken from a request, and checked again before any use.
+Layout, under `jobs/<job_id>/`:
+
+    nnsight-request.bin                    an nnsight job's payload, written once by the API
+    attempt-<n>-<worker>/                  what one attempt (one claim) of the job wrote:
+        activations.safetensors            its captured tensors
+        manifest.json                      their description (the record's `activations`)
+        nnsight-result.pt                  an nnsight job's saves (the record's `result.nnsight.key`)
+
+An attempt is the record's `attempts` counter and `worker` after a claim (shared/attempts.py).
+Two attempts of one job can both run to the end (a worker paused or cut off past its heartbeat
+TTL while another re-ran its jobs): each writes under its own folder and only the one whose
+outcome the record took is kept; the other removes its folder. Readers follow the record (the
+manifest's `key`, the nnsight result's `key`), never a fixed name. Records written before this
+layout name `jobs/<job_id>/activations.safetensors` (their manifest's key) or, for nnsight, say
+no key (`jobs/<job_id>/nnsight-result.pt`); both are still read. DELETE /jobs/{id} removes
+`jobs/<job_id>/` whole.
+
+Keys are built by actq from job ids and attempts, never taken from a request, and checked again
+before any use.
 """
 
 from __future__ import annotations
@@ -14,18 +31,29 @@ from pathlib import Path
 from shared.errors import StorageError
 
 _KEY = re.compile(r"[A-Za-z0-9_-]+(/[A-Za-z0-9_.-]+)*")
-
-
-def activations_key(job_id: str) -> str:
-    return f"jobs/{job_id}/activations.safetensors"
+_UNSAFE = re.compile(r"[^A-Za-z0-9_.-]+")
 
 
 def job_prefix(job_id: str) -> str:
+    """Everything stored for a job (DELETE /jobs/{id} removes it whole)."""
     return f"jobs/{job_id}"
 
 
-def manifest_key(job_id: str) -> str:
-    return f"jobs/{job_id}/manifest.json"
+def attempt_prefix(job_id: str, attempt: int, worker: str | None = None) -> str:
+    """Where one attempt of a job writes: its claim's number and worker id (`host:pid`, any
+    character outside [A-Za-z0-9_.-] made a '-')."""
+    tag = f"attempt-{attempt}" + (f"-{_UNSAFE.sub('-', worker)}" if worker else "")
+    return check_key(f"{job_prefix(job_id)}/{tag}")
+
+
+def activations_key(prefix: str) -> str:
+    """The safetensors file an attempt writes under `prefix` (attempt_prefix)."""
+    return f"{prefix}/activations.safetensors"
+
+
+def manifest_key(prefix: str) -> str:
+    """The manifest.json beside it."""
+    return f"{prefix}/manifest.json"
 
 
 def nnsight_request_key(job_id: str) -> str:
@@ -33,9 +61,16 @@ def nnsight_request_key(job_id: str) -> str:
     return f"jobs/{job_id}/nnsight-request.bin"
 
 
-def nnsight_result_key(job_id: str) -> str:
-    """An nnsight job's saves, as its client loads them (`torch.save`, zstd when it asked)."""
-    return f"jobs/{job_id}/nnsight-result.pt"
+def nnsight_result_key(prefix: str) -> str:
+    """An nnsight job's saves as one attempt wrote them under `prefix` (attempt_prefix), as its
+    client loads them (`torch.save`, zstd when it asked)."""
+    return f"{prefix}/nnsight-result.pt"
+
+
+def legacy_nnsight_result_key(job_id: str) -> str:
+    """Where a record that names no key for its nnsight saves has them (written before attempts
+    had folders of their own)."""
+    return f"{job_prefix(job_id)}/nnsight-result.pt"
 
 
 def check_key(key: str) -> str:
@@ -70,6 +105,11 @@ class ArtifactStore(ABC):
 
     @abstractmethod
     def delete_prefix(self, prefix: str) -> None: ...
+
+    @abstractmethod
+    def folders(self, prefix: str) -> list[str]:
+        """The keys of the folders directly under `prefix` (e.g. a job's attempt folders), sorted;
+        none when there is nothing under it."""
 
     @abstractmethod
     def read_range(self, key: str, start: int, length: int) -> bytes:

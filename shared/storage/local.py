@@ -65,6 +65,14 @@ class LocalStore(ArtifactStore):
                 child.rmdir() if child.is_dir() else child.unlink()
             base.rmdir()
 
+    def folders(self, prefix: str) -> list[str]:
+        try:
+            return sorted(f"{prefix}/{child.name}" for child in self._path(prefix).iterdir() if child.is_dir())
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            raise StorageError(f"cannot list {prefix}: {exc.strerror or exc}") from exc
+
     def read_range(self, key: str, start: int, length: int) -> bytes:
         try:
             with open(self._path(key), "rb") as handle:

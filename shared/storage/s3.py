@@ -126,6 +126,17 @@ class S3Store(ArtifactStore):
         except (BotoCoreError, ClientError) as exc:
             raise self._error("delete", prefix, exc) from exc
 
+    def folders(self, prefix: str) -> list[str]:
+        under = self._key(prefix) + "/"
+        try:
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=under, Delimiter="/"
+            )
+            names = [p["Prefix"][len(under) :].rstrip("/") for page in pages for p in page.get("CommonPrefixes", [])]
+        except (BotoCoreError, ClientError) as exc:
+            raise self._error("list", prefix, exc) from exc
+        return sorted(f"{prefix}/{name}" for name in names if name)
+
     def read_range(self, key: str, start: int, length: int) -> bytes:
         if length <= 0:
             return b""

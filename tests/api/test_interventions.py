@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from safetensors.numpy import save
 
 from api.main import create_app
+from shared.attempts import Attempt
 from shared.jobs import JobStore
 from shared.schemas import CapturePoint, CaptureSpec
 from shared.settings import Settings
@@ -137,7 +138,7 @@ def finished_job(app: TestClient, settings: Settings, redis_client, values: np.n
     assert response.status_code == 202, response.text
     job_id = response.json()["id"]
     store = JobStore(redis_client, 3600)
-    store.claim(job_id, "worker", 3)
+    running, _ = store.claim(job_id, "worker", 3)
     point = CapturePoint(name="model.layers.1", module="model.layers.1", hook="output")
     rows = torch.from_numpy(values.astype(np.float32))
     generation = Generation(
@@ -148,13 +149,16 @@ def finished_job(app: TestClient, settings: Settings, redis_client, values: np.n
         token_ids=torch.arange(rows.shape[0] + 1),
         captured=[CapturedTensor(point, rows, 0, rows.shape[0])],
     )
-    manifest = write_activations(open_store(settings), job_id, model, CaptureSpec(**capture), generation)
+    attempt = Attempt.of(running)
+    manifest = write_activations(
+        open_store(settings), job_id, model, CaptureSpec(**capture), generation, prefix=attempt.prefix(job_id)
+    )
     result = {
         "text": "5",
         "finish_reason": "stop",
         "usage": {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5},
     }
-    store.succeed(job_id, result, manifest.model_dump())
+    store.succeed(job_id, result, manifest.model_dump(), attempt=attempt)
     return job_id
 
 

@@ -3,7 +3,6 @@ with no worker at all. Every job still ends succeeded exactly once; nothing is l
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -15,7 +14,7 @@ import pytest
 
 from shared.registry import ModelRegistry
 from shared.schemas import ModelInfo
-from tests.support.stack import TINY
+from tests.support.stack import TINY, assert_stored_once
 
 pytestmark = pytest.mark.slow
 
@@ -80,10 +79,8 @@ def test_kill_9_of_the_engine_mid_batch_redelivers_every_job_of_the_batch(live, 
     for job in jobs:
         hits = sum(job["id"] in batch for batch in killed)
         assert job["attempts"] == 1 + hits, (job["id"], job["attempts"], hits)
-    for job in jobs:  # one file and one manifest each; no temp file left anywhere
-        folder = live.storage_dir / "jobs" / job["id"]
-        assert sorted(p.name for p in folder.iterdir()) == ["activations.safetensors", "manifest.json"]
-        assert json.loads((folder / "manifest.json").read_text())["sha256"] == job["activations"]["sha256"]
+    for job in jobs:  # one file and one manifest each, in the last attempt's folder; no temp file left anywhere
+        assert_stored_once(live.storage_dir, job)
     assert worker.poll() is None, "the worker itself stays up"
     live.stop_process("worker-tiny-crash")  # the shared stack's later tests do not need it
 
@@ -138,8 +135,7 @@ def test_an_exception_that_escapes_the_engine_thread_restarts_the_engine_and_its
         assert any(j["attempts"] == 2 for j in jobs), [j["attempts"] for j in jobs]  # the batch that died ran again
         assert all(j["attempts"] <= 2 for j in jobs)
         for job in jobs:
-            folder = live.storage_dir / "jobs" / job["id"]
-            assert sorted(p.name for p in folder.iterdir()) == ["activations.safetensors", "manifest.json"]
+            assert_stored_once(live.storage_dir, job)
         log = live.log_tail("worker-tiny-watch", 1_000_000)
         assert "the engine thread died (RuntimeError: injected: a bug outside every guarded call)" in log
         served = re.findall(r"serving tiny-watch \(.*\) as (\S+)", log)

@@ -19,7 +19,7 @@ from shared import keys
 from shared.cli.processes import free_port
 from shared.cli.redis_server import RedisServer
 from tests.e2e.conftest import own_stack
-from tests.support.stack import TERMINAL
+from tests.support.stack import TERMINAL, assert_stored_once
 from tests.support.tmpfs import mounted_tmpfs
 
 pytestmark = pytest.mark.slow
@@ -67,9 +67,7 @@ def wait_running(http: httpx.Client, job_id: str, timeout: float = 60) -> None:
 
 def assert_one_artifact_each(s, jobs: list[dict]) -> None:
     for job in jobs:
-        folder = s.storage_dir / "jobs" / job["id"]
-        assert sorted(p.name for p in folder.iterdir()) == ["activations.safetensors", "manifest.json"], job["id"]
-        assert json.loads((folder / "manifest.json").read_text())["sha256"] == job["activations"]["sha256"]
+        assert_stored_once(s.storage_dir, job)
 
 
 def test_redis_restart_with_200_jobs_queued(live, tiny_dir, tmp_path, own_redis):
@@ -198,12 +196,14 @@ def test_s3_server_stopped_mid_run(live, tiny_dir, tmp_path, outage_seconds):
             listing = s3.client().list_objects_v2(Bucket=BUCKET, Prefix="outage/jobs/").get("Contents", [])
             stored: dict[str, set[str]] = {}
             for item in listing:
-                job_id, name = item["Key"].split("/")[2:4]
+                job_id, name = item["Key"].split("/", 3)[2:4]
                 stored.setdefault(job_id, set()).add(name)
             failed = [j for j in jobs if j["status"] != "succeeded"]
             for job in jobs:
                 if job["status"] == "succeeded":
-                    assert stored.get(job["id"]) == {"activations.safetensors", "manifest.json"}, job["id"]
+                    folder = job["activations"]["key"].split("/")[2]  # the attempt the record names
+                    wanted = {f"{folder}/activations.safetensors", f"{folder}/manifest.json"}
+                    assert stored.get(job["id"]) == wanted, (job["id"], stored.get(job["id"]))
                 else:
                     assert job["status"] == "failed" and job["error"]["type"] == "storage_error", job
                     assert f"S3 endpoint {s3.endpoint} is unreachable" in job["error"]["message"], job["error"]
@@ -235,7 +235,7 @@ def test_disk_full_on_the_local_store(live, tiny_dir, tmp_path):
             failed = s.wait(http, s.submit(http, body))
             assert failed["status"] == "failed" and failed["error"]["type"] == "storage_error", failed
             assert "No space left on device" in failed["error"]["message"], failed["error"]
-            assert not (mount / "jobs" / failed["id"]).exists() or not any((mount / "jobs" / failed["id"]).iterdir())
+            assert not [p for p in (mount / "jobs" / failed["id"]).rglob("*") if p.is_file()]
             assert not any((mount / ".tmp").iterdir()), list((mount / ".tmp").iterdir())
             assert http.get(f"/jobs/{failed['id']}/activations").status_code == 409
             filler.unlink()

@@ -98,9 +98,11 @@ def test_lifecycle_and_activations_equal_forward_hooks(live, http, reference_mod
         assert (info["start"], info["stop"]) == (0, prompt_tokens + 9)
         assert torch.equal(tensors[info["name"]], select(rows[info["module"]], "all", prompt_tokens, 10)), info["name"]
 
-    # The file on disk carries its own description, and a manifest.json sits beside it.
-    path = live.storage_dir / "jobs" / job["id"] / "activations.safetensors"
-    assert manifest["uri"] == path.as_uri()
+    # The file on disk, in the folder of the attempt that ran the job, carries its own description,
+    # and a manifest.json sits beside it.
+    path = live.storage_dir / manifest["key"]
+    assert path.parent.parent == live.storage_dir / "jobs" / job["id"] and path.parent.name.startswith("attempt-1-")
+    assert manifest["uri"] == path.as_uri() and path.name == "activations.safetensors"
     with safe_open(str(path), "pt") as handle:
         meta = handle.metadata()
     assert meta["job_id"] == job["id"] and meta["model"] == TINY and meta["prompt_tokens"] == str(prompt_tokens)

@@ -42,11 +42,13 @@ def objects(s3_server, prefix: str) -> dict[str, int]:
 
 def test_lifecycle_with_s3_storage(s3_job, s3_server):
     manifest = s3_job["activations"]
-    key = f"runs/jobs/{s3_job['id']}/activations.safetensors"
-    assert manifest["uri"] == f"s3://{BUCKET}/{key}"
+    folder = f"runs/jobs/{s3_job['id']}/{manifest['key'].split('/')[2]}"  # the attempt that ran it
+    assert folder.startswith(f"runs/jobs/{s3_job['id']}/attempt-1-")
+    key = f"{folder}/activations.safetensors"
+    assert manifest["uri"] == f"s3://{BUCKET}/{key}" and f"runs/{manifest['key']}" == key
     stored = s3_server.client().get_object(Bucket=BUCKET, Key=key)["Body"].read()
     assert len(stored) == manifest["bytes"] and hashlib.sha256(stored).hexdigest() == manifest["sha256"]
-    assert set(objects(s3_server, f"runs/jobs/{s3_job['id']}/")) == {key, f"runs/jobs/{s3_job['id']}/manifest.json"}
+    assert set(objects(s3_server, f"runs/jobs/{s3_job['id']}/")) == {key, f"{folder}/manifest.json"}
     tensors = load_safetensors(stored)
     assert [t["name"] for t in manifest["tensors"]] == ["model.layers.0", "model.layers.1.mlp", "model.layers.2"]
     assert tensors["model.layers.0"].shape == (s3_job["result"]["usage"]["total_tokens"] - 1, 64)

@@ -6,18 +6,24 @@ import pytest
 
 from shared.errors import StorageError
 from shared.settings import Settings
-from shared.storage import LocalStore, activations_key, check_key, open_store
+from shared.storage import LocalStore, activations_key, attempt_prefix, check_key, manifest_key, open_store
 
 
 def test_put_file_moves_whole_file_under_key(tmp_path):
     store = LocalStore(tmp_path / "root")
     src = store.scratch_dir() / "x.part"
     src.write_bytes(b"payload")
-    uri = store.put_file(activations_key("abc"), src)
-    dest = tmp_path / "root" / "jobs" / "abc" / "activations.safetensors"
+    prefix = attempt_prefix("abc", 2, "host-1.example:4242")
+    assert prefix == "jobs/abc/attempt-2-host-1.example-4242"  # the worker id made a valid key part
+    uri = store.put_file(activations_key(prefix), src)
+    dest = tmp_path / "root" / "jobs" / "abc" / "attempt-2-host-1.example-4242" / "activations.safetensors"
     assert uri == dest.as_uri() and dest.read_bytes() == b"payload" and not src.exists()
-    store.put_bytes("jobs/abc/manifest.json", b"{}")
+    store.put_bytes(manifest_key(prefix), b"{}")
     assert list((tmp_path / "root" / ".tmp").iterdir()) == []  # no temp file left behind
+    store.put_bytes(manifest_key(attempt_prefix("abc", 1)), b"{}")
+    store.put_bytes("jobs/abc/nnsight-request.bin", b"x")  # a file, not a folder
+    assert store.folders("jobs/abc") == ["jobs/abc/attempt-1", prefix]
+    assert store.folders("jobs/none") == []
     store.delete_prefix("jobs/abc")
     assert not (tmp_path / "root" / "jobs" / "abc").exists()
 

@@ -3,6 +3,7 @@ helpers to submit jobs and wait for them over HTTP, and to count what Redis hold
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -58,6 +59,19 @@ class TestStack(Stack):
                 return
             assert time.monotonic() < deadline, f"workers for {wanted} not live again: {live}"
             time.sleep(0.05)
+
+
+def assert_stored_once(storage_dir: Path, job: dict) -> None:
+    """A succeeded job's files in a local store: one folder, of the attempt the record names (its
+    last claim's), holding its file and manifest.json with the record's sha256; nothing else."""
+    folder, key = storage_dir / "jobs" / job["id"], job["activations"]["key"]
+    attempt = key.split("/")[2]
+    assert key == f"jobs/{job['id']}/{attempt}/activations.safetensors", key
+    assert attempt.startswith(f"attempt-{job['attempts']}-"), (attempt, job["attempts"])
+    assert [p.name for p in folder.iterdir()] == [attempt], (job["id"], sorted(folder.iterdir()))
+    files = sorted(p.name for p in (folder / attempt).iterdir())
+    assert files == ["activations.safetensors", "manifest.json"], (job["id"], files)
+    assert json.loads((folder / attempt / "manifest.json").read_text())["sha256"] == job["activations"]["sha256"]
 
 
 def queued_messages(client: redis.Redis, model: str) -> int:
