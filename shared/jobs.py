@@ -13,6 +13,7 @@ progress (reading the cancel flag), and finishes.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar, cast
@@ -569,7 +570,7 @@ class JobStore:
 
     def _write_state(self, pipe: redis.client.Pipeline, old: State, new: State, stored: str) -> None:
         """Queue what a record's change writes: the record `stored` (its TTL kept), the event, the
-        status and queue indexes, and at the one terminal transition the stats and the
+        status, queue and running indexes, and at the one terminal transition the stats and the
         owner's quota. `new` is the JobRecord written, or the RecordCore of one this version cannot
         read (then only the ending is counted in the stats)."""
         job_id = new.id
@@ -581,6 +582,10 @@ class JobStore:
             pipe.zadd(keys.jobs_status_index(new.owner, new.status.value), {job_id: created})
         if new.status is not JobStatus.queued:
             pipe.zrem(keys.queued(new.model), job_id)
+        if new.status is JobStatus.running:  # a claim: the lost-message check looks here
+            pipe.zadd(keys.running(new.model), {job_id: time.time()})
+        elif old.status is JobStatus.running:
+            pipe.zrem(keys.running(new.model), job_id)
         if new.status.terminal and not old.status.terminal:
             if isinstance(new, JobRecord):
                 _record_stats(pipe, new)
