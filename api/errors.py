@@ -33,7 +33,8 @@ async def actq_error(_: Request, exc: ActqError) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if exc.status_code == 401 else {}
     if isinstance(exc, Busy):
         headers["Retry-After"] = str(exc.retry_after)
-    return JSONResponse(_body(exc.error_type, exc.message), status_code=exc.status_code, headers=headers or None)
+    body = _body(exc.error_type, exc.message, **exc.extra())
+    return JSONResponse(body, status_code=exc.status_code, headers=headers or None)
 
 
 BODY_DEPTH = 200  # pydantic's JSON parser refuses a body nested deeper (api/bodies.py parses with it)

@@ -15,7 +15,7 @@ import struct
 
 import numpy as np
 
-from shared.errors import InterventionError, StorageError, VectorSetNotFound
+from shared.errors import InterventionError, StorageError, UnreadableRecord, VectorSetNotFound
 from shared.interventions import JobVector, PatchSource, SetVector
 from shared.jobs import JobStore
 from shared.schemas import JobStatus, TensorInfo
@@ -55,7 +55,12 @@ def _source(
     jobs: JobStore, owner: str | None, check_owner: bool, job_id: str, tensor: str, model: str, where: str
 ) -> tuple[TensorInfo, str]:
     """The source job's tensor (its manifest entry) and the file's key, or why it cannot be used."""
-    record = jobs.get(job_id)
+    try:
+        record = jobs.get(job_id)
+    except UnreadableRecord as exc:  # a newer version wrote it: named to its owner only
+        if check_owner and exc.owner != owner:
+            raise InterventionError(f"{where}: no job with id {job_id!r}") from None
+        raise InterventionError(f"{where}: {exc.message}") from None
     if record is None or (check_owner and record.owner != owner):
         raise InterventionError(f"{where}: no job with id {job_id!r}")
     if record.model != model:

@@ -20,23 +20,31 @@
     ├── Busy                   (429)  a capacity limit (long polls per process); carries Retry-After
     │   └── TooManyVectorSets  (429)  an API key holds ACTQ_MAX_VECTOR_SETS_PER_KEY vector sets
     ├── NotReady               (409)  e.g. activations of a job that has not succeeded
+    ├── UnreadableRecord       (409)  a job's record holds values a newer version wrote (names them)
     ├── JobFailure                    how a job ended badly; stored on the job as {type, message}
     │   ├── ContextLengthExceeded     context_length_exceeded
     │   ├── StorageError       (503)  storage_error (the API answers 503 when it meets one)
     │   ├── JobTimeout                timeout
     │   ├── OutOfMemory               out_of_memory
     │   ├── WorkerLost                worker_lost: delivered ACTQ_MAX_ATTEMPTS times, never finished
+    │   ├── UnsupportedByWorker       unsupported_by_worker: a record the worker's version cannot fully read
     │   ├── JobCancelled              cancelled: DELETE /jobs/{id} (the job ends `cancelled`)
     │   └── InternalError             internal_error: anything unexpected, "<ExceptionType>: <message>"
     ├── ConfigurationError            settings that cannot work together (a worker refuses to start)
     └── ToolError                     bad input to a command-line tool (`actq gsm8k`, `actq probe`)
 
-The API renders every ActqError as `{"error": <error_type>, "detail": <message>}`; the `actq`
-command prints a ToolError's message and exits 2. Every `error.type` a job can carry is the
-`error_type` of one JobFailure class: `JobFailure.stored_types()` lists them.
+The API renders every ActqError as `{"error": <error_type>, "detail": <message>}`, plus its
+`extra()` where it has more to say; the `actq` command prints a ToolError's message and exits 2.
+Every `error.type` a job can carry is the `error_type` of one JobFailure class:
+`JobFailure.stored_types()` lists them.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared.newer_records import RecordCore
 
 
 class ActqError(Exception):
@@ -46,6 +54,10 @@ class ActqError(Exception):
     def __init__(self, message: str) -> None:
         super().__init__(message)
         self.message = message
+
+    def extra(self) -> dict[str, object]:
+        """Fields of the error's body besides `error` and `detail` (JSON values)."""
+        return {}
 
 
 class BadRequest(ActqError):
@@ -148,6 +160,31 @@ class NotReady(ActqError):
     error_type = "not_ready"
 
 
+class UnreadableRecord(ActqError):
+    """A job's stored record holds values this version does not know (a newer version wrote it:
+    shared/newer_records.py). `job`: what could be read of it, as stored; `unreadable`: each field
+    that could not, as {field, value, problem}; `owner`: its owner's key id (None: none, or not
+    readable); `core`: the record's id, state, model, owner and creation time when those could be
+    read (a RecordCore), else None."""
+
+    status_code = 409
+    error_type = "unreadable_record"
+
+    def __init__(
+        self,
+        message: str,
+        job: dict[str, object],
+        unreadable: list[dict[str, str]],
+        owner: str | None = None,
+        core: RecordCore | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.job, self.unreadable, self.owner, self.core = job, unreadable, owner, core
+
+    def extra(self) -> dict[str, object]:
+        return {"job": self.job, "unreadable": self.unreadable}
+
+
 class Busy(ActqError):
     """Capacity, not the request: retry after `retry_after` seconds (sent as Retry-After)."""
 
@@ -228,7 +265,8 @@ class WorkerLost(JobFailure):
 
 
 class UnsupportedByWorker(JobFailure):
-    """The job's request has fields the worker's version does not know (a newer API wrote it)."""
+    """The job's record has fields, or values, the worker's version does not know (a newer API
+    wrote it): the message names them."""
 
     error_type = "unsupported_by_worker"
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar, cast
@@ -24,16 +25,20 @@ import redis.asyncio as aioredis
 import stamina
 from anyio import to_thread
 from celery import Celery
-from pydantic import ValidationError
 
 from shared import broker, keys, stats
 from shared.attempts import Attempt, StaleAttempt
-from shared.errors import JobCancelled, JobFailure, UnsupportedByWorker, WorkerLost
+from shared.errors import JobCancelled, JobFailure, UnreadableRecord, UnsupportedByWorker, WorkerLost
 from shared.listing import AFTER, SCAN_LIMIT, JobFilters, JobPage, encode_cursor, tag_indexes
+from shared.newer_records import VERSION, RecordCore, checked, ended_as_stored, newer_fields_message, read, unsupported
 from shared.redis_faults import refuses_writes
 from shared.schemas import RESULT_PREVIEW_CHARS, RESULT_TEXT_INLINE_CHARS, JobRecord, JobStatus, JobSummary
 
 T = TypeVar("T")
+State = JobRecord | RecordCore  # what a record's change needs of it: id, status, model, owner, created_at
+# A record this version cannot read, met by a change: its new state and JSON (taken only when its
+# core reads), or None to leave it.
+Unreadable = Callable[[str, bytes | str, UnreadableRecord], tuple[RecordCore, str] | None]
 RESULT_INLINE_BYTES = 16 << 10  # a result's JSON above this is stored apart (ACTQ_RESULT_INLINE_BYTES)
 PARSE_ON_LOOP_BYTES = 64 << 10  # a record larger than this is parsed on a thread, off the event loop
 PREVIEW_CHARS = 200  # of a job's prompt, in GET /jobs
@@ -179,10 +184,15 @@ class JobStore:
     being lost. 0 (the API's store): errors surface at once and the API answers 503.
     `aclient` (the API's): a redis.asyncio client for the reads on the event loop.
 
-    Rolling upgrades: a stored record's fields that this version does not know (written by a newer
-    API or worker) are left out when it is read, so that an older API still answers for, lists and
-    waits on the jobs newer processes wrote. A job whose *request* holds such fields is not run by
-    an older worker without them: `claim` fails it as `unsupported_by_worker`, naming them.
+    Rolling upgrades (shared/newer_records.py): a stored record's fields that this version does
+    not know are left out when it is read, so that an older API still answers for, lists and waits
+    on the jobs newer processes wrote. A job whose *request* holds such fields is not run by an
+    older worker without them: `claim` fails it as `unsupported_by_worker`, naming them. A record
+    holding *values* this version does not know cannot be read: reading it raises
+    UnreadableRecord, a listing leaves it out and names it (`JobPage.unreadable`), and `claim`
+    fails it once, as stored, when its state says it may still run, or leaves it alone when its
+    state cannot be read; the other jobs claimed with it are claimed as usual. Every write stamps
+    the record with this version (`written_by`), so an older reader can say which version wrote it.
     """
 
     def __init__(
@@ -199,8 +209,9 @@ class JobStore:
 
     @staticmethod
     def record(raw: str | bytes) -> JobRecord:
-        """A stored record, parsed; fields this version does not know are left out (class docstring)."""
-        return JobRecord.model_validate_json(raw, extra="ignore")
+        """A stored record, parsed; fields this version does not know are left out, values it does
+        not know raise UnreadableRecord (class docstring)."""
+        return read(raw)
 
     def _through_outage(self, call: Callable[[], T]) -> T:
         if not self.outage_seconds:
@@ -229,6 +240,7 @@ class JobStore:
         argv: list[Any] = [limits[0], limits[1], self.retention, len(records), sum(sizes)]
         for place, (record, size) in enumerate(zip(records, sizes, strict=True)):
             queue = keys.queue(record.model)
+            record.written_by = VERSION  # the record as stored: its holder sees what was written
             argv += [
                 keys.job(record.id),
                 record.model_dump_json(),
@@ -418,6 +430,7 @@ class JobStore:
         index = indexes[0]
         floor = filters.created_after.timestamp() if filters.created_after is not None else None
         found: list[JobSummary] = []
+        unreadable: list[str] = []
         seen: set[str] = set()
         scanned = 0
         while scanned < SCAN_LIMIT:
@@ -439,15 +452,19 @@ class JobStore:
                 if raw is None or job_id in seen:
                     continue
                 seen.add(job_id)
-                record = self.record(raw)
+                try:
+                    record = self.record(raw)
+                except UnreadableRecord:  # written by a newer version: named, not listed (GET /jobs/{id} says why)
+                    unreadable.append(job_id)
+                    continue
                 if filters.matches(record):
                     found.append(summarize(record))
                     if len(found) == limit:
                         more = not ended or place < len(entries) - 1
-                        return JobPage(found, encode_cursor(score, job_id) if more else None)
+                        return JobPage(found, encode_cursor(score, job_id) if more else None, tuple(unreadable))
             if ended:
-                return JobPage(found, None)
-        return JobPage(found, None if cursor is None else encode_cursor(*cursor))
+                return JobPage(found, None, tuple(unreadable))
+        return JobPage(found, None if cursor is None else encode_cursor(*cursor), tuple(unreadable))
 
     # -- changing ---------------------------------------------------------------------------
 
@@ -456,12 +473,15 @@ class JobStore:
         job_id: str,
         change: Callable[[JobRecord], JobRecord | None],
         stored_result: bytes | None = None,
+        unreadable: Unreadable | None = None,
     ) -> JobRecord | None:
         """Apply `change` atomically. It returns the new record, or None to leave the job as it is.
         `stored_result` (a result kept apart, see split_result) is written in the same transaction,
-        with the record's TTL, only when the change is.
+        with the record's TTL, only when the change is. `unreadable`, if given, is called instead of
+        `change` for a record this version cannot read (else UnreadableRecord is raised).
 
-        Returns what was written, or None when nothing was (unknown job, or `change` declined).
+        Returns what was written, or None when nothing was (unknown job, `change` declined, or an
+        unreadable record, changed or not).
         """
         key = keys.job(job_id)
         with self.redis.pipeline() as pipe:
@@ -472,7 +492,19 @@ class JobStore:
                     if raw is None:
                         pipe.unwatch()
                         return None
-                    old = self.record(raw)
+                    try:
+                        old = self.record(raw)
+                    except UnreadableRecord as exc:
+                        if unreadable is None:
+                            raise
+                        state = unreadable(job_id, raw, exc)
+                        if state is None or exc.core is None:
+                            pipe.unwatch()
+                            return None
+                        pipe.multi()
+                        self._write_state(pipe, exc.core, *state)
+                        pipe.execute()
+                        return None
                     new = change(old)
                     if new is None:
                         pipe.unwatch()
@@ -492,38 +524,60 @@ class JobStore:
         job_ids: Sequence[str],
         change: Callable[[JobRecord], JobRecord | None],
         newer: Callable[[JobRecord, Sequence[str]], JobRecord | None] | None = None,
+        unreadable: Unreadable | None = None,
     ) -> dict[str, JobRecord]:
         """`update` for several jobs in one transaction: one WATCH, one MGET, one MULTI/EXEC
         whatever their number (a change to any of them meanwhile retries them all). Returns what
         was written, by job id. `newer`, if given, is called instead of `change` for a record whose
-        request has fields this version does not know (`checked_record`)."""
+        request has fields this version does not know (`newer_records.checked`); `unreadable`, if
+        given, for a record this version cannot read (its new state and JSON, or None to leave it;
+        without it, UnreadableRecord is raised). An unreadable record changed is not in the answer."""
         names = [keys.job(job_id) for job_id in job_ids]
         with self.redis.pipeline() as pipe:
             while True:
                 try:
                     pipe.watch(*names)
-                    changed = []
-                    for raw in pipe.mget(names):
-                        if raw is not None:
-                            old, fields = checked_record(raw) if newer is not None else (self.record(raw), [])
-                            if (new := newer(old, fields) if newer and fields else change(old)) is not None:
-                                changed.append((old, new))
-                    if not changed:
+                    changed: list[tuple[JobRecord, JobRecord]] = []
+                    as_stored: list[tuple[RecordCore, RecordCore, str]] = []
+                    for job_id, raw in zip(job_ids, pipe.mget(names), strict=True):
+                        if raw is None:
+                            continue
+                        try:
+                            old, fields = checked(raw) if newer is not None else (self.record(raw), [])
+                        except UnreadableRecord as exc:
+                            if unreadable is None:
+                                raise
+                            if (state := unreadable(job_id, raw, exc)) is not None and exc.core is not None:
+                                as_stored.append((exc.core, *state))
+                            continue
+                        if (new := newer(old, fields) if newer and fields else change(old)) is not None:
+                            changed.append((old, new))
+                    if not changed and not as_stored:
                         pipe.unwatch()
                         return {}
                     pipe.multi()
                     for old, new in changed:
                         self._write(pipe, old, new)
+                    for core, new_core, stored in as_stored:
+                        self._write_state(pipe, core, new_core, stored)
                     pipe.execute()
                     return {new.id: new for _, new in changed}
                 except redis.WatchError:
                     continue
 
     def _write(self, pipe: redis.client.Pipeline, old: JobRecord, new: JobRecord) -> None:
-        """Queue what a record's change writes: the record (its TTL kept), the event, the status
-        and queue indexes, and at the one terminal transition the stats and the owner's quota."""
+        """Queue what a record's change writes (`_write_state`), the record stamped with this version
+        (`new` too: its holder sees what was written)."""
+        new.written_by = VERSION
+        self._write_state(pipe, old, new, new.model_dump_json())
+
+    def _write_state(self, pipe: redis.client.Pipeline, old: State, new: State, stored: str) -> None:
+        """Queue what a record's change writes: the record `stored` (its TTL kept), the event, the
+        status, queue and running indexes, and at the one terminal transition the stats and the
+        owner's quota. `new` is the JobRecord written, or the RecordCore of one this version cannot
+        read (then only the ending is counted in the stats)."""
         job_id = new.id
-        pipe.set(keys.job(job_id), new.model_dump_json(), keepttl=True)
+        pipe.set(keys.job(job_id), stored, keepttl=True)
         pipe.publish(keys.job_events(job_id), new.status.value)
         if new.status is not old.status:
             created = new.created_at.timestamp()
@@ -531,8 +585,15 @@ class JobStore:
             pipe.zadd(keys.jobs_status_index(new.owner, new.status.value), {job_id: created})
         if new.status is not JobStatus.queued:
             pipe.zrem(keys.queued(new.model), job_id)
+        if new.status is JobStatus.running:  # a claim: the lost-message check looks here
+            pipe.zadd(keys.running(new.model), {job_id: time.time()})
+        elif old.status is JobStatus.running:
+            pipe.zrem(keys.running(new.model), job_id)
         if new.status.terminal and not old.status.terminal:
-            _record_stats(pipe, new)
+            if isinstance(new, JobRecord):
+                _record_stats(pipe, new)
+            else:
+                pipe.hincrby(keys.counters(new.model), new.status.value, 1)
             # the owner's quota: given back once, at the one terminal transition
             pipe.eval(_RELEASE, 2, keys.quota_held(new.owner), keys.quota(new.owner), job_id)
 
@@ -549,7 +610,10 @@ class JobStore:
     ) -> dict[str, tuple[JobRecord | None, str]]:
         """`claim` for every job of `job_ids` (distinct) in one transaction (jobs delivered
         together join the engine without a round trip each), through a Redis outage. By job id:
-        (record, why)."""
+        (record, why). A record this version cannot read never holds the others back: it is failed
+        as `unsupported_by_worker` (naming what it cannot read) when its state says it may still
+        run, and left alone, for a worker of the version that wrote it, when even its state cannot
+        be read."""
         if len(set(job_ids)) != len(job_ids):
             raise ValueError("claim_many: a job id appears twice (claim its deliveries one after another)")
         why = dict.fromkeys(job_ids, "unknown job")
@@ -559,7 +623,19 @@ class JobStore:
                 why[record.id] = f"already {record.status.value}"
                 return None
             why[record.id] = "unsupported by this worker"  # running it without those fields would be wrong
-            return _ended(record, UnsupportedByWorker(_newer_message(fields)), None)
+            return _ended(record, UnsupportedByWorker(newer_fields_message(fields)), None)
+
+        def unreadable(job_id: str, raw: bytes | str, exc: UnreadableRecord) -> tuple[RecordCore, str] | None:
+            core = exc.core
+            if core is None or core.id != job_id:
+                why[job_id] = f"left for a worker of the version that wrote its record: {exc.message}"
+                return None
+            if core.status.terminal:
+                why[job_id] = f"already {core.status.value}"
+                return None
+            why[job_id] = "unsupported by this worker"
+            failure = UnsupportedByWorker(unsupported(exc))
+            return core.model_copy(update={"status": JobStatus.failed}), ended_as_stored(raw, failure, now())
 
         def change(record: JobRecord) -> JobRecord | None:
             if record.status.terminal:
@@ -581,7 +657,7 @@ class JobStore:
                 }
             )
 
-        written = self._through_outage(lambda: self.update_many(job_ids, change, newer))
+        written = self._through_outage(lambda: self.update_many(job_ids, change, newer, unreadable))
         claimed = {}
         for job_id in job_ids:
             record = written.get(job_id)
@@ -650,9 +726,18 @@ class JobStore:
     ) -> JobRecord | None:
         """End a job with `failure` (a JobCancelled ends it `cancelled`, anything else `failed`),
         keeping a partial `result` when given (stored apart when larger than `inline_bytes`). A
-        terminal job is left alone. `attempt`: as for `succeed`."""
+        terminal job is left alone. `attempt`: as for `succeed`. Without `attempt` (the API, the
+        Celery side), a record this version cannot read is ended as stored (without the result)
+        when its state can be read."""
         shown, whole = split_result(result, inline_bytes) if result is not None else (None, None)
-        return self._end(job_id, lambda r: _ended(r, failure, shown), whole, attempt)
+
+        def as_stored(_: str, raw: bytes | str, exc: UnreadableRecord) -> tuple[RecordCore, str] | None:
+            if exc.core is None or exc.core.status.terminal:
+                return None
+            status = JobStatus.cancelled if isinstance(failure, JobCancelled) else JobStatus.failed
+            return exc.core.model_copy(update={"status": status}), ended_as_stored(raw, failure, now())
+
+        return self._end(job_id, lambda r: _ended(r, failure, shown), whole, attempt, as_stored)
 
     def _end(
         self,
@@ -660,12 +745,14 @@ class JobStore:
         ending: Callable[[JobRecord], JobRecord],
         stored_result: bytes | None,
         attempt: Attempt | None,
+        unreadable: Unreadable | None = None,
     ) -> JobRecord | None:
         """Write `ending(record)` through an outage, in one transaction with the check (a
         compare-and-set): the job is running and, given `attempt`, still that attempt's. Returns
-        what was written; without `attempt`, None for an unknown or terminal job. With `attempt`,
-        a record it no longer holds (or none) raises StaleAttempt, except the very outcome this
-        attempt wrote already (an outage took the reply of an EXEC that did run)."""
+        what was written; without `attempt`, None for an unknown or terminal job (`unreadable`,
+        then, ends a record this version cannot read: `update`). With `attempt`, a record it no
+        longer holds (or none) raises StaleAttempt, except the very outcome this attempt wrote
+        already (an outage took the reply of an EXEC that did run)."""
         seen: list[JobRecord] = []  # the record as a refused change found it
 
         def change(record: JobRecord) -> JobRecord | None:
@@ -676,7 +763,7 @@ class JobStore:
 
         def write() -> JobRecord | None:
             seen.clear()
-            return self.update(job_id, change, stored_result)
+            return self.update(job_id, change, stored_result, unreadable if attempt is None else None)
 
         written = self._through_outage(write)
         if written is not None or attempt is None:
@@ -723,28 +810,6 @@ class JobStore:
             for index in tag_indexes(record):
                 pipe.zrem(index, job_id)
             pipe.execute()
-
-
-def checked_record(raw: bytes | str) -> tuple[JobRecord, list[str]]:
-    """A stored record and the fields of its request that this version does not know (dotted
-    paths: written by a newer API during a rolling upgrade). One strict parse; only a record that
-    fails it is parsed again, without the unknown fields."""
-    try:
-        return JobRecord.model_validate_json(raw), []
-    except ValidationError as exc:
-        fields = [
-            ".".join(str(part) for part in error["loc"][1:])
-            for error in exc.errors()
-            if error["type"] == "extra_forbidden" and error["loc"][:1] == ("request",)
-        ]
-        return JobStore.record(raw), fields
-
-
-def _newer_message(fields: Sequence[str]) -> str:
-    return (
-        f"the job's request has fields this worker's version of actq does not know ({', '.join(fields[:8])}): it "
-        "was submitted through a newer API; upgrade this model's workers and submit it again"
-    )
 
 
 def _same_outcome(stored: JobRecord, wanted: JobRecord) -> bool:

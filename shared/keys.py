@@ -63,6 +63,12 @@ def queued(name: str) -> str:
     return f"{PREFIX}:queued:{name}"
 
 
+def running(name: str) -> str:
+    """Sorted set of a model's running job ids by when they were claimed: the lost-message check
+    looks here for a job left running with no broker message (worker/lost_messages.py)."""
+    return f"{PREFIX}:running:{name}"
+
+
 def jobs_index(owner: str | None) -> str:
     """Sorted set of one API key's jobs (all jobs when keys are off), by creation time: GET /jobs."""
     return f"{PREFIX}:jobs-index:{owner or '_'}"

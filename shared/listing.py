@@ -37,6 +37,7 @@ METADATA = "metadata."  # a filter on one metadata pair: `metadata.<key>=<value>
 RUN_KEY = "run"  # the metadata key of a run label (/runs/<label>/v1, `actq export --label`)
 USER = "user"
 CURSOR_HEADER = "x-actq-next-cursor"
+UNREADABLE_HEADER = "x-actq-unreadable-jobs"  # jobs not listed: their records were written by a newer version
 
 # The `count` entries after the cursor's job in an index, newest first, with their scores.
 # KEYS: index. ARGV: cursor score ('' : from the newest), cursor job id, count.
@@ -139,7 +140,10 @@ def decode_cursor(cursor: str) -> tuple[str, str]:
 
 @dataclass
 class JobPage:
-    """One GET /jobs answer: the summaries, and the cursor to go on from (None: nothing more)."""
+    """One GET /jobs answer: the summaries, the cursor to go on from (None: nothing more), and the
+    ids of the jobs read on the way whose records this version cannot read (written by a newer
+    one: shared/newer_records.py), which are not listed and may or may not pass the filters."""
 
     jobs: list[JobSummary]
     cursor: str | None
+    unreadable: tuple[str, ...] = ()

@@ -732,6 +732,9 @@ class JobRecord(Strict):
     result: JobResult | None = None
     activations: ActivationsManifest | None = None
     error: JobError | None = None
+    # The version of actq that last wrote the record (the job store stamps it on every write; None:
+    # written before it did). An older version names it when it cannot read the record (rolling upgrades).
+    written_by: str | None = None
 
 
 class JobView(Strict):

@@ -2,7 +2,7 @@
 
 kombu's Redis transport takes a message with BRPOP, which removes it from the queue's list, and
 then copies it into the `unacked` hash, where it stays until the task acknowledges it (late ack:
-when its job ends). Three ways a job is stranded so:
+when its job ends). Four ways a job is stranded so:
 
 - Redis stops between the two: its reply to BRPOP is never sent, the message is gone.
 - The message reached `unacked` just before the consumer lost its connection, but never reached a
@@ -11,19 +11,31 @@ when its job ends). Three ways a job is stranded so:
   ran after a Redis restart, one was delivered 4 ms before the connection loss and never started.
 - The whole worker is lost (killed, its spot machine gone) while its jobs run: their messages stay
   in `unacked` and their records say `running`; nothing rejects them.
+- A job left `running` with no message anywhere: its message was acknowledged, or its requeue
+  found nothing to restore, while its record still said `running` and its engine then died (a
+  claim that failed after an engine loss once left 5 redelivered jobs so for 11 minutes; an
+  engine lost while kombu had restored its channel's messages on a reconnect and this worker had
+  dropped the second copy; a job whose outcome Redis did not take in time, whose task then acked).
 
 kombu would redeliver an `unacked` message after the visibility timeout (2 hours by default, and
 it must exceed the hard time limit). This check does better: every `publish_every` seconds (the
 heartbeat interval) each worker publishes the jobs its tasks hold, kept for the heartbeat TTL;
 every `interval` seconds one of the model's workers (a lock in Redis) looks for queued jobs older
-than `confirm` seconds whose message is in neither the queue's list nor `unacked`, and for
-messages in `unacked` held by no live worker whose job is queued, or running on an engine whose
-heartbeat has expired. A job found so at two checks at least `confirm` apart is sent again to the
-front of the queue (a stranded `unacked` entry is moved back, as kombu's own restore does); its
-next claim counts one more attempt. A message is in flight between BRPOP and `unacked`, or
-between delivery and its task, for microseconds; a live worker publishes what it holds within
-`publish_every` <= `confirm` seconds; so a job that is running or about to run on a live worker is
-never sent twice. A job that did run meanwhile has left the queued set or ended.
+than `confirm` seconds whose message is in neither the queue's list nor `unacked`, for messages
+in `unacked` held by no live worker whose job is queued, or running on an engine whose heartbeat
+has expired, and for jobs claimed more than `confirm` seconds ago (the model's running index,
+shared/keys.py) that are still running on an engine whose heartbeat has expired, held by no live
+worker, with no message in the queue or `unacked`. A job found so at two checks at least `confirm`
+apart is sent again to the front of the queue (a stranded `unacked` entry is moved back, as
+kombu's own restore does); its next claim counts one more attempt, so a job lost again and again
+ends `worker_lost` after ACTQ_MAX_ATTEMPTS. A job whose record this version cannot read (a newer
+version wrote it: shared/newer_records.py), or whose record is gone, is never sent again: a
+worker could not run it, and sending it would loop.
+
+A message is in flight between BRPOP and `unacked`, or between delivery and its task, for
+microseconds; a live worker publishes what it holds within `publish_every` <= `confirm` seconds;
+so a job that is running or about to run on a live worker is never sent twice. A job that did run
+meanwhile has left the queued set or ended.
 """
 
 from __future__ import annotations
@@ -36,9 +48,11 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 import redis
+from pydantic import ValidationError
 
 from shared import keys
-from shared.states import TERMINAL_NAMES
+from shared.newer_records import RecordCore
+from shared.states import TERMINAL_NAMES, JobStatus
 
 log = logging.getLogger("actq.worker")
 UNACKED = "unacked"  # kombu's Redis transport: delivery tag -> [message, exchange, routing key]
@@ -77,9 +91,22 @@ def held_by_live_workers(client: redis.Redis, model: str) -> set[str]:
 def _record(client: redis.Redis, job_id: str) -> dict[str, Any] | None:
     raw = client.get(keys.job(job_id))
     try:
-        return None if raw is None else cast("dict[str, Any]", json.loads(raw))
+        record = None if raw is None else json.loads(raw)
     except ValueError:
         return None
+    return record if isinstance(record, dict) else None
+
+
+def _in_state(record: dict[str, Any] | None, status: JobStatus) -> bool:
+    """The record is in `status` and this version can change it (its core reads): one that cannot
+    be read is never sent again, so no worker of this version takes it in a loop."""
+    if record is None or record.get("status") != status.value:
+        return False
+    try:
+        RecordCore.model_validate(record)
+    except ValidationError:
+        return False
+    return True
 
 
 def find_stranded(
@@ -97,18 +124,30 @@ def find_stranded(
       is in `unacked` held by no live worker;
     - running jobs whose message was delivered more than `min_age` s ago and sits in `unacked`
       held by no live worker, whose engine (the record's `worker`) has no live heartbeat either:
-      their whole worker was lost (killed, its machine gone).
+      their whole worker was lost (killed, its machine gone);
+    - running jobs claimed more than `min_age` s ago (the model's running index) whose message is
+      nowhere (neither the queue nor `unacked`), held by no live worker, on an engine with no live
+      heartbeat (None: their message was acknowledged, or lost, while they still ran).
+
+    Only jobs whose records this version can change are named (their state, id, model, owner and
+    creation time read). A queued job whose record is gone leaves the queued index, and a job of
+    the running index that no longer runs leaves that index.
 
     Messages in `unacked` of jobs that already ended, held by nobody (their worker died between
     recording the outcome and acknowledging), are dropped on the way: their job is done."""
     now = time.time() if now is None else now
     waiting = cast("list[bytes]", client.zrangebyscore(keys.queued(model), "-inf", now - min_age))
     missing = {_decode(w) for w in waiting}
-    if missing:
+    claimed = cast("list[bytes]", client.zrangebyscore(keys.running(model), "-inf", now - min_age))
+    idle = {_decode(c) for c in claimed} - missing  # running a while: is its message anywhere?
+    if missing or idle:
         for raw in _messages(client, queue):
-            missing.discard(_task_id(raw) or "")
-            if not missing:
+            seen = _task_id(raw) or ""
+            missing.discard(seen)
+            idle.discard(seen)
+            if not missing and not idle:
                 break
+    missing = {j for j in missing if _queued_to_run(client, model, j)}
     stranded: dict[str, str | None] = dict.fromkeys(missing)
     held = held_by_live_workers(client, model)
     engines: set[str] | None = None  # read once, when a running job needs it
@@ -116,6 +155,7 @@ def find_stranded(
         job_id, tag = _task_id(raw), _decode(tag)
         if job_id is None or _queue_of(raw) != queue:
             continue
+        idle.discard(job_id)  # its message is here: judged below, like any delivered message
         if job_id in missing:  # queued, and its message was delivered: stranded unless a worker holds it
             if job_id in held:
                 del stranded[job_id]
@@ -141,8 +181,28 @@ def find_stranded(
                 engines = live_engines()
             if record.get("worker") not in engines:
                 stranded[job_id] = tag
+    for job_id in idle - held:  # running, with no message in the queue or `unacked`
+        record = _record(client, job_id)
+        if not _in_state(record, JobStatus.running):  # ended, gone, or unreadable: not a running job of ours
+            if record is None or record.get("status") != JobStatus.running.value:
+                client.zrem(keys.running(model), job_id)
+            continue
+        if engines is None:
+            engines = live_engines()
+        if cast("dict[str, Any]", record).get("worker") not in engines:
+            stranded[job_id] = None
     # A job may have moved on while we looked (claimed, finished, cancelled): check again.
     return {j: tag for j, tag in stranded.items() if _still_stranded(client, model, j, tag)}
+
+
+def _queued_to_run(client: redis.Redis, model: str, job_id: str) -> bool:
+    """A job of the queued index that a worker of this version can take. One whose record is
+    gone (expired while queued) leaves the index: nothing will ever run it."""
+    record = _record(client, job_id)
+    if record is None and not client.exists(keys.job(job_id)):
+        client.zrem(keys.queued(model), job_id)
+        return False
+    return _in_state(record, JobStatus.queued)
 
 
 def _queue_of(raw: bytes | str) -> str | None:
@@ -156,8 +216,9 @@ def _queue_of(raw: bytes | str) -> str | None:
 def _still_stranded(client: redis.Redis, model: str, job_id: str, tag: str | None) -> bool:
     if client.zscore(keys.queued(model), job_id) is not None:
         return True
-    record = _record(client, job_id)
-    return tag is not None and record is not None and record.get("status") == "running"
+    if not _in_state(_record(client, job_id), JobStatus.running):
+        return False
+    return tag is not None or client.zscore(keys.running(model), job_id) is not None
 
 
 class LostMessageSweeper:
@@ -223,7 +284,13 @@ class LostMessageSweeper:
                 pipe.hset(keys.lost_suspects(self.model), mapping=cast("Any", suspects))
             pipe.execute()
         for job_id in resent:
-            if stranded[job_id] is None:
+            if stranded[job_id] is None and self.client.zscore(keys.running(self.model), job_id) is not None:
+                log.warning(
+                    "job %s was left running on an engine that is gone, with no broker message (its message was "
+                    "acknowledged or its requeue lost): sent it again",
+                    job_id,
+                )
+            elif stranded[job_id] is None:
                 log.warning("job %s was queued with no broker message (a Redis outage?): sent it again", job_id)
             else:
                 log.warning(

@@ -111,15 +111,26 @@ _preparer = _Preparer()
 
 
 def _prepare_many(rt: runtime.Runtime, batch: list[tuple[str, Reply, Callable[..., None]]]) -> None:
-    """Claim the jobs of `batch` together, then prepare each in order."""
+    """Claim the jobs of `batch` together, then prepare each in order. Should the claim fail for
+    anything but Redis, each job is claimed alone: one job's trouble never holds back the others."""
+    ids = [job_id for job_id, _, _ in batch]
+    claims: dict[str, Any]
     try:
-        claims: dict[str, Any] = rt.jobs.claim_many(
-            [job_id for job_id, _, _ in batch], rt.worker_id, rt.settings.max_attempts
-        )
-    except Exception as exc:  # noqa: BLE001 - Redis stayed away: every job's outcome (_finish answers "redis")
-        claims = {job_id: exc for job_id, _, _ in batch}
+        claims = rt.jobs.claim_many(ids, rt.worker_id, rt.settings.max_attempts)
+    except redis.RedisError as exc:  # Redis stayed away: every job's outcome (_finish answers "redis")
+        claims = dict.fromkeys(ids, exc)
+    except Exception:
+        log.exception("claiming %d jobs together failed; claiming each alone", len(ids))
+        claims = {job_id: _claim_alone(rt, job_id) for job_id in ids}
     for job_id, reply, started in batch:
         _prepare(rt, job_id, reply, started, claims[job_id])
+
+
+def _claim_alone(rt: runtime.Runtime, job_id: str) -> tuple[JobRecord | None, str] | Exception:
+    try:
+        return rt.jobs.claim(job_id, rt.worker_id, rt.settings.max_attempts)
+    except Exception as exc:  # noqa: BLE001 - this job's outcome (_finish logs and records it)
+        return exc
 
 
 def _prepare(
@@ -221,6 +232,8 @@ def _finish(rt: runtime.Runtime, job_id: str, holder: dict, outcome: Sequence | 
         elif isinstance(outcome, redis.RedisError):
             log.error("job %s: it could not be claimed; Redis is unreachable", job_id)
             answer = "redis"
+        elif "record" not in holder:  # its claim raised: the job never ran
+            _unclaimed(rt, job_id, outcome)
         else:
             _record(rt, holder["record"], holder["started"], outcome, holder)
     except redis.RedisError:  # Redis stayed away past ACTQ_REDIS_OUTAGE_SECONDS: the broker redelivers the job
@@ -231,6 +244,15 @@ def _finish(rt: runtime.Runtime, job_id: str, holder: dict, outcome: Sequence | 
     finally:
         release_memory()
         reply(job_id, answer)
+
+
+def _unclaimed(rt: runtime.Runtime, job_id: str, outcome: Sequence | Exception) -> None:
+    """A job whose claim raised (a bug, or a record no check foresaw): the cause is logged with its
+    traceback, and the job ends failed, once, with it (its message is acknowledged: left as it is,
+    it would be sent again and fail the same way, forever)."""
+    log.error("job %s: claiming it failed", job_id, exc_info=outcome if isinstance(outcome, Exception) else None)
+    cause = f"{type(outcome).__name__}: {str(outcome)[:500]}"
+    rt.jobs.fail(job_id, InternalError(f"the worker could not claim this job ({cause})"))
 
 
 def _record(

@@ -14,7 +14,7 @@ from api.presenters import view
 from api.submit import has_references, heavy, off_loop, submit, submit_batch, submit_now
 from api.visibility import load, load_async
 from shared.errors import BadRequest, JobCancelled, JobNotFound, NotReady
-from shared.listing import CURSOR_HEADER, METADATA, JobFilters, as_utc, decode_cursor, parse_tags
+from shared.listing import CURSOR_HEADER, METADATA, UNREADABLE_HEADER, JobFilters, as_utc, decode_cursor, parse_tags
 from shared.schemas import (
     MAX_USER_CHARS,
     BatchItem,
@@ -98,7 +98,9 @@ def list_jobs(
     caller's key): id, status, model, times, a prompt preview, the error type, metadata and user.
     Filters, all of which must hold: `status`, `user`, `created_after` and `metadata.<key>=<value>`
     (one per key). When more may follow, the answer's `x-actq-next-cursor` header is the `cursor`
-    to go on from. Results and manifests are read with GET /jobs/{id}."""
+    to go on from. Results and manifests are read with GET /jobs/{id}. Jobs whose records a newer
+    version of actq wrote, which this one cannot read, are not listed: the `x-actq-unreadable-jobs`
+    header names them (GET /jobs/{id} of each says what it cannot read)."""
     params = request.query_params.multi_items()
     unknown = sorted({name for name, _ in params if name not in LIST_PARAMS and not name.startswith(METADATA)})
     if unknown:
@@ -118,6 +120,8 @@ def list_jobs(
     page = services.jobs.page(caller, limit, filters, position)
     if page.cursor is not None:
         response.headers[CURSOR_HEADER] = page.cursor
+    if page.unreadable:
+        response.headers[UNREADABLE_HEADER] = ",".join(page.unreadable)
     return page.jobs
 
 

@@ -7,6 +7,7 @@ of the kill, each once, with its attempts recorded."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
@@ -14,8 +15,13 @@ from datetime import datetime
 
 import pytest
 
+from shared import keys
+from shared.jobs import JobStore
+from shared.registry import ModelRegistry
+from shared.schemas import ModelInfo
 from tests.e2e.conftest import own_stack
 from tests.e2e.test_outages import assert_one_artifact_each, submit_batch, tiny_body, wait_all
+from tests.support.stack import TINY
 
 pytestmark = pytest.mark.slow
 
@@ -58,3 +64,30 @@ def test_kill_9_of_a_whole_worker_mid_batch_reruns_its_jobs_within_two_minutes(l
         print(f"\n{len(stranded)} jobs running at the kill; all {len(ids)} succeeded {last - killed:.1f} s after it")
         assert last - killed < 120, f"the lost worker's jobs took {last - killed:.0f} s to finish"
         assert_one_artifact_each(s, jobs)
+
+
+def test_a_job_left_running_with_no_message_on_a_dead_engine_runs_again(live, tiny_dir, redis_client):
+    """The state 5 jobs were found in for 11 minutes after an engine loss: `running` on an engine
+    that is gone, its broker message acknowledged (in neither the queue nor `unacked`), held by no
+    worker. A worker's lost-message check finds it and it runs to success, its second attempt."""
+    model = "tiny-left"
+    registry = ModelRegistry(redis_client, heartbeat_ttl=4)
+    registry.publish(ModelInfo.model_validate({**registry.get(TINY).model_dump(), "name": model}))  # no worker yet
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3}
+    with live.client() as http:
+        left, other = live.submit(http, body), live.submit(http, body)
+        queue = keys.queue(model)
+        message = next(m for m in redis_client.lrange(queue, 0, -1) if json.loads(m)["headers"]["id"] == left)
+        assert redis_client.lrem(queue, 1, message) == 1  # its message acknowledged, gone
+        record, why = JobStore(redis_client, 60).claim(left, "gone-host:4242", max_attempts=3)  # an engine now dead
+        assert record is not None, why
+        env = {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": model, "ACTQ_LOST_MESSAGE_CHECK_SECONDS": "1"}
+        live.start_worker(model, env)
+        try:
+            job = live.wait(http, left, timeout=60)
+            assert job["status"] == "succeeded" and job["attempts"] == 2, job
+            assert live.wait(http, other, timeout=60)["attempts"] == 1
+            log = live.log_tail(f"worker-{model}", 200_000)
+            assert log.count(f"job {left} was left running on an engine that is gone") == 1, log[-4000:]
+        finally:
+            live.stop_process(f"worker-{model}")

@@ -1,8 +1,10 @@
 """The lost-message check (worker/lost_messages.py) on a real Redis: a queued job whose broker
-message is gone, or stranded in `unacked` with no live worker holding it, and a running job whose
-whole worker is gone (nobody holds its message, its engine's heartbeat expired), is sent again
-after two sightings; messages waiting in the queue or held by a worker's task, and running jobs
-whose engine is live, are not duplicated; a job that left the queue is left alone. The sweeper's
+message is gone, or stranded in `unacked` with no live worker holding it, a running job whose
+whole worker is gone (nobody holds its message, its engine's heartbeat expired), and a running job
+whose message is nowhere on an engine that is gone, is sent again after two sightings; messages
+waiting in the queue or held by a worker's task, and running jobs whose engine is live, are not
+duplicated; a job that left the queue is left alone; a record this version cannot read, or one
+that is gone, is never sent in a loop. The sweeper's
 clock is the test's: a second sighting is `confirm` later by that clock, whatever the machine's
 load."""
 
@@ -204,9 +206,9 @@ def _result() -> dict:
 def test_a_job_that_leaves_the_queue_is_no_longer_suspected(redis_client, celery, jobs):
     store, ids = jobs
     redis_client.rpop(QUEUE)
-    sweeper = _sweeper(redis_client, celery)
+    sweeper = _sweeper(redis_client, celery, live_engines=frozenset({"w"}))
     assert _next_round(redis_client, sweeper) == []
-    store.claim(ids[0], "w", max_attempts=3)  # its message turned up after all and it runs
+    store.claim(ids[0], "w", max_attempts=3)  # its message turned up after all and it runs (on a live engine)
     assert _next_round(redis_client, sweeper) == [] and ids[0] not in _queued_ids(redis_client)
     assert not redis_client.exists(keys.lost_suspects("m"))
 
@@ -229,3 +231,74 @@ def test_a_sighting_must_be_confirmed_after_the_interval(redis_client, celery, j
     assert _next_round(redis_client, sweeper, seconds=9.9) == []  # seen twice, but not `confirm` apart
     assert len(_queued_ids(redis_client)) == 3
     assert _next_round(redis_client, sweeper, seconds=0.1) != []
+
+
+def _acked(client, tag: str) -> None:
+    """The message's task acknowledged it (kombu's ack: out of `unacked`), the job still running."""
+    client.hdel("unacked", tag)
+    client.zrem("unacked_index", tag)
+
+
+def test_a_running_job_with_no_message_and_no_live_engine_is_sent_again(redis_client, celery, jobs, caplog):
+    """Its message was acknowledged (or its requeue found nothing to restore) while its record
+    said `running`, then its engine died: nothing held it, and nothing found it (5 jobs stayed so
+    for 11 minutes after an engine loss). Found in the model's running index, it runs again."""
+    store, ids = jobs
+    _acked(redis_client, _running_on(store, redis_client, ids[0], "host:engine-1"))
+    assert ids[0] not in _queued_ids(redis_client) and redis_client.hlen("unacked") == 0
+    assert find_stranded(redis_client, "m", QUEUE, min_age=0) == {ids[0]: None}
+    live = frozenset({"host:engine-1"})
+    assert find_stranded(redis_client, "m", QUEUE, min_age=0, live_engines=lambda: set(live)) == {}
+    held = _sweeper(redis_client, celery, holding=frozenset({ids[0]}))
+    held.publish_held()
+    assert find_stranded(redis_client, "m", QUEUE, min_age=0) == {}  # a live worker's task holds it
+    redis_client.delete(keys.held("m", "w1"))
+
+    sweeper = _sweeper(redis_client, celery)
+    assert _next_round(redis_client, sweeper) == []
+    assert _next_round(redis_client, sweeper) == [ids[0]]
+    assert _queued_ids(redis_client)[-1] == ids[0]
+    assert "left running on an engine that is gone, with no broker message" in caplog.text
+    assert _next_round(redis_client, sweeper) == []  # its message waits in the queue: not sent twice
+    assert _strand(redis_client) == ids[0]  # delivered again, to a worker whose engine claims it
+    record, _ = store.claim(ids[0], "host:engine-2", max_attempts=3)
+    assert record is not None and record.attempts == 2 and record.worker == "host:engine-2"
+
+
+def _newer(client, job_id: str, **values: object) -> None:
+    """The record as a newer version writes it: `values` at dotted paths (`request__mode`)."""
+    stored = json.loads(client.get(keys.job(job_id)))
+    for path, value in values.items():
+        *parents, name = path.split("__")
+        place = stored
+        for part in parents:
+            place = place[part]
+        place[name] = value
+    client.set(keys.job(job_id), json.dumps(stored), keepttl=True)
+
+
+def test_a_record_this_version_cannot_read_is_never_sent_again_in_a_loop(redis_client, celery, jobs):
+    """One whose state cannot be read is never sent (a worker of this version leaves it); one
+    whose state can is sent once, its claim ends it, and it is never sent again."""
+    store, ids = jobs
+    redis_client.rpop(QUEUE)
+    redis_client.rpop(QUEUE)  # the messages of ids[0] and ids[1], taken by BRPOPs whose replies were lost
+    _newer(redis_client, ids[0], status="paused")
+    _newer(redis_client, ids[1], request__mode="speculate")
+    sweeper = _sweeper(redis_client, celery)
+    assert _next_round(redis_client, sweeper) == []
+    assert _next_round(redis_client, sweeper) == [ids[1]]
+    redis_client.rpop(QUEUE)  # delivered to a worker of this version, which ends it
+    assert store.claim(ids[1], "host:engine-1", max_attempts=3) == (None, "unsupported by this worker")
+    assert [_next_round(redis_client, sweeper) for _ in range(3)] == [[], [], []]
+    assert len(_queued_ids(redis_client)) == 2 and json.loads(redis_client.get(keys.job(ids[0])))["status"] == "paused"
+
+
+def test_a_queued_job_whose_record_expired_leaves_the_queue_index(redis_client, celery, jobs):
+    """Nothing can run it: sending it again would loop (its claim finds no job)."""
+    _, ids = jobs
+    redis_client.rpop(QUEUE)
+    redis_client.delete(keys.job(ids[0]))
+    sweeper = _sweeper(redis_client, celery)
+    assert [_next_round(redis_client, sweeper) for _ in range(2)] == [[], []]
+    assert redis_client.zscore(keys.queued("m"), ids[0]) is None and len(_queued_ids(redis_client)) == 3
