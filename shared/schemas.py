@@ -747,6 +747,9 @@ class JobView(Strict):
     started_at: datetime | None
     finished_at: datetime | None
     attempts: int
+    # of `attempts`, those that ended through no fault of the job (another job's trusted code
+    # ended the engine running it): not counted against ACTQ_MAX_ATTEMPTS
+    forgiven_attempts: int = 0
     result: JobResult | None
     activations: ActivationsManifest | None
     error: JobError | None
