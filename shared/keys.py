@@ -117,12 +117,6 @@ def workers(name: str) -> str:
     return f"{PREFIX}:workers:{name}"
 
 
-def nnsight_engines(name: str) -> str:
-    """Sorted set: a model's nnsight engines (ACTQ_NNSIGHT_ENGINE=own), scored by their last heartbeat.
-    Not workers of the model (GET /models does not count them); a running nnsight job names one."""
-    return f"{PREFIX}:nnsight-engines:{name}"
-
-
 def lost_sweep(name: str) -> str:
     """Lock: the one worker checking a model's queue for lost broker messages this round."""
     return f"{PREFIX}:lost-sweep:{name}"

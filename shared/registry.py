@@ -44,21 +44,6 @@ class ModelRegistry:
     def remove_worker(self, name: str, worker_id: str) -> None:
         self.redis.zrem(keys.workers(name), worker_id)
 
-    def beat_engine(self, name: str, engine_id: str, gone: bool = False) -> None:
-        """An nnsight engine of `name` is live (or, `gone`, no longer): not a worker of the model,
-        but the engine a running nnsight job names."""
-        if gone:
-            self.redis.zrem(keys.nnsight_engines(name), engine_id)
-        else:
-            self.redis.zadd(keys.nnsight_engines(name), {engine_id: time.time()})
-
-    def live_engines(self, name: str) -> set[str]:
-        """Every engine of `name` with a live heartbeat: its workers' and its nnsight engines'."""
-        cutoff = time.time() - self.ttl
-        self.redis.zremrangebyscore(keys.nnsight_engines(name), "-inf", cutoff)
-        found = cast("list[bytes | str]", self.redis.zrangebyscore(keys.nnsight_engines(name), cutoff, "+inf"))
-        return set(self.live_workers(name)) | {m.decode() if isinstance(m, bytes) else m for m in found}
-
     def get(self, name: str) -> ModelInfo | None:
         return self.cached(name) or self.remember(self.redis.get(keys.model(name)))
 

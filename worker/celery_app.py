@@ -76,8 +76,8 @@ def run_job(job_id: str) -> None:
         assert runs_on is not None
         _store().forgive(job_id, _attempt(runs_on.requeued.pop(job_id, None)))
         raise Reject("the engine process was ended by another job", requeue=True)
-    if outcome == "redis":
-        raise RuntimeError(f"job {job_id}: Redis is unreachable; its outcome is not recorded")
+    if outcome == "redis":  # its outcome could not be recorded: it runs again (acked, it would stay `running`)
+        raise Reject(f"job {job_id}: Redis is unreachable; its outcome is not recorded", requeue=True)
     assert runs_on is not None
     if outcome == "timeout":
         limit, attempt = runs_on.stopped_at.pop(job_id, (settings.job_time_limit, None))
@@ -147,12 +147,10 @@ def _start_lost_message_checks() -> LostMessageSweeper:
     import redis
 
     from shared.broker import task_message
-    from shared.registry import ModelRegistry
 
     model = settings.served_model_name
     queue = keys.queue(model)
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
-    registry = ModelRegistry(client, settings.heartbeat_ttl)
     sweeper = LostMessageSweeper(
         client,
         model,
@@ -164,7 +162,6 @@ def _start_lost_message_checks() -> LostMessageSweeper:
         holding=lambda: set(_holding),
         publish_every=settings.heartbeat_interval,  # this worker's holdings live as long as a heartbeat
         held_ttl=settings.heartbeat_ttl,
-        live_engines=lambda: registry.live_engines(model),
     )
     sweeper.start()
     return sweeper

@@ -12,20 +12,21 @@ when its job ends). Four ways a job is stranded so:
 - The whole worker is lost (killed, its spot machine gone) while its jobs run: their messages stay
   in `unacked` and their records say `running`; nothing rejects them.
 - A job left `running` with no message anywhere: its message was acknowledged, or its requeue
-  found nothing to restore, while its record still said `running` and its engine then died (a
-  claim that failed after an engine loss once left 5 redelivered jobs so for 11 minutes; an
-  engine lost while kombu had restored its channel's messages on a reconnect and this worker had
-  dropped the second copy; a job whose outcome Redis did not take in time, whose task then acked).
+  found nothing to restore, while its record still said `running` (a claim that failed after an
+  engine loss once left 5 redelivered jobs so for 11 minutes; an engine lost while kombu had
+  restored its channel's messages on a reconnect and this worker had dropped the second copy).
 
 kombu would redeliver an `unacked` message after the visibility timeout (2 hours by default, and
 it must exceed the hard time limit). This check does better: every `publish_every` seconds (the
 heartbeat interval) each worker publishes the jobs its tasks hold, kept for the heartbeat TTL;
 every `interval` seconds one of the model's workers (a lock in Redis) looks for queued jobs older
 than `confirm` seconds whose message is in neither the queue's list nor `unacked`, for messages
-in `unacked` held by no live worker whose job is queued, or running on an engine whose heartbeat
-has expired, and for jobs claimed more than `confirm` seconds ago (the model's running index,
-shared/keys.py) that are still running on an engine whose heartbeat has expired, held by no live
-worker, with no message in the queue or `unacked`. A job found so at two checks at least `confirm`
+in `unacked` held by no live worker whose job is queued or running, and for jobs claimed more
+than `confirm` seconds ago (the model's running index, shared/keys.py) that are still running,
+held by no live worker, with no message in the queue or `unacked`. A task holds its job from its
+delivery until its engine answers, so a running job that no live worker holds is run by nobody,
+whether the engine that claimed it lives or not (a paused worker's engine may: the job then runs
+twice, and the fence of shared/attempts.py keeps one outcome). A job found so at two checks at least `confirm`
 apart is sent again to the front of the queue (a stranded `unacked` entry is moved back, as
 kombu's own restore does); its next claim counts one more attempt, so a job lost again and again
 ends `worker_lost` after ACTQ_MAX_ATTEMPTS. A job whose record this version cannot read (a newer
@@ -114,7 +115,6 @@ def find_stranded(
     model: str,
     queue: str,
     min_age: float,
-    live_engines: Callable[[], set[str]] = set,
     now: float | None = None,
 ) -> dict[str, str | None]:
     """Jobs of `model` whose message no live worker will run, each -> where its message is (None:
@@ -123,11 +123,15 @@ def find_stranded(
     - queued jobs older than `min_age` s whose message is in neither the queue nor `unacked`, or
       is in `unacked` held by no live worker;
     - running jobs whose message was delivered more than `min_age` s ago and sits in `unacked`
-      held by no live worker, whose engine (the record's `worker`) has no live heartbeat either:
-      their whole worker was lost (killed, its machine gone);
+      held by no live worker: their whole worker was lost (killed, its machine gone, paused), or
+      their task gave them up (their outcome could not be recorded through a Redis outage, and
+      the requeue failed too);
     - running jobs claimed more than `min_age` s ago (the model's running index) whose message is
-      nowhere (neither the queue nor `unacked`), held by no live worker, on an engine with no live
-      heartbeat (None: their message was acknowledged, or lost, while they still ran).
+      nowhere (neither the queue nor `unacked`) and that no live worker holds (None: their message
+      was acknowledged, or lost, while they still ran: a task whose outcome could not be recorded
+      through a long Redis outage, or an engine lost after its requeue found nothing to restore).
+      Whether their engine lives does not matter: a task holds its job until its engine answers,
+      so a job no task holds is run by nobody.
 
     Only jobs whose records this version can change are named (their state, id, model, owner and
     creation time read). A queued job whose record is gone leaves the queued index, and a job of
@@ -150,7 +154,6 @@ def find_stranded(
     missing = {j for j in missing if _queued_to_run(client, model, j)}
     stranded: dict[str, str | None] = dict.fromkeys(missing)
     held = held_by_live_workers(client, model)
-    engines: set[str] | None = None  # read once, when a running job needs it
     for tag, raw in client.hscan_iter(UNACKED, count=SCAN_CHUNK):
         job_id, tag = _task_id(raw), _decode(tag)
         if job_id is None or _queue_of(raw) != queue:
@@ -177,20 +180,14 @@ def find_stranded(
                 pipe.zrem(UNACKED_INDEX, tag)
                 pipe.execute()
         elif status == "running":
-            if engines is None:
-                engines = live_engines()
-            if record.get("worker") not in engines:
-                stranded[job_id] = tag
-    for job_id in idle - held:  # running, with no message in the queue or `unacked`
+            stranded[job_id] = tag
+    for job_id in idle - held:  # running, with no message in the queue or `unacked`, held by no task
         record = _record(client, job_id)
         if not _in_state(record, JobStatus.running):  # ended, gone, or unreadable: not a running job of ours
             if record is None or record.get("status") != JobStatus.running.value:
                 client.zrem(keys.running(model), job_id)
             continue
-        if engines is None:
-            engines = live_engines()
-        if cast("dict[str, Any]", record).get("worker") not in engines:
-            stranded[job_id] = None
+        stranded[job_id] = None
     # A job may have moved on while we looked (claimed, finished, cancelled): check again.
     return {j: tag for j, tag in stranded.items() if _still_stranded(client, model, j, tag)}
 
@@ -226,8 +223,7 @@ class LostMessageSweeper:
     `interval` s (one of the model's workers a round, a lock in Redis): send again the message of
     each job found stranded at two checks at least `confirm` s apart.
 
-    `live_engines` lists the model's engines with a live heartbeat (the `worker` a running job's
-    record names). `clock` is the wall clock (Redis holds wall-clock times); tests pass their own."""
+    `clock` is the wall clock (Redis holds wall-clock times); tests pass their own."""
 
     def __init__(
         self,
@@ -241,7 +237,6 @@ class LostMessageSweeper:
         holding: Callable[[], set[str]] = set,
         held_ttl: float | None = None,
         publish_every: float | None = None,
-        live_engines: Callable[[], set[str]] = set,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.publish_every = interval if publish_every is None else min(publish_every, interval)
@@ -250,7 +245,7 @@ class LostMessageSweeper:
             raise ValueError("confirm must be at least publish_every: a worker publishes what it holds that often")
         self.client, self.model, self.queue, self.message = client, model, queue, message
         self.interval, self.confirm = interval, confirm
-        self.worker_id, self.holding, self.live_engines, self.clock = worker_id, holding, live_engines, clock
+        self.worker_id, self.holding, self.clock = worker_id, holding, clock
         self.stop = threading.Event()
 
     def publish_held(self) -> None:
@@ -268,7 +263,7 @@ class LostMessageSweeper:
         if not self.client.set(keys.lost_sweep(self.model), "1", nx=True, px=max(1, int(self.interval * 900))):
             return []  # another worker checks this round
         now = self.clock()
-        stranded = find_stranded(self.client, self.model, self.queue, self.confirm, self.live_engines, now)
+        stranded = find_stranded(self.client, self.model, self.queue, self.confirm, now)
         seen = {_decode(k): float(v) for k, v in self.client.hgetall(keys.lost_suspects(self.model)).items()}
         resent = sorted(j for j in stranded if j in seen and now - seen[j] >= self.confirm)  # a second sighting
         suspects = {j: seen.get(j, now) for j in stranded if j not in resent}
@@ -286,7 +281,7 @@ class LostMessageSweeper:
         for job_id in resent:
             if stranded[job_id] is None and self.client.zscore(keys.running(self.model), job_id) is not None:
                 log.warning(
-                    "job %s was left running on an engine that is gone, with no broker message (its message was "
+                    "job %s was left running with no broker message and no task holding it (its message was "
                     "acknowledged or its requeue lost): sent it again",
                     job_id,
                 )

@@ -167,8 +167,6 @@ def _engine_died(registry: ModelRegistry, model: str, worker_id: str, capture: b
     try:
         if capture:
             registry.remove_worker(model, worker_id)
-        else:
-            registry.beat_engine(model, worker_id, gone=True)
     except BaseException:  # noqa: BLE001 - the way out must not fail: its heartbeat expires after ACTQ_HEARTBEAT_TTL
         pass
     exit_process(exc)
@@ -192,8 +190,6 @@ def _beat_once(runtime: Runtime, since: float | None = None) -> float:
                     runtime.core.max_batch,
                     tokens / max(now - since, 1e-9),
                 )
-        else:
-            runtime.registry.beat_engine(name, runtime.worker_id)
         record_holds(runtime.registry.redis, name, runtime.settings.nnsight_engine, runtime.core.stats.take_holds())
     except redis.RedisError as exc:  # keep beating once Redis is back (these steps' figures are lost)
         log.warning("heartbeat failed: %s", exc)
@@ -217,8 +213,6 @@ def stop() -> None:
     try:
         if _runtime.role == "capture":
             _runtime.registry.remove_worker(_runtime.served.info.name, _runtime.worker_id)
-        else:
-            _runtime.registry.beat_engine(_runtime.served.info.name, _runtime.worker_id, gone=True)
     except redis.RedisError:
         pass
 

@@ -142,6 +142,39 @@ def test_jobs_whose_broker_message_was_lost_or_stranded_still_run(live, tiny_dir
         client.close()
 
 
+def test_an_outcome_redis_did_not_take_in_time_runs_again(live, tiny_dir, tmp_path, own_redis):
+    """Redis is away longer than ACTQ_REDIS_OUTAGE_SECONDS while a job ends: its outcome cannot
+    be recorded. The job runs again once Redis is back and succeeds once, with its own files
+    (before, its task raised, Celery acknowledged the message, and the job stayed `running` on
+    a live engine with no message: nothing ever ran it again)."""
+    with own_stack(tmp_path / "stack", live.env, ACTQ_REDIS_URL=own_redis.url) as s:
+        worker = {
+            "ACTQ_MODEL": str(tiny_dir),
+            "ACTQ_MODEL_NAME": "tiny-gone",
+            "ACTQ_REDIS_OUTAGE_SECONDS": "1",
+            "ACTQ_LOST_MESSAGE_CHECK_SECONDS": "1",
+        }
+        s.start_worker("w", worker)
+        with s.client() as http:
+            job_id = s.submit(http, tiny_body("tiny-gone", max_tokens=200))
+            wait_running(http, job_id)
+            own_redis.stop()
+            time.sleep(6)  # the job ends meanwhile; recording its outcome gives up after 1 s
+            own_redis.start()
+            deadline = time.monotonic() + 30
+            while http.get("/health").status_code != 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            [job] = wait_all(s, http, [job_id], timeout=120)
+        assert job["status"] == "succeeded" and job["attempts"] == 2, job
+        assert job["result"]["usage"]["completion_tokens"] == 200
+        folder = s.storage_dir / "jobs" / job_id
+        deadline = time.monotonic() + 30  # the winner removes the first attempt's folder after its record
+        while len(list(folder.iterdir())) > 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert_stored_once(s.storage_dir, job)
+
+
 def test_kill_9_of_the_whole_worker_redelivers_its_jobs(live, tiny_dir, tmp_path, own_redis):
     """SIGKILL of a worker's parent and child together: nothing acknowledges its messages, so Redis
     hands them out again once the visibility timeout passes (8 s here; a job may not run longer
