@@ -141,7 +141,7 @@ class SlotDecoder(Decoder):
                 return
             if self._launched is not None and cache.device.type == "cuda":
                 torch.cuda.synchronize(cache.device)  # the step in flight replays the graphs about to be dropped
-            cache = cache.grown(max(count, cache.slots), max(length, cache.slot_tokens))
+            cache = cache.resized(max(count, cache.slots), max(length, cache.slot_tokens))
             self.runner.rings.hand_over(rewind=True)  # the running rows' recorded steps, before the rings are made anew
             self.runner.use_cache(cache)
         log.info("KV cache: %d slots of %d positions (%.1f MB)", cache.slots, cache.slot_tokens, cache.nbytes / 1e6)
