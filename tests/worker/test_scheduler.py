@@ -91,6 +91,15 @@ class FakeBatch:
     def wants_logits(self, seq: FakeSeq) -> bool:
         return seq.scores is not None
 
+    def must_wait(self, joining: list[FakeSeq]) -> bool:
+        return False
+
+    def idle(self) -> None:
+        pass
+
+    def cache_size(self) -> tuple[int, int, int]:
+        return (0, 0, 0)
+
     def step(self) -> list[FakeSeq]:
         self._maybe_fail()
         self.log.append("step")
