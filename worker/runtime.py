@@ -197,6 +197,7 @@ def _beat_once(runtime: Runtime, since: float | None = None) -> float:
                     sizes,
                     runtime.core.max_batch,
                     tokens / max(now - since, 1e-9),
+                    runtime.core.stats.cache,
                 )
         else:
             runtime.registry.beat_engine(name, runtime.worker_id)
