@@ -113,14 +113,17 @@ def test_after_a_long_job_leaves_the_cache_shrinks_and_the_memory_goes_back(serv
     assert all(seq.failure is None and seq.ended in ("length", "eos") for seq in shorts)
 
 
-def run_schedule(served, jobs, join_at: list[int]) -> tuple[list, list[tuple[int, int]]]:
+def run_schedule(served, jobs, join_at: list[int], overlap: bool) -> tuple[list, list[tuple[int, int]]]:
     """Run `jobs` ((question, capture, max_tokens, stop_after)) in one decoder of 8 slots, job i
-    joining before step join_at[i]; returns each job's result and the cache's shape at every step."""
+    joining before step join_at[i] (with `overlap`, each step launched before the last one's
+    tokens are read, as with CUDA graphs); returns each job's result and the cache's shape at
+    every step."""
     requests = [request(question, capture) for question, capture, _, _ in jobs]
     seqs = [prepare(served, req, n, stop) for req, (_, _, n, stop) in zip(requests, jobs, strict=True)]
     shapes: list[tuple[int, int]] = []
     with torch.inference_mode():
         decoder = served.decoder(8)
+        decoder.overlap = overlap
         try:
             step = 0
             while step <= max(join_at) or decoder.rows:
@@ -142,11 +145,13 @@ def changes(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in zip(lengths, lengths[1:], strict=False) if a != b]
 
 
-def test_rows_running_across_shrinks_and_grows_decode_as_in_a_cache_that_never_resized(served, monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True], ids=["in-turn", "overlapped"])
+def test_rows_running_across_shrinks_and_grows_decode_as_in_a_cache_that_never_resized(served, monkeypatch, overlap):
     """Three capturing jobs run while two long jobs come and go: the cache grows for each long
-    one and shrinks after it, the short rows' keys and values copied over each time. Their tokens
-    and captures are bit for bit those of the same schedule in a cache that never shrinks, and
-    equal forward hooks on plain `generate` alone (tokens exactly, values within 1e-4 of scale)."""
+    one and shrinks after it, the short rows' keys and values copied over each time (also with a
+    step in flight as it resizes: the overlap). Their tokens and captures are bit for bit those of
+    the same schedule in a cache that never shrinks, and equal forward hooks on plain `generate`
+    alone (tokens exactly, values within 1e-4 of scale)."""
     jobs = [
         (QUESTIONS[0], CAPTURE, 30, None),
         (QUESTIONS[2], {**CAPTURE, "positions": "generated"}, 36, None),
@@ -156,9 +161,9 @@ def test_rows_running_across_shrinks_and_grows_decode_as_in_a_cache_that_never_r
     ]
     join_at = [0, 0, 1, 3, 12]
     monkeypatch.setattr(served, "cache_limits", CacheLimits(shrink_seconds=0.0))
-    resized, shapes = run_schedule(served, jobs, join_at)
+    resized, shapes = run_schedule(served, jobs, join_at, overlap)
     monkeypatch.setattr(served, "cache_limits", CacheLimits(shrink_seconds=1e9))
-    kept, kept_shapes = run_schedule(served, jobs, join_at)
+    kept, kept_shapes = run_schedule(served, jobs, join_at, overlap)
     assert changes(shapes) == [(256, 16_384), (16_384, 256), (256, 16_384), (16_384, 256)], shapes
     assert changes(kept_shapes) == [(256, 16_384)], kept_shapes  # the same schedule, never shrunk
     for i, (question, capture, n, _) in enumerate(jobs[:3]):
