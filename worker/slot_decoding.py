@@ -4,13 +4,16 @@ KV cache in slots (worker/slots.py).
 
 A prefilled sequence takes the lowest free slot, its prompt's keys and values are copied there,
 and it decodes in it until it ends; then its slot is free. No step moves, compacts or
-concatenates anything. Every row's token comes from the vectorised sampler (worker/sampling.py),
-its first one (chosen by its prefill) too, with the row's own settings and seed.
+concatenates anything. The cache's size follows the rows (worker/slot_sizing.py): grown when a
+sequence that needs more joins, shrunk between two steps once the long rows have left, every
+running row's keys and values copied over exactly. Every row's token comes from the vectorised
+sampler (worker/sampling.py), its first one (chosen by its prefill) too, with the row's own
+settings and seed.
 
 A step runs as its bucket's CUDA graph when the model is on a GPU. A row's captures are
 recorded inside the step, graph or not (worker/step_capture.py: device rings, handed over to the
-capture writer thread every half ring, when a capturing row leaves and before the slots grow: the
-loop never waits for the jobs' rows), and so are its
+capture writer thread every half ring, when a capturing row leaves and before the slots are
+resized: the loop never waits for the jobs' rows), and so are its
 edits (worker/step_edits.py: per-slot tables, gated edits included). A batch with a patch runs
 its steps eagerly with the hooks of worker/edits.py over the slots [0, rows) (a free slot is a row
 that edits nothing). Out of memory in an eager step, the slots run in halves (what
@@ -197,8 +200,8 @@ class SlotDecoder(Decoder):
 
     def _shrink(self) -> None:
         """Between steps: the cache made smaller once the running rows (none, when idle) have fit a
-        smaller shape for ACTQ_KV_CACHE_SHRINK_SECONDS. Costs nothing while no row joins or leaves
-        and the cache fits its rows (no tensor is touched, no clock read)."""
+        smaller shape for ACTQ_KV_CACHE_SHRINK_SECONDS. Touches no tensor until it shrinks; reads
+        the clock only while a smaller shape waits out the delay (nothing while the cache fits)."""
         if self.runner is None:
             return
         if self._resizable:
