@@ -102,6 +102,11 @@ def throughput(name: str) -> str:
     return f"{PREFIX}:stats:{name}:throughput"
 
 
+def kv_cache(name: str) -> str:
+    """Hash of a model's workers' KV cache now: "bytes slots positions" per worker (its last heartbeat)."""
+    return f"{PREFIX}:stats:{name}:kv-cache"
+
+
 def idempotency(key: str) -> str:
     """Maps a client's Idempotency-Key (hashed: it is user text) to a job id."""
     return f"{PREFIX}:idem:{hashlib.sha256(key.encode()).hexdigest()}"

@@ -304,6 +304,19 @@ class Settings(BaseSettings):
         ge=1,
         description="Estimated KV cache and capture bytes of a batch; a job joins only while the batch stays under it.",
     )
+    kv_cache_max_bytes: int = Field(
+        4 << 30,
+        ge=0,
+        description="Most bytes of a worker's KV cache for its running batch (the slots' keys and values, every "
+        "slot as long as the longest running job's prompt and max_tokens); a job that would take it past this waits "
+        "for running jobs to end, and one that would alone fails as out_of_memory naming this setting (0: no cap).",
+    )
+    kv_cache_shrink_seconds: float = Field(
+        30.0,
+        ge=0,
+        description="Seconds a worker's KV cache stays larger than its running jobs need (after a long job ended, "
+        "or while idle) before it shrinks and its memory goes back to the system.",
+    )
     job_soft_time_limit: float = Field(1800, gt=0, description="Seconds before a running job is failed as a timeout.")
     job_time_limit: float = Field(
         1860, gt=0, description="Seconds before a job that has not ended is failed and its stuck engine restarted."

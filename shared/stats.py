@@ -7,7 +7,8 @@ each decoding step, `batch_occupancy`: that over the worker's ACTQ_MAX_BATCH, `n
 `nnsight_hold_shared`: how long each nnsight job held its engine's model), whose fields are
 cumulative bucket counts plus `sum` and `count`, in Prometheus' own layout. A worker's engine
 adds its step figures once per heartbeat (not at every step), and keeps its tokens per second
-over the last heartbeat interval in the model's `throughput` hash, one field per worker.
+over the last heartbeat interval in the model's `throughput` hash, and its KV cache's size then
+(bytes, slots, positions per slot) in the model's `kv-cache` hash, one field per worker.
 """
 
 from __future__ import annotations
@@ -58,16 +59,23 @@ def observe_many(pipe: redis.client.Pipeline, model: str, histogram: str, values
 
 
 def record_steps(
-    client: redis.Redis, model: str, worker: str, sizes: list[int], max_batch: int, tokens_per_second: float
+    client: redis.Redis,
+    model: str,
+    worker: str,
+    sizes: list[int],
+    max_batch: int,
+    tokens_per_second: float,
+    kv_cache: tuple[int, int, int] = (0, 0, 0),
 ) -> None:
     """An engine's decoding steps since its last heartbeat: batch sizes and occupancy, the step
-    count, and its current tokens per second."""
+    count, its current tokens per second and its KV cache now (bytes, slots, positions per slot)."""
     with client.pipeline(transaction=False) as pipe:
         observe_many(pipe, model, "batch_size", [float(s) for s in sizes])
         observe_many(pipe, model, "batch_occupancy", [s / max_batch for s in sizes])
         if sizes:
             pipe.hincrby(keys.counters(model), "decode_steps", len(sizes))
         pipe.hset(keys.throughput(model), worker, f"{tokens_per_second:.3f}")
+        pipe.hset(keys.kv_cache(model), worker, " ".join(str(int(n)) for n in kv_cache))
         pipe.execute()
 
 
@@ -85,6 +93,19 @@ def tokens_per_second(client: redis.Redis, model: str, live_workers: list[str]) 
         return 0.0
     found = cast("list[bytes | None]", client.hmget(keys.throughput(model), live_workers))
     return sum(float(v) for v in found if v is not None)
+
+
+def kv_caches(client: redis.Redis, model: str, live_workers: list[str]) -> dict[str, tuple[int, int, int]]:
+    """Each live worker's KV cache at its last heartbeat: (bytes, slots, positions per slot)."""
+    if not live_workers:
+        return {}
+    found = cast("list[bytes | None]", client.hmget(keys.kv_cache(model), live_workers))
+    sizes = {}
+    for worker, value in zip(live_workers, found, strict=True):
+        if value is not None:
+            size, slots, tokens = (int(n) for n in value.split())
+            sizes[worker] = (size, slots, tokens)
+    return sizes
 
 
 def count_submitted(client_or_pipe, model: str, n: int = 1) -> None:

@@ -236,6 +236,19 @@ class Decoder:
         self.hooks.__exit__()
         self.edits.close()
 
+    # -- the KV cache's memory (the slots' decoder sizes its cache; this one's follows its rows) --
+
+    def must_wait(self, joining: list[Sequence]) -> bool:
+        """Whether `joining` must wait for running rows to leave (a cap on the KV cache's bytes)."""
+        return False
+
+    def idle(self) -> None:
+        """Nothing runs: a chance to give memory back."""
+
+    def cache_size(self) -> tuple[int, int, int]:
+        """The KV cache held between steps: (bytes, slots, positions per slot); zeros when none is kept."""
+        return (0, 0, 0)
+
     # -- one forward pass ----------------------------------------------------------------
 
     def _forward(

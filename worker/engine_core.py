@@ -106,6 +106,7 @@ class StepStats:
     steps: int = 0
     tokens: int = 0
     largest: int = 0  # the largest batch a step ran
+    cache: tuple[int, int, int] = (0, 0, 0)  # the decoder's KV cache now: bytes, slots, positions per slot
     _pending: list[int] = field(default_factory=list)
     _pending_tokens: int = 0
     _holds: list[float] = field(default_factory=list)
@@ -248,10 +249,13 @@ class EngineCore:
             scheduler.prefilled(clock() - began, decoder)
         if not decoder.rows:
             scheduler.idle()
+            decoder.idle()  # the KV cache may give its memory back
+            self.stats.cache = decoder.cache_size()
             return
         began = clock()
         self._step(decoder)
         self._served(clock() - began)
+        self.stats.cache = decoder.cache_size()
         scheduler.decoded(clock() - began)
 
     def _busy(self, decoder: Decoder) -> bool:

@@ -54,12 +54,14 @@ class InputBatch:
         self.owners: list[object | None] = [None] * slots  # the host's view: who holds each slot
         self.host_positions = [0] * slots  # each slot's next position (known on the host: no read)
 
-    def grow(self, slot_tokens: int) -> None:
-        """Longer slots: a longer history (a new tensor, the old one's tokens kept)."""
-        if slot_tokens <= self.history.shape[1]:
+    def resize(self, slot_tokens: int) -> None:
+        """Slots of another length: a history as long (a new tensor, each slot's first tokens kept:
+        a shorter one is made only when every running row fits it)."""
+        if slot_tokens == self.history.shape[1]:
             return
+        kept = min(slot_tokens, self.history.shape[1])
         history = self.history.new_zeros(self.slots, slot_tokens)
-        history[:, : self.history.shape[1]].copy_(self.history)
+        history[:, :kept].copy_(self.history[:, :kept])
         self.history = history
 
     # -- slots -------------------------------------------------------------------------------

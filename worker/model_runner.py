@@ -55,11 +55,11 @@ class DecodeStep:
         self._pool: Any = None
 
     def use_cache(self, cache: SlotCache) -> None:
-        """Longer slots (new tensors, a longer history too): the graphs, which read the old
+        """A resized cache (new tensors, a history as long too): the graphs, which read the old
         ones, are dropped, and their memory pool with them."""
-        self.batch.grow(cache.slot_tokens)
+        self.batch.resize(cache.slot_tokens)
         self.cache = cache
-        self.rings.grown(cache.slots)
+        self.rings.resized(cache.slots)
         self.edits.grown(cache.slot_tokens)
         self._graphs.clear()
         self._pool = None  # a pool whose graphs are all gone cannot take another capture

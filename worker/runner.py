@@ -8,8 +8,6 @@ never waits on Redis or a tokenizer: it decodes the batch."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import logging
 import os
 import queue
@@ -28,6 +26,7 @@ from shared.errors import InternalError, JobCancelled, JobFailure, JobTimeout, O
 from shared.schemas import BaselineResult, JobRecord, JobRequest, JobResult, Logprobs, TokenLogprob, TopLogprob, Usage
 from shared.tools import ToolCall
 from worker import attempt_files, runtime
+from worker.memory import release_memory
 from worker.scheduler import Entry
 from worker.text_stream import TextStream
 from worker.tool_calls import call_id
@@ -40,21 +39,12 @@ log = get_task_logger(__name__)
 # One INFO line per job even when the worker runs at Celery's default WARNING (`celery worker`
 # without --loglevel): a record at this logger's level reaches the task log's handler.
 log.setLevel(logging.INFO)
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
 _finisher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actq-finish")
 CLAIM_BATCH = 64  # the most delivered jobs claimed in one Redis transaction
 
 
 class NotRun(Exception):
     """The delivered job must not run (already terminal, or out of attempts)."""
-
-
-def release_memory() -> None:
-    """Give the heap memory a job freed back to the system (glibc keeps freed blocks otherwise, and
-    a worker's resident size would ratchet up to its largest job). Tens of microseconds."""
-    trim = getattr(_LIBC, "malloc_trim", None)  # glibc only (not musl)
-    if trim is not None:
-        trim(0)
 
 
 # What `submit`'s callback hears once the job is over: "done" (its outcome is recorded, or it was

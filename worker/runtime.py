@@ -59,6 +59,7 @@ def start(
     from worker.engine_core import EngineCore
     from worker.models import load
     from worker.served_model import ServedModel
+    from worker.slot_sizing import CacheLimits
     from worker.tokenizer_service import TokenizerService
 
     capture = role == "capture"
@@ -67,7 +68,12 @@ def start(
     # Timeouts: a Redis that stops answering is an outage (JobStore waits it out), never a hang.
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
     loaded = load(settings)
-    served = ServedModel(loaded, allow_special_tokens=settings.allow_special_tokens, cuda_graphs=settings.cuda_graphs)
+    served = ServedModel(
+        loaded,
+        allow_special_tokens=settings.allow_special_tokens,
+        cuda_graphs=settings.cuda_graphs,
+        cache_limits=CacheLimits(settings.kv_cache_max_bytes, settings.kv_cache_shrink_seconds),
+    )
     log.info("%s decodes %s", served.info.name, served.describe_decoder())
     if settings.allow_special_tokens:
         log.warning("ACTQ_ALLOW_SPECIAL_TOKENS is on: special-token strings in messages become special tokens")
@@ -189,6 +195,7 @@ def _beat_once(runtime: Runtime, since: float | None = None) -> float:
                     sizes,
                     runtime.core.max_batch,
                     tokens / max(now - since, 1e-9),
+                    runtime.core.stats.cache,
                 )
         record_holds(runtime.registry.redis, name, runtime.settings.nnsight_engine, runtime.core.stats.take_holds())
     except redis.RedisError as exc:  # keep beating once Redis is back (these steps' figures are lost)

@@ -4,9 +4,12 @@ what it picks on the decoder, and reports back.
 
 Admission: queued jobs join while there is room, at most `max_batch` sequences and, together, at
 most `budget_bytes` of estimated KV cache and capture buffers (a job alone always runs, whatever
-its estimate). A sequence leaves the batch the step it ends and its place is free for the next
-job at the next step (iteration-level scheduling). When nothing runs it waits for a job, then up
-to `wait_s` for more, so that a burst of submissions starts together.
+its estimate), and while the batch's real KV cache can hold them beside the running rows (the
+batch answers `must_wait`: the slots' cache is capped by ACTQ_KV_CACHE_MAX_BYTES, and its slots
+are as long as its longest row, which the estimates do not count). A sequence leaves the batch
+the step it ends and its place is free for the next job at the next step (iteration-level
+scheduling). When nothing runs it waits for a job, then up to `wait_s` for more, so that a burst
+of submissions starts together.
 
 Prefill work: jobs taken in wait for their prefill. Generations of similar prompt lengths prefill
 in one left-padded pass (`passes`), trace jobs run in passes of their own, and a text longer than
@@ -54,6 +57,8 @@ class Batch(Protocol):
     chunk_tokens: int | None
 
     def wants_logits(self, seq: Any) -> bool: ...
+
+    def must_wait(self, joining: list[Any]) -> bool: ...
 
 
 @dataclass
@@ -142,11 +147,14 @@ class Scheduler:
     def _consider(self, batch: Batch, entry: Entry) -> bool:
         """Take `entry` in: a text longer than the batch's chunk is fed in chunks (`feeding`),
         any other waits in `waiting` for a prefill or trace pass. False when it must wait for
-        room in the memory budget (a job alone always runs)."""
+        room in the memory budget or the batch's KV cache (a job alone always runs)."""
         seq = entry.seq
         cost = self.cost(seq, seq.prompt_tokens) if seq.trace else entry.estimate
         used = sum(c for _, c in self.active.values())
         if self.active and self.budget and used + cost > self.budget:
+            self._requeue(entry)
+            return False
+        if self.active and not seq.trace and batch.must_wait([e.seq for e in self.waiting + self.feeding] + [seq]):
             self._requeue(entry)
             return False
         self.active[id(seq)] = (entry, cost)

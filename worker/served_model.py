@@ -33,6 +33,7 @@ from worker.presets import resolve_presets
 from worker.prompts import PromptEncoder
 from worker.results import Generation
 from worker.slot_decoding import SlotDecoder
+from worker.slot_sizing import CacheLimits
 from worker.slots import unsupported
 from worker.solo import SoloDecoder
 
@@ -53,8 +54,15 @@ class ServedModel:
     engine core's thread, or `run` for a job alone, holds `lock`. A model whose cache cannot be
     batched (`solo_reason`) decodes one job at a time (worker/solo.py)."""
 
-    def __init__(self, loaded: LoadedModel, allow_special_tokens: bool = False, cuda_graphs: bool = True) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        allow_special_tokens: bool = False,
+        cuda_graphs: bool = True,
+        cache_limits: CacheLimits | None = None,
+    ) -> None:
         self.loaded = loaded
+        self.cache_limits = cache_limits or CacheLimits()  # the slots' KV cache: its cap, its shrinking
         self.tokenizer = loaded.tokenizer
         self.prompts = PromptEncoder(loaded.tokenizer, allow_special_tokens)
         self.hf = loaded.model
@@ -203,7 +211,16 @@ class ServedModel:
             return SoloDecoder(self.hf, self.tokenizer, pad)
         if self.slot_reason is not None:
             return Decoder(self.hf, self.tokenizer, pad)
-        return SlotDecoder(self.hf, self.tokenizer, pad, slots, self.info.max_context, graphs=self.cuda_graphs)
+        return SlotDecoder(
+            self.hf,
+            self.tokenizer,
+            pad,
+            slots,
+            self.info.max_context,
+            graphs=self.cuda_graphs,
+            limits=self.cache_limits,
+            position_bytes=self.info.kv_bytes_per_token or 0,
+        )
 
     def describe_decoder(self) -> str:
         """How this model's batches decode (said at worker start)."""

@@ -4,13 +4,16 @@ KV cache in slots (worker/slots.py).
 
 A prefilled sequence takes the lowest free slot, its prompt's keys and values are copied there,
 and it decodes in it until it ends; then its slot is free. No step moves, compacts or
-concatenates anything. Every row's token comes from the vectorised sampler (worker/sampling.py),
-its first one (chosen by its prefill) too, with the row's own settings and seed.
+concatenates anything. The cache's size follows the rows (worker/slot_sizing.py): grown when a
+sequence that needs more joins, shrunk between two steps once the long rows have left, every
+running row's keys and values copied over exactly. Every row's token comes from the vectorised
+sampler (worker/sampling.py), its first one (chosen by its prefill) too, with the row's own
+settings and seed.
 
 A step runs as its bucket's CUDA graph when the model is on a GPU. A row's captures are
 recorded inside the step, graph or not (worker/step_capture.py: device rings, handed over to the
-capture writer thread every half ring, when a capturing row leaves and before the slots grow: the
-loop never waits for the jobs' rows), and so are its
+capture writer thread every half ring, when a capturing row leaves and before the slots are
+resized: the loop never waits for the jobs' rows), and so are its
 edits (worker/step_edits.py: per-slot tables, gated edits included). A batch with a patch runs
 its steps eagerly with the hooks of worker/edits.py over the slots [0, rows) (a free slot is a row
 that edits nothing). Out of memory in an eager step, the slots run in halves (what
@@ -27,6 +30,7 @@ follows once the masks are filled from the tokens read (`_ahead`).
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -37,13 +41,14 @@ from shared.errors import InternalError, OutOfMemory
 from worker.constrained import fill_bitmask
 from worker.decoding import OUT_OF_MEMORY, Decoder, Sequence, is_oom, score_rows, unexpected_failure
 from worker.input_batch import InputBatch, Reading
-from worker.model_runner import DecodeStep, allowed_tokens, bucket
+from worker.memory import release_device_memory
+from worker.model_runner import DecodeStep, allowed_tokens
 from worker.sampling import Features, RowSampling, SamplingTable, sample, token_counts
-from worker.slots import SlotCache
+from worker.slot_sizing import CacheLimits, Shape, SlotSizing
+from worker.slots import SlotCache, position_bytes
 from worker.step_edits import EditPlan, fits
 
 log = logging.getLogger(__name__)
-FIRST_SLOT_TOKENS = 256  # the slots' least length; they grow by doubling when a longer sequence joins
 
 
 def row_sampling(seq: Sequence) -> RowSampling:
@@ -77,12 +82,27 @@ class SlotDecoder(Decoder):
     overlap: bool | None = None
 
     def __init__(
-        self, model: Any, tokenizer: Any, pad_id: int, slots: int, max_tokens: int, graphs: bool = False
+        self,
+        model: Any,
+        tokenizer: Any,
+        pad_id: int,
+        slots: int,
+        max_tokens: int,
+        graphs: bool = False,
+        limits: CacheLimits | None = None,
+        position_bytes: int = 0,
     ) -> None:
         super().__init__(model, tokenizer, pad_id)
         self.slots = slots
         self.max_tokens = max_tokens  # the model's context: no slot grows past it (0: no limit)
         self.graphs = graphs
+        # The KV cache's shape (worker/slot_sizing.py); `position_bytes`: a slot position's bytes
+        # before the cache exists (the model's published figure; 0: unknown), exact after.
+        self.sizing = SlotSizing(slots, max_tokens, limits)
+        self.position_bytes = position_bytes
+        self._resizable = False  # rows joined or left since the shrink check last looked
+        self._smaller: Shape | None = None  # a smaller shape the running rows fit, and since when
+        self._smaller_since = 0.0
         self._launched: Launched | None = None
         self.batch: InputBatch | None = None
         self.runner: DecodeStep | None = None
@@ -103,9 +123,7 @@ class SlotDecoder(Decoder):
     def _take_slots(self, joining: list[tuple[Sequence, int, int]], prefilled: Any) -> None:
         """Each (sequence, its row in `prefilled`, its padding there) into a free slot, its prompt's
         keys and values copied in. All or nothing: on failure no slot was taken."""
-        free = [slot for slot, owner in enumerate(self.batch.owners) if owner is None] if self.batch else []
-        highest = free[len(joining) - 1] if len(free) >= len(joining) else len(joining) - 1
-        self._ensure(prefilled, max(seq.prompt_tokens + seq.max_tokens for seq, _, _ in joining), highest + 1)
+        self._ensure(prefilled, [seq for seq, _, _ in joining])
         assert self.batch is not None and self.runner is not None
         taken: list[int] = []
         try:
@@ -121,30 +139,105 @@ class SlotDecoder(Decoder):
                 self.batch.leave(slot)
             raise
         self.rows += [seq for seq, _, _ in joining]
+        self._resizable = True
 
-    def _ensure(self, prefilled: Any, tokens: int, slots: int) -> None:
-        """The slots' KV cache holds `slots` slots of `tokens` positions: made at the first join
-        (shaped as the prefill's cache), and grown to the next power of two in either dimension
-        when a job needs more (new tensors, graphs dropped): its memory follows the most jobs
-        that ran at once and the longest one, never more than twice each."""
-        limit = self.max_tokens or max(tokens, FIRST_SLOT_TOKENS)
-        length = bucket(tokens, max(limit, tokens), FIRST_SLOT_TOKENS)
-        count = bucket(slots, self.slots)
+    # -- the KV cache's size (worker/slot_sizing.py) ------------------------------------------
+
+    def _needs(self, joining: list[Sequence]) -> Shape:
+        """(slots, positions) the running rows and `joining` need at once: slots up to the highest
+        one in use once they took the lowest free ones, and each row's prompt and max_tokens."""
+        owners = self.batch.owners if self.batch is not None else [None] * self.slots
+        used = [slot for slot, owner in enumerate(owners) if owner is not None]
+        slots = used[-1] + 1 if used else 0
+        if joining:
+            free = [slot for slot, owner in enumerate(owners) if owner is None]
+            slots = max(slots, free[len(joining) - 1] + 1 if len(free) >= len(joining) else len(joining))
+        rows = [owner for owner in owners if isinstance(owner, Sequence)] + joining
+        return slots, max((row.prompt_tokens + row.max_tokens for row in rows), default=0)
+
+    def _ensure(self, prefilled: Any, joining: list[Sequence]) -> None:
+        """The slots' KV cache holds the running rows and `joining`: made at the first join (shaped
+        as the prefill's cache), resized when they need more (see worker/slot_sizing.py). Raises
+        the join's refusal, before anything changed, when they would pass ACTQ_KV_CACHE_MAX_BYTES."""
+        need = self._needs(joining)
+        beside = len(self.rows)
         if self.runner is None:
-            cache = SlotCache.like(prefilled, count, length)
+            shape = self.sizing.joined(None, need, position_bytes(prefilled), beside)
+            assert shape is not None
+            cache = SlotCache.like(prefilled, *shape)
             vocab = self.model.get_output_embeddings().weight.shape[0]
-            self.batch = InputBatch(self.slots, length, vocab, self.eos_ids, cache.device, self.pad_id)
+            self.batch = InputBatch(self.slots, shape[1], vocab, self.eos_ids, cache.device, self.pad_id)
             self.runner = DecodeStep(self.model, self.batch, cache, graphs=self.graphs)
-        else:
+            log.info("KV cache: %d slots of %d positions (%.1f MB)", cache.slots, cache.slot_tokens, cache.nbytes / 1e6)
+            return
+        cache = self.runner.cache
+        shape = self.sizing.joined((cache.slots, cache.slot_tokens), need, cache.position_bytes, beside)
+        if shape is not None:
+            self._resize(shape)
+
+    def _resize(self, shape: Shape) -> None:
+        """The cache made `shape` (every running row's keys and values copied over exactly), the
+        graphs that read the old one dropped; a smaller one's memory given back at once."""
+        assert self.runner is not None
+        old = self.runner.cache
+        if self._launched is not None and old.device.type == "cuda":
+            torch.cuda.synchronize(old.device)  # the step in flight replays the graphs about to be dropped
+        cache = old.resized(*shape)
+        self.runner.rings.hand_over(rewind=True)  # the running rows' recorded steps, before the rings are made anew
+        self.runner.use_cache(cache)
+        smaller, before = cache.nbytes < old.nbytes, old.nbytes
+        del old
+        self._smaller, self._resizable = None, True
+        log.info(
+            "KV cache: %d slots of %d positions (%.1f MB, was %.1f MB)",
+            cache.slots,
+            cache.slot_tokens,
+            cache.nbytes / 1e6,
+            before / 1e6,
+        )
+        if smaller:
+            release_device_memory(cache.device)
+
+    def _shrink(self) -> None:
+        """Between steps: the cache made smaller once the running rows (none, when idle) have fit a
+        smaller shape for ACTQ_KV_CACHE_SHRINK_SECONDS. Touches no tensor until it shrinks; reads
+        the clock only while a smaller shape waits out the delay (nothing while the cache fits)."""
+        if self.runner is None:
+            return
+        if self._resizable:
+            self._resizable = False
             cache = self.runner.cache
-            if length <= cache.slot_tokens and count <= cache.slots:
-                return
-            if self._launched is not None and cache.device.type == "cuda":
-                torch.cuda.synchronize(cache.device)  # the step in flight replays the graphs about to be dropped
-            cache = cache.grown(max(count, cache.slots), max(length, cache.slot_tokens))
-            self.runner.rings.hand_over(rewind=True)  # the running rows' recorded steps, before the rings are made anew
-            self.runner.use_cache(cache)
-        log.info("KV cache: %d slots of %d positions (%.1f MB)", cache.slots, cache.slot_tokens, cache.nbytes / 1e6)
+            smaller = self.sizing.smaller((cache.slots, cache.slot_tokens), self._needs([]))
+            if smaller is not None and self._smaller is None:
+                self._smaller_since = time.monotonic()
+            self._smaller = smaller
+        if self._smaller is not None and time.monotonic() - self._smaller_since >= self.sizing.limits.shrink_seconds:
+            try:
+                self._resize(self._smaller)
+            except Exception as exc:  # noqa: BLE001 - nothing changed (the new tensors come first): it keeps its size
+                log.warning("shrinking the KV cache failed (%s: %s); it keeps its size", type(exc).__name__, exc)
+                self._smaller = None
+
+    def must_wait(self, joining: list[Sequence]) -> bool:
+        """Whether `joining` (the newest last) must wait for running rows to leave before the KV
+        cache can hold them all under ACTQ_KV_CACHE_MAX_BYTES (the scheduler asks before their
+        prefill). A trace never joins the slots."""
+        joining = [seq for seq in joining if not seq.trace]
+        if not joining or not self.sizing.limits.max_bytes:
+            return False
+        size = self.runner.cache.position_bytes if self.runner is not None else self.position_bytes
+        newest = joining[-1].prompt_tokens + joining[-1].max_tokens
+        return self.sizing.must_wait(self._needs(joining), newest, size)
+
+    def idle(self) -> None:
+        """Nothing runs (the engine core asks while it waits for jobs): the shrink check."""
+        if not self.rows:
+            self._shrink()
+
+    def cache_size(self) -> tuple[int, int, int]:
+        """The KV cache now: (bytes, slots, positions per slot); zeros before the first join."""
+        cache = self.runner.cache if self.runner is not None else None
+        return (cache.nbytes, cache.slots, cache.slot_tokens) if cache is not None else (0, 0, 0)
 
     def _choose(
         self, rows: list[Sequence], logits: torch.Tensor, live: list[int], ids_of: Callable[[int], torch.Tensor]
@@ -203,6 +296,7 @@ class SlotDecoder(Decoder):
         if not self.rows:
             self._launched = None
             return []
+        self._shrink()
         try:
             current = self._launched or self._launch()
             self._launched = None
@@ -352,6 +446,7 @@ class SlotDecoder(Decoder):
             self.batch.leave(slot)
             ended.append(leaving)
         self.rows = [row for row in self.rows if row.ended is None]
+        self._resizable = True
         return ended
 
     def _masks(self, owners: list[Sequence | None]) -> bool:
@@ -481,3 +576,4 @@ class SlotDecoder(Decoder):
                 if owner is not None:
                     self.batch.leave(slot)
         self.rows = []
+        self._resizable = True

@@ -7,7 +7,10 @@ each row's new key and value at that row's own position (`update`, a `scatter_` 
 step's position buffer) and attends over the first `span` positions of the rows [0, B) it runs
 (`SlotCache.prepare`; views, never a copy). Position i of a slot is token i of its sequence:
 no padding, nothing is ever moved, compacted or concatenated, and every tensor keeps its address
-for the life of the engine (what a CUDA graph needs).
+from one resize to the next (what a CUDA graph needs). A resize (`resized`: more slots or longer
+ones when a sequence joins, fewer or shorter when the long rows have left; worker/slot_decoding.py
+decides) makes new tensors with every kept slot's kept positions copied exactly, and the graphs
+that read the old ones are dropped (worker/model_runner.py `use_cache`).
 
 The model sees this object as its `past_key_values`: transformers' attention layers call
 `update(key, value, layer_idx)` and attend over what it returns, with the 4-D mask the model
@@ -72,33 +75,25 @@ class SlotCache:
     def like(cls, prefilled: DynamicCache, slots: int, slot_tokens: int) -> SlotCache:
         """Slots shaped as the layers of a cache a forward pass filled (heads, head size, dtype,
         device: a model spread over devices keeps each layer's slots beside it)."""
-        shapes: list[tuple[tuple[int, int], tuple[int, int], torch.device] | None] = []
-        dtype = None
-        layer: Any
-        for layer in prefilled.layers:
-            if not getattr(layer, "is_initialized", False):
-                shapes.append(None)
-                continue
-            keys, values = layer.keys.shape, layer.values.shape
-            shapes.append(((int(keys[1]), int(keys[3])), (int(values[1]), int(values[3])), layer.keys.device))
-            dtype = layer.keys.dtype
-        if dtype is None:
-            raise ValueError("the model's forward pass filled no cache layer")
+        shapes, dtype = _layer_shapes(prefilled)
         return cls(shapes, slots, slot_tokens, dtype)
 
-    def grown(self, slots: int, slot_tokens: int) -> SlotCache:
-        """A larger copy of this cache, more slots or longer ones (what every slot holds kept):
-        new tensors, new addresses."""
+    def resized(self, slots: int, slot_tokens: int) -> SlotCache:
+        """This cache with `slots` slots of `slot_tokens` positions, more or fewer of either: new
+        tensors, new addresses. What the first min(slots) slots hold at their first min(slot_tokens)
+        positions is copied exactly; a smaller cache drops the rest (the caller keeps every live
+        row's positions inside it)."""
         out = SlotCache.__new__(SlotCache)
         out.slots, out.slot_tokens = slots, slot_tokens
         out.keys, out.values = [], []
+        kept_slots, kept_tokens = min(slots, self.slots), min(slot_tokens, self.slot_tokens)
         for old_list, new_list in ((self.keys, out.keys), (self.values, out.values)):
             for old in old_list:
                 if old is None:
                     new_list.append(None)
                     continue
                 new = old.new_zeros(slots, old.shape[1], slot_tokens, old.shape[3])
-                new[: self.slots, :, : self.slot_tokens].copy_(old)
+                new[:kept_slots, :, :kept_tokens].copy_(old[:kept_slots, :, :kept_tokens])
                 new_list.append(new)
         out.part, out.span, out.positions = slice(0, 0), 0, None
         return out
@@ -110,6 +105,11 @@ class SlotCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+    @property
+    def position_bytes(self) -> int:
+        """Bytes one position of one slot takes, over every layer's keys and values."""
+        return self.nbytes // max(1, self.slots * self.slot_tokens)
 
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in self.keys + self.values if t is not None]
@@ -162,6 +162,33 @@ class SlotCache:
                 continue
             keys[slot, :, :length].copy_(layer.keys[row, :, first : first + length])
             values[slot, :, :length].copy_(layer.values[row, :, first : first + length])
+
+
+def position_bytes(prefilled: DynamicCache) -> int:
+    """Bytes one position of one slot would take in slots shaped as `prefilled`'s layers."""
+    shapes, dtype = _layer_shapes(prefilled)
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum((kh * kd + vh * vd) * item for (kh, kd), (vh, vd), _ in filter(None, shapes))
+
+
+def _layer_shapes(
+    prefilled: DynamicCache,
+) -> tuple[list[tuple[tuple[int, int], tuple[int, int], torch.device] | None], torch.dtype]:
+    """Per layer of a filled cache: (key heads, key size), (value heads, value size), device (None:
+    a layer that keeps no cache); and their dtype."""
+    shapes: list[tuple[tuple[int, int], tuple[int, int], torch.device] | None] = []
+    dtype = None
+    layer: Any
+    for layer in prefilled.layers:
+        if not getattr(layer, "is_initialized", False):
+            shapes.append(None)
+            continue
+        keys, values = layer.keys.shape, layer.values.shape
+        shapes.append(((int(keys[1]), int(keys[3])), (int(values[1]), int(values[3])), layer.keys.device))
+        dtype = layer.keys.dtype
+    if dtype is None:
+        raise ValueError("the model's forward pass filled no cache layer")
+    return shapes, dtype
 
 
 def causal_mask(positions: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:

@@ -10,8 +10,8 @@ count; the host keeps its own copy (`pos`).
 
 Draining, away from the decoding loop. The steps recorded since the last hand-over are a window
 of ring rows `[pos - count, pos)`. The loop hands a window over (`hand_over`) when the cursor
-reaches half the ring or its end, when a capturing row leaves, before the slots grow and before a
-ring is made. Handing over gathers the rings' rows side by side into one block `[count, slots in
+reaches half the ring or its end, when a capturing row leaves, before the slots are resized and
+before a ring is made. Handing over gathers the rings' rows side by side into one block `[count, slots in
 use, sum of W]` and enqueues one copy of it to the host (pinned memory, on a side stream that waits
 for the steps that wrote it), and gives the copy, with who each slot's rows are for, to the capture
 writer thread. That thread waits for the copy (an event: the loop never waits) and hands each job
@@ -334,7 +334,7 @@ class StepRings:
             host = torch.empty(side_by_side.shape, dtype=side_by_side.dtype, pin_memory=True)
             host.copy_(side_by_side, non_blocking=True)
             for ring in rings:
-                ring.record_stream(self._stream)  # kept alive for the gather if the slots grow meanwhile
+                ring.record_stream(self._stream)  # kept alive for the gather if the slots are resized meanwhile
             copied = torch.cuda.Event()
             copied.record(self._stream)
         self._copying.append((lo, hi, copied))
@@ -355,14 +355,15 @@ class StepRings:
         self.pos = 0
         self.cursor.zero_()
 
-    def grown(self, slots: int) -> None:
-        """More slots (after `hand_over`): rings are made anew at their next write."""
+    def resized(self, slots: int) -> None:
+        """Another number of slots (after `hand_over`): rings are made anew at their next write.
+        Fewer slots only when no row runs past them: their owners are forgotten."""
         self.slots = slots
         self.rings.clear()
         self._flat.clear()
         self._copying = []  # copies from the old rings: nothing writes those rows again
         self.depth = RING_STEPS
-        self._owner = self._owner + [None] * (slots - len(self._owner))
+        self._owner = (self._owner + [None] * slots)[:slots]
         self._since = [0] * slots
         self._until = [None] * slots
         self.pos = 0

@@ -50,6 +50,17 @@ class RedisCollector:
             "Tokens the model's live workers decode per second (each over its last heartbeat interval).",
             labels=["model"],
         )
+        kv_bytes = GaugeMetricFamily(
+            "actq_kv_cache_bytes",
+            "Bytes of a live worker's KV cache for its running batch (at its last heartbeat).",
+            labels=["model", "worker"],
+        )
+        kv_slots = GaugeMetricFamily(
+            "actq_kv_cache_slots", "Slots (rows) of a live worker's KV cache.", labels=["model", "worker"]
+        )
+        kv_tokens = GaugeMetricFamily(
+            "actq_kv_cache_slot_tokens", "Positions per slot of a live worker's KV cache.", labels=["model", "worker"]
+        )
         for model in services.registry.names():
             figures = stats.read(services.redis, model)
             for outcome in ("submitted", "succeeded", "failed", "cancelled"):
@@ -60,6 +71,10 @@ class RedisCollector:
             live = services.registry.live_workers(model)
             workers.add_metric([model], len(live))
             speed.add_metric([model], stats.tokens_per_second(services.redis, model, live))
+            for worker, (size, slots, positions) in stats.kv_caches(services.redis, model, live).items():
+                kv_bytes.add_metric([model, worker], size)
+                kv_slots.add_metric([model, worker], slots)
+                kv_tokens.add_metric([model, worker], positions)
             for family, name in (
                 (duration, "duration"),
                 (wait, "queue_wait"),
@@ -80,13 +95,13 @@ class RedisCollector:
         capacity = GaugeMetricFamily("actq_long_poll_capacity", "Long-poll places of this API process.")
         capacity.add_metric([], services.waiters.capacity)
         yield from (jobs, tokens, captured, depth, workers, duration, wait, batch, occupancy, holds, speed)
-        yield from (polls, capacity)
+        yield from (kv_bytes, kv_slots, kv_tokens, polls, capacity)
 
 
 @router.get("/metrics", response_class=Response)
 def metrics(services: ServicesDep) -> Response:
     """Prometheus metrics: jobs by outcome, queue depth, live workers, durations, tokens, bytes,
-    batch sizes and occupancy, tokens per second."""
+    batch sizes and occupancy, tokens per second, each worker's KV cache."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(RedisCollector(services))
     return Response(generate_latest(registry), media_type=CONTENT_TYPE)

@@ -52,6 +52,7 @@ class FakeBatch:
         self.calls = 0
         self.largest = 0
         self.prefills: list[int] = []  # jobs per prefill pass
+        self.cache_rows: int | None = None
 
     def _maybe_fail(self) -> None:
         self.calls += 1
@@ -90,6 +91,16 @@ class FakeBatch:
 
     def wants_logits(self, seq: FakeSeq) -> bool:
         return seq.scores is not None
+
+    def must_wait(self, joining: list[FakeSeq]) -> bool:
+        """A KV cache with room for `cache_rows` sequences at once (None: no cap)."""
+        return self.cache_rows is not None and len(self.rows) + len(joining) > self.cache_rows
+
+    def idle(self) -> None:
+        pass
+
+    def cache_size(self) -> tuple[int, int, int]:
+        return (0, 0, 0)
 
     def step(self) -> list[FakeSeq]:
         self._maybe_fail()
@@ -232,6 +243,28 @@ def test_over_the_memory_budget_a_job_waits_for_room_and_a_job_alone_always_runs
         core.submit(entry)
     run(core, batch, huge)
     assert huge[0].answers == [huge[0].seq]
+
+
+def test_a_job_the_batchs_kv_cache_cannot_hold_yet_waits_at_the_head_and_a_job_alone_always_runs() -> None:
+    """The batch says a join must wait (its KV cache's cap, worker/slot_sizing.py): the job goes
+    back to the head of the queue, no later job passes it, and it joins once rows have left.
+    With nothing running, a job is taken in whatever the batch says (it is refused at its join
+    if it cannot fit alone)."""
+    batch = FakeBatch()
+    batch.cache_rows = 2
+    jobs = [Job(FakeSeq(3, 6)), Job(FakeSeq(3, 3)), Job(FakeSeq(3, 4)), Job(FakeSeq(3, 2))]
+    core = EngineCore(FakeServed(batch), max_batch=8)  # type: ignore[arg-type]
+    for entry in entries(jobs):
+        core.submit(entry)
+    run(core, batch, jobs)
+    assert batch.largest == 2 and batch.prefills == [2, 1, 1], batch.prefills
+    assert all(job.answers == [job.seq] for job in jobs)
+    batch.cache_rows = 0  # not even one fits: alone, it runs all the same
+    alone = [Job(FakeSeq(3, 2))]
+    for entry in entries(alone):
+        core.submit(entry)
+    run(core, batch, alone)
+    assert alone[0].answers == [alone[0].seq]
 
 
 def test_a_callback_that_raises_does_not_stop_the_engine() -> None:

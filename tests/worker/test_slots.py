@@ -160,8 +160,29 @@ def test_a_grown_cache_keeps_every_slots_keys_and_values(tiny) -> None:
         cache = SlotCache.like(prefilled, 2, 32)
         length = int(rows[1].ids.shape[1])
         cache.write(1, prefilled, 0, 0, length)
-        bigger = cache.grown(8, 64)
+        bigger = cache.resized(8, 64)
     assert (bigger.slots, bigger.slot_tokens) == (8, 64)
     for old, new in zip(cache.tensors(), bigger.tensors(), strict=True):
         assert torch.equal(new[:2, :, :32], old) and not new[2:].any() and not new[:, :, 32:].any()
     assert bigger.tensors()[0][1, :, :length].abs().sum() > 0
+
+
+def test_a_shrunk_cache_keeps_the_kept_slots_first_positions_exactly(tiny) -> None:
+    """Fewer and shorter slots: each kept slot's first positions, bit for bit, and nothing else;
+    the bytes are the new shape's."""
+    model, tokenizer = tiny
+    rows = rows_of(tokenizer, [3, 3, 3, 3, 3])
+    with torch.inference_mode():
+        cache = SlotCache.like(prefill(model, rows[0]), 8, 64)
+        lengths = []
+        for slot in (0, 1, 5):
+            prefilled = prefill(model, rows[slot % len(rows)])
+            lengths.append(int(rows[slot % len(rows)].ids.shape[1]))
+            cache.write(slot, prefilled, 0, 0, lengths[-1])
+        smaller = cache.resized(2, 32)
+    assert (smaller.slots, smaller.slot_tokens) == (2, 32) and max(lengths[:2]) <= 32
+    assert smaller.nbytes * 8 == cache.nbytes and smaller.position_bytes == cache.position_bytes
+    for old, new in zip(cache.tensors(), smaller.tensors(), strict=True):
+        assert new.shape[0] == 2 and new.shape[2] == 32
+        assert torch.equal(new, old[:2, :, :32])
+        assert new[1, :, : lengths[1]].abs().sum() > 0
