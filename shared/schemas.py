@@ -798,6 +798,19 @@ class ModuleInfo(Strict):
         return found
 
 
+class ModelFingerprint(Strict):
+    """Which weights a model folder holds (shared/model_identity.py): its config without the
+    keys that only say where and by what it was saved, and every safetensors tensor's dtype, shape
+    and bytes. Two folders with equal `config_sha256` and `weights_sha256` hold the same model,
+    however their files are sharded."""
+
+    config_sha256: str
+    config: dict[str, Any]  # config.json as compared, to name the keys that differ
+    weights_sha256: str  # over every tensor's name, dtype, shape and sha256, in name order
+    tensors: dict[str, str]  # name -> "dtype shape sha256[:16]" (`F32 64x128 0123abcd...`): which ones differ
+    bytes: int  # the tensors' bytes, all together
+
+
 class ModelInfo(Strict):
     """What a worker publishes about its model; the API validates capture specs against it."""
 
@@ -848,6 +861,10 @@ class ModelInfo(Strict):
     python_version: str | None = None
     attention: str | None = None  # the attention implementation it runs (`sdpa`, `eager`, ...)
     hub_id: str | None = None  # the Hugging Face id of the checkpoint it was made from, when known
+    # The files the worker loaded its weights from (a folder, or the Hub's files in its cache),
+    # fingerprinted: what an nnsight client's folder must match. None: not known (no safetensors).
+    fingerprint: ModelFingerprint | None = None
+    packages: dict[str, str] = {}  # versions of nnsight, torch and transformers on the worker (nnsight's /env)
 
     @cached_property
     def module_index(self) -> dict[str, int]:

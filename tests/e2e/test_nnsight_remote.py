@@ -20,54 +20,35 @@ import httpx
 import pytest
 import torch
 
-from shared.cli.redis_server import RedisServer
-from tests.e2e.conftest import STACK_ENV, own_stack
+from tests.support.nnsight import PLAIN, TRUSTED, client_model, nnsight_host, trusted_stack
 from tests.support.stack import TINY, TestStack
 
 pytestmark = pytest.mark.timeout(600)
-TRUSTED, PLAIN = "trusted-key-0123456789", "plain-key-0123456789"
 ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path):
     root = tmp_path_factory.mktemp("nnsight-stack")
-    with RedisServer(root / "redis") as server:
-        env = {**STACK_ENV, "ACTQ_MODEL_CACHE_DIR": str(root / "cache"), "ACTQ_REDIS_URL": server.url}
-        with own_stack(
-            root,
-            env,
-            ACTQ_API_KEYS=f"{TRUSTED},{PLAIN}",
-            ACTQ_NNSIGHT_KEYS=TRUSTED,
-            ACTQ_NNSIGHT_TIME_LIMIT="4",  # and so the hard limit of 14 s: its engine replaced
-            ACTQ_NNSIGHT_MAX_RESULT_BYTES="3000000",
-        ) as s:
-            s.start_worker(TINY, {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": TINY})
-            yield s
+    with trusted_stack(
+        root,
+        tiny_dir,
+        ACTQ_NNSIGHT_TIME_LIMIT="4",  # and so the hard limit of 14 s: its engine replaced
+        ACTQ_NNSIGHT_MAX_RESULT_BYTES="3000000",
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def models(tiny_dir: Path):
     """(the client's model: no weights, only what builds a request; the local reference model)."""
-    from nnsight.modeling import huggingface
-    from nnsight.modeling.transformers import TransformersModel
-    from transformers import AutoTokenizer
-
-    huggingface._ID_CACHE[str(tiny_dir)] = str(tiny_dir)  # the Hub's answer for a local folder: itself
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    client = TransformersModel(str(tiny_dir), task="text-generation", tokenizer=tokenizer)
-    local = TransformersModel(str(tiny_dir), task="text-generation", tokenizer=tokenizer, dispatch=True)
-    return client, local
+    return client_model(tiny_dir), client_model(tiny_dir, dispatch=True)
 
 
 @pytest.fixture
 def remote_host(stack: TestStack):
-    from nnsight import CONFIG
-
-    before = CONFIG.API.HOST, CONFIG.API.APIKEY
-    CONFIG.API.HOST, CONFIG.API.APIKEY = stack.base_url, TRUSTED
-    yield stack
-    CONFIG.API.HOST, CONFIG.API.APIKEY = before
+    with nnsight_host(stack) as s:
+        yield s
 
 
 def _close(remote: dict, local: dict) -> None:
@@ -190,20 +171,17 @@ def _stored_jobs(stack: TestStack) -> list[str]:
 
 
 def test_a_module_the_served_model_lacks_fails_the_job_and_names_it(stack, tiny_dir, tmp_path, remote_host):
-    """The client's folder (named as the served model) describes six layers; the served model has four."""
+    """The client's folder describes six layers and names the served model (from another machine,
+    nothing compares the folder: docs/nnsight.md, "Which model"); the served model has four."""
     import shutil
 
     from nnsight.intervention.backends.remote import RemoteError
-    from nnsight.modeling import huggingface
-    from nnsight.modeling.transformers import TransformersModel
-    from transformers import AutoTokenizer
 
-    folder = tmp_path / TINY
+    folder = tmp_path / "taller"
     shutil.copytree(tiny_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))
-    huggingface._ID_CACHE[str(folder)] = str(folder)
-    taller = TransformersModel(str(folder), task="text-generation", tokenizer=AutoTokenizer.from_pretrained(folder))
+    taller = client_model(folder, repo_id=TINY)
     with pytest.raises(RemoteError) as failed:
         with taller.trace("Hello", remote=True):
             hs = taller.model.layers[5].output.save()
