@@ -1,5 +1,6 @@
 """An nnsight job's way in and out of the engine (the run itself: worker/nnsight_jobs.py): its
-payload read from storage and checked against the hash the API recorded, its printed lines
+payload read from storage, checked against the hash the API recorded and, when compressed,
+decompressed under the API's cap (never at the size its frame declares), its printed lines
 published to Redis as they come (the API sends them as LOG statuses), and its saves stored
 where activations go (the folder of the attempt that ran it; the record's `result.nnsight.key`),
 under the result size cap."""
@@ -15,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from shared import keys
+from shared import keys, nnsight_payload
 from shared.attempts import Attempt
-from shared.errors import PayloadMismatch, ResultTooLarge
+from shared.errors import ActqError, PayloadMismatch, ResultTooLarge
 from shared.schemas import JobRecord, JobResult, NnsightOutput, Usage
 from shared.storage import nnsight_request_key, nnsight_result_key
 from worker.engine_core import Alone
@@ -42,10 +43,15 @@ def job(rt: runtime.Runtime, record: JobRecord, done: Callable[[Any], None], sta
             f"the stored payload ({len(blob)} bytes) is not the one the API recorded ({call.bytes} bytes, sha256 "
             f"{call.sha256[:12]}...); send the request again"
         )
+    if call.compress:  # under the API's cap, whatever the frame declares (shared/nnsight_payload.py)
+        try:
+            blob = nnsight_payload.decompress(blob, rt.settings.nnsight_max_request_bytes)
+        except ActqError as exc:
+            raise PayloadMismatch(f"the stored payload is not one the API accepts: {exc.message}") from None
     limit = limits(rt.settings, record)[0]
     emit = _logs.emitter(rt, record.id)
     return Alone(
-        run=lambda: nnsight_jobs.run(rt.served, blob, call.compress, limit, emit),
+        run=lambda: nnsight_jobs.run(rt.served, blob, False, limit, emit),
         done=done,
         started=started,
         job_id=record.id,

@@ -8,8 +8,9 @@ NDIF_HOST pointed here runs on the worker's model (docs/nnsight.md):
     GET  /jobs/{id}/nnsight-result   the same with the caller's key, like every other result
     GET  /status, /env, /whoami  what nnsight.status(), nnsight's environment check and whoami read
 
-Every route but the link needs a key in ACTQ_NNSIGHT_KEYS (api/nnsight_checks.py); the payload
-is stored as opaque bytes and only the worker reads it.
+Every route but the link needs a key in ACTQ_NNSIGHT_KEYS (api/nnsight_checks.py). The
+payload's declared size and serialization header are checked (shared/nnsight_payload.py); it is stored
+as opaque bytes and only the worker loads it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from api.errors import actq_error
 from api.limits import QuotaExceeded
 from api.submit import queued_record
 from api.visibility import load_async
-from shared import keys
+from shared import keys, nnsight_payload
 from shared.errors import ActqError, BadRequest, JobNotFound, NotReady, PayloadTooLarge, Unauthorized
 from shared.jobs import OverQuota
 from shared.schemas import JobRecord, JobRequest, JobStatus, NnsightCall
@@ -110,6 +111,7 @@ async def submit_request(request: Request, services: ServicesDep) -> JSONRespons
         raise too_large(limit)
     if not payload:
         raise BadRequest("the `blob` file is empty: send the payload nnsight's client serialised")
+    nnsight_payload.check(payload, envelope.compress, limit)  # its declared size and serialization header only
     job_id = str(uuid.uuid4())
     call = NnsightCall(
         model_key=envelope.model_key,

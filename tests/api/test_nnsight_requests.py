@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import platform
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
 import redis
+import zstandard
 from fastapi.testclient import TestClient
 
 from api.main import create_app
@@ -24,6 +26,7 @@ from tests.support.models import tiny_llama
 TRUSTED, PLAIN = "trusted-key-0123456789", "plain-key-0123456789"
 CLASS = "nnsight.modeling.transformers.TransformersModel"
 PAYLOAD = b"\x80\x04\x95" + bytes(range(256)) * 40  # a pickle's first bytes: the API never loads it
+GiB = 1 << 30
 
 
 @pytest.fixture
@@ -143,3 +146,44 @@ def test_a_folder_without_weights_cannot_identify_the_served_model(http, setting
     for path in bare.glob("*.safetensors"):
         path.unlink()
     refused(http, settings, redis_client, 422, "holds no *.safetensors file", str(bare))
+
+
+# -- the payload before anything loads it (item 3) --------------------------------------------
+
+
+def zstd_bomb(decompressed: int = 16 * GiB) -> bytes:
+    """A zstd frame of RLE blocks (128 KiB of zeros from 4 bytes each) that declares and expands to
+    `decompressed` bytes: 512 KiB for 16 GiB. nnsight's loader allocates the declared size at once."""
+    block = 128 << 10
+    header = struct.pack("<IB", 0xFD2FB528, 0xE0) + struct.pack("<Q", decompressed)  # single segment, 8-byte size
+    count = decompressed // block
+    body = bytearray()
+    for i in range(count):
+        last = 1 if i == count - 1 else 0
+        body += ((block << 3) | (1 << 1) | last).to_bytes(3, "little") + b"\0"
+    return header + bytes(body)
+
+
+def test_a_zstd_bomb_is_refused_at_submit_from_its_header(http, settings, redis_client):
+    bomb = zstd_bomb()
+    assert len(bomb) < 513 << 10
+    assert zstandard.get_frame_parameters(bomb).content_size == 16 * GiB
+    detail = refused(http, settings, redis_client, 413, "decompresses to 17,179,869,184 bytes", "tiny", bomb, True)
+    assert "ACTQ_NNSIGHT_MAX_REQUEST_BYTES" in detail
+
+
+def test_compressed_payloads_must_declare_a_bounded_size_and_ratio(http, settings, redis_client):
+    small_bomb = zstd_bomb(64 << 20)  # 64 MiB from 2 KiB: under the size limit, far past the ratio
+    refused(http, settings, redis_client, 413, "over 1000:1", "tiny", small_bomb, True)
+    unsized = zstandard.ZstdCompressor(write_content_size=False).compress(PAYLOAD)
+    refused(http, settings, redis_client, 422, "does not declare its decompressed size", "tiny", unsized, True)
+    refused(http, settings, redis_client, 422, "does not start with a zstd frame", "tiny", PAYLOAD, True)
+    sized = zstandard.ZstdCompressor(level=6).compress(PAYLOAD)  # as nnsight's client compresses
+    assert send(http, "tiny", sized, compress=True).status_code == 200
+
+
+def test_a_payload_that_is_not_a_pickle_of_nnsights_protocol_is_refused(http, settings, redis_client):
+    refused(http, settings, redis_client, 422, "serialization, protocol 4", "tiny", b"PK\x03\x04 not a pickle")
+    refused(http, settings, redis_client, 422, "serialization, protocol 4", "tiny", b"\x80\x02old pickle")
+    not_pickled = zstandard.ZstdCompressor().compress(b"#!/bin/sh\n" * 10)
+    refused(http, settings, redis_client, 422, "serialization, protocol 4, zstd-compressed", "tiny", not_pickled, True)
