@@ -642,6 +642,9 @@ class NnsightOutput(Strict):
     # (a hook left registered, a module in train mode): `module: attributes`.
     restored: list[str] = []
     held_s: float = 0.0  # seconds the job had the model to itself (the running batch paused as long)
+    # What the run used where the client's own settings do not travel or do not apply (one model
+    # serves every job): dtype, attn_implementation, padding_side, random_state.
+    served: dict[str, str] = {}
 
 
 class JobResult(Strict):

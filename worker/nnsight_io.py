@@ -91,11 +91,23 @@ def record(rt: runtime.Runtime, record: JobRecord, outcome: Outcome, attempt: At
         key=key,
         restored=outcome.restored,
         held_s=round(outcome.held_s, 6),
+        served=served_settings(rt),
     )
     result = JobResult(text="", finish_reason="stop", usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0))
     result.nnsight = output
     rt.jobs.succeed(record.id, result.model_dump(), None, rt.settings.result_inline_bytes, attempt=attempt)
     return len(data)
+
+
+def served_settings(rt: runtime.Runtime) -> dict[str, str]:
+    """What the run used where the client's own settings stay on its machine (docs/nnsight.md)."""
+    info = rt.served.info
+    return {
+        "dtype": info.dtype,
+        "attn_implementation": info.attention or "default",
+        "padding_side": str(getattr(rt.served.tokenizer, "padding_side", "") or "unknown"),
+        "random_state": "the worker's: seed inside the trace (torch.manual_seed) to sample reproducibly",
+    }
 
 
 class _Logs:

@@ -6,13 +6,15 @@ said; nnsight.status() and nnsight.compare() work; attention weights come out of
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
+import httpx
 import pytest
 import torch
 
-from tests.support.nnsight import client_model, nnsight_host, trusted_stack
+from tests.support.nnsight import TRUSTED, client_model, nnsight_host, trusted_stack
 from tests.support.stack import TINY, TestStack
 
 pytestmark = pytest.mark.timeout(600)
@@ -73,3 +75,48 @@ def test_a_fine_tuned_copy_named_like_the_served_model_is_refused_and_an_exact_c
     expected = hidden(client_model(tiny_dir, dispatch=True), False)
     for a, b in zip(got, expected, strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=1e-4)
+
+
+# -- what travels ----------------------------------------------------------------------------
+
+
+def two_invokes(model, remote):
+    with model.trace(remote=remote) as tracer:
+        with tracer.invoke("Hi"):
+            short = model.lm_head.output.save()
+        with tracer.invoke(PROMPT):
+            long = model.lm_head.output.save()
+    return short, long
+
+
+def test_what_the_client_sets_but_actq_does_not_use_is_said_and_is_what_ran(stack, tiny_dir, remote_host, capsys):
+    """A bfloat16 client that pads on the right: the run is float32 and pads on the left, as its first
+    LOG line and the job's `result.nnsight.served` say, and as a local float32 left-padded run gets."""
+    client = client_model(tiny_dir, dtype=torch.bfloat16)
+    client.tokenizer.padding_side = "right"
+    capsys.readouterr()
+    remote = two_invokes(client, True)
+    printed = capsys.readouterr().out
+    found = re.search(r"\[([0-9a-f-]{36})\] LOG\s+(actq: runs on tiny as served: [^\n]*)", printed)
+    assert found is not None, printed
+    job_id, note = found.groups()
+    for said in ("dtype float32", "padding on the left", "dtype=float32", "torch.manual_seed"):
+        assert said in note, note
+
+    expected = two_invokes(client_model(tiny_dir, dispatch=True), False)  # float32; nnsight pads on the left
+    for got, want in zip(remote, expected, strict=True):
+        torch.testing.assert_close(got, want, atol=ATOL, rtol=1e-4)
+    own = client_model(tiny_dir, dtype=torch.bfloat16, dispatch=True)  # what the client would get locally
+    own.tokenizer.padding_side = "right"
+    theirs = two_invokes(own, False)
+    assert (theirs[0].float() - remote[0]).abs().max() > 0.1  # so the client's settings did not apply
+
+    with httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {TRUSTED}"}) as http:
+        job = http.get(f"/jobs/{job_id}").json()
+    served = job["result"]["nnsight"]["served"]
+    assert {k: served[k] for k in ("dtype", "attn_implementation", "padding_side")} == {
+        "dtype": "float32",
+        "attn_implementation": "sdpa",
+        "padding_side": "left",
+    }
+    assert "seed inside the trace" in served["random_state"]
