@@ -37,15 +37,21 @@ class Envelope(BaseModel):
     env: dict[str, Any] = {}
 
 
-def trusted_caller(services: Services, key: str | None) -> str | None:
-    """The caller's key id, when the key may send nnsight code; else 401 or 403 saying why."""
-    settings = services.settings
-    trusted = settings.nnsight_key_list
+def nnsight_on(services: Services) -> list[str]:
+    """The keys trusted with nnsight code; 403 when there are none (nnsight jobs are off)."""
+    trusted = services.settings.nnsight_key_list
     if not trusted:
         raise Forbidden(
             "nnsight jobs run the sender's code as the worker, so a deployment serves them only to keys it names in "
             f"ACTQ_NNSIGHT_KEYS, and this one names none ({SECTION})"
         )
+    return trusted
+
+
+def trusted_caller(services: Services, key: str | None) -> str | None:
+    """The caller's key id, when the key may send nnsight code; else 401 or 403 saying why."""
+    settings = services.settings
+    trusted = nnsight_on(services)
     if key is None:
         raise Unauthorized(
             f"send your actq API key as nnsight's API key (`{KEY_HEADER}` header: NDIF_API_KEY, or "

@@ -746,6 +746,7 @@ class JobView(Strict):
     id: str
     status: JobStatus
     model: str
+    mode: Mode = "generate"  # the request's: `generate`, `trace`, or `nnsight` (its saves in `result.nnsight`)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None

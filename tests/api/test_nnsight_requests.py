@@ -199,3 +199,33 @@ def test_the_first_log_line_says_what_runs_instead_of_the_clients_own_settings(h
     assert len(lines) == 1
     for said in ("dtype float32", "attention sdpa", "padding on the left", "dtype=float32", "torch.manual_seed"):
         assert said in lines[0], lines[0]
+
+
+def test_get_job_shows_an_nnsight_job_as_mode_nnsight(http):
+    job_id = send(http, "tiny").json()["id"]
+    job = http.get(f"/jobs/{job_id}", headers={"Authorization": f"Bearer {TRUSTED}"}).json()
+    assert job["mode"] == "nnsight" and job["status"] == "queued"
+
+
+def test_status_and_env_answer_without_a_key_and_name_no_folder(http, served_dir):
+    """nnsight.status() and nnsight.compare() send no key."""
+    status = http.get("/status")
+    assert status.status_code == 200, status.text
+    deployments = status.json()["deployments"]
+    assert set(deployments) == {"tiny", "smol"}
+    assert deployments["tiny"]["repo_id"] == "tiny" and deployments["tiny"]["application_state"] == "RUNNING"
+    assert json.loads(deployments["tiny"]["model_key"].partition(":")[2]) == {"repo_id": "tiny", "revision": None}
+    assert str(served_dir) not in status.text and "/elsewhere" not in status.text
+    env = http.get("/env")
+    assert env.status_code == 200
+    assert env.json() == {
+        "python_version": platform.python_version(),
+        "packages": {"nnsight": "0.8.1", "torch": "2.13.0+cpu", "transformers": "5.23.0"},
+    }
+
+
+def test_status_and_env_say_nnsight_is_off_where_no_key_is_trusted(redis_client, settings):
+    with TestClient(create_app(settings.model_copy(update={"nnsight_keys": None}))) as http:
+        for path in ("/status", "/env"):
+            response = http.get(path)
+            assert response.status_code == 403 and "ACTQ_NNSIGHT_KEYS" in response.text

@@ -114,9 +114,29 @@ def test_what_the_client_sets_but_actq_does_not_use_is_said_and_is_what_ran(stac
     with httpx.Client(base_url=stack.base_url, headers={"Authorization": f"Bearer {TRUSTED}"}) as http:
         job = http.get(f"/jobs/{job_id}").json()
     served = job["result"]["nnsight"]["served"]
+    assert job["mode"] == "nnsight"
     assert {k: served[k] for k in ("dtype", "attn_implementation", "padding_side")} == {
         "dtype": "float32",
         "attn_implementation": "sdpa",
         "padding_side": "left",
     }
     assert "seed inside the trace" in served["random_state"]
+
+
+# -- nnsight's own helpers ------------------------------------------------------------------
+
+
+def test_nnsight_status_and_compare_work_against_actq(stack, remote_host, capsys):
+    """Both send no key; before, actq answered 401 and nnsight.status() printed "Service: Down"."""
+    import nnsight
+    from nnsight import ndif
+
+    status = nnsight.status()
+    assert status.status is ndif.NdifStatus.Status.UP, capsys.readouterr().err
+    assert TINY in status and status[TINY]["state"] == "RUNNING" and status[TINY]["model_class"] == "TransformersModel"
+    ndif._REMOTE_ENV = None  # nnsight caches the server's environment per process
+    compared = nnsight.compare()
+    assert compared.python_matches
+    assert {"nnsight", "torch", "transformers"} <= set(compared.packages)
+    assert compared.critical_mismatches == {}  # this client and the worker share one environment
+    assert "Down" not in capsys.readouterr().err
