@@ -140,3 +140,35 @@ def test_nnsight_status_and_compare_work_against_actq(stack, remote_host, capsys
     assert {"nnsight", "torch", "transformers"} <= set(compared.packages)
     assert compared.critical_mismatches == {}  # this client and the worker share one environment
     assert "Down" not in capsys.readouterr().err
+
+
+# -- attention weights ----------------------------------------------------------------------
+
+
+def attention_weights(model, layer: int):
+    """docs/nnsight.md, "Attention weights": from the rotated queries and keys, in the trace."""
+    with model.trace(PROMPT, remote=True):
+        query, key = model.model.layers[layer].self_attn.source.apply_rotary_pos_emb_0.output
+        key = key.repeat_interleave(query.shape[1] // key.shape[1], dim=1)
+        scores = query @ key.transpose(-1, -2) * query.shape[-1] ** -0.5
+        causal = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+        weights = scores.masked_fill(~causal, float("-inf")).softmax(dim=-1).save()
+    return weights
+
+
+def test_attention_weights_from_the_served_sdpa_model_equal_eager_attentions(stack, tiny_dir, remote_host):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    client = client_model(tiny_dir)
+    eager = AutoModelForCausalLM.from_pretrained(tiny_dir, attn_implementation="eager")
+    inputs = AutoTokenizer.from_pretrained(tiny_dir)(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        reference = eager(**inputs, output_attentions=True).attentions
+    for layer in (0, 3):
+        weights = attention_weights(client, layer)
+        assert (
+            weights.shape
+            == reference[layer].shape
+            == (1, 4, inputs["input_ids"].shape[1], inputs["input_ids"].shape[1])
+        )
+        torch.testing.assert_close(weights, reference[layer], atol=1e-6, rtol=1e-5)

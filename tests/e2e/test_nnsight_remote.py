@@ -527,9 +527,10 @@ def test_the_result_is_stored_by_job_id_and_the_non_blocking_mode_polls_it(model
         assert other.status_code == 404  # another key's job is not disclosed
 
 
-def test_the_readmes_example_runs_as_written(stack, tiny_dir, tmp_path):
-    """The manual's nnsight script, extracted from its page (docs/nnsight.md), as a user runs it: its own process,
-    nnsight's client configured by NDIF_HOST and NDIF_API_KEY alone."""
+def test_the_manuals_examples_run_as_written_and_print_what_they_print_locally(stack, tiny_dir, tmp_path):
+    """The manual's nnsight script (docs/nnsight.md: its Python blocks in order, one script), as a user
+    runs it: its own process, nnsight's client configured by NDIF_HOST and NDIF_API_KEY alone. Then the
+    same script with `remote=False`, run by nnsight on the folder's weights: both print the same."""
     import os
     import subprocess
     import sys
@@ -542,14 +543,22 @@ def test_the_readmes_example_runs_as_written(stack, tiny_dir, tmp_path):
         for _, lang, body, before in _fences(readme.read_text())
         if lang == "python" and "test_nnsight_remote.py runs" in before
     ]
-    assert len(blocks) == 1
-    script = tmp_path / "my_experiment.py"
-    script.write_text(blocks[0])
+    assert len(blocks) >= 7 and "remote=True" in blocks[0]
+    script = "".join(f"print('== block {i}')\n{body}" for i, body in enumerate(blocks))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACTQ_", "NDIF_"))}
     env |= {"NDIF_HOST": stack.base_url, "NDIF_API_KEY": TRUSTED, "MODEL_DIR": str(tiny_dir), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[-1].startswith("(1, 9, 64) "), done.stdout
+    printed = {}
+    for where, code in (("remote", script), ("local", script.replace("remote=True", "remote=False"))):
+        path = tmp_path / f"my_experiment_{where}.py"
+        path.write_text(code)
+        done = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (where, done.stdout[-2000:], done.stderr[-3000:])
+        lines = done.stdout.splitlines()
+        printed[where] = [line for line in lines if line.strip() and "\x1b[K" not in line]  # not nnsight's statuses
+    remote, local = printed["remote"], printed["local"]
+    assert remote == local, (remote, local)
+    assert remote[1].startswith("(1, 9, 64) ")  # the first example's shape
+    assert "True" in remote and "UP" in remote and "{}" in remote  # edit; status; compare
 
 
 def test_actqs_client_runs_a_trace_over_plain_http_and_raises_a_failed_jobs_traceback(stack, models):
