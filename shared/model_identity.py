@@ -29,8 +29,9 @@ CONFIG = "config.json"
 # Keys that change with how a folder was saved, not with the model: where from, by which transformers.
 IGNORED_CONFIG_KEYS = frozenset({"_name_or_path", "transformers_version", "_commit_hash"})
 MAX_CONFIG_BYTES = 1 << 20
-MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit on a header
+MAX_HEADER_BYTES = 100 << 20  # the safetensors format's own limit on a header; also on all of a folder's together
 MAX_FILES = 4096
+MAX_ENTRIES = 100_000  # names listed in a folder before it is refused
 CHUNK = 8 << 20
 ITEM_BYTES = {
     "BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "F8_E8M0": 1,
@@ -141,10 +142,16 @@ def _header(fd: int, name: str, size: int) -> dict[str, Tensor]:
 
 def read_folder(folder: Path) -> Folder:
     """The folder's config and tensor table (headers only); NotAModelFolder saying why not."""
+    names = []
     try:
-        names = sorted(os.listdir(folder))
+        with os.scandir(folder) as entries:
+            for entry in entries:
+                names.append(entry.name)
+                if len(names) > MAX_ENTRIES:
+                    raise NotAModelFolder(f"the folder holds over {MAX_ENTRIES:,} entries: not a model folder")
     except OSError as exc:
         raise NotAModelFolder(f"the folder cannot be listed ({exc.strerror})") from None
+    names.sort()
     files = [n for n in names if n.endswith(".safetensors")]
     if CONFIG not in names:
         raise NotAModelFolder(f"the folder holds no {CONFIG}")
@@ -155,12 +162,17 @@ def read_folder(folder: Path) -> Folder:
     config = _config(folder)
     tensors: dict[str, Tensor] = {}
     signature = []
+    headers = 0
     for name in files:
         fd = _open(folder / name)
         try:
             st = os.fstat(fd)
             signature.append((name, st.st_size, st.st_mtime_ns, st.st_ino, st.st_dev))
-            for tensor, found in _header(fd, name, st.st_size).items():
+            table = _header(fd, name, st.st_size)
+            headers += os.lseek(fd, 0, os.SEEK_CUR)
+            if headers > MAX_HEADER_BYTES:
+                raise NotAModelFolder(f"the safetensors headers add up to over {MAX_HEADER_BYTES:,} bytes")
+            for tensor, found in table.items():
                 if tensor in tensors:
                     raise NotAModelFolder(f"tensor {tensor[:100]!r} is in both {tensors[tensor].file} and {name}")
                 tensors[tensor] = found

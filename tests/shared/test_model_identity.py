@@ -129,3 +129,21 @@ def test_a_folder_without_weights_or_config_cannot_be_fingerprinted(tmp_path):
     (base / "config.json").unlink()
     with pytest.raises(identity.NotAModelFolder, match="no config.json"):
         identity.read_folder(base)
+
+
+def test_the_work_of_reading_a_folder_is_bounded(tmp_path, monkeypatch):
+    """A folder with more entries, or safetensors headers larger all together, than the bounds is refused
+    before it is read further (the bounds made small here: 100,000 entries and 100 MB of headers)."""
+    crowded = folder(tmp_path / "crowded")
+    for i in range(12):
+        (crowded / f"note-{i}.txt").write_text("x")
+    monkeypatch.setattr(identity, "MAX_ENTRIES", 10)
+    with pytest.raises(identity.NotAModelFolder, match="over 10 entries"):
+        identity.read_folder(crowded)
+    monkeypatch.undo()
+    sharded = folder(tmp_path / "sharded", shards=4)
+    header = (sharded / "model-00001-of-00004.safetensors").read_bytes()
+    one = 8 + struct.unpack("<Q", header[:8])[0]
+    monkeypatch.setattr(identity, "MAX_HEADER_BYTES", one * 2)
+    with pytest.raises(identity.NotAModelFolder, match="headers add up to over"):
+        identity.read_folder(sharded)
