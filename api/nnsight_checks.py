@@ -86,20 +86,6 @@ def check_env(env: dict[str, Any], info: ModelInfo) -> None:
         )
 
 
-PADDING_SIDE = "left"  # nnsight's TransformersModel pads a causal model's batch on the left, on the worker too
-
-
-def served_note(info: ModelInfo) -> str:
-    """What an nnsight client sets on its own machine that its request does not carry (or actq
-    does not apply: one model serves every job), and what runs instead: its first LOG line."""
-    return (
-        f"actq: runs on {info.name} as served: dtype {info.dtype}, attention {info.attention or 'default'}, "
-        f"padding on the {PADDING_SIDE}. Your client's dtype, tokenizer settings (padding side) and random state "
-        f"do not apply here: build your model with dtype={info.dtype} to match, pad on the {PADDING_SIDE}, and "
-        'seed inside the trace (torch.manual_seed) for sampling (docs/nnsight.md, "What travels")'
-    )
-
-
 def envelope(raw: str | None, max_bytes: int = 100_000) -> Envelope:
     if raw is None:
         raise BadRequest(

@@ -50,6 +50,7 @@ def job(rt: runtime.Runtime, record: JobRecord, done: Callable[[Any], None], sta
             raise PayloadMismatch(f"the stored payload is not one the API accepts: {exc.message}") from None
     limit = limits(rt.settings, record)[0]
     emit = _logs.emitter(rt, record.id)
+    emit(served_note(rt))  # the job's first LOG line: what runs here instead of the client's own settings
     return Alone(
         run=lambda: nnsight_jobs.run(rt.served, blob, False, limit, emit),
         done=done,
@@ -99,15 +100,34 @@ def record(rt: runtime.Runtime, record: JobRecord, outcome: Outcome, attempt: At
     return len(data)
 
 
+# nnsight's TransformersModel sets its tokenizer to pad a causal model's batch on the left
+# (`_configure_tokenizer`), on the worker's tokenizer as on the client's; actq serves causal models.
+PADDING_SIDE = "left"
+RANDOM_STATE = "the worker's: seed inside the trace (torch.manual_seed) to sample reproducibly"
+
+
 def served_settings(rt: runtime.Runtime) -> dict[str, str]:
-    """What the run used where the client's own settings stay on its machine (docs/nnsight.md)."""
+    """What a run on this engine uses where the client's own settings stay on its machine or do
+    not apply (one model serves every nnsight job): result.nnsight.served (docs/nnsight.md)."""
     info = rt.served.info
     return {
         "dtype": info.dtype,
         "attn_implementation": info.attention or "default",
-        "padding_side": str(getattr(rt.served.tokenizer, "padding_side", "") or "unknown"),
-        "random_state": "the worker's: seed inside the trace (torch.manual_seed) to sample reproducibly",
+        "padding_side": PADDING_SIDE,
+        "random_state": RANDOM_STATE,
     }
+
+
+def served_note(rt: runtime.Runtime) -> str:
+    """`served_settings` as the client reads it in its terminal, with what to do to match a local run."""
+    used = served_settings(rt)
+    return (
+        f"actq: runs on {rt.served.info.name} as served: dtype {used['dtype']}, attention "
+        f"{used['attn_implementation']}, padding on the {used['padding_side']}. Your client's dtype, tokenizer "
+        f"settings (padding side) and random state do not apply here: build your model with dtype={used['dtype']} "
+        f"to match, pad on the {used['padding_side']}, and seed inside the trace (torch.manual_seed) for sampling "
+        '(docs/nnsight.md, "What travels")'
+    )
 
 
 class _Logs:

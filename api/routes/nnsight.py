@@ -130,17 +130,10 @@ async def submit_request(request: Request, services: ServicesDep) -> JSONRespons
     key = nnsight_request_key(job_id)
     await run_in_threadpool(services.store.put_bytes, key, payload)
     try:
-        # the client's first LOG line: what it set that stays on its machine, and what runs instead
-        async with services.aredis.pipeline(transaction=False) as pipe:
-            pipe.rpush(keys.nnsight_log(job_id), checks.served_note(info))
-            pipe.expire(keys.nnsight_log(job_id), services.settings.job_retention_seconds)
-            await pipe.execute()
         limits = services.settings.max_queued_jobs_per_key, services.settings.max_queued_bytes_per_key
         await services.jobs.enqueue_async(record, services.celery, 0, limits)
     except BaseException as exc:
         await run_in_threadpool(services.store.delete_prefix, key)
-        with contextlib.suppress(Exception):
-            await services.aredis.delete(keys.nnsight_log(job_id))
         if isinstance(exc, OverQuota):
             raise QuotaExceeded(exc.message) from None
         raise

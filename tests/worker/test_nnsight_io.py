@@ -1,7 +1,8 @@
-"""A stored nnsight payload reaches nnsight only decompressed under the API's cap
-(worker/nnsight_io.py): a zstd bomb that got into storage past an older API fails its job,
-without the engine allocating what its frame declares; a payload nnsight's client compressed
-runs as before."""
+"""An nnsight job's way into the engine (worker/nnsight_io.py) with a real served model, store and
+Redis: a stored payload reaches nnsight only decompressed under the API's cap (a zstd bomb that
+got into storage past an older API fails its job, without the engine allocating what its frame
+declares; a payload nnsight's client compressed runs as before), and the job's first LOG line
+says what runs instead of the client's own settings."""
 
 # ruff: noqa: F841 - inside a trace, a name bound to a saved value is what nnsight sends back
 from __future__ import annotations
@@ -15,7 +16,9 @@ from datetime import UTC, datetime
 import pytest
 import redis
 import torch
+import zstandard
 
+from shared import keys
 from shared.errors import PayloadMismatch
 from shared.jobs import JobStore
 from shared.registry import ModelRegistry
@@ -98,3 +101,21 @@ def test_a_payload_compressed_as_nnsights_client_does_runs(runtime, tiny_dir):
     with local.trace("Hello"):
         expected = local.model.layers[0].output.save()
     torch.testing.assert_close(outcome.saves["hs"], expected, atol=1e-5, rtol=1e-4)
+
+
+def test_the_first_log_line_says_what_runs_instead_of_the_clients_own_settings(runtime, redis_client):
+    payload = zstandard.ZstdCompressor().compress(b"\x80\x04\x95 not run here")
+    record = stored_job(runtime, payload)
+    nnsight_io.job(runtime, record, lambda outcome: None, lambda: None)
+    nnsight_io.flush_logs(record.id)
+    lines = [line.decode() for line in redis_client.lrange(keys.nnsight_log(record.id), 0, -1)]
+    assert len(lines) == 1, lines
+    for said in ("runs on m as served", "dtype float32", "attention sdpa", "padding on the left", "dtype=float32"):
+        assert said in lines[0], lines[0]
+    assert "seed inside the trace (torch.manual_seed)" in lines[0]
+    assert nnsight_io.served_settings(runtime) == {
+        "dtype": "float32",
+        "attn_implementation": "sdpa",
+        "padding_side": "left",
+        "random_state": nnsight_io.RANDOM_STATE,
+    }
