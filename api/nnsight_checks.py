@@ -1,7 +1,8 @@
 """What an nnsight request must pass before anything of it is stored (api/routes/nnsight.py):
 the caller's key is one the operator trusts with code execution (ACTQ_NNSIGHT_KEYS), the
 envelope is nnsight 0.8's, the client's nnsight and Python match the worker's closely enough
-for its serialized objects to load, and the model key names the model a worker serves.
+for its serialized objects to load, and the model key identifies the model a worker serves,
+weights and all (api/nnsight_identity.py).
 
 The payload itself is never read here: it is serialized code, and only the worker loads it."""
 
@@ -9,11 +10,11 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from api import nnsight_identity
 from api.deps import Services, key_id, one_of
 from shared.errors import BadRequest, Forbidden, Unauthorized, UnknownModel
 from shared.schemas import ModelInfo
@@ -36,15 +37,21 @@ class Envelope(BaseModel):
     env: dict[str, Any] = {}
 
 
-def trusted_caller(services: Services, key: str | None) -> str | None:
-    """The caller's key id, when the key may send nnsight code; else 401 or 403 saying why."""
-    settings = services.settings
-    trusted = settings.nnsight_key_list
+def nnsight_on(services: Services) -> list[str]:
+    """The keys trusted with nnsight code; 403 when there are none (nnsight jobs are off)."""
+    trusted = services.settings.nnsight_key_list
     if not trusted:
         raise Forbidden(
             "nnsight jobs run the sender's code as the worker, so a deployment serves them only to keys it names in "
             f"ACTQ_NNSIGHT_KEYS, and this one names none ({SECTION})"
         )
+    return trusted
+
+
+def trusted_caller(services: Services, key: str | None) -> str | None:
+    """The caller's key id, when the key may send nnsight code; else 401 or 403 saying why."""
+    settings = services.settings
+    trusted = nnsight_on(services)
     if key is None:
         raise Unauthorized(
             f"send your actq API key as nnsight's API key (`{KEY_HEADER}` header: NDIF_API_KEY, or "
@@ -144,32 +151,17 @@ def repo_id(model_key: str) -> tuple[str, str | None]:
     return name, revision if isinstance(revision, str) else None
 
 
-def names_served(name: str, info: ModelInfo) -> bool:
-    """Whether a client's repo id names the served model: its name, its source (a Hub id or the
-    worker's folder), the Hub id it was made from, or a folder of the same name holding the
-    client's copy of its files."""
-    if name in (info.name, info.source, info.hub_id):
-        return True
-    looks_like_path = name.startswith(("/", "./", "../", "~")) or "\\" in name
-    return looks_like_path and Path(name).name in (info.name, Path(info.source).name)
-
-
 def served_model(services: Services, model_key: str) -> ModelInfo:
-    """The served model the key names, or 400 naming what is served."""
+    """The served model the key identifies (api/nnsight_identity.py), or 422 naming what differs.
+    May hash a folder's weights once: call it off the event loop."""
     name, revision = repo_id(model_key)
     infos = [info for n in services.registry.names() if (info := services.registry.get(n)) is not None]
-    for info in infos:
-        if names_served(name, info):
-            if revision not in (None, "main"):
-                raise BadRequest(
-                    f"the model key asks for revision {revision!r}; {info.name} is served as its worker loaded it: "
-                    "leave `revision` out"
-                )
-            return info
     if not infos:
         raise UnknownModel("no model is served here yet (is a worker running?)")
-    shown = "; ".join(f"{i.name} (from {i.hub_id or i.source})" for i in infos)
-    raise BadRequest(
-        f"the model key names {name!r}, which is not served here. Served: {shown}. Build the client's model from "
-        f"that Hub id, or from a folder of that name holding the model's files ({SECTION})"
-    )
+    info = nnsight_identity.served_as(name, infos)
+    if revision not in (None, "main"):
+        raise BadRequest(
+            f"the model key asks for revision {revision!r}; {info.name} is served as its worker loaded it: "
+            "leave `revision` out"
+        )
+    return info

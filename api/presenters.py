@@ -10,6 +10,7 @@ from shared.schemas import JobRecord, JobView
 def view(record: JobRecord, request: Request, live: dict[str, int | None] | None = None) -> JobView:
     """The public shape of a record; `live` adds queue_position / generated_tokens."""
     data = record.model_dump(include=set(JobView.model_fields))
+    data["mode"] = record.request.mode
     data.update(live or {})
     if record.activations is not None:
         data["activations"]["download_url"] = str(request.url_for("download_activations", job_id=record.id))

@@ -301,7 +301,8 @@ class ResultTooLarge(JobFailure):
 
 
 class PayloadMismatch(JobFailure):
-    """An nnsight job's stored payload is not the one the API recorded (size or sha256)."""
+    """An nnsight job's stored payload is not the one the API recorded (size or sha256), or not one
+    it accepts (it decompresses past ACTQ_NNSIGHT_MAX_REQUEST_BYTES)."""
 
     error_type = "payload_mismatch"
 

@@ -642,6 +642,9 @@ class NnsightOutput(Strict):
     # (a hook left registered, a module in train mode): `module: attributes`.
     restored: list[str] = []
     held_s: float = 0.0  # seconds the job had the model to itself (the running batch paused as long)
+    # What the run used where the client's own settings do not travel or do not apply (one model
+    # serves every job): dtype, attn_implementation, padding_side, random_state.
+    served: dict[str, str] = {}
 
 
 class JobResult(Strict):
@@ -743,6 +746,7 @@ class JobView(Strict):
     id: str
     status: JobStatus
     model: str
+    mode: Mode = "generate"  # the request's: `generate`, `trace`, or `nnsight` (its saves in `result.nnsight`)
     created_at: datetime
     started_at: datetime | None
     finished_at: datetime | None
@@ -801,6 +805,19 @@ class ModuleInfo(Strict):
         return found
 
 
+class ModelFingerprint(Strict):
+    """Which weights a model folder holds (shared/model_identity.py): its config without the
+    keys that only say where and by what it was saved, and every safetensors tensor's dtype, shape
+    and bytes. Two folders with equal `config_sha256` and `weights_sha256` hold the same model,
+    however their files are sharded."""
+
+    config_sha256: str
+    config: dict[str, Any]  # config.json as compared, to name the keys that differ
+    weights_sha256: str  # over every tensor's name, dtype, shape and sha256, in name order
+    tensors: dict[str, str]  # name -> "dtype shape sha256[:16]" (`F32 64x128 0123abcd...`): which ones differ
+    bytes: int  # the tensors' bytes, all together
+
+
 class ModelInfo(Strict):
     """What a worker publishes about its model; the API validates capture specs against it."""
 
@@ -851,6 +868,10 @@ class ModelInfo(Strict):
     python_version: str | None = None
     attention: str | None = None  # the attention implementation it runs (`sdpa`, `eager`, ...)
     hub_id: str | None = None  # the Hugging Face id of the checkpoint it was made from, when known
+    # The files the worker loaded its weights from (a folder, or the Hub's files in its cache),
+    # fingerprinted: what an nnsight client's folder must match. None: not known (no safetensors).
+    fingerprint: ModelFingerprint | None = None
+    packages: dict[str, str] = {}  # versions of nnsight, torch and transformers on the worker (nnsight's /env)
 
     @cached_property
     def module_index(self) -> dict[str, int]:

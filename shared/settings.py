@@ -49,7 +49,9 @@ class Settings(BaseSettings):
         ),
     )
     nnsight_max_request_bytes: int = Field(
-        64 << 20, ge=1024, description="Largest nnsight payload POST /request accepts (413 above it)."
+        64 << 20,
+        ge=1024,
+        description="Largest nnsight payload POST /request accepts, as sent and decompressed (413 above it).",
     )
     nnsight_max_result_bytes: int = Field(
         1 << 30, ge=1024, description="Largest result an nnsight job may save (its job fails above it)."

@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 from filelock import FileLock
 
+from shared import model_identity
+from shared.schemas import ModelFingerprint
 from shared.settings import Settings
 
 if TYPE_CHECKING:
@@ -52,6 +54,7 @@ class LoadedModel:
     device: str
     dtype: str
     hub_id: str | None = None  # the Hugging Face id it was made from, when known (nnsight clients name it)
+    fingerprint: ModelFingerprint | None = None  # of the files it was loaded from (what nnsight clients' folders match)
 
 
 def smollm2_gguf_dir() -> Path:
@@ -101,6 +104,49 @@ def resolve_source(settings: Settings) -> str:
     if settings.model.startswith(("/", "./", "../", "~")):
         raise FileNotFoundError(f"ACTQ_MODEL={settings.model!r}: no such model folder")
     return settings.model  # a Hugging Face id
+
+
+def _hub_folder(source: str) -> Path | None:
+    """The Hugging Face cache's snapshot folder of a model loaded by its Hub id, if it is there."""
+    from huggingface_hub import try_to_load_from_cache
+
+    found = try_to_load_from_cache(source, model_identity.CONFIG)
+    return Path(found).parent if isinstance(found, str) else None
+
+
+def fingerprint(source: str, cache_dir: Path) -> ModelFingerprint | None:
+    """The fingerprint of the files the model was loaded from (shared/model_identity.py), kept
+    under ACTQ_MODEL_CACHE_DIR/fingerprints while those files stay the same (a folder is hashed
+    once); None when they cannot be fingerprinted (no safetensors): nnsight clients then name the
+    model by its name."""
+    folder = Path(source) if Path(source).is_dir() else _hub_folder(source)
+    if folder is None:
+        log.warning("%s: its files are not found, so nnsight clients cannot name it by a folder", source)
+        return None
+    try:
+        found = model_identity.read_folder(folder)
+    except model_identity.NotAModelFolder as exc:
+        log.warning("%s cannot be fingerprinted (%s): nnsight clients must name it by its name", source, exc)
+        return None
+    signature = json.loads(json.dumps(found.signature))
+    kept = cache_dir / "fingerprints" / f"{hashlib.sha256(str(folder.resolve()).encode()).hexdigest()[:24]}.json"
+    try:
+        stored = json.loads(kept.read_text())
+        if stored["signature"] == signature:
+            return ModelFingerprint.model_validate(stored["fingerprint"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass  # none kept yet, or for other files: hash them
+    made = model_identity.fingerprint(found)
+    try:
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        staging = kept.with_suffix(f".{os.getpid()}.tmp")
+        staging.write_text(json.dumps({"signature": signature, "fingerprint": made.model_dump()}))
+        os.replace(staging, kept)
+    except OSError as exc:
+        log.warning(
+            "the fingerprint of %s could not be kept in %s (%s): it is hashed again next start", source, kept, exc
+        )
+    return made
 
 
 def pick_device(setting: str) -> str:
@@ -210,6 +256,7 @@ def load(settings: Settings) -> LoadedModel:
         device=device,
         dtype=dtype,
         hub_id=hub_id(settings.model, source),
+        fingerprint=fingerprint(source, settings.model_cache_dir),
     )
 
 

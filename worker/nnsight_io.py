@@ -1,5 +1,6 @@
 """An nnsight job's way in and out of the engine (the run itself: worker/nnsight_jobs.py): its
-payload read from storage and checked against the hash the API recorded, its printed lines
+payload read from storage, checked against the hash the API recorded and, when compressed,
+decompressed under the API's cap (never at the size its frame declares), its printed lines
 published to Redis as they come (the API sends them as LOG statuses), and its saves stored
 where activations go (the folder of the attempt that ran it; the record's `result.nnsight.key`),
 under the result size cap."""
@@ -15,9 +16,9 @@ from typing import TYPE_CHECKING, Any
 
 import redis
 
-from shared import keys
+from shared import keys, nnsight_payload
 from shared.attempts import Attempt
-from shared.errors import PayloadMismatch, ResultTooLarge
+from shared.errors import ActqError, PayloadMismatch, ResultTooLarge
 from shared.schemas import JobRecord, JobResult, NnsightOutput, Usage
 from shared.storage import nnsight_request_key, nnsight_result_key
 from worker.engine_core import Alone
@@ -42,10 +43,16 @@ def job(rt: runtime.Runtime, record: JobRecord, done: Callable[[Any], None], sta
             f"the stored payload ({len(blob)} bytes) is not the one the API recorded ({call.bytes} bytes, sha256 "
             f"{call.sha256[:12]}...); send the request again"
         )
+    if call.compress:  # under the API's cap, whatever the frame declares (shared/nnsight_payload.py)
+        try:
+            blob = nnsight_payload.decompress(blob, rt.settings.nnsight_max_request_bytes)
+        except ActqError as exc:
+            raise PayloadMismatch(f"the stored payload is not one the API accepts: {exc.message}") from None
     limit = limits(rt.settings, record)[0]
     emit = _logs.emitter(rt, record.id)
+    emit(served_note(rt))  # the job's first LOG line: what runs here instead of the client's own settings
     return Alone(
-        run=lambda: nnsight_jobs.run(rt.served, blob, call.compress, limit, emit),
+        run=lambda: nnsight_jobs.run(rt.served, blob, False, limit, emit),
         done=done,
         started=started,
         job_id=record.id,
@@ -85,11 +92,42 @@ def record(rt: runtime.Runtime, record: JobRecord, outcome: Outcome, attempt: At
         key=key,
         restored=outcome.restored,
         held_s=round(outcome.held_s, 6),
+        served=served_settings(rt),
     )
     result = JobResult(text="", finish_reason="stop", usage=Usage(prompt_tokens=0, completion_tokens=0, total_tokens=0))
     result.nnsight = output
     rt.jobs.succeed(record.id, result.model_dump(), None, rt.settings.result_inline_bytes, attempt=attempt)
     return len(data)
+
+
+# nnsight's TransformersModel sets its tokenizer to pad a causal model's batch on the left
+# (`_configure_tokenizer`), on the worker's tokenizer as on the client's; actq serves causal models.
+PADDING_SIDE = "left"
+RANDOM_STATE = "the worker's: seed inside the trace (torch.manual_seed) to sample reproducibly"
+
+
+def served_settings(rt: runtime.Runtime) -> dict[str, str]:
+    """What a run on this engine uses where the client's own settings stay on its machine or do
+    not apply (one model serves every nnsight job): result.nnsight.served (docs/nnsight.md)."""
+    info = rt.served.info
+    return {
+        "dtype": info.dtype,
+        "attn_implementation": info.attention or "default",
+        "padding_side": PADDING_SIDE,
+        "random_state": RANDOM_STATE,
+    }
+
+
+def served_note(rt: runtime.Runtime) -> str:
+    """`served_settings` as the client reads it in its terminal, with what to do to match a local run."""
+    used = served_settings(rt)
+    return (
+        f"actq: runs on {rt.served.info.name} as served: dtype {used['dtype']}, attention "
+        f"{used['attn_implementation']}, padding on the {used['padding_side']}. Your client's dtype, tokenizer "
+        f"settings (padding side) and random state do not apply here: build your model with dtype={used['dtype']} "
+        f"to match, pad on the {used['padding_side']}, and seed inside the trace (torch.manual_seed) for sampling "
+        '(docs/nnsight.md, "What travels")'
+    )
 
 
 class _Logs:

@@ -130,6 +130,8 @@ class ServedModel:
             python_version=platform.python_version(),
             attention=getattr(self.hf.config, "_attn_implementation", None),
             hub_id=self.loaded.hub_id,
+            fingerprint=self.loaded.fingerprint,
+            packages={p: v for p in ("nnsight", "torch", "transformers") if (v := installed_version(p)) is not None},
             **self.prompts.template_tokens(),
             **footprint(self.hf.config, self.hf.dtype),
         )

@@ -8,8 +8,10 @@ NDIF_HOST pointed here runs on the worker's model (docs/nnsight.md):
     GET  /jobs/{id}/nnsight-result   the same with the caller's key, like every other result
     GET  /status, /env, /whoami  what nnsight.status(), nnsight's environment check and whoami read
 
-Every route but the link needs a key in ACTQ_NNSIGHT_KEYS (api/nnsight_checks.py); the payload
-is stored as opaque bytes and only the worker reads it.
+Every route but the link, /status and /env needs a key in ACTQ_NNSIGHT_KEYS (api/nnsight_checks.py):
+nnsight sends none to those two, which tell only what GET /health and a version check would. The
+payload's declared size and serialization header are checked (shared/nnsight_payload.py); it is stored
+as opaque bytes and only the worker loads it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import secrets
 import uuid
 from typing import Any
@@ -27,15 +30,16 @@ from fastapi.responses import FileResponse, JSONResponse, Response, StreamingRes
 from starlette.datastructures import UploadFile
 
 from api import nnsight_checks as checks
+from api import nnsight_identity
 from api.deps import CallerDep, Services, ServicesDep, key_id, one_of
 from api.errors import actq_error
 from api.limits import QuotaExceeded
 from api.submit import queued_record
 from api.visibility import load_async
-from shared import keys
+from shared import keys, nnsight_payload
 from shared.errors import ActqError, BadRequest, JobNotFound, NotReady, PayloadTooLarge, Unauthorized
 from shared.jobs import OverQuota
-from shared.schemas import JobRecord, JobRequest, JobStatus, NnsightCall
+from shared.schemas import JobRecord, JobRequest, JobStatus, ModelInfo, NnsightCall
 from shared.storage import legacy_nnsight_result_key, nnsight_request_key
 
 router = APIRouter(tags=["nnsight"])
@@ -110,6 +114,7 @@ async def submit_request(request: Request, services: ServicesDep) -> JSONRespons
         raise too_large(limit)
     if not payload:
         raise BadRequest("the `blob` file is empty: send the payload nnsight's client serialised")
+    nnsight_payload.check(payload, envelope.compress, limit)  # its declared size and serialization header only
     job_id = str(uuid.uuid4())
     call = NnsightCall(
         model_key=envelope.model_key,
@@ -256,37 +261,42 @@ async def download_result(job_id: str, services: ServicesDep, caller: CallerDep)
 # -- what nnsight's helpers read -----------------------------------------------------------
 
 
-@router.get("/status")
-async def ndif_status(request: Request, services: ServicesDep) -> dict[str, Any]:
-    """nnsight.status(): the served models, as NDIF lists its deployments."""
-    checks.trusted_caller(services, _key(request.headers))
-    infos = [i for n in await run_in_threadpool(services.registry.names) if (i := services.registry.get(n))]
+def _served_names(services: Services) -> list[ModelInfo]:
+    return [i for n in services.registry.names() if (i := services.registry.get(n))]
+
+
+@router.get("/status", responses={403: {}})
+async def ndif_status(services: ServicesDep) -> dict[str, Any]:
+    """nnsight.status(), which sends no key: the served models by the repo id a client names them
+    with (api/nnsight_identity.py) and whether a worker runs them, as NDIF lists its deployments;
+    no more than GET /health tells (no folder paths). 403 while nnsight jobs are off."""
+    checks.nnsight_on(services)
+    infos = await run_in_threadpool(_served_names, services)
     counts = await services.registry.live_counts_async()
-    return {
-        "deployments": {
-            info.name: {
-                "model_key": f"{checks.CLASSES[0]}:{info.source}",
-                "repo_id": info.source,
-                "revision": "main",
-                "task": "text-generation",
-                "deployment_level": "HOT",
-                "application_state": "RUNNING" if counts.get(info.name) else "NOT_STARTED",
-            }
-            for info in infos
+    deployments = {}
+    for info in infos:
+        repo = info.name if nnsight_identity.looks_like_path(info.source) else info.source
+        deployments[info.name] = {
+            "model_key": f"{checks.CLASSES[0]}:" + json.dumps({"repo_id": repo, "revision": None}),
+            "repo_id": repo,
+            "revision": "main",
+            "task": "text-generation",
+            "deployment_level": "HOT",
+            "application_state": "RUNNING" if counts.get(info.name) else "NOT_STARTED",
         }
-    }
+    return {"deployments": deployments}
 
 
-@router.get("/env")
-async def ndif_env(request: Request, services: ServicesDep) -> dict[str, Any]:
-    """nnsight's environment check: the workers' Python and nnsight."""
-    checks.trusted_caller(services, _key(request.headers))
-    infos = [i for n in await run_in_threadpool(services.registry.names) if (i := services.registry.get(n))]
+@router.get("/env", responses={403: {}})
+async def ndif_env(services: ServicesDep) -> dict[str, Any]:
+    """nnsight's environment check (nnsight.compare(), which sends no key): the workers' Python and
+    their nnsight, torch and transformers versions, what a payload must match. 403 while nnsight jobs are off."""
+    checks.nnsight_on(services)
+    infos = await run_in_threadpool(_served_names, services)
     info = next((i for i in infos if i.nnsight_version), None)
-    return {
-        "python_version": info.python_version if info else None,
-        "packages": {"nnsight": info.nnsight_version} if info else {},
-    }
+    if info is None:
+        return {"python_version": None, "packages": {}}
+    return {"python_version": info.python_version, "packages": info.packages or {"nnsight": info.nnsight_version}}
 
 
 @router.get("/whoami")

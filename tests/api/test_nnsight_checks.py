@@ -7,6 +7,7 @@ import json
 import pytest
 
 from api import nnsight_checks as checks
+from api import nnsight_identity
 from shared.errors import BadRequest
 from shared.schemas import ModelInfo
 
@@ -32,20 +33,23 @@ def info(**fields) -> ModelInfo:
 
 
 @pytest.mark.parametrize(
-    ("name", "served"),
+    ("name", "source", "says"),
     [
-        ("smollm2-135m", True),
-        ("HuggingFaceTB/SmolLM2-135M-Instruct", True),
-        ("/cache/actq/models/smollm2-135m", True),
-        ("/home/me/models/smollm2-135m", True),  # the client's own copy, in a folder of the same name
-        ("./smollm2-135m", True),
-        ("HuggingFaceTB/SmolLM2-360M-Instruct", False),
-        ("/home/me/models/other", False),
-        ("someone/smollm2-135m", False),  # a Hub id is not a folder: its last part does not count
+        ("smollm2-135m", "/cache/actq/models/smollm2-135m", None),  # its own name
+        ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B", None),  # the Hub id its worker loaded: those weights
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", "/cache/actq/models/smollm2-135m", "does not serve its weights"),
+        ("HuggingFaceTB/SmolLM2-360M-Instruct", "/cache/actq/models/smollm2-135m", "not served here"),
+        ("someone/smollm2-135m", "/cache/actq/models/smollm2-135m", "not served here"),  # a Hub id's last part
     ],
 )
-def test_a_model_key_names_the_served_model_by_name_hub_id_or_folder(name, served):
-    assert checks.names_served(name, info()) is served
+def test_a_name_identifies_the_served_model_only_as_its_name_or_the_hub_id_it_was_loaded_by(name, source, says):
+    """A Hub id the model was only made from (the built-in: a Q4_1 GGUF of it, dequantized) is not its weights."""
+    served = info(source=source)
+    if says is None:
+        assert nnsight_identity.served_as(name, [served]) is served
+    else:
+        with pytest.raises(BadRequest, match=says):
+            nnsight_identity.served_as(name, [served])
 
 
 def test_the_model_key_is_nnsights_and_carries_a_repo_id():

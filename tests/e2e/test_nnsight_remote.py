@@ -20,54 +20,35 @@ import httpx
 import pytest
 import torch
 
-from shared.cli.redis_server import RedisServer
-from tests.e2e.conftest import STACK_ENV, own_stack
+from tests.support.nnsight import PLAIN, TRUSTED, client_model, nnsight_host, trusted_stack
 from tests.support.stack import TINY, TestStack
 
 pytestmark = pytest.mark.timeout(600)
-TRUSTED, PLAIN = "trusted-key-0123456789", "plain-key-0123456789"
 ATOL = 1e-5
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path):
     root = tmp_path_factory.mktemp("nnsight-stack")
-    with RedisServer(root / "redis") as server:
-        env = {**STACK_ENV, "ACTQ_MODEL_CACHE_DIR": str(root / "cache"), "ACTQ_REDIS_URL": server.url}
-        with own_stack(
-            root,
-            env,
-            ACTQ_API_KEYS=f"{TRUSTED},{PLAIN}",
-            ACTQ_NNSIGHT_KEYS=TRUSTED,
-            ACTQ_NNSIGHT_TIME_LIMIT="4",  # and so the hard limit of 14 s: its engine replaced
-            ACTQ_NNSIGHT_MAX_RESULT_BYTES="3000000",
-        ) as s:
-            s.start_worker(TINY, {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": TINY})
-            yield s
+    with trusted_stack(
+        root,
+        tiny_dir,
+        ACTQ_NNSIGHT_TIME_LIMIT="4",  # and so the hard limit of 14 s: its engine replaced
+        ACTQ_NNSIGHT_MAX_RESULT_BYTES="3000000",
+    ) as s:
+        yield s
 
 
 @pytest.fixture(scope="module")
 def models(tiny_dir: Path):
     """(the client's model: no weights, only what builds a request; the local reference model)."""
-    from nnsight.modeling import huggingface
-    from nnsight.modeling.transformers import TransformersModel
-    from transformers import AutoTokenizer
-
-    huggingface._ID_CACHE[str(tiny_dir)] = str(tiny_dir)  # the Hub's answer for a local folder: itself
-    tokenizer = AutoTokenizer.from_pretrained(tiny_dir)
-    client = TransformersModel(str(tiny_dir), task="text-generation", tokenizer=tokenizer)
-    local = TransformersModel(str(tiny_dir), task="text-generation", tokenizer=tokenizer, dispatch=True)
-    return client, local
+    return client_model(tiny_dir), client_model(tiny_dir, dispatch=True)
 
 
 @pytest.fixture
 def remote_host(stack: TestStack):
-    from nnsight import CONFIG
-
-    before = CONFIG.API.HOST, CONFIG.API.APIKEY
-    CONFIG.API.HOST, CONFIG.API.APIKEY = stack.base_url, TRUSTED
-    yield stack
-    CONFIG.API.HOST, CONFIG.API.APIKEY = before
+    with nnsight_host(stack) as s:
+        yield s
 
 
 def _close(remote: dict, local: dict) -> None:
@@ -190,20 +171,17 @@ def _stored_jobs(stack: TestStack) -> list[str]:
 
 
 def test_a_module_the_served_model_lacks_fails_the_job_and_names_it(stack, tiny_dir, tmp_path, remote_host):
-    """The client's folder (named as the served model) describes six layers; the served model has four."""
+    """The client's folder describes six layers and names the served model (from another machine,
+    nothing compares the folder: docs/nnsight.md, "Which model"); the served model has four."""
     import shutil
 
     from nnsight.intervention.backends.remote import RemoteError
-    from nnsight.modeling import huggingface
-    from nnsight.modeling.transformers import TransformersModel
-    from transformers import AutoTokenizer
 
-    folder = tmp_path / TINY
+    folder = tmp_path / "taller"
     shutil.copytree(tiny_dir, folder, ignore=shutil.ignore_patterns("*.safetensors"))
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 6}))
-    huggingface._ID_CACHE[str(folder)] = str(folder)
-    taller = TransformersModel(str(folder), task="text-generation", tokenizer=AutoTokenizer.from_pretrained(folder))
+    taller = client_model(folder, repo_id=TINY)
     with pytest.raises(RemoteError) as failed:
         with taller.trace("Hello", remote=True):
             hs = taller.model.layers[5].output.save()
@@ -220,8 +198,10 @@ def test_a_key_not_trusted_with_code_can_do_nothing_and_nothing_is_stored(stack,
         response = httpx.post(f"{stack.base_url}/request", data=form, files=files, headers=headers, timeout=30)
         assert response.status_code == status, response.text
         assert "ACTQ_NNSIGHT_KEYS" in response.text or status == 401
-        for path in ("/response/00000000-0000-4000-8000-000000000000", "/status", "/env"):
-            assert httpx.get(f"{stack.base_url}{path}", headers=headers, timeout=30).status_code == status
+        found = httpx.get(f"{stack.base_url}/response/00000000-0000-4000-8000-000000000000", headers=headers)
+        assert found.status_code == status
+        for path in ("/status", "/env"):  # nnsight sends no key there: what they tell needs none
+            assert httpx.get(f"{stack.base_url}{path}", headers=headers, timeout=30).status_code == 200
         whoami = httpx.get(f"{stack.base_url}/whoami", headers=headers, timeout=30)
         assert whoami.status_code == 401 if status == 401 else whoami.json()["tags"] == []
     assert _stored_jobs(stack) == before
@@ -540,16 +520,17 @@ def test_the_result_is_stored_by_job_id_and_the_non_blocking_mode_polls_it(model
     torch.testing.assert_close(result["hs"], expected, atol=ATOL, rtol=1e-4)
     with httpx.Client(base_url=remote_host.base_url, headers={"Authorization": f"Bearer {TRUSTED}"}) as http:
         job = http.get(f"/jobs/{backend.job_id}").json()
-        assert job["status"] == "succeeded" and job["result"]["nnsight"]["saved"] == ["hs"]
+        assert job["status"] == "succeeded" and job["mode"] == "nnsight" and job["result"]["nnsight"]["saved"] == ["hs"]
         stored = http.get(f"/jobs/{backend.job_id}/nnsight-result")
         assert stored.status_code == 200 and len(stored.content) == job["result"]["nnsight"]["bytes"]
         other = http.get(f"/jobs/{backend.job_id}/nnsight-result", headers={"Authorization": f"Bearer {PLAIN}"})
         assert other.status_code == 404  # another key's job is not disclosed
 
 
-def test_the_readmes_example_runs_as_written(stack, tiny_dir, tmp_path):
-    """The manual's nnsight script, extracted from its page (docs/nnsight.md), as a user runs it: its own process,
-    nnsight's client configured by NDIF_HOST and NDIF_API_KEY alone."""
+def test_the_manuals_examples_run_as_written_and_print_what_they_print_locally(stack, tiny_dir, tmp_path):
+    """The manual's nnsight script (docs/nnsight.md: its Python blocks in order, one script), as a user
+    runs it: its own process, nnsight's client configured by NDIF_HOST and NDIF_API_KEY alone. Then the
+    same script with `remote=False`, run by nnsight on the folder's weights: both print the same."""
     import os
     import subprocess
     import sys
@@ -562,14 +543,22 @@ def test_the_readmes_example_runs_as_written(stack, tiny_dir, tmp_path):
         for _, lang, body, before in _fences(readme.read_text())
         if lang == "python" and "test_nnsight_remote.py runs" in before
     ]
-    assert len(blocks) == 1
-    script = tmp_path / "my_experiment.py"
-    script.write_text(blocks[0])
+    assert len(blocks) >= 7 and "remote=True" in blocks[0]
+    script = "".join(f"print('== block {i}')\n{body}" for i, body in enumerate(blocks))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("ACTQ_", "NDIF_"))}
     env |= {"NDIF_HOST": stack.base_url, "NDIF_API_KEY": TRUSTED, "MODEL_DIR": str(tiny_dir), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[-1].startswith("(1, 9, 64) "), done.stdout
+    printed = {}
+    for where, code in (("remote", script), ("local", script.replace("remote=True", "remote=False"))):
+        path = tmp_path / f"my_experiment_{where}.py"
+        path.write_text(code)
+        done = subprocess.run([sys.executable, str(path)], env=env, capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, (where, done.stdout[-2000:], done.stderr[-3000:])
+        lines = done.stdout.splitlines()
+        printed[where] = [line for line in lines if line.strip() and "\x1b[K" not in line]  # not nnsight's statuses
+    remote, local = printed["remote"], printed["local"]
+    assert remote == local, (remote, local)
+    assert remote[1].startswith("(1, 9, 64) ")  # the first example's shape
+    assert "True" in remote and "UP" in remote and "{}" in remote  # edit; status; compare
 
 
 def test_actqs_client_runs_a_trace_over_plain_http_and_raises_a_failed_jobs_traceback(stack, models):
