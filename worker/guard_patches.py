@@ -16,6 +16,7 @@ Every check is an identity comparison run in C (`map(operator.is_, ...)`): ~25,0
 
 from __future__ import annotations
 
+import builtins
 import operator
 import types
 from collections import OrderedDict, defaultdict
@@ -53,6 +54,7 @@ _PLAIN = frozenset(
 )
 _METHODS = frozenset({staticmethod, classmethod})
 _MAX_DEPTH = 4  # containers inside containers (a config's rope parameters), followed this deep
+_MISSING = object()
 _CODE = operator.attrgetter("__code__")
 _DEFAULTS = operator.attrgetter("__defaults__")
 _KWDEFAULTS = operator.attrgetter("__kwdefaults__")
@@ -125,7 +127,7 @@ class Patches:
 
     def add_module(self, module: types.ModuleType, classes: bool = True) -> None:
         """A module's namespace, its containers and functions, the registries it holds, and (with
-        `classes`) the classes defined in it."""
+        `classes`) the classes defined in it. Add `builtins` first: it is restored first."""
         space = vars(module)
         if id(space) in self._seen:
             return
@@ -217,8 +219,13 @@ class Patches:
     # -- restoring ---------------------------------------------------------------------------
 
     def restore(self, found: Found) -> None:
-        """Put back every namespace, container and function that changed; say so in `found`."""
-        for space in self.namespaces:
+        """Put back every namespace, container and function that changed; say so in `found`.
+        builtins first (noted first), with no call to a builtin until it is put back."""
+        spaces = self.namespaces
+        if spaces and spaces[0].target is vars(builtins):
+            _restore_builtins(spaces[0], found)
+            spaces = spaces[1:]
+        for space in spaces:
             if not space.same():
                 _restore_namespace(space, found)
         for container in self.containers:
@@ -248,6 +255,20 @@ class Patches:
                 found.put_back(owner, f"{where} (its code)")
             except Exception as exc:  # noqa: BLE001
                 found.unproven.append(f"{owner}.{where}: its code changed and could not be put back ({exc})")
+
+
+def _restore_builtins(space: _Namespace, found: Found) -> None:
+    """builtins' namespace put back with dict methods and comprehensions only: until it is, `len`,
+    `all` or `isinstance` may be the code's."""
+    now, noted = space.target, space.noted
+    added = [k for k in now if k not in noted]
+    replaced = [k for k in noted if now.get(k, _MISSING) is not noted[k]]
+    for key in added:
+        del now[key]
+    for key in replaced:
+        now[key] = noted[key]
+    if added or replaced:
+        found.put_back(space.label, *added, *replaced)
 
 
 def _restore_namespace(space: _Namespace, found: Found) -> None:

@@ -3,31 +3,34 @@ behind, put back, or named where it cannot be: `ModelGuard` notes the model and 
 before the code runs and, after it, `restore()`s them and says what it found (`Restored`).
 
 In the order it restores them:
-- process-wide settings, torch's and the interpreter's (worker/guard_settings.py): first, so that
-  what follows runs with the threads, default device and dtype the weights were summed with;
-- patches (worker/guard_patches.py): the namespaces of builtins, torch (its functions, torch.nn
-  and its global hooks, torch.Tensor), the modules the model's code comes from and the ones those
-  use (masking, attention functions, rotary initialisation), every class in the MRO of the
-  model's module types, of its config and of its tokenizer; then each module of the model (its
-  forward, hooks, submodules, parameter and buffer objects, train mode), its config and
-  generation config (every field, sub-configs), the tokenizer's attributes (chat template,
-  special tokens, padding side);
-- the tokenizer's backend (worker/guard_tokenizer.py): padding and truncation put back, its
+- the recursion limit, before any deeper call (a low one makes every call fail);
+- patches (worker/guard_patches.py), by identity, with dict operations only: builtins first, then
+  the namespaces of torch (its functions, torch.nn and its global hooks, torch.Tensor), the
+  modules the model's code comes from and the transformers modules those use (masking,
+  attention functions, rotary initialisation), every class in the MRO of the model's module
+  types, of its config and of its tokenizer; then each module of the model (its forward, hooks,
+  submodules, parameter and buffer objects, train mode), its config and generation config
+  (every field, sub-configs), the tokenizer's attributes (chat template, special tokens, sides);
+- process-wide settings, torch's and the interpreter's (worker/guard_settings.py), read and set
+  with torch's own functions again: before anything is summed, since a float32 sum depends on
+  the thread count, and a default device of "meta" changes every tensor made;
+- the tokenizer's backend (worker/guard_tokenizer.py): padding and truncation put back; its
   vocabulary, added tokens, normalizer and pre-tokenizer checked;
 - the parameters and buffers: each one's storage, dtype, shape and device (a `.data` replaced is
   pointed back at the noted storage), its version counter and a fingerprint of its values (the
   sum, float32 at least: an in-place write through autograd bumps the version, a write through
   `.data` changes the sum; a write that leaves every sum as it was, a permutation, is not seen).
   Values that changed are read again in place (the storage the running batch and its CUDA
-  graphs hold stays): persistent ones from the model's files, non-persistent buffers (rotary
-  frequencies, absent from the files) from a copy taken before the code ran; then proven equal
-  to the fingerprint noted before;
+  graphs hold stays): persistent ones from the model's files, then proven by the fingerprint;
+  non-persistent buffers (rotary frequencies, absent from the files) from a copy taken before
+  the code ran, proven bit for bit (one written back exactly counts as not written);
 - threads: a new live thread the code started (not actq's own, named "actq-...") may change
   anything later: it is named.
 
 What is put back by identity (the same object) or bit for bit is exact: `Restored.state` and
 `weights` say what. What could not be put back or proven is in `Restored.unproven`: the engine
-must then be replaced before it serves anyone.
+must then be replaced before it serves anyone. The guard itself never raises for what the code
+did; a failure of its own is unproven too.
 """
 
 from __future__ import annotations
@@ -221,13 +224,17 @@ class ModelGuard:
     def restore(self) -> Restored:
         """Put back what the code changed; read changed weights again. Never raises for what the
         code did: what cannot be put back or proven is in `unproven`."""
+        if sys.getrecursionlimit() != self.settings.recursion_limit:  # before any deeper call
+            sys.setrecursionlimit(self.settings.recursion_limit)
         found = Found()
         try:
+            # patches first (dict operations only, no torch call): the settings are read and set
+            # back, and the weights summed, with torch's own functions and classes
+            self.patches.restore(found)
             restored, differ = self.settings.restore()
             if restored:
                 found.put_back("settings", *restored)
             found.unproven += [f"{name} changed and could not be set back" for name in differ]
-            self.patches.restore(found)
             if self.backend is not None:
                 restored, differ = self.backend.restore()
                 if restored:
