@@ -60,7 +60,7 @@ _DEFAULTS = operator.attrgetter("__defaults__")
 _KWDEFAULTS = operator.attrgetter("__kwdefaults__")
 
 
-@dataclass
+@dataclass(slots=True)
 class _Namespace:
     label: str
     target: Any  # a dict (a module's or an object's __dict__) or a class
@@ -79,7 +79,7 @@ class _Namespace:
         )
 
 
-@dataclass
+@dataclass(slots=True)
 class _Container:
     owner: str  # the namespace holding it, and where: reported as "owner: where"
     where: str
@@ -175,11 +175,14 @@ class Patches:
         if not isinstance(space, dict) or id(space) in self._seen:
             return
         self._seen.add(id(space))
-        self.namespaces.append(_Namespace(label, space, dict(space), obj, type(obj), expected))
-        for key, value in list(space.items()):
+        noted = dict(space)
+        self.namespaces.append(_Namespace(label, space, noted, obj, type(obj), expected))
+        for key, value in [
+            (k, v) for k, v in noted.items() if type(v) in _CONTAINERS or (deep and isinstance(v, deep))
+        ]:
             if type(value) in _CONTAINERS:
                 self._container(label, key, value, 0, deep=deep, silent=key in expected)
-            elif deep and isinstance(value, deep):
+            else:
                 self.add_object(f"{label}.{key}", value, deep)
 
     def _container(
@@ -198,11 +201,13 @@ class Patches:
             return
         self._seen.add(id(value))
         self.containers.append(_Container(owner, where, value, value.copy(), undoable, silent))
+        if not value or type(value) is set:  # most are a module's empty hook dicts; a set holds no container
+            return
         items = value.items() if isinstance(value, dict) else enumerate(value)
-        for key, item in list(items):
+        for key, item in [(k, v) for k, v in items if type(v) in _CONTAINERS or (deep and isinstance(v, deep))]:
             if type(item) in _CONTAINERS:
                 self._container(owner, f"{where}[{key!r}]", item, depth + 1, undoable, deep, silent)
-            elif deep and isinstance(item, deep):
+            else:
                 self.add_object(f"{owner}.{where}[{key!r}]", item, deep)
 
     def _function(self, owner: str, where: str, function: types.FunctionType) -> None:
