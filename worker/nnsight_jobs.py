@@ -200,13 +200,17 @@ def run(served: ServedModel, blob: bytes, compress: bool, limit: float, emit: Ca
 
     began = time.perf_counter()
     _router()  # before the guard notes sys.stdout: the router is actq's, not the code's
-    guard = ModelGuard(
-        served.hf,
-        _unwrapped(served),
-        expected=NNSIGHT_ATTRIBUTES,
-        tokenizer=served.tokenizer,
-        tokenizer_expected=NNSIGHT_TOKENIZER_ATTRIBUTES,
-    )
+    try:
+        guard = ModelGuard(
+            served.hf,
+            _unwrapped(served),
+            expected=NNSIGHT_ATTRIBUTES,
+            tokenizer=served.tokenizer,
+            tokenizer_expected=NNSIGHT_TOKENIZER_ATTRIBUTES,
+        )
+    except BaseException as exc:  # the code has not run: nothing of it to prove
+        exc.unproven = []  # type: ignore[attr-defined]
+        raise
     recursion_limit = guard.settings.recursion_limit
     caches = (dict(nnsight_globals.SOURCES), dict(nnsight_globals.BLOCKS))
     import linecache
