@@ -28,7 +28,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
@@ -45,6 +45,9 @@ MAX_LOG_LINES = 1000  # LOG statuses per job; what is printed past this is dropp
 # What nnsight itself puts on each module it wraps (its controller as the instance's forward, its
 # state): taken off again after every job, not reported.
 NNSIGHT_ATTRIBUTES = frozenset({"forward", "__nnsight__"})
+# What nnsight's wrapping sets on the tokenizer (left padding for a causal model, EOS as the pad
+# token where there is none): put back after every job, not reported.
+NNSIGHT_TOKENIZER_ATTRIBUTES = frozenset({"padding_side", "_special_tokens_map"})
 
 
 def installed_version(distribution: str) -> str | None:
@@ -63,6 +66,9 @@ class Outcome:
     saves: dict[str, Any]
     restored: list[str]
     held_s: float  # how long the job had the model to itself: the running batch's pause
+    # What the job changed that the guard could not put back or prove as before (the engine must
+    # be replaced before it serves anyone); a failure raised by `run` carries it too (`.unproven`).
+    unproven: list[str] = field(default_factory=list)
 
 
 # -- printing inside a trace --------------------------------------------------------------
@@ -113,12 +119,17 @@ class _LineSink:
 _stdout_lock = threading.Lock()
 
 
-@contextlib.contextmanager
-def _printed_to(emit: Callable[[str], None]) -> Iterator[None]:
+def _router() -> _ThreadStdout:
+    """sys.stdout as actq's router (installed once: the guard notes it as the process's own)."""
     with _stdout_lock:
         if not isinstance(sys.stdout, _ThreadStdout):
             sys.stdout = _ThreadStdout(sys.stdout)
-        router = sys.stdout
+        return sys.stdout
+
+
+@contextlib.contextmanager
+def _printed_to(emit: Callable[[str], None]) -> Iterator[None]:
+    router = _router()
     sink = _LineSink(emit)
     router.sinks[threading.get_ident()] = sink
     try:
@@ -149,6 +160,7 @@ def _interrupt_after(seconds: float) -> Iterator[None]:
                 ctypes.pythonapi.PyThreadState_SetAsyncExc(thread, ctypes.py_object(_Interrupted))
 
     timer = threading.Timer(seconds, fire)
+    timer.name = "actq-nnsight-time-limit"  # actq's own: the guard does not count it as the code's
     timer.daemon = True
     timer.start()
     try:
@@ -164,7 +176,8 @@ def _interrupt_after(seconds: float) -> Iterator[None]:
 
 
 def _unwrapped(served: ServedModel) -> Callable[[], dict[str, torch.Tensor]]:
-    """What the guard reads written weights again from: the model's own files."""
+    """What the guard reads written weights again from: the model's own files (its parameters
+    and persistent buffers; the guard keeps its own copy of the non-persistent ones)."""
 
     def reload() -> dict[str, torch.Tensor]:
         fresh = type(served.hf).from_pretrained(served.loaded.source, dtype=served.hf.dtype)
@@ -175,7 +188,8 @@ def _unwrapped(served: ServedModel) -> Callable[[], dict[str, torch.Tensor]]:
 
 def run(served: ServedModel, blob: bytes, compress: bool, limit: float, emit: Callable[[str], None]) -> Outcome:
     """Run one payload on `served`'s model (on the engine thread, the batch paused). Raises the
-    job's failure: its traceback, a timeout, out of memory, weights written."""
+    job's failure: its traceback, a timeout, out of memory, weights written. The outcome, or the
+    failure raised, has `unproven`: what the guard found changed and could not prove put back."""
     from nnsight.intervention.serialization import UnknownPersistentIdError
     from nnsight.modeling.transformers import TransformersModel
     from nnsight.schema.request import RequestModel
@@ -185,7 +199,19 @@ def run(served: ServedModel, blob: bytes, compress: bool, limit: float, emit: Ca
     from worker.model_guard import ModelGuard
 
     began = time.perf_counter()
-    guard = ModelGuard(served.hf, _unwrapped(served), expected=NNSIGHT_ATTRIBUTES)
+    _router()  # before the guard notes sys.stdout: the router is actq's, not the code's
+    try:
+        guard = ModelGuard(
+            served.hf,
+            _unwrapped(served),
+            expected=NNSIGHT_ATTRIBUTES,
+            tokenizer=served.tokenizer,
+            tokenizer_expected=NNSIGHT_TOKENIZER_ATTRIBUTES,
+        )
+    except BaseException as exc:  # the code has not run: nothing of it to prove
+        exc.unproven = []  # type: ignore[attr-defined]
+        raise
+    recursion_limit = guard.settings.recursion_limit
     caches = (dict(nnsight_globals.SOURCES), dict(nnsight_globals.BLOCKS))
     import linecache
 
@@ -195,20 +221,28 @@ def run(served: ServedModel, blob: bytes, compress: bool, limit: float, emit: Ca
     wrapped = None
     try:
         with torch.inference_mode(False), torch.enable_grad(), _printed_to(emit), _interrupt_after(limit):
-            wrapped = TransformersModel(served.hf, task="text-generation", tokenizer=served.tokenizer)
-            persistent = wrapped._remoteable_persistent_objects()
             try:
-                tracer = RequestModel.deserialize(blob, persistent, compress=compress)
-            except UnknownPersistentIdError as exc:
-                pid = str(exc.args[0]) if exc.args else str(exc)
-                raise NnsightCodeFailed(_missing(pid, served)) from None
-            inc()
-            try:
-                tracer.execute(tracer.info.code)
-                marked = _saves()
-                saves = {k: v for k, v in tracer.info.frame.f_locals.items() if id(v) in marked}
+                wrapped = TransformersModel(served.hf, task="text-generation", tokenizer=served.tokenizer)
+                persistent = wrapped._remoteable_persistent_objects()
+                try:
+                    tracer = RequestModel.deserialize(blob, persistent, compress=compress)
+                except UnknownPersistentIdError as exc:
+                    pid = str(exc.args[0]) if exc.args else str(exc)
+                    raise NnsightCodeFailed(_missing(pid, served)) from None
+                inc()
+                try:
+                    tracer.execute(tracer.info.code)
+                    marked = _saves()
+                    saves = {k: v for k, v in tracer.info.frame.f_locals.items() if id(v) in marked}
+                finally:
+                    sys.setrecursionlimit(recursion_limit)  # see below
+                    dec()
             finally:
-                dec()
+                # First, before any other call: a limit the code lowered (sys.setrecursionlimit(30)
+                # from a thread of its own) makes every call deeper than it fail, nnsight's `dec`, the
+                # timer's cancel and the guard's included. This frame is shallow on the engine thread;
+                # a limit below even this depth ends the engine, and the worker starts a new one.
+                sys.setrecursionlimit(recursion_limit)
     except _Interrupted:
         failure = JobTimeout(f"the nnsight job ran past its time limit of {limit:g}s (ACTQ_NNSIGHT_TIME_LIMIT)")
     except JobFailure as exc:
@@ -239,16 +273,19 @@ def run(served: ServedModel, blob: bytes, compress: bool, limit: float, emit: Ca
             saves = {}
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+    if restored.unproven:
+        log.warning("the nnsight job left changes the guard could not put back: %s", "; ".join(restored.unproven))
     if restored.weights_written:
         shown = ", ".join(restored.weights[:5]) + (" ..." if len(restored.weights) > 5 else "")
-        raise WeightsWritten(
+        failure = WeightsWritten(
             f"the nnsight job wrote to the model's weights ({shown}); its result is discarded and the worker read "
             "the weights again from the model's files. Edit a copy of a weight, or use `model.edit()` / "
             "activation edits, which leave the weights alone"
         )
     if failure is not None:
+        failure.unproven = list(restored.unproven)  # type: ignore[attr-defined]
         raise failure
-    return Outcome(saves, restored.state, time.perf_counter() - began)
+    return Outcome(saves, restored.state, time.perf_counter() - began, list(restored.unproven))
 
 
 def _missing(pid: str, served: ServedModel) -> str:
