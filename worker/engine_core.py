@@ -279,7 +279,8 @@ class EngineCore:
         try:
             try:
                 item.started()
-                outcome = item.run()
+                with self.served.gate.exclusive():  # no other thread reads the tokenizer meanwhile
+                    outcome = item.run()
             except BaseException as exc:  # noqa: BLE001 - trusted code: whatever it raises is its own
                 outcome = exc
         except BaseException as exc:  # noqa: BLE001 - raised late, as the first was handled

@@ -168,6 +168,44 @@ def _threads() -> dict[int, str]:
     return {ident: named.get(ident, "(a thread started with _thread)") for ident in sys._current_frames()}
 
 
+class _Births:
+    """Who started each thread while the guard watches: `threading.Thread.start` is wrapped to
+    note the starting thread on the new one. The process's other threads keep working during a
+    job (a finisher uploading another job's files starts boto3's transfer threads): a thread
+    started by a thread that was already running, other than the one the code runs on, or by a
+    thread such a thread started, is not the code's."""
+
+    ATTRIBUTE = "_actq_started_by"
+
+    def __init__(self) -> None:
+        self.original = threading.Thread.start
+        attribute, original = self.ATTRIBUTE, self.original
+
+        def start(thread: threading.Thread) -> None:
+            setattr(thread, attribute, threading.get_ident())
+            original(thread)
+
+        threading.Thread.start = start  # type: ignore[method-assign,assignment]
+
+    def close(self) -> None:
+        threading.Thread.start = self.original  # type: ignore[method-assign]
+
+    def outsiders(self, new: dict[int, str], before: dict[int, str], code_thread: int) -> set[int]:
+        """The threads of `new` that something other than the code started (see the class)."""
+        objects = {t.ident: t for t in threading.enumerate()}
+        outside = set(before) - {code_thread}
+        found: set[int] = set()
+        changed = True
+        while changed:  # a thread started by an outsider's thread is an outsider's too
+            changed = False
+            for ident in new:
+                starter = getattr(objects.get(ident), self.ATTRIBUTE, None)
+                if ident not in found and (starter in outside or starter in found):
+                    found.add(ident)
+                    changed = True
+        return found
+
+
 class ModelGuard:
     """Note `model` (and `tokenizer`) and the process now; `restore()` after the code ran."""
 
@@ -184,6 +222,7 @@ class ModelGuard:
         for `tokenizer`'s attributes in `tokenizer_expected`."""
         self.settings = Settings()  # first: the recursion limit is restored from it first
         self.threads = _threads()
+        self.code_thread = threading.get_ident()  # the code runs on the thread that notes the model
         self.model, self.reload = model, reload
         self.patches = Patches()
         self.patches.add_module(builtins, classes=False)
@@ -220,6 +259,7 @@ class ModelGuard:
             if module._buffers.get(b) is not None
         }
         self.sums = _fingerprint(self.tensors)
+        self.births = _Births()  # last: nothing above may fail with it installed (restore removes it)
 
     def restore(self) -> Restored:
         """Put back what the code changed; read changed weights again. Never raises for what the
@@ -305,11 +345,16 @@ class ModelGuard:
 
     def _leftover_threads(self) -> list[str]:
         def new() -> dict[int, str]:
-            return {i: n for i, n in _threads().items() if i not in self.threads and not n.startswith(_OWN_THREADS)}
+            started = {i: n for i, n in _threads().items() if i not in self.threads and not n.startswith(_OWN_THREADS)}
+            outsiders = self.births.outsiders(started, self.threads, self.code_thread)
+            return {i: n for i, n in started.items() if i not in outsiders}
 
-        deadline = time.monotonic() + _THREAD_GRACE_S
-        while (left := new()) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        try:
+            deadline = time.monotonic() + _THREAD_GRACE_S
+            while (left := new()) and time.monotonic() < deadline:
+                time.sleep(0.01)
+        finally:
+            self.births.close()
         return [f"a thread {name!r} the code started is still running" for name in left.values()]
 
 

@@ -26,6 +26,7 @@ import redis
 
 from shared import keys
 from shared.jobs import JobStore
+from worker.gate import Gate
 from worker.text_stream import TextStream
 
 log = logging.getLogger(__name__)
@@ -43,8 +44,10 @@ class _Running:
 
 
 class ProgressWatch:
-    def __init__(self, jobs: JobStore, interval: float) -> None:
+    def __init__(self, jobs: JobStore, interval: float, gate: Gate | None = None) -> None:
+        """`gate`: the served model's (worker/gate.py); streamed text is decoded through it."""
         self.jobs, self.interval = jobs, interval
+        self.gate = gate or Gate()
         self._running: dict[str, _Running] = {}
         self._ended: list[str] = []  # streamed jobs that left the engine: their `end` entry is next
         self._lock = threading.Lock()
@@ -103,12 +106,13 @@ class ProgressWatch:
 
     def _publish(self, streamed: dict[str, _Running], ended: list[str]) -> None:
         """Append each streamed job's new text to its Redis Stream, and `end` to those that left."""
-        for job_id, state in streamed.items():
-            assert state.text is not None
-            try:
-                state.pending += state.text.advance(state.tokens)
-            except Exception:  # a decode that fails is retried next round (the result has the text)
-                log.debug("job %s: decoding its new text failed", job_id, exc_info=True)
+        with self.gate.reading():  # decoding: never while trusted code runs on the model
+            for job_id, state in streamed.items():
+                assert state.text is not None
+                try:
+                    state.pending += state.text.advance(state.tokens)
+                except Exception:  # a decode that fails is retried next round (the result has the text)
+                    log.debug("job %s: decoding its new text failed", job_id, exc_info=True)
         writes = [(job_id, state) for job_id, state in streamed.items() if state.pending]
         if not writes and not ended:
             return

@@ -289,9 +289,11 @@ def _record(
                 baseline,
                 prefix=attempt.prefix(record.id),
             )
-        result = _result(generation, tokenizer=rt.served.tokenizer, inline=inline)
+        with rt.served.gate.reading():  # its tokens decoded: never while trusted code runs on this model
+            result = _result(generation, tokenizer=rt.served.tokenizer, inline=inline)
+            unedited = _result(baseline, tokenizer=rt.served.tokenizer, inline=inline) if baseline else None
         if baseline is not None:
-            unedited = _result(baseline, tokenizer=rt.served.tokenizer, inline=inline)
+            assert unedited is not None
             result.baseline = BaselineResult(
                 text=unedited.text,
                 finish_reason=unedited.finish_reason,

@@ -113,7 +113,7 @@ def start(
             on_death=lambda exc: _engine_died(registry, served.info.name, worker_id, capture, exc),
             on_replace=replaced,
         ).start(),
-        progress=ProgressWatch(jobs, WATCH_INTERVAL).start(),
+        progress=ProgressWatch(jobs, WATCH_INTERVAL, served.gate).start(),
         role=role,
     )
     _beat_once(_runtime)

@@ -26,6 +26,7 @@ from worker.capture import describe_modules
 from worker.constrained import Grammars
 from worker.decoding import Decoder, Sequence, Watch
 from worker.footprint import footprint
+from worker.gate import Gate
 from worker.kvcache import check_supported, new_cache
 from worker.models import LoadedModel
 from worker.nnsight_jobs import installed_version
@@ -67,6 +68,7 @@ class ServedModel:
         self.prompts = PromptEncoder(loaded.tokenizer, allow_special_tokens)
         self.hf = loaded.model
         self.lock = threading.Lock()
+        self.gate = Gate()  # shut while trusted code runs on this model (worker/gate.py)
         self.info = self._describe()
         self.module_paths = {m.path for m in self.info.modules}
         # Why this model's cache rows cannot move between batches (None: they can): it then runs
@@ -167,13 +169,16 @@ class ServedModel:
         edit_points: list[EditPoint] | None = None,
         references: References | None = None,
     ) -> Sequence:
-        """A job's sequence, ready to join a batch (worker/job_prep.py); raises the job's failure."""
-        return job_prep.prepare(self, request, points, max_tokens, watch, edit_points, references)
+        """A job's sequence, ready to join a batch (worker/job_prep.py); raises the job's failure.
+        Never while trusted code runs on this model (`gate`): it renders with the tokenizer."""
+        with self.gate.reading():
+            return job_prep.prepare(self, request, points, max_tokens, watch, edit_points, references)
 
     def finish(self, seq: Sequence, request: JobRequest) -> Generation:
         """The job's result once its sequence left the batch (worker/results.py); a failed one
-        raises its failure."""
-        return results.finish(seq, request, self.tokenizer, self.eos_ids, self.info.tool_format)
+        raises its failure. Never while trusted code runs on this model (`gate`): it decodes."""
+        with self.gate.reading():
+            return results.finish(seq, request, self.tokenizer, self.eos_ids, self.info.tool_format)
 
     @property
     def eos_ids(self) -> set[int]:

@@ -51,6 +51,7 @@ REPLY_TTL_SECONDS = 30
 class TokenizerService:
     def __init__(self, served: ServedModel, client: redis.Redis, stop: threading.Event) -> None:
         self.tokenizer: PreTrainedTokenizerBase = copy.deepcopy(served.tokenizer)
+        self.gate = served.gate
         self.prompts = PromptEncoder(self.tokenizer, served.prompts.allow_special_tokens)
         self.model = served.info.name
         self.max_model_len = served.info.max_context
@@ -94,7 +95,13 @@ class TokenizerService:
             log.warning("tokenizer reply %s not sent: %s", call.id, exc)
 
     def answer(self, call: TokenizerCall) -> TokenizerReply:
-        """The reply to one call: its result, or the error a client can act on."""
+        """The reply to one call: its result, or the error a client can act on. Never while
+        trusted code runs on the model (its copy of the tokenizer shares the classes the code
+        could patch: worker/gate.py)."""
+        with self.gate.reading():
+            return self._answer(call)
+
+    def _answer(self, call: TokenizerCall) -> TokenizerReply:
         try:
             if call.op == "tokenize" and call.tokenize is not None:
                 result: dict[str, Any] = self.tokenize(call.tokenize).model_dump(exclude_none=True)

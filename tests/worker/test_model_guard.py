@@ -456,3 +456,48 @@ def test_a_clean_job_leaves_nothing_to_put_back(served, client_model, fresh, cod
     assert ran.result.restored == [] and ran.result.unproven == []  # type: ignore[attr-defined]
     assert set(ran.result.saves) in ({"hs", "logits"}, {"hs", "ids"})  # type: ignore[attr-defined]
     assert_as_fresh(served, ran, fresh, pointers)
+
+
+def test_threads_the_process_starts_meanwhile_are_not_the_codes(served, client_model, fresh, monkeypatch):
+    """While a job runs, the engine process's other threads go on (a finisher uploading another
+    job's files starts boto3's transfer threads). A thread such a thread starts during the job,
+    still running when the guard looks, is not the code's: a clean job stays proven (before, the
+    guard called it the code's, and the engine was replaced after every such job). A thread the
+    code starts is still named (the `a leftover thread` case)."""
+    from worker import model_guard
+
+    noted, spawned, release = threading.Event(), threading.Event(), threading.Event()
+    children: list[threading.Thread] = []
+    start = threading.Thread.start
+    restore = model_guard.ModelGuard.restore
+    note = model_guard.ModelGuard.__init__
+
+    def noting(self, *args, **kwargs) -> None:
+        note(self, *args, **kwargs)
+        noted.set()
+
+    def restoring(self):
+        assert spawned.wait(30), "the outside thread did not start its child"
+        return restore(self)
+
+    def uploader() -> None:  # an I/O thread of the process, running before the job
+        assert noted.wait(60)
+        child = threading.Thread(target=release.wait, args=(30,), name="ThreadPoolExecutor-0_0", daemon=True)
+        child.start()
+        children.append(child)
+        spawned.set()
+
+    monkeypatch.setattr(model_guard.ModelGuard, "__init__", noting)
+    monkeypatch.setattr(model_guard.ModelGuard, "restore", restoring)
+    outside = threading.Thread(target=uploader, name="outside-io", daemon=True)
+    outside.start()
+    try:
+        ran = run_job(served, client_model, clean_trace)
+    finally:
+        release.set()
+        outside.join(30)
+        for child in children:
+            child.join(30)
+    assert children and not isinstance(ran.result, BaseException), ran.result
+    assert ran.unproven == [], ran.unproven
+    assert threading.Thread.start is start  # the guard's watch on thread starts is gone

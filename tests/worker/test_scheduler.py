@@ -130,7 +130,10 @@ class FakeBatch:
 
 class FakeServed:
     def __init__(self, batch: FakeBatch) -> None:
+        from worker.gate import Gate
+
         self.lock = threading.Lock()
+        self.gate = Gate()
         self.batch = batch
 
     def decoder(self, slots: int = 1) -> FakeBatch:
