@@ -161,10 +161,10 @@ def exits(model, backend):
 def test_a_trusted_job_that_ends_the_shared_engine_is_blamed_alone_and_the_jobs_beside_it_run_once(
     stack, models, remote_host, before
 ):
-    """Capture jobs of another key are claimed by the engine while trusted code holds it, then
-    the code exits the process: the trusted job fails once (`nnsight_error`, not delivered
-    again), and each capture job runs again on the new engine and succeeds once, the delivery
-    that died not counted against it (`forgiven_attempts`). On main the killer ran three times
+    """Capture jobs of another key reach the engine while trusted code holds it (the first is
+    claimed, the others wait to be), then the code exits the process: the trusted job fails
+    once (`nnsight_error`, not delivered again), and each capture job runs on the new engine and
+    succeeds once, a delivery that died not counted against it (`forgiven_attempts`). On main the killer ran three times
     and the jobs beside it ended `worker_lost`."""
     from nnsight.intervention.backends.remote import RemoteBackend
     from safetensors.torch import load
@@ -190,12 +190,13 @@ def test_a_trusted_job_that_ends_the_shared_engine_is_blamed_alone_and_the_jobs_
         done = [stack.wait(plain, job_id, timeout=240) for job_id in beside]
         for job in done:
             assert job["status"] == "succeeded", (job, stack.log_tail())
-            assert job["attempts"] == 2 and job["forgiven_attempts"] == 1, job  # claimed by the engine that died
+            assert job["attempts"] - job["forgiven_attempts"] == 1, job  # a delivery that died is not counted
             got = load(plain.get(f"/jobs/{job['id']}/activations").content)
             assert torch.equal(got["token_ids"], capture["token_ids"])
             for name in capture:  # run together: the solo run's values within a batch's reduction order
                 scale = float(capture[name].abs().max())
                 torch.testing.assert_close(got[name], capture[name], atol=1e-5 * scale, rtol=1e-4, msg=name)
+        assert any(job["forgiven_attempts"] == 1 for job in done), "no job was claimed by the engine that died"
         failed = stack.wait(trusted, killer.job_id)
         assert failed["status"] == "failed" and failed["attempts"] == 1, failed
         assert failed["error"]["type"] == "nnsight_error" and "ended the engine process" in failed["error"]["message"]
