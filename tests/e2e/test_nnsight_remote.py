@@ -35,6 +35,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory, tiny_dir: Path):
         tiny_dir,
         ACTQ_NNSIGHT_TIME_LIMIT="4",  # and so the hard limit of 14 s: its engine replaced
         ACTQ_NNSIGHT_MAX_RESULT_BYTES="3000000",
+        ACTQ_NNSIGHT_MAX_HOST_BYTES=str(4 << 30),  # the nnsight engine's private memory (RLIMIT_DATA)
     ) as s:
         yield s
 
@@ -449,6 +450,28 @@ def terminates_itself(model, backend):
 
 
 @pytest.mark.parametrize("code", [exits, kills_itself, terminates_itself], ids=lambda f: f.__name__)
+def grows_gradually(model):
+    with model.trace("Hello", remote=True):
+        hs = model.model.layers[0].output.save()
+        held = []
+        for _ in range(64):  # 200 MB at a time, 12.8 GB in all: past the engine's 4 GiB cap
+            held.append(torch.ones(50_000_000))
+
+
+def test_a_job_that_grows_past_the_nnsight_engines_memory_cap_fails_alone(stack, models, remote_host):
+    """A gradual real out-of-memory (a job holding more and more host memory) meets the nnsight
+    engine's ACTQ_NNSIGHT_MAX_HOST_BYTES: the allocation fails, the job fails `out_of_memory`,
+    and the next nnsight job and another key's capture run as before. On main such a job took
+    the shared engine, and every job beside it, down with it (the kernel's OOM killer)."""
+    client, local = models
+    before = _capture(stack)
+    message = _remote_error(client, grows_gradually)
+    assert "out of memory" in message, message
+    _close(hidden_states(client, True), hidden_states(local, False))
+    after = _capture(stack)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
 def test_a_trusted_job_that_ends_its_engine_is_the_only_one_blamed(code, stack, models, remote_host):
     """Trusted code that ends the process running it (exit, SIGKILL, SIGTERM): that job fails
     once, saying so, and is not delivered again; another key's capture jobs sent beside it
