@@ -262,15 +262,17 @@ def test_a_request_the_worker_cannot_run_is_refused_at_submit_saying_what_to_cha
 # -- failures are the job's own; the model stays exact ------------------------------------
 
 
+CAPTURE = {  # another key's capture job, before and after trusted code
+    "model": TINY,
+    "prompt": "Seven ravens flew over the hill",
+    "max_tokens": 6,
+    "capture": {"modules": ["model.layers.*"], "positions": "all"},
+}
+
+
 def _capture(stack: TestStack) -> dict[str, torch.Tensor]:
     with httpx.Client(base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {PLAIN}"}) as http:
-        body = {
-            "model": TINY,
-            "prompt": "Seven ravens flew over the hill",
-            "max_tokens": 6,
-            "capture": {"modules": ["model.layers.*"], "positions": "all"},
-        }
-        job_id = stack.submit(http, body)
+        job_id = stack.submit(http, CAPTURE)
         job = stack.wait(http, job_id)
         assert job["status"] == "succeeded", job
         from safetensors.torch import load
@@ -488,13 +490,7 @@ def test_a_trusted_job_that_ends_its_engine_is_the_only_one_blamed(code, stack, 
     with client.trace("The Eiffel Tower is in", backend=behind):
         hs = client.model.layers[1].output.save()
     with httpx.Client(base_url=stack.base_url, timeout=60, headers={"Authorization": f"Bearer {PLAIN}"}) as http:
-        body = {
-            "model": TINY,
-            "prompt": "Seven ravens flew over the hill",
-            "max_tokens": 6,
-            "capture": {"modules": ["model.layers.*"], "positions": "all"},
-        }
-        beside = [stack.submit(http, body) for _ in range(4)]
+        beside = [stack.submit(http, CAPTURE) for _ in range(4)]
         done = [stack.wait(http, job_id) for job_id in beside]
         from safetensors.torch import load
 

@@ -18,6 +18,7 @@ import torch
 from shared.cli.redis_server import RedisServer
 from tests.e2e.conftest import STACK_ENV, own_stack
 from tests.e2e.test_nnsight_remote import (
+    CAPTURE,
     PLAIN,
     TRUSTED,
     _capture,
@@ -180,13 +181,7 @@ def test_a_trusted_job_that_ends_the_shared_engine_is_blamed_alone_and_the_jobs_
         while trusted.get(f"/jobs/{killer.job_id}").json()["status"] != "running":
             assert time.monotonic() < deadline, "the trusted job never started"
             time.sleep(0.05)
-        body = {
-            "model": TINY,
-            "prompt": "Seven ravens flew over the hill",
-            "max_tokens": 6,
-            "capture": {"modules": ["model.layers.*"], "positions": "all"},
-        }
-        beside = [stack.submit(plain, body) for _ in range(3)]
+        beside = [stack.submit(plain, CAPTURE) for _ in range(3)]
         done = [stack.wait(plain, job_id, timeout=240) for job_id in beside]
         for job in done:
             assert job["status"] == "succeeded", (job, stack.log_tail())
