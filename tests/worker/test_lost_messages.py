@@ -1,9 +1,8 @@
 """The lost-message check (worker/lost_messages.py) on a real Redis: a queued job whose broker
 message is gone, or stranded in `unacked` with no live worker holding it, a running job whose
-whole worker is gone (nobody holds its message, its engine's heartbeat expired), and a running job
-whose message is nowhere on an engine that is gone, is sent again after two sightings; messages
-waiting in the queue or held by a worker's task, and running jobs whose engine is live, are not
-duplicated; a job that left the queue is left alone; a record this version cannot read, or one
+whole worker is gone (nobody holds its message), and a running job whose message is nowhere and
+that no task holds, is sent again after two sightings; messages waiting in the queue or held by a
+worker's task are not duplicated; a job that left the queue is left alone; a record this version cannot read, or one
 that is gone, is never sent in a loop. The sweeper's
 clock is the test's: a second sighting is `confirm` later by that clock, whatever the machine's
 load."""
