@@ -160,8 +160,12 @@ def _zero_output(module, args, output):
 
 
 def _late_write(model) -> None:
-    """A thread the code leaves behind: it writes a weight once let go."""
-    RELEASE.wait(60)
+    """A thread the code leaves behind: it writes a weight once let go. The event is looked up
+    where it lives: once a remote nnsight client has run in this process (pull_env), `tests`
+    is pickled by value and a global Event (a lock) could not travel."""
+    from tests.worker import test_model_guard
+
+    test_model_guard.RELEASE.wait(60)
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight.mul_(1.58)
 
@@ -343,7 +347,7 @@ def _undo_global_hooks() -> None:
 def _undo_thread() -> None:
     RELEASE.set()
     for thread in threading.enumerate():
-        if getattr(thread, "_target", None) is _late_write:
+        if getattr(getattr(thread, "_target", None), "__name__", None) == _late_write.__name__:
             thread.join(10)
     RELEASE.clear()
 
