@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.actq-installed
 
-.PHONY: install run test test-fast lint docs format browser bench bench-storage bench-api bench-long-polls bench-gpu clean
+.PHONY: install run test test-exhaustive test-fast lint docs format browser bench bench-storage bench-api bench-long-polls bench-gpu clean
 
 install: $(STAMP)
 
@@ -33,6 +33,11 @@ run: $(STAMP)
 
 test: lint docs browser
 	$(BIN)/python -m pytest -ra --durations=40
+
+# The fault-injection sweep in full: every operation of the scenario fails in a run of its own
+# (make test fails each distinct operation and call site once).
+test-exhaustive: $(STAMP)
+	$(BIN)/python -m pytest -ra --exhaustive -m exhaustive
 
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -ra -m "not e2e and not model"

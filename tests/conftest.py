@@ -27,6 +27,14 @@ from tests.support.stack import TINY  # noqa: E402
 E2E = Path(__file__).parent / "e2e"
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--exhaustive",
+        action="store_true",
+        help="tests marked `exhaustive` run their whole sweep (make test-exhaustive), not its distinct cases",
+    )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).is_relative_to(E2E):

@@ -5,6 +5,10 @@ mode makes the k-th tensor operation of the scheduler's turn fail, for every k i
 memory and otherwise. The model's whole forward pass counts as one operation (it fails at its
 start); inside it, the capture hooks' own failures are the job's (tested in test_capture.py).
 
+By default each distinct (operation, call site in worker/) fails once, at its first run: about a
+tenth of the runs of the exhaustive sweep, which fails every k and runs with
+`make test-exhaustive` (pytest --exhaustive -m exhaustive).
+
 Whatever fails where: every job gets exactly one answer, its own result (equal to the same job run
 alone) or its own failure; no job that finished is lost; and the same scheduler then runs a new
 job exactly as alone (the batch goes on)."""
@@ -12,7 +16,9 @@ job exactly as alone (the batch goes on)."""
 from __future__ import annotations
 
 import logging
+import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,7 +29,8 @@ from tests.worker.test_batching import assert_same, job, load_engine, prepare, s
 from worker.engine_core import EngineCore
 from worker.scheduler import Entry
 
-pytestmark = [pytest.mark.model, pytest.mark.slow]
+pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.exhaustive]
+WORKER = str(Path(__file__).resolve().parents[2] / "worker")
 
 CAPTURE = {"modules": ["model.layers.{0,1}", "model.norm"], "positions": "all"}
 JOBS = [  # (question, max_tokens, fields): joins together, leaves at different steps; a trace
@@ -49,6 +56,7 @@ class FailAt(TorchFunctionMode):
         super().__init__()
         self.at, self.error, self.count, self.depth = at, error, 0, 0
         self.failed = self.active = False
+        self.sites: list[tuple[str, str]] = []  # each operation's (name, worker/ line that ran it)
         self._handles = [
             model.register_forward_pre_hook(self._enter),
             model.register_forward_hook(self._leave),
@@ -56,6 +64,8 @@ class FailAt(TorchFunctionMode):
 
     def _tick(self, what: object) -> None:
         self.count += 1
+        if self.at == 0:  # the counting run: where each operation comes from
+            self.sites.append((str(what), _call_site()))
         if self.count == self.at:
             self.failed = True
             raise self.error(f"injected at operation {self.count} ({what})")
@@ -87,6 +97,14 @@ class FailAt(TorchFunctionMode):
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+
+
+def _call_site() -> str:
+    """The innermost line of worker/ code on the stack: the operation's call site."""
+    frame = sys._getframe(2)
+    while frame is not None and not frame.f_code.co_filename.startswith(WORKER):
+        frame = frame.f_back
+    return "?" if frame is None else f"{Path(frame.f_code.co_filename).name}:{frame.f_lineno}"
 
 
 @dataclass
@@ -185,24 +203,40 @@ def run(served, requests, mode: FailAt | None) -> tuple[Answers, EngineCore, obj
     return answers, core, decoder
 
 
-def operations(served, requests) -> int:
+def operations(served, requests) -> list[tuple[str, str]]:
+    """Each tensor operation of the scenario's run, in order: (name, call site)."""
     mode = FailAt(served.hf, at=0, error=RuntimeError)
     try:
         answers, _, _ = run(served, requests, mode)
     finally:
         mode.remove()
     assert all(len(a) == 1 for a in answers.got.values())
-    return mode.count
+    assert len(mode.sites) == mode.count
+    return mode.sites
+
+
+def failure_points(sites: list[tuple[str, str]], exhaustive: bool) -> list[int]:
+    """Which operations to fail (1-based): every one, or the first run of each distinct one."""
+    if exhaustive:
+        return list(range(1, len(sites) + 1))
+    first: dict[tuple[str, str], int] = {}
+    for at, site in enumerate(sites, start=1):
+        first.setdefault(site, at)
+    return sorted(first.values())
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError, RuntimeError], ids=["out-of-memory", "other"])
 def test_any_operation_failing_once_leaves_every_job_one_answer_of_its_own(
-    served, requests, alone, error, decoder_kind
+    served, requests, alone, error, decoder_kind, pytestconfig
 ):
-    total = operations(served, requests)
+    sites = operations(served, requests)
+    total = len(sites)
     assert total > 50  # the scenario runs joins, steps, leaves and a trace pass
+    points = failure_points(sites, pytestconfig.getoption("exhaustive"))
+    assert "?" not in {site for _, site in sites}, "an operation outside worker/ code"
+    assert len(set(sites)) > 20 and len(points) == len(set(sites))  # the distinct ones, at least
     failed_jobs = 0
-    for at in range(1, total + 1):
+    for at in points:
         mode = FailAt(served.hf, at=at, error=error)
         try:
             answers, core, decoder = run(served, requests, mode)
