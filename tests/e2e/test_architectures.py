@@ -1,11 +1,12 @@
-"""The architecture matrix: a tiny random model of each architecture researchers bring, served by
-a real worker of the session's stack, every listed module captured through the API and compared
-with plain forward hooks on the same weights (tests/support/reference.py, cloning in the hook).
+"""The architecture matrix through the whole stack: one representative of each decoding path served
+by a real worker of the session's stack (slots: GPT-2, also a base model; the compacting decoder:
+Mistral's sliding windows; one job at a time: Mamba), every listed module captured through the
+API and compared with plain forward hooks on the same weights (tests/support/reference.py,
+cloning in the hook). Every architecture is checked in process the same way
+(tests/worker/test_architectures.py); these check the way through a worker, its file and the API.
 
 One worker at a time (the fixture is module-scoped and parametrized, so pytest runs every test of
 one architecture before starting the next). Float32 on the CPU: the values must be identical.
-Each architecture's figures go into the JUnit XML (`--junitxml`) as properties: modules listed,
-max abs difference on outputs and inputs, raw prompt ok.
 """
 
 from __future__ import annotations
@@ -20,15 +21,17 @@ import torch
 from safetensors.torch import load as load_safetensors
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.support.architectures import ARCHS, Arch, available, build
+from tests.support.architectures import BY_KEY, Arch, available, build
 from tests.support.reference import hooked_generate, select
 from tests.support.stack import TestStack, job_count
+from tests.worker.test_architectures import BASE_MODELS, MESSAGES, NEW_TOKENS, PROMPT, max_diff
 
-MESSAGES = [{"role": "user", "content": "What is 2+3? Think step by step, then answer."}]
-PROMPT = "Question: Tom has 3 apples and buys 4 more. How many apples does he have?\nAnswer:"
-NEW_TOKENS = 4
-# Base checkpoints in the wild (GPT-2, Pythia, OPT, Falcon): built without a chat template.
-BASE_MODELS = {"gpt2", "gpt_neox", "opt", "falcon", "falcon_new"}
+# Each decoding path's representative, and what its worker says of how it decodes.
+REPRESENTATIVES = {
+    "gpt2": "decodes in slots",
+    "mistral": "decodes in a compacted batch",
+    "mamba": "decodes one job at a time",
+}
 
 
 @dataclass
@@ -41,9 +44,9 @@ class Served:
     info: dict  # its GET /models entry
 
 
-@pytest.fixture(scope="module", params=ARCHS, ids=[a.key for a in ARCHS])
+@pytest.fixture(scope="module", params=list(REPRESENTATIVES))
 def served(request, live: TestStack, tmp_path_factory, smol_dir: Path) -> Iterator[Served]:
-    arch: Arch = request.param
+    arch: Arch = BY_KEY[request.param]
     reason = available(arch)
     if reason:
         pytest.skip(reason)
@@ -51,6 +54,7 @@ def served(request, live: TestStack, tmp_path_factory, smol_dir: Path) -> Iterat
     name = f"arch-{arch.key.replace('_', '-')}"
     live.start_worker(name, {"ACTQ_MODEL": str(folder), "ACTQ_MODEL_NAME": name})
     try:
+        assert REPRESENTATIVES[arch.key] in live.logs[f"worker-{name}"].read_text(errors="replace")
         with httpx.Client(base_url=live.base_url, timeout=60) as http:
             info = next(m for m in http.get("/models").json() if m["name"] == name)
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
@@ -80,14 +84,6 @@ def module_table(live: TestStack, served: Served) -> dict[str, dict]:
         client.close()
     assert info is not None
     return {m.path: m.model_dump() for m in info.modules}
-
-
-def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], names: dict[str, str]) -> float:
-    worst = 0.0
-    for name, path in names.items():
-        assert got[name].shape == want[path].shape, (name, got[name].shape, want[path].shape)
-        worst = max(worst, float((got[name].float() - want[path]).abs().max()))
-    return worst
 
 
 def test_presets_resolve_to_one_module_per_block(served: Served, live, http, record_property):
@@ -211,7 +207,7 @@ def test_a_chat_template_file_gives_a_base_model_messages(live, http, tmp_path, 
     from shared.cli.local_stack import worker_command
     from shared.cli.processes import spawn, stop
 
-    gpt2 = next(a for a in ARCHS if a.key == "gpt2")
+    gpt2 = BY_KEY["gpt2"]
     if reason := available(gpt2):
         pytest.skip(reason)
     folder = build(gpt2, tmp_path / "base", smol_dir, chat_template=False)
