@@ -1,7 +1,7 @@
 """The whole stack as deployed: the API as a uvicorn process, Celery workers serving a tiny random
 Llama (and, for the slow tests, the built-in SmolLM2), over a Redis of their own. Every test here
-starts from an empty Redis: it is flushed before each test, and the running workers' heartbeats
-publish their models again (the fixture waits for that)."""
+starts from an empty job space: Redis is flushed before each test but for the workers' registry
+(their models and heartbeats, put back as they were), so no test waits for a heartbeat."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from shared import keys
 from shared.cli.redis_server import RedisServer
 from tests.support.stack import SMOL, TINY, TestStack
 
@@ -47,11 +48,22 @@ def live(tmp_path_factory: pytest.TempPathFactory, stack_redis: RedisServer, tin
         yield s
 
 
+def empty_job_space(client: redis.Redis) -> None:
+    """Flush everything but the registry: the served models' descriptions and their workers'
+    heartbeats go back as they were (a heartbeat landing meanwhile is overwritten by one as fresh)."""
+    registry = [keys.MODELS, *client.scan_iter(keys.model("*")), *client.scan_iter(keys.workers("*"))]
+    kept = {key: client.dump(key) for key in registry}
+    client.flushdb()
+    for key, value in kept.items():
+        if value is not None:
+            client.restore(key, 0, value, replace=True)
+
+
 @pytest.fixture(autouse=True)
 def redis_client(live: TestStack):
-    """The stack's Redis, emptied before each test; returns once the workers are listed again."""
+    """The stack's Redis with an empty job space; its workers stay listed (checked, not awaited)."""
     client = redis.Redis.from_url(live.redis_url)
-    client.flushdb()
+    empty_job_space(client)
     live.wait_workers()
     yield client
     client.close()
