@@ -35,6 +35,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+SLOW_CALL_SECONDS = 120  # a test's own run (not its fixtures') past this must be marked `slow`
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
+    outcome = yield
+    report = outcome.get_result()
+    if report.when == "call" and report.passed and report.duration > SLOW_CALL_SECONDS:
+        if item.get_closest_marker("slow") is None:
+            report.outcome = "failed"
+            report.longrepr = (
+                f"{item.nodeid} ran {report.duration:.0f} s, past {SLOW_CALL_SECONDS} s: make it cheaper "
+                "or mark it `slow` (tests/conftest.py)"
+            )
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).is_relative_to(E2E):
