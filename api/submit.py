@@ -116,7 +116,7 @@ def plan(
         )
     if info.max_context and max_tokens >= info.max_context:
         raise BadRequest(
-            f"max_tokens is too large: {max_tokens}. This model's maximum context length is {info.max_context:,} "
+            f"max_tokens is too large: {max_tokens}. This model's maximum context length is {info.max_context} "
             f"tokens, and {info.name} needs at least one of them for the prompt; ask for fewer tokens"
         )
     if (problem := capture_spec.token_ids_problem(request, info.vocab_size)) is not None:

@@ -235,14 +235,14 @@ def over_context(context: int, prompt: int, max_tokens: int, what: str = "prompt
     `context_window_fallbacks`). `at_least`: the prompt's count is a lower bound, and why."""
     if at_least is not None:
         return (
-            f"This model's maximum context length is {context:,} tokens. However, you requested {max_tokens:,} "
-            f"output tokens and your {what} contains at least {prompt:,} input tokens ({at_least}), for a total "
-            f"of at least {prompt + max_tokens:,} tokens. Please reduce the length of the {what} or the number "
+            f"This model's maximum context length is {context} tokens. However, you requested {max_tokens} "
+            f"output tokens and your {what} contains at least {prompt} input tokens ({at_least}), for a total "
+            f"of at least {prompt + max_tokens} tokens. Please reduce the length of the {what} or the number "
             "of tokens to generate (max_tokens)."
         )
     return (
-        f"This model's maximum context length is {context:,} tokens. However, you requested "
-        f"{prompt + max_tokens:,} tokens ({prompt:,} in the {what}, {max_tokens:,} in the completion). Please "
+        f"This model's maximum context length is {context} tokens. However, you requested "
+        f"{prompt + max_tokens} tokens ({prompt} in the {what}, {max_tokens} in the completion). Please "
         f"reduce the length of the {what} or completion."
     )
 

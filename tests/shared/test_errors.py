@@ -45,3 +45,13 @@ def test_a_failure_is_stored_as_its_type_and_message():
     assert errors.WorkerLost("lost twice").as_error() == {"type": "worker_lost", "message": "lost twice"}
     assert errors.StorageError("disk full").status_code == 503
     assert issubclass(errors.JobCancelled, errors.JobFailure)
+
+
+def test_context_length_messages_write_plain_integers_as_vllm_does():
+    """Clients read the figures out of vLLM's message with `(\\d+)`: "8,192" would read as 8."""
+    for message in (
+        errors.over_context(8192, 8000, 1500),
+        errors.over_context(8192, 8000, 1500, at_least="its first message alone"),
+    ):
+        assert re.search(r"maximum context length is (\d+) tokens", message).group(1) == "8192", message
+        assert "9500" in message and "1500" in message and not re.search(r"\d,\d", message), message
