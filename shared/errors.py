@@ -21,7 +21,8 @@
     │   └── TooManyVectorSets  (429)  an API key holds ACTQ_MAX_VECTOR_SETS_PER_KEY vector sets
     ├── NotReady               (409)  e.g. activations of a job that has not succeeded
     ├── UnreadableRecord       (409)  a job's record holds values a newer version wrote (names them)
-    ├── JobFailure                    how a job ended badly; stored on the job as {type, message}
+    ├── JobFailure                    job_failed: what the job asked for cannot run (an edit that cannot
+    │   │                             apply, a grammar that does not compile); stored as {type, message}
     │   ├── ContextLengthExceeded     context_length_exceeded
     │   ├── StorageError       (503)  storage_error (the API answers 503 when it meets one)
     │   ├── JobTimeout                timeout
@@ -217,10 +218,11 @@ class JobFailure(ActqError):
 
     @classmethod
     def stored_types(cls) -> set[str]:
-        """Every `error.type` a job can end with."""
-        found = set()
+        """Every `error.type` a job can end with: this class's own (JobFailure itself is raised,
+        as `job_failed`) and its subclasses'."""
+        found = {cls.error_type}
         for sub in cls.__subclasses__():
-            found |= {sub.error_type} | sub.stored_types()
+            found |= sub.stored_types()
         return found
 
 

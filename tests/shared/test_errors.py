@@ -12,6 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_every_stored_error_type_is_a_job_failure_class():
     assert errors.JobFailure.stored_types() == {
+        "job_failed",  # JobFailure itself: an edit that cannot apply, a grammar that does not compile
         "context_length_exceeded",
         "storage_error",
         "timeout",
