@@ -124,9 +124,14 @@ def check_versions(nnsight_version: str | None, python_version: str | None, info
             "minor versions; clients of 0.7 and older speak another protocol)"
         )
     python = _minor(python_version or "", 2)
-    if python is None or python != _minor(info.python_version or "", 2):
+    if python is None:
         raise BadRequest(
-            f"your Python is {(python_version or 'not given').split()[0]}; the workers of {info.name} run Python "
+            "the request does not say its Python version (`python-version` header): send it with nnsight's own "
+            f"client, on Python {'.'.join(_minor(info.python_version or '', 2) or ('?',))}"
+        )
+    if python != _minor(info.python_version or "", 2):
+        raise BadRequest(
+            f"your Python is {(python_version or '').split()[0]}; the workers of {info.name} run Python "
             f"{info.python_version}: use Python {'.'.join(_minor(info.python_version or '', 2) or ('?',))} "
             "(payloads carry compiled code, which only loads on the same minor version)"
         )

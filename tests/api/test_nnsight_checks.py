@@ -68,7 +68,8 @@ def test_the_model_key_is_nnsights_and_carries_a_repo_id():
         ("0.7.3", "3.11.9", "install nnsight==0.8.1"),
         (None, "3.11.9", "nnsight-version"),
         ("0.8.1", "3.12.1 (main)", "use Python 3.11"),
-        ("0.8.1", None, "use Python 3.11"),
+        ("0.8.1", None, "does not say its Python version"),
+        ("0.8.1", "", "does not say its Python version"),
     ],
 )
 def test_versions_match_to_the_minor(nnsight, python, says):
