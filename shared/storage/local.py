@@ -100,7 +100,11 @@ class LocalStore(ArtifactStore):
                 yield data
 
     def stream(self, key: str, chunk: int = 1 << 20) -> Iterator[bytes]:
-        with open(self._path(key), "rb") as handle:
+        try:
+            handle = open(self._path(key), "rb")  # closed by the `with` below, when the generator ends
+        except OSError as exc:  # the key, never the server's path (it reaches the job's error)
+            raise StorageError(f"cannot read {key}: {exc.strerror}") from exc
+        with handle:
             while data := handle.read(chunk):
                 yield data
 

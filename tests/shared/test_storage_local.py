@@ -55,3 +55,13 @@ def test_storage_urls(tmp_path):
         open_store(Settings(storage_url="file://otherhost/x"))
     with pytest.raises(ValueError, match="name a bucket"):
         open_store(Settings(storage_url="s3:///x"))
+
+
+@pytest.mark.parametrize("read", ["stream", "read_range"])
+def test_a_missing_file_is_a_storage_error_naming_its_key_not_the_servers_path(read, tmp_path):
+    """What reaches a job's error (an nnsight job whose payload was deleted) names the key only."""
+    store = LocalStore(tmp_path / "data")
+    key = "jobs/abc/nnsight-request"
+    with pytest.raises(StorageError) as raised:
+        b"".join(store.stream(key)) if read == "stream" else store.read_range(key, 0, 4)
+    assert raised.value.message == f"cannot read {key}: No such file or directory"
