@@ -58,6 +58,11 @@ def nnsight_link(token: str) -> str:
     return f"{PREFIX}:nnsight-link:{token}"
 
 
+def nnsight_job_link(job_id: str) -> str:
+    """The one download link token given out for an nnsight job's result (expiring with the link)."""
+    return f"{PREFIX}:nnsight-job-link:{job_id}"
+
+
 def queued(name: str) -> str:
     """Sorted set of a model's queued job ids by enqueue time: a queued job's position."""
     return f"{PREFIX}:queued:{name}"

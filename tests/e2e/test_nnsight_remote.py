@@ -18,8 +18,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+import redis
 import torch
 
+from shared import keys
 from tests.support.nnsight import PLAIN, TRUSTED, client_model, nnsight_host, trusted_stack
 from tests.support.stack import TINY, TestStack
 
@@ -519,7 +521,7 @@ def test_a_trusted_job_that_ends_its_engine_is_the_only_one_blamed(code, stack, 
     torch.testing.assert_close(result["hs"], expected, atol=ATOL, rtol=1e-4)
 
 
-def test_the_result_is_stored_by_job_id_and_the_non_blocking_mode_polls_it(models, remote_host):
+def test_the_result_is_stored_by_job_id_and_the_non_blocking_mode_polls_it(stack, models, remote_host):
     from nnsight.intervention.backends.remote import RemoteBackend
 
     client, local = models
@@ -544,6 +546,13 @@ def test_the_result_is_stored_by_job_id_and_the_non_blocking_mode_polls_it(model
         assert stored.status_code == 200 and len(stored.content) == job["result"]["nnsight"]["bytes"]
         other = http.get(f"/jobs/{backend.job_id}/nnsight-result", headers={"Authorization": f"Bearer {PLAIN}"})
         assert other.status_code == 404  # another key's job is not disclosed
+        # polling a finished job gives out its one link again: nothing new in Redis (one key per poll before)
+        links = redis.Redis.from_url(stack.redis_url)
+        before = sorted(links.scan_iter(keys.nnsight_link("*")))
+        frames = [http.get(f"/response/{backend.job_id}").json() for _ in range(20)]
+        assert {f["status"] for f in frames} == {"COMPLETED"} and len({f["data"] for f in frames}) == 1, frames
+        assert sorted(links.scan_iter(keys.nnsight_link("*"))) == before
+        assert httpx.get(frames[0]["data"]).content == stored.content
 
 
 def test_the_manuals_examples_run_as_written_and_print_what_they_print_locally(stack, tiny_dir, tmp_path):
