@@ -47,10 +47,11 @@ def nnsight_log(job_id: str) -> str:
     return f"{PREFIX}:nnsight-log:{job_id}"
 
 
-def nnsight_session(session_id: str) -> str:
-    """List of the jobs sent with one nnsight WebSocket session (its statuses go to that socket);
-    `job_events(nnsight_session(id))` announces a new one."""
-    return f"{PREFIX}:nnsight-session:{session_id}"
+def nnsight_session(owner: str | None, session_id: str) -> str:
+    """List of the jobs one API key sent with one nnsight WebSocket session (its statuses go to that
+    socket); `job_events(nnsight_session(...))` announces a new one. Keyed by the owner too: another
+    key that learns the session id sends into a list of its own, never into this socket."""
+    return f"{PREFIX}:nnsight-session:{owner or '_'}:{session_id}"
 
 
 def nnsight_link(token: str) -> str:

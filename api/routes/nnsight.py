@@ -151,10 +151,11 @@ async def submit_request(request: Request, services: ServicesDep) -> JSONRespons
             raise QuotaExceeded(exc.message) from None
         raise
     if call.session_id:
+        session = keys.nnsight_session(owner, call.session_id)
         async with services.aredis.pipeline(transaction=False) as pipe:
-            pipe.rpush(keys.nnsight_session(call.session_id), job_id)
-            pipe.expire(keys.nnsight_session(call.session_id), 24 * 3600)
-            pipe.publish(keys.job_events(keys.nnsight_session(call.session_id)), "job")
+            pipe.rpush(session, job_id)
+            pipe.expire(session, 24 * 3600)
+            pipe.publish(keys.job_events(session), "job")
             await pipe.execute()
     return JSONResponse(frame(job_id, "RECEIVED", f"queued for {info.name}"))
 
@@ -192,19 +193,21 @@ async def subscribe(websocket: WebSocket) -> None:
     closed = asyncio.ensure_future(websocket.receive())  # the client's close (it sends nothing else)
     try:
         async with services.waiters.slot(), services.waiters.watch() as watch:
-            watch.add(keys.nnsight_session(session))
-            jobs: dict[str, tuple[str, int]] = {}  # job id -> (last status sent, LOG lines sent)
+            sent_with = keys.nnsight_session(owner, session)
+            listed = 0  # how many of the session's jobs have been read from its list
+            jobs: dict[str, tuple[str, int]] = {}  # unfinished job id -> (last status sent, LOG lines sent)
             while not closed.done():
                 watch.clear()
-                ids = await services.aredis.lrange(keys.nnsight_session(session), 0, 99)
-                for raw in ids:
-                    job_id = raw.decode() if isinstance(raw, bytes) else str(raw)
-                    watch.add(job_id)
-                    jobs.setdefault(job_id, ("RECEIVED", 0))
+                watch.add(sent_with)
+                for raw in await services.aredis.lrange(sent_with, listed, listed + 999):  # the new ones
+                    listed += 1
+                    jobs.setdefault(raw.decode() if isinstance(raw, bytes) else str(raw), ("RECEIVED", 0))
                 for job_id, (sent, lines) in list(jobs.items()):
-                    if sent in ("COMPLETED", "ERROR"):
-                        continue
-                    jobs[job_id] = await _send_news(websocket, services, job_id, owner, sent, lines)
+                    jobs[job_id] = news = await _send_news(websocket, services, job_id, owner, sent, lines)
+                    if news[0] in ("COMPLETED", "ERROR"):
+                        del jobs[job_id]
+                    else:
+                        watch.add(job_id)
                 await watch.wait(60, closed)
     except WebSocketDisconnect:
         pass
