@@ -123,16 +123,17 @@ def check_versions(nnsight_version: str | None, python_version: str | None, info
             f"install nnsight=={info.nnsight_version} (payloads serialize nnsight's objects, which change between "
             "minor versions; clients of 0.7 and older speak another protocol)"
         )
-    python = _minor(python_version or "", 2)
+    python, served = _minor(python_version or "", 2), _minor(info.python_version or "", 2)
+    wanted = ".".join(served or ("?",))
     if python is None:
         raise BadRequest(
             "the request does not say its Python version (`python-version` header): send it with nnsight's own "
-            f"client, on Python {'.'.join(_minor(info.python_version or '', 2) or ('?',))}"
+            f"client, on Python {wanted}"
         )
-    if python != _minor(info.python_version or "", 2):
+    if python != served:
         raise BadRequest(
             f"your Python is {(python_version or '').split()[0]}; the workers of {info.name} run Python "
-            f"{info.python_version}: use Python {'.'.join(_minor(info.python_version or '', 2) or ('?',))} "
+            f"{info.python_version}: use Python {wanted} "
             "(payloads carry compiled code, which only loads on the same minor version)"
         )
 

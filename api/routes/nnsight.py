@@ -72,18 +72,15 @@ async def _link(request: Request | WebSocket, services: Services, job_id: str) -
     """The job's download link: one per job, however often its status is polled (each poll renews
     it), so that polling a finished job adds nothing to Redis."""
     redis, ttl, by_job = services.aredis, services.settings.nnsight_link_seconds, keys.nnsight_job_link(job_id)
-    given = await redis.get(by_job)
-    if given is None:
-        token = secrets.token_urlsafe(32)
-        await redis.set(keys.nnsight_link(token), job_id, ex=ttl)
-        if not await redis.set(by_job, token, ex=ttl, nx=True):  # another poll gave one out meanwhile
-            given = await redis.get(by_job)
-    if given is not None:
-        token = given.decode() if isinstance(given, bytes) else str(given)
-        async with redis.pipeline(transaction=False) as pipe:
-            pipe.expire(by_job, ttl)
-            pipe.set(keys.nnsight_link(token), job_id, ex=ttl)  # the same key again, never a new one
-            await pipe.execute()
+    async with redis.pipeline(transaction=False) as pipe:  # the job's token: the first poll's, or this one
+        pipe.set(by_job, secrets.token_urlsafe(32), ex=ttl, nx=True)
+        pipe.get(by_job)
+        _, given = await pipe.execute()
+    token = given.decode() if isinstance(given, bytes) else str(given)
+    async with redis.pipeline(transaction=False) as pipe:  # renewed, and the same link key again
+        pipe.expire(by_job, ttl)
+        pipe.set(keys.nnsight_link(token), job_id, ex=ttl)
+        await pipe.execute()
     base = str(request.base_url).rstrip("/")
     if base.startswith("ws"):
         base = "http" + base[2:]
