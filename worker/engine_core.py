@@ -247,6 +247,7 @@ class EngineCore:
                     self._admit_group(decoder, work.entries)
             self._served(clock() - began)
             scheduler.prefilled(clock() - began, decoder)
+            scheduler.take_in(decoder, wait=False)  # what arrived meanwhile competes for the next unit
         if not decoder.rows:
             scheduler.idle()
             decoder.idle()  # the KV cache may give its memory back

@@ -13,10 +13,19 @@ of submissions starts together.
 
 Prefill work: jobs taken in wait for their prefill. Generations of similar prompt lengths prefill
 in one left-padded pass (`passes`), trace jobs run in passes of their own, and a text longer than
-the decoder's chunk is fed a chunk at a time, oldest first. Fair share: while jobs decode, prefill
-work gets at most about half of the engine's time: the time a prefill pass or chunk took is owed
-to the running batch, which decodes until it has had as much; so a long trace or a burst of
-prompts slows running jobs down about twofold at most, never freezes them.
+the decoder's chunk is fed a chunk at a time. Beside other work, a unit of prefill is at most
+`chunk_tokens` positions (ACTQ_PREFILL_CHUNK_TOKENS: the token budget of a unit), and the units
+take turns: a unit that served the work that arrived first is followed by one for the work with
+the fewest positions left (a new short prompt, or the long text nearest its end), and that by one
+for the oldest again. So a short job that
+arrives while a long prompt is fed waits for at most one chunk, not the whole prompt, and the
+oldest work still gets every second unit (nothing starves). The engine core asks again after each
+unit, taking in what arrived meanwhile (worker/engine_core.py's `tick`).
+
+Fair share: while jobs decode, prefill work gets at most about half of the engine's time: the time
+a prefill pass or chunk took is owed to the running batch, which decodes until it has had as much;
+so a long trace or a burst of prompts slows running jobs down about twofold at most, never freezes
+them.
 """
 
 from __future__ import annotations
@@ -98,6 +107,8 @@ class Scheduler:
         self.waiting: list[Entry] = []  # taken in, waiting for their prefill or trace pass
         self.feeding: list[Entry] = []  # long texts fed a chunk at a time, in order
         self.owed = 0.0  # seconds of decoding owed to the running batch for prefill work done
+        self._fed: dict[int, int] = {}  # id(sequence) -> positions of its long text handed out so far
+        self._oldest_turn = True  # the next unit of prefill: the oldest work's (else the shortest's)
 
     def submit(self, entry: Entry) -> None:
         self.inbox.put(entry)
@@ -112,11 +123,11 @@ class Scheduler:
         most = self.max_batch if batch.most_rows is None else min(self.max_batch, batch.most_rows)
         return most - len(batch.rows) - len(self.waiting) - len(self.feeding)
 
-    def take_in(self, batch: Batch) -> None:
+    def take_in(self, batch: Batch, wait: bool = True) -> None:
         """Take queued jobs in while there is room (jobs waiting for their prefill and long ones
-        being fed count against `max_batch`); when nothing runs, wait for one (then `wait_s` for
-        company, so that a burst starts together)."""
-        if not batch.rows and not self.waiting and not self.feeding:
+        being fed count against `max_batch`); when nothing runs and `wait`, wait for one (then
+        `wait_s` for company, so that a burst starts together)."""
+        if wait and not batch.rows and not self.waiting and not self.feeding:
             try:
                 first = self.inbox.get(timeout=0.5)  # wakes only to notice `stop`
             except queue.Empty:
@@ -175,6 +186,7 @@ class Scheduler:
         """`entry` got its one answer: it no longer holds memory or a place."""
         self.active.pop(id(entry.seq), None)
         self._arrived.pop(id(entry.seq), None)
+        self._fed.pop(id(entry.seq), None)
 
     def entry_of(self, seq: Any) -> Entry | None:
         """The entry of a running sequence (None: not one taken in here)."""
@@ -184,27 +196,38 @@ class Scheduler:
     # -- prefill work ------------------------------------------------------------------------
 
     def next_work(self, batch: Batch) -> Feed | Pass | None:
-        """The next unit of prefill work while the running batch is not owed time (None: decode),
-        for the job that arrived first: the pass of waiting jobs it belongs to (taken out of
-        `waiting`), or the next chunk of its long text (it stays in `feeding` until `fed`)."""
+        """The next unit of prefill work while the running batch is not owed time (None: decode):
+        on the oldest's turn, the work that arrived first; on the other turn, the work with the
+        fewest positions left (see the module). A unit is the pass of waiting jobs its job belongs
+        to (taken out of `waiting`), or the next chunk of a long text (which stays in `feeding`
+        until `fed`)."""
         if not (self.waiting or self.feeding) or (batch.rows and self.owed > 0):
             return None
-        first_waiting = min(self.waiting, key=lambda e: self._arrived[id(e.seq)], default=None)
-        if self.feeding and (
-            first_waiting is None or self._arrived[id(self.feeding[0].seq)] < self._arrived[id(first_waiting.seq)]
-        ):
-            return Feed(self.feeding[0])
-        assert first_waiting is not None
-        kind = first_waiting.seq.trace, batch.wants_logits(first_waiting.seq)
+        candidates: list[Entry] = [*self.feeding, *self.waiting]
+        oldest = min(candidates, key=lambda e: self._arrived[id(e.seq)])
+        if self._oldest_turn:
+            pick = oldest
+        else:
+            pick = min(candidates, key=lambda e: (self._left(e), self._arrived[id(e.seq)]))
+        self._oldest_turn = pick is not oldest  # the oldest served: the next unit is the shortest's
+        if any(e is pick for e in self.feeding):
+            self._fed[id(pick.seq)] = self._fed.get(id(pick.seq), 0) + (batch.chunk_tokens or pick.seq.prompt_tokens)
+            return Feed(pick)
+        kind = pick.seq.trace, batch.wants_logits(pick.seq)
         alike = [e for e in self.waiting if (e.seq.trace, batch.wants_logits(e.seq)) == kind]
-        cap = batch.chunk_tokens if batch.rows else None  # beside decoding jobs: about a chunk's work
-        group = next(g for g in self.passes(alike, cap) if any(e is first_waiting for e in g))
+        cap = batch.chunk_tokens if batch.rows or self.feeding else None  # beside other work: about a chunk's positions
+        group = next(g for g in self.passes(alike, cap) if any(e is pick for e in g))
         self.waiting = [e for e in self.waiting if all(e is not g for g in group)]
         return Pass(group, trace=kind[0])
+
+    def _left(self, entry: Entry) -> int:
+        """Positions of `entry`'s prompt (or trace text) not yet handed out for prefill."""
+        return entry.seq.prompt_tokens - self._fed.get(id(entry.seq), 0)
 
     def fed(self, entry: Entry) -> None:
         """`entry`'s long text is all fed, or failed: it is no longer being fed."""
         self.feeding = [e for e in self.feeding if e is not entry]
+        self._fed.pop(id(entry.seq), None)
 
     def passes(self, entries: list[Entry], cap: int | None = None) -> list[list[Entry]]:
         """`entries` in passes of similar lengths: sorted, and a pass ends before padding would

@@ -580,3 +580,63 @@ def test_beside_decoding_jobs_prefill_work_gets_about_half_the_time(monkeypatch)
     order = ",".join(batch.log)
     assert "chunk," + ",".join(["step"] * 10) + ",chunk" in order
     assert ",".join(["step"] * 11) + ",chunk" not in order  # and not more than its share
+
+
+def _noting(jobs: list[Job], order: list[Job]) -> list[Entry]:
+    """`entries(jobs)` whose answers are also noted in `order`, as they come."""
+    made = entries(jobs)
+    for job, entry in zip(jobs, made, strict=True):
+        entry.done = lambda outcome, job=job: (job.answers.append(outcome), order.append(job))  # type: ignore[misc]
+    return made
+
+
+def _arriving_during_chunks(
+    batch: FakeBatch, core: EngineCore, arrivals: dict[int, list[Job]], order: list[Job]
+) -> None:
+    """Submit `arrivals[n]` while the n-th chunk is fed (the engine is busy with a long prompt)."""
+    feed, chunks = batch.feed, [0]
+
+    def feeding(item, most: int) -> bool:
+        chunks[0] += 1
+        for entry in _noting(arrivals.get(chunks[0], []), order):
+            core.submit(entry)
+        return feed(item, most)
+
+    batch.feed = feeding  # type: ignore[method-assign]
+
+
+def test_a_short_job_that_arrives_while_a_long_prompt_is_fed_waits_for_one_chunk_not_the_prompt() -> None:
+    """Issue 47: a 5.3k-token prompt made another key's 4-token job, sent 1 s later, wait for the
+    whole prompt (53x its time alone). Now the short job's pass runs after the chunk in progress."""
+    batch = FakeBatch(chunk_tokens=100)
+    core = EngineCore(FakeServed(batch), max_batch=4)  # type: ignore[arg-type]
+    long, short = Job(FakeSeq(1000, 3)), Job(FakeSeq(10, 3))  # ten chunks; a one-pass prompt
+    order: list[Job] = []
+    _arriving_during_chunks(batch, core, {2: [short]}, order)
+    for entry in _noting([long], order):
+        core.submit(entry)
+    run(core, batch, [long, short])
+    assert batch.log.index("prefill") == 2  # chunk 1, chunk 2 (it arrives), then its pass
+    assert order == [short, long]  # it ends before the long prompt is all fed
+    assert batch.log.count("chunk") == 10 and long.answers == [long.seq] and short.answers == [short.seq]
+
+
+def test_short_jobs_arriving_at_every_chunk_never_starve_the_long_prompt() -> None:
+    """The oldest work gets every second unit of prefill: a stream of short arrivals (one per
+    chunk) delays a ten-chunk prompt by at most one unit per chunk, and each short job still
+    waits for at most one chunk."""
+    batch = FakeBatch(chunk_tokens=100)
+    core = EngineCore(FakeServed(batch), max_batch=64)  # type: ignore[arg-type]
+    long = Job(FakeSeq(1000, 1))
+    shorts = {n: [Job(FakeSeq(10, 1))] for n in range(1, 11)}
+    order: list[Job] = []
+    _arriving_during_chunks(batch, core, shorts, order)
+    for entry in _noting([long], order):
+        core.submit(entry)
+    every_short = [j for js in shorts.values() for j in js]
+    run(core, batch, [long, *every_short])
+    units = [u for u in batch.log if u in ("chunk", "prefill")]
+    last_chunk = len(units) - 1 - units[::-1].index("chunk")
+    assert units.count("chunk") == 10 and last_chunk < 20  # the long prompt: every second unit at least
+    assert "chunk,chunk" not in ",".join(units)  # whoever arrived during a chunk went next
+    assert all(job.answers == [job.seq] for job in [long, *every_short])
