@@ -336,6 +336,18 @@ class Settings(BaseSettings):
         ge=0,
         description="How long a worker retries an upload while the S3 endpoint is unreachable (0: not at all).",
     )
+    storage_backlog_jobs: int = Field(
+        8,
+        ge=1,
+        description="Jobs whose files a worker may have waiting to be stored (a slow or unreachable store); past "
+        "it, its next capture jobs wait before joining a batch. Jobs that store nothing never wait for the store.",
+    )
+    storage_min_free_bytes: int = Field(
+        1 << 30,
+        ge=0,
+        description="A local store with less free space than this shows as `low` in GET /health (status "
+        "`degraded`, with the bytes left); 0: never.",
+    )
     lost_message_check_seconds: float = Field(
         10.0,
         gt=0,

@@ -135,3 +135,7 @@ class ArtifactStore(ABC):
     @abstractmethod
     def check(self) -> None:
         """Raise StorageError when the store cannot be used (for /health)."""
+
+    def free_bytes(self) -> int | None:
+        """Bytes left for new files, or None where the store does not say (S3)."""
+        return None

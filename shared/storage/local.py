@@ -4,6 +4,7 @@ fsync, rename, fsync of the directory."""
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -114,6 +115,17 @@ class LocalStore(ArtifactStore):
     def check(self) -> None:
         if self.root.exists() and not self.root.is_dir():
             raise StorageError(f"{self.root} is not a directory")
+
+    def free_bytes(self) -> int | None:
+        """Free bytes of the filesystem holding the root (or, before its first file, its nearest
+        existing parent: where the root will be made)."""
+        path = self.root
+        while not path.exists() and path != path.parent:
+            path = path.parent
+        try:
+            return shutil.disk_usage(path).free
+        except OSError:
+            return None
 
 
 def _fsync_dir(path: Path) -> None:
