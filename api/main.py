@@ -27,8 +27,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         title="actq",
         summary="Chat completions with per-token activation capture, queued for one-model workers.",
         version="0.1.0",
-        docs_url="/docs" if open_docs else None,
-        redoc_url="/redoc" if open_docs else None,
+        docs_url=None,  # api/routes/docs.py serves /docs and /redoc, with their files (no CDN)
+        redoc_url=None,
         openapi_url="/openapi.json" if open_docs else None,
     )
     app.state.services = build_services(settings)
@@ -54,8 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(tokenizer.router)
     app.include_router(tokenizer.router, prefix=run_labels.PREFIX, include_in_schema=False)  # beside its /v1
     app.include_router(nnsight.router)
-    if not open_docs:
-        app.include_router(docs.router)
+    app.include_router(docs.open_router if open_docs else docs.router)
+    app.mount(docs.ASSETS, docs.assets(), name="docs-assets")
     document_bodies(app)
     return app
 
