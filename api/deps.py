@@ -50,7 +50,7 @@ def build_services(settings: Settings) -> Services:
     )
     aclient = aioredis.Redis(connection_pool=pool)
     celery = make_celery(settings)
-    jobs = JobStore(client, settings.job_retention_seconds, aclient=aclient)
+    jobs = JobStore(client, settings.job_retention_seconds, aclient=aclient, fair_share=settings.fair_share_jobs)
     return Services(
         settings=settings,
         redis=client,

@@ -117,7 +117,7 @@ def main() -> int:
                     arms["POST /jobs"].append(wrk(f"{base}/jobs", args.duration, args.connections, script))
                     arms["GET /jobs/{id}"].append(wrk(f"{base}/jobs/{job_id}", args.duration, args.connections))
         jobs = len(set(client.scan_iter(match=keys.job("*"), count=10_000)))
-        messages = client.llen(keys.queue(MODEL))
+        messages = sum(client.llen(lane) for lane in keys.lanes(MODEL))
         client.close()
 
     report: dict = {

@@ -61,10 +61,10 @@ def enqueue(base: str, redis_url: str, problems, capture: dict, model_info: dict
             jobs = client.submit_many(requests, idempotency_keys=keys_, batch_size=5000)
             times.append(time.perf_counter() - start)
             assert len({j.id for j in jobs}) == len(requests)
-            queued = client_redis.llen(keys.queue(name))
+            queued = sum(client_redis.llen(lane) for lane in keys.lanes(name))
             assert queued == len(requests), queued
             client_redis.delete(
-                keys.queue(name), *[keys.job(j.id) for j in jobs], *[keys.idempotency(k) for k in keys_]
+                *keys.lanes(name), *[keys.job(j.id) for j in jobs], *[keys.idempotency(k) for k in keys_]
             )
     return {
         "jobs": len(requests),

@@ -49,6 +49,9 @@ def make_celery(settings: Settings) -> Celery:
             # it, at most every 10 s; kombu's default looks about every 100 s.
             "unacked_restore_interval": max(1, min(10, settings.visibility_timeout // 10)),
             "unacked_restore_throttle": 1,
+            # The lanes of a model's queue (shared/keys.py's `lanes`), popped first to last.
+            "priority_steps": list(keys.PRIORITY_STEPS),
+            "sep": keys.PRIORITY_SEP,
         },
         broker_connection_retry_on_startup=True,
         task_default_queue=keys.queue(settings.served_model_name),

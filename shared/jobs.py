@@ -47,26 +47,38 @@ LIST_CHUNK = 32  # records fetched per MGET while listing: bounds the memory one
 # A new job (or a batch) in one atomic step: refused whole when a job exists already or when the
 # owner's queued jobs or bytes would pass their limits; otherwise every write of every job and the
 # owner's quota counters. KEYS: quota hash, its held hash. ARGV: max jobs, max bytes (0: none),
-# retention, n, total bytes, then per job: record key, record JSON, queued set, score, id, owner's
+# retention, n, total bytes, the fair share, the queue's later priority steps (space-separated),
+# kombu's priority separator, then per job: record key, record JSON, queued set, score, id, owner's
 # index, owner's status index, model counters, queue, broker message, estimated bytes, and its tag
 # indexes (space-separated; each expires a retention after its newest job).
+# The lane: a job goes to the queue's first list while its owner holds fewer than the fair share of
+# jobs (queued or running, this one not counted), to the next below twice that, then four times,
+# and to the last beyond (shared/keys.py's `lanes`); workers empty the first lane first.
 _ENQUEUE = """
-local n, per = tonumber(ARGV[4]), 12
+local n, per, first = tonumber(ARGV[4]), 12, 8
 for i = 0, n - 1 do
-  if redis.call('EXISTS', ARGV[6 + i * per]) == 1 then return {'exists', ARGV[10 + i * per]} end
+  if redis.call('EXISTS', ARGV[first + 1 + i * per]) == 1 then return {'exists', ARGV[first + 5 + i * per]} end
 end
 local held = redis.call('HMGET', KEYS[1], 'jobs', 'bytes')
 local jobs, bytes = tonumber(held[1] or '0'), tonumber(held[2] or '0')
 if tonumber(ARGV[1]) > 0 and jobs + n > tonumber(ARGV[1]) then return {'jobs', tostring(jobs)} end
 if tonumber(ARGV[2]) > 0 and bytes + tonumber(ARGV[5]) > tonumber(ARGV[2]) then return {'bytes', tostring(bytes)} end
+local fair, steps = tonumber(ARGV[6]), {}
+for step in string.gmatch(ARGV[7], '%S+') do steps[#steps + 1] = step end
+local function lane(queue, held)
+  if held < fair or #steps == 0 then return queue end
+  local level, bound = 1, 2 * fair
+  while held >= bound and level < #steps do level, bound = level + 1, bound * 2 end
+  return queue .. ARGV[8] .. steps[level]
+end
 for i = 0, n - 1 do
-  local a = 5 + i * per
+  local a = first + i * per
   redis.call('SET', ARGV[a + 1], ARGV[a + 2], 'EX', ARGV[3])
   redis.call('ZADD', ARGV[a + 3], ARGV[a + 4], ARGV[a + 5])
   redis.call('ZADD', ARGV[a + 6], ARGV[a + 4], ARGV[a + 5])
   redis.call('ZADD', ARGV[a + 7], ARGV[a + 4], ARGV[a + 5])
   redis.call('HINCRBY', ARGV[a + 8], 'submitted', 1)
-  redis.call('LPUSH', ARGV[a + 9], ARGV[a + 10])
+  redis.call('LPUSH', lane(ARGV[a + 9], jobs + i), ARGV[a + 10])
   redis.call('HSET', KEYS[2], ARGV[a + 5], ARGV[a + 11])
   for tag in string.gmatch(ARGV[a + 12], '%S+') do
     redis.call('ZADD', tag, ARGV[a + 4], ARGV[a + 5])
@@ -201,9 +213,11 @@ class JobStore:
         retention_seconds: int,
         outage_seconds: float = 0,
         aclient: aioredis.Redis | None = None,
+        fair_share: int = 8,
     ) -> None:
         self.redis = client
         self.aredis = aclient
+        self.fair_share = fair_share  # ACTQ_FAIR_SHARE_JOBS: an owner's jobs in a model's first lane
         self.retention = retention_seconds
         self.outage_seconds = outage_seconds
 
@@ -237,7 +251,8 @@ class JobStore:
         owner = records[0].owner
         assert all(r.owner == owner for r in records), "one owner per enqueue"
         sizes = list(sizes) if sizes is not None else [0] * len(records)
-        argv: list[Any] = [limits[0], limits[1], self.retention, len(records), sum(sizes)]
+        argv: list[Any] = [limits[0], limits[1], self.retention, len(records), sum(sizes), self.fair_share]
+        argv += [" ".join(str(step) for step in keys.PRIORITY_STEPS[1:]), keys.PRIORITY_SEP]
         for place, (record, size) in enumerate(zip(records, sizes, strict=True)):
             queue = keys.queue(record.model)
             record.written_by = VERSION  # the record as stored: its holder sees what was written

@@ -144,8 +144,28 @@ def held(name: str, worker_id: str) -> str:
 
 
 def queue(name: str) -> str:
-    """The Celery queue (a Redis list) that a model's workers consume."""
+    """The Celery queue that a model's workers consume: the Redis list of its first lane (see
+    `lanes`)."""
     return f"{PREFIX}.{name}"
+
+
+# kombu's Redis transport keeps a queue's messages of priority p in the list `<queue>` (p = 0) or
+# `<queue>\x06\x16<p>`, for p in its priority steps, and pops them in that order (BRPOP over the
+# lists, first non-empty first). shared/broker.py pins both sides to these steps.
+PRIORITY_STEPS = (0, 3, 6, 9)
+PRIORITY_SEP = "\x06\x16"
+
+
+def lanes(name: str) -> list[str]:
+    """The Redis lists of a model's queue, the one served first first: a job goes to a later lane
+    the more jobs its key already holds (shared/jobs.py's `_ENQUEUE`), so one key's burst never
+    makes another key's job wait behind it."""
+    return queue_lanes(queue(name))
+
+
+def queue_lanes(queue_name: str) -> list[str]:
+    """`lanes` of the queue named `queue_name`."""
+    return [queue_name if step == 0 else f"{queue_name}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
 
 
 def quota(owner: str | None) -> str:

@@ -6,6 +6,7 @@ import json
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlparse
 
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -154,6 +155,15 @@ class Settings(BaseSettings):
     s3_endpoint_url: str | None = Field(
         None, description="S3-compatible endpoint (MinIO, SeaweedFS); unset for AWS. Credentials: the AWS chain."
     )
+    s3_public_endpoint_url: str | None = Field(
+        None,
+        description=(
+            "The S3 endpoint as clients reach it, when they cannot reach ACTQ_S3_ENDPOINT_URL (MinIO in docker compose "
+            "is http://minio:9000 inside, http://localhost:9000 or the host's name outside): download links "
+            "(presigned URLs) are signed for it, while the API and workers keep using ACTQ_S3_ENDPOINT_URL. Unset: "
+            "links point at ACTQ_S3_ENDPOINT_URL."
+        ),
+    )
     s3_region: str | None = Field(None, description="S3 region; unset: the AWS config chain (or us-east-1).")
     s3_multipart_chunk_bytes: int = Field(
         8 << 20, ge=5 << 20, description="Uploads larger than this go up in parts of this size."
@@ -254,6 +264,13 @@ class Settings(BaseSettings):
         2000,
         ge=1,
         description="Long polls (GET /jobs/{id}?wait=, /v1/chat/completions) one API process holds; 429 beyond.",
+    )
+    fair_share_jobs: int = Field(
+        8,
+        ge=1,
+        description="Jobs of one API key that queue in a model's first lane; the key's further jobs (while it holds "
+        "this many queued or running) queue in later lanes that workers take from only when the earlier ones are "
+        "empty, so one key's burst does not make other keys' jobs wait behind it.",
     )
     max_queued_jobs_per_key: int = Field(
         10_000,
@@ -375,6 +392,16 @@ class Settings(BaseSettings):
             raise ValueError(
                 f'is not JSON ({exc}); give an object of capture specs, e.g. {{"<name>": {{"preset": "residual"}}}}'
             ) from None
+
+    @field_validator("s3_public_endpoint_url", mode="before")
+    @classmethod
+    def _endpoint(cls, value: object) -> object:
+        """A URL with a scheme and a host (botocore signs for the host; `localhost:9000` alone has none); empty: unset."""
+        if value == "":
+            return None
+        if isinstance(value, str) and (urlparse(value).scheme not in ("http", "https") or not urlparse(value).netloc):
+            raise ValueError(f"{value!r} is not an endpoint: give http(s)://host[:port], e.g. http://localhost:9000")
+        return value
 
     @model_validator(mode="after")
     def _keyed_settings_name_keys(self) -> Settings:

@@ -76,10 +76,12 @@ def _decode(value: bytes | str) -> str:
 
 
 def _messages(client: redis.Redis, queue: str) -> Iterable[bytes | str]:
-    start = 0
-    while chunk := client.lrange(queue, start, start + SCAN_CHUNK - 1):
-        yield from chunk
-        start += SCAN_CHUNK
+    """Every message waiting in `queue`, in each of its lanes (shared/keys.py's `lanes`)."""
+    for lane in keys.queue_lanes(queue):
+        start = 0
+        while chunk := client.lrange(lane, start, start + SCAN_CHUNK - 1):
+            yield from chunk
+            start += SCAN_CHUNK
 
 
 def held_by_live_workers(client: redis.Redis, model: str) -> set[str]:

@@ -58,7 +58,7 @@ def test_a_worker_ends_what_a_newer_version_wrote_once_and_runs_the_rest(live, t
             assert log.count(f"job {bad} not run: unsupported by this worker") == 1, log[-4000:]
             assert log.count(f"job {paused} not run: left for a worker of the version that wrote its record") == 1
             assert json.loads(redis_client.get(keys.job(paused)))["status"] == "paused"  # left as it was
-            assert redis_client.llen(keys.queue(MODEL)) == 0 and redis_client.hlen("unacked") == 0
+            assert not any(redis_client.llen(lane) for lane in keys.lanes(MODEL)) and redis_client.hlen("unacked") == 0
             listing = http.get("/jobs", params={"limit": 10})
             assert listing.status_code == 200
             assert {j["id"] for j in listing.json()} == {ids[0], ids[2], ids[4]}

@@ -66,6 +66,26 @@ def test_enqueue_writes_record_queue_place_index_and_message_together(store, cel
         store.enqueue([jobs[0]], celery)
 
 
+def test_a_keys_jobs_past_its_fair_share_queue_behind_other_keys_jobs(store, celery, redis_client):
+    """Issue 47: one key's n=256 burst made another key's job wait 64 s (the queue was first in,
+    first out across keys). A key's jobs past the fair share (8 held) go to later lanes, and kombu's
+    consumer, configured as the worker's, takes the first lane first: the light key's one job is
+    taken ninth, not forty-first. Each key's own jobs keep their order."""
+    heavy = [record(owner="heavy") for _ in range(40)]
+    store.enqueue(heavy[:30], celery)  # a burst, then more of the same key: lanes follow what it holds
+    store.enqueue(heavy[30:], celery)
+    light = record(owner="light")
+    store.enqueue([light], celery)
+    sizes = [redis_client.llen(lane) for lane in keys.lanes("m")]
+    assert sizes == [9, 8, 16, 8]  # held < 8; < 16; < 32; beyond
+    taken = []
+    with celery.connection_for_read() as connection:
+        channel = connection.default_channel
+        while (message := channel.basic_get(keys.queue("m"), no_ack=True)) is not None:
+            taken.append(message.headers["id"])
+    assert taken == [j.id for j in heavy[:8]] + [light.id] + [j.id for j in heavy[8:]]
+
+
 def test_lifecycle_and_retention(store, celery, redis_client):
     job_id = new_job(store, celery)
     assert store.live_fields(store.get(job_id)) == {"queue_position": 1}

@@ -21,10 +21,11 @@ _before: dict[int, tuple[int, int, int]] = {}
 def _counts() -> tuple[int, int, int]:
     pipe = _redis.pipeline()
     pipe.zcard(keys.jobs_index(None))
-    pipe.llen(keys.queue(_MODEL))
+    for lane in keys.lanes(_MODEL):
+        pipe.llen(lane)
     pipe.zcard(keys.vector_sets_index(None))
-    jobs, queued, vectors = pipe.execute()
-    return int(jobs), int(queued), int(vectors)
+    jobs, *queued, vectors = pipe.execute()
+    return int(jobs), sum(int(q) for q in queued), int(vectors)
 
 
 @schemathesis.hook

@@ -75,8 +75,8 @@ def assert_stored_once(storage_dir: Path, job: dict) -> None:
 
 
 def queued_messages(client: redis.Redis, model: str) -> int:
-    """Broker messages waiting in a model's queue."""
-    return int(client.llen(keys.queue(model)))
+    """Broker messages waiting in a model's queue, in all its lanes."""
+    return sum(int(client.llen(lane)) for lane in keys.lanes(model))
 
 
 def job_count(client: redis.Redis) -> int:

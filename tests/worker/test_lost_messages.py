@@ -112,6 +112,19 @@ def held_tag(client) -> str:
     return next(iter(client.hkeys("unacked"))).decode()
 
 
+def test_messages_in_a_queues_later_lanes_are_not_lost(redis_client, celery):
+    """A key's jobs past its fair share wait in the queue's later lanes (shared/keys.py `lanes`):
+    they are waiting, not stranded, and are never sent twice."""
+    store = JobStore(redis_client, retention_seconds=60, fair_share=2)
+    burst = [record(owner="k") for _ in range(12)]
+    store.enqueue(burst, celery)
+    assert all(redis_client.llen(lane) for lane in keys.lanes("m"))  # every lane holds some
+    assert find_stranded(redis_client, "m", QUEUE, min_age=0, now=time.time() + 60) == {}
+    sweeper = _sweeper(redis_client, celery)
+    assert _next_round(redis_client, sweeper, 60) == [] and _next_round(redis_client, sweeper, 60) == []
+    assert sum(redis_client.llen(lane) for lane in keys.lanes("m")) == 12
+
+
 def test_a_message_stranded_in_unacked_is_moved_back(redis_client, celery, jobs):
     """Delivered just before the consumer lost Redis, never given to a task, not restored."""
     _, ids = jobs
