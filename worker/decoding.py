@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -36,6 +36,7 @@ from worker.capture import BatchHooks, JobCapture, Mark
 from worker.constrained import Constraint, masked_rows
 from worker.edits import BatchEdits, JobEdits
 from worker.sampling import RowSampling
+from worker.stop_strings import checked_from, stop_cut
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -185,6 +186,7 @@ class Sequence:
     sampler: Sampler | None  # None for a trace job
     capture: JobCapture | None = None
     stops: list[str] = field(default_factory=list)
+    min_tokens: int = 0  # no stop string counts before this many tokens (worker/stop_strings.py)
     watch: Watch | None = None
     tag: object = None  # the caller's handle
     scores: TokenScores | None = None  # log-probabilities, when the job asked for them
@@ -679,16 +681,22 @@ class Decoder:
             row.ended = "length"
         elif constraint is not None and constraint.done:
             row.ended = "stop"
-        elif row.stops and self._hit_stop(row):
+        elif row.stops and count > row.min_tokens and self._hit_stop(row):
             row.ended = "stop"
         elif row.watch is not None and (why := row.watch(count)) is not None:
             row.ended, row.stopped_by = "watch", why
 
     def _hit_stop(self, row: Sequence) -> bool:
         """transformers' own `stop_strings` criterion walks the whole vocabulary per set of stop
-        strings (seconds per job); this decodes only the tail that could hold one."""
-        tail = self.tokenizer.decode(row.generated[-stop_window(row.stops) :])
-        return any(stop in tail for stop in row.stops)
+        strings (seconds per job); this decodes only the tail that could hold one. A stop string
+        must end beyond the text of the first `min_tokens` tokens (worker/stop_strings.py)."""
+        lo = max(len(row.generated) - stop_window(row.stops), 0)
+
+        def decode(ids: list[int]) -> str:
+            return cast(str, self.tokenizer.decode(ids))  # one sequence: one str
+
+        held = checked_from(decode, row.generated[lo:], row.min_tokens - lo)
+        return stop_cut(decode(row.generated[lo:]), row.stops, held) is not None
 
     def _remove_ended(self) -> list[Sequence]:
         """The rows that ended this step, out of the batch. Never raises: the ended rows are the

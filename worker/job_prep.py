@@ -148,6 +148,7 @@ def prepare(
         else Sampler(served.hf, generate_settings(request), prompt_tokens, request.seed, device),
         capture=capture,
         stops=list(request.stop),
+        min_tokens=request.min_tokens,
         watch=watch,
         scores=TokenScores(request.alternatives) if request.logprobs else None,
         completion=completion,

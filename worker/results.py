@@ -24,6 +24,7 @@ from shared.interventions import EditReport
 from shared.schemas import CapturePoint, JobRequest
 from shared.tools import ToolFormat
 from worker.decoding import Sequence, TokenScores
+from worker.stop_strings import checked_from, stop_cut
 from worker.tool_calls import Parsed, parse_tool_calls
 
 
@@ -102,14 +103,19 @@ def finish(
 def _text(
     generated: torch.Tensor, request: JobRequest, max_tokens: int, tokenizer: Any, eos_ids: set[int]
 ) -> tuple[str, str]:
-    """The completion's text and finish reason: cut at the first stop string, "stop" at the end
-    of a turn, "length" at max_tokens."""
+    """The completion's text and finish reason: cut before the first stop string to end after
+    the first `min_tokens` tokens (worker/stop_strings.py), "stop" at the end of a turn, "length"
+    at max_tokens."""
     if request.trace:  # nothing generated, as a completion with max_tokens 0 ends
         return "", "length"
-    text = cast(str, tokenizer.decode(generated, skip_special_tokens=True))  # one sequence: one str
-    cuts = [text.find(s) for s in request.stop if s in text]
-    if cuts:
-        return text[: min(cuts)], "stop"
+
+    def decode(ids: Any) -> str:
+        return cast(str, tokenizer.decode(ids, skip_special_tokens=True))  # one sequence: one str
+
+    text = decode(generated)
+    cut = stop_cut(text, request.stop, checked_from(decode, generated.tolist(), request.min_tokens))
+    if cut is not None:
+        return text[:cut], "stop"
     if len(generated) and int(generated[-1]) in eos_ids:
         return text, "stop"
     return text, "length" if len(generated) >= max_tokens else "stop"

@@ -11,9 +11,10 @@ that final text they did not hold, so the pieces must always be a prefix of it. 
   is held back.
 - Stop strings: only the tokens the engine has checked for a stop string are decoded (`checked`,
   the count its watch last reported: the decoder calls the watch after its stop check). That text
-  holds no stop string, so a stop string found later begins within its last `len(longest stop)
-  - 1` characters: those are held back until the job ends (what vLLM holds back too), and the
-  final text, cut before the stop string, comes from the result.
+  holds no stop string that counts (one within the first `min_tokens` tokens does not:
+  worker/stop_strings.py), so a stop string found later begins within its last `len(longest
+  stop) - 1` characters: those are held back until the job ends (what vLLM holds back too), and
+  the final text, cut before the stop string, comes from the result.
 - A decode that does not extend what was decoded before (a tokenizer that rewrites text across
   token boundaries, such as `clean_up_tokenization_spaces`) stops the stream for this job: the
   rest comes with the final text rather than a piece that might not be a prefix of it.
