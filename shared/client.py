@@ -12,7 +12,8 @@
 
 Only httpx is needed to import this module; torch and safetensors are imported by the methods
 that return tensors. Every API error becomes an `ActqClientError` subclass carrying the API's
-`error` type and `detail` message.
+`error` type and `detail` message. Outages are waited out: 429, 502, 503, 504 and lost
+connections are retried with backoff for up to `retry_seconds` per request (shared/retries.py).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import hashlib
 import json
 import os
 import tempfile
+import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +33,7 @@ from urllib.parse import quote
 
 import httpx
 
+from shared.retries import DEFAULT_SECONDS, RESENDABLE_METHODS, Retrying, RetryPolicy, retry_after
 from shared.states import TERMINAL_NAMES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -62,11 +65,12 @@ class ActqClientError(Exception):
     """An error answered by the API (or found by the client): HTTP status, the API's `error`
     type and its `detail` message."""
 
-    def __init__(self, status_code: int | None, error_type: str, detail: str) -> None:
+    def __init__(self, status_code: int | None, error_type: str, detail: str, retry_after: float | None = None) -> None:
         super().__init__(status_code, error_type, detail)
         self.status_code = status_code
         self.error_type = error_type
         self.detail = detail
+        self.retry_after = retry_after  # seconds, from the answer's Retry-After header
 
     def __str__(self) -> str:
         status = f"{self.status_code} " if self.status_code is not None else ""
@@ -86,7 +90,8 @@ class Conflict(ActqClientError):
 
 
 class Unavailable(ActqClientError):
-    """503: the API cannot reach Redis or the broker; retrying later is reasonable."""
+    """503: the API cannot reach Redis (`service_unavailable`) or its object store
+    (`storage_error`); retried, then raised once the retry budget is spent."""
 
 
 class Busy(ActqClientError):
@@ -121,7 +126,8 @@ def _raise_for_error(response: httpx.Response) -> None:
         error_type, detail = str(body["error"]), str(body.get("detail", ""))
     else:  # not the API's error shape (a proxy, or /health's 503 body)
         error_type, detail = f"http_{response.status_code}", response.text[:1000] or response.reason_phrase
-    raise _BY_STATUS.get(response.status_code, ActqClientError)(response.status_code, error_type, detail)
+    error = _BY_STATUS.get(response.status_code, ActqClientError)
+    raise error(response.status_code, error_type, detail, retry_after(response))
 
 
 # --- results ----------------------------------------------------------------------------------
@@ -314,9 +320,16 @@ class Job:
 
     def download(self, path: str | os.PathLike, *, proxy: bool = False) -> Path:
         """Stream the safetensors file to `path` (written to a temporary file beside it, checked
-        against the manifest's sha256, then renamed). Returns the path."""
+        against the manifest's sha256, then renamed). Returns the path. A connection lost in the
+        middle starts the download again, within the client's retry budget."""
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
+        for attempt in self._client._retrying("GET"):
+            with attempt:
+                self._download_once(path, proxy)
+        return path
+
+    def _download_once(self, path: Path, proxy: bool) -> None:
         digest, size = hashlib.sha256(), 0
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
         try:
@@ -330,7 +343,6 @@ class Job:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
-        return path
 
     def tensor(self, name: str, rows: slice | tuple[int, int] | None = None) -> torch.Tensor:
         """One tensor of the job's file, fetched alone (`GET /jobs/{id}/activations/{name}`).
@@ -373,6 +385,13 @@ class Job:
 
     # --- cancel / delete ---------------------------------------------------------------------
 
+    def cancel(self) -> Job:
+        """`POST /jobs/{id}/cancel`: a queued job becomes `cancelled`; a running one is stopped
+        within a decoding step (this Job then still says `running`: `wait()` for its end). Never
+        deletes anything: `Conflict` when the job had already finished. Returns self."""
+        self.data = self._client._request("POST", f"/jobs/{quote(self.id, safe='')}/cancel", resendable=True).json()
+        return self
+
     def delete(self) -> Job:
         """`DELETE /jobs/{id}`: a queued job becomes `cancelled` (this Job is updated); a finished
         job's record and artifacts are deleted (this Job keeps its last known state). Returns self."""
@@ -381,19 +400,32 @@ class Job:
             self.data = response.json()
         return self
 
-    cancel = delete
-
 
 # --- the client -------------------------------------------------------------------------------
 
 
 class Client:
     """A connection to an actq API. `api_key`, when given, is sent as `Authorization: Bearer`.
-    Use as a context manager, or call `close()`."""
+    Use as a context manager, or call `close()`.
 
-    def __init__(self, base_url: str, api_key: str | None = None, timeout: float = 30.0) -> None:
+    `retry_seconds`: how long one request keeps being retried through an outage (429 with its
+    Retry-After, 502/503/504, a lost connection; 0: never); `on_retry` is told each retry in a
+    line (what failed, the wait). Other 4xx answers are raised at once (shared/retries.py)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None = None,
+        timeout: float = 30.0,
+        retry_seconds: float = DEFAULT_SECONDS,
+        on_retry: Callable[[str], None] | None = None,
+    ) -> None:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.timeout = timeout
+        self.retry = RetryPolicy(seconds=retry_seconds)
+        self.on_retry = on_retry
+        self._answered = False  # the API has answered once: a refused connection is now an outage
+        self.interrupted: threading.Event | None = None  # set: a retry's wait ends in KeyboardInterrupt
         # Redirects are followed only for downloads (the S3 store answers 307 to a presigned
         # URL); httpx drops the Authorization header when a redirect leaves the API's origin.
         self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
@@ -408,16 +440,51 @@ class Client:
         """Close the connection pool."""
         self._http.close()
 
-    def _request(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        response = self._http.request(method, path, **kwargs)
-        _raise_for_error(response)
+    @property
+    def base_url(self) -> str:
+        """The API's base URL, as given."""
+        return str(self._http.base_url).rstrip("/")
+
+    def _retrying(self, method: str, resendable: bool = False, busy_retried: bool = True) -> Retrying:
+        """The attempts of one request (shared/retries.py): `resendable` marks a POST that may be
+        sent twice; `busy_retried=False` raises a 429 at once (the caller has its own fallback)."""
+        return Retrying(
+            self.retry,
+            resendable=resendable or method.upper() in RESENDABLE_METHODS,
+            reached=lambda: self._answered,
+            notify=self.on_retry,
+            busy_retried=busy_retried,
+            interrupted=self.interrupted,
+        )
+
+    def _request(
+        self, method: str, path: str, *, resendable: bool = False, busy_retried: bool = True, **kwargs: Any
+    ) -> httpx.Response:
+        for attempt in self._retrying(method, resendable, busy_retried):
+            with attempt:
+                response = self._http.request(method, path, **kwargs)
+                self._answered = True
+                _raise_for_error(response)
         return response
 
     @contextmanager
     def _stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
-        with self._http.stream(method, path, follow_redirects=True, **kwargs) as response:
-            _raise_for_error(response)
+        """A streamed answer (redirects followed: the S3 store answers 307 to a presigned URL); the
+        request is retried until its headers arrive, the body is the caller's to read."""
+        request = self._http.build_request(method, path, **kwargs)
+        for attempt in self._retrying(method):
+            with attempt:
+                response = self._http.send(request, stream=True, follow_redirects=True)
+                self._answered = True
+                try:
+                    _raise_for_error(response)
+                except BaseException:
+                    response.close()
+                    raise
+        try:
             yield response
+        finally:
+            response.close()
 
     def _get_job(self, job_id: str, wait: float = 0.0) -> dict:
         if wait <= 0:
@@ -426,7 +493,11 @@ class Client:
         timeout = httpx.Timeout(self.timeout, read=wait + self.timeout)
         try:
             return self._request(
-                "GET", f"/jobs/{quote(job_id, safe='')}", params={"wait": round(wait, 3)}, timeout=timeout
+                "GET",
+                f"/jobs/{quote(job_id, safe='')}",
+                params={"wait": round(wait, 3)},
+                timeout=timeout,
+                busy_retried=False,
             ).json()
         except Busy:  # every long-poll place of the API is taken: a plain read (Job.wait then backs off)
             return self._request("GET", f"/jobs/{quote(job_id, safe='')}").json()
@@ -477,7 +548,8 @@ class Client:
             if value is not None:
                 body[key] = value
         headers = {"Idempotency-Key": idempotency_key} if idempotency_key is not None else None
-        return Job(self, self._request("POST", "/jobs", json=body, headers=headers).json())
+        answer = self._request("POST", "/jobs", json=body, headers=headers, resendable=idempotency_key is not None)
+        return Job(self, answer.json())
 
     def submit_many(
         self,
@@ -514,7 +586,10 @@ class Client:
         return jobs
 
     def _submit_batch(self, entries: list[dict]) -> list[Job]:
-        answer = self._request("POST", "/jobs/batch", json={"jobs": entries}).json()
+        # sent again after a lost answer only when every job has a key: the API then returns the
+        # jobs the first request made instead of making them twice
+        resendable = all(entry["idempotency_key"] is not None for entry in entries)
+        answer = self._request("POST", "/jobs/batch", json={"jobs": entries}, resendable=resendable).json()
         return [Job(self, {**item, "status": item["status"]}) for item in answer["jobs"]]
 
     def job(self, job_id: str) -> Job:
@@ -574,7 +649,7 @@ class Client:
         body: dict[str, Any] = {"prompt": text, "add_special_tokens": add_special_tokens}
         if model is not None:
             body["model"] = model
-        return self._request("POST", "/tokenize", json=body).json()["tokens"]
+        return self._request("POST", "/tokenize", json=body, resendable=True).json()["tokens"]
 
     def tokenize_chat(
         self, messages: list[dict], model: str | None = None, add_generation_prompt: bool = True
@@ -584,7 +659,7 @@ class Client:
         body: dict[str, Any] = {"messages": messages, "add_generation_prompt": add_generation_prompt}
         if model is not None:
             body["model"] = model
-        return self._request("POST", "/tokenize", json=body).json()["tokens"]
+        return self._request("POST", "/tokenize", json=body, resendable=True).json()["tokens"]
 
     def detokenize(self, ids: list[int], model: str | None = None) -> str:
         """`POST /detokenize`: the text of token ids, special tokens included; `BadRequest` naming
@@ -592,7 +667,7 @@ class Client:
         body: dict[str, Any] = {"tokens": list(ids)}
         if model is not None:
             body["model"] = model
-        return self._request("POST", "/detokenize", json=body).json()["prompt"]
+        return self._request("POST", "/detokenize", json=body, resendable=True).json()["prompt"]
 
     def upload_vectors(self, data: bytes, label: str | None = None) -> dict:
         """`POST /vectors`: a safetensors file's bytes (one `[W]` or `[n, W]` float tensor per

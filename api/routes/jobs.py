@@ -13,7 +13,7 @@ from api.deps import CallerDep, SeesAllDep, ServicesDep, get_caller
 from api.presenters import view
 from api.submit import has_references, heavy, off_loop, submit, submit_batch, submit_now
 from api.visibility import load, load_async
-from shared.errors import BadRequest, JobCancelled, JobNotFound, NotReady
+from shared.errors import BadRequest, Conflict, JobCancelled, JobNotFound, NotReady
 from shared.listing import CURSOR_HEADER, METADATA, UNREADABLE_HEADER, JobFilters, as_utc, decode_cursor, parse_tags
 from shared.schemas import (
     MAX_USER_CHARS,
@@ -197,6 +197,33 @@ def delete_job(
     services.store.delete_prefix(job_prefix(job_id))
     services.jobs.delete(record)
     return Response(status_code=204)
+
+
+@router.post(
+    "/{job_id}/cancel",
+    status_code=200,
+    response_model=JobView,
+    responses={**ERRORS, 202: {"description": "Cancelling"}, 409: {"description": "Already finished"}},
+)
+def cancel_job(
+    job_id: str, services: ServicesDep, caller: CallerDep, operator: SeesAllDep, request: Request, response: Response
+) -> JobView:
+    """Cancel a job, never delete it: a queued job becomes `cancelled` (200; the worker skips it),
+    a running job is stopped within one decoding step (202; it ends `cancelled` with the text
+    generated so far). A finished job is left as it is: 409 naming its state (DELETE would
+    delete it). `actq cancel --run LABEL` calls it for each unfinished job of a run."""
+    record = load(services, job_id, caller)
+    if record.status is JobStatus.queued:
+        reason = JobCancelled("cancelled by POST /jobs/{id}/cancel before it ran")
+        cancelled = services.jobs.cancel_queued(job_id, reason)
+        if cancelled is not None:
+            return view(cancelled, request)
+        record = load(services, job_id, caller)
+    if record.status is JobStatus.running:
+        services.jobs.request_cancel(job_id)
+        response.status_code = 202
+        return view(record, request, _shown(services.jobs.live_fields(record), operator))
+    raise Conflict(f"job {job_id} already ended {record.status.value}: there is nothing to cancel")
 
 
 def _shown(live: dict[str, int | None], operator: bool) -> dict[str, int | None]:

@@ -1,18 +1,20 @@
 """`actq`, the command line, and what only it uses.
 
-    app.py           the commands (typer): run, serve, run-file, gsm8k, probe, export, flower, ...
+    app.py           the commands (typer): run, serve, run-file, gsm8k, probe, export, cancel, flower, ...
     local_stack.py   Redis, a worker and the API as child processes on this machine
     redis_server.py  an embedded redis-server on a free loopback port
     processes.py     starting and stopping child processes
     serve.py         a local stack that stays up (`actq serve`)
     batch.py         bulk runs: batch submission, progress, resume, the results directory
     captures.py      the model and the default capture of a bulk run
-    remote.py        the API's URL and key for the bulk commands, and their errors in one line
+    remote.py        the API's URL, key and retry budget for the bulk commands, and their errors in one line
+    cancel.py        a bulk run's label (metadata.run), its jobs left after Ctrl-C, `actq cancel`
     run_file.py      any JSONL prompt file as a bulk run (`actq run-file`)
     probes.py        linear probes on captured activations (`actq probe`)
     steer.py         steering sweeps: run-file and gsm8k --steer, a run per strength, steering.json/.png
     export.py        a results directory as Parquet or a Hugging Face dataset (`actq export`)
     export_jobs.py   the jobs `actq export --jobs` picks by GET /jobs filters, as export samples
+    export_partial.py an export stopped by a failed fetch: the partial file it keeps, resumed by the next run
     gsm8k/           GSM8K problems and prompts, harness-style scoring (`actq gsm8k`, on batch.py)
     tool_loop.py     tool-calling conversations (gsm8k --mode with-tools, run-file tools lines): a job per turn
 

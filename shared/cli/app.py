@@ -11,10 +11,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import typer
 
-from shared.cli import local_stack, probes, remote, serve, steer
+from shared.cli import cancel, local_stack, probes, remote, serve, steer
 from shared.cli.gsm8k import data, runner
 from shared.settings import Settings
 
@@ -189,6 +190,13 @@ API_KEY_OPTION = typer.Option(
     None, "--api-key", help="API key sent as `Authorization: Bearer` (default ACTQ_API_KEY).", show_default=False
 )
 QUIET_OPTION = typer.Option(False, help="No progress bar.")
+RETRY_OPTION = typer.Option(
+    remote.DEFAULT_SECONDS,
+    "--retry-timeout",
+    min=0,
+    help="Seconds one request to the API keeps being retried through an outage (answers 429, 502, 503, 504, "
+    "a lost connection; each retry said on stderr) before the command gives up; 0: never retry.",
+)
 STEER_OPTION = typer.Option(
     None,
     "--steer",
@@ -206,6 +214,15 @@ STEER_NAME_OPTION = typer.Option(
 NORMALIZE_OPTION = typer.Option(
     False, "--normalize", help="With --steer: scale the vector to each activation's norm (--coeff: a fraction of |x|)."
 )
+
+
+def _interrupted(exc: KeyboardInterrupt, what: str, out: Path) -> NoReturn:
+    """Ctrl-C in a bulk run: what is kept, and the jobs it leaves on the queue with the command
+    that cancels them (shared/cli/cancel.py); exit 130."""
+    typer.echo(f"\ninterrupted: finished {what} are saved in {out}; run the same command to resume", err=True)
+    if isinstance(exc, cancel.Interrupted):
+        typer.echo(exc.report(), err=True)
+    raise typer.Exit(130) from None
 
 
 def _steering_done(content: dict, out: Path) -> None:
@@ -252,6 +269,7 @@ def run_file_command(
     max_turns: int = typer.Option(
         4, min=1, help="Lines with `tools` (the calculator): the most turns (jobs) of each line's conversation."
     ),
+    retry_timeout: float = RETRY_OPTION,
 ) -> None:
     """Run every prompt of a JSONL file through the queue, capturing activations, with live progress;
     run it again with the same --out to resume (finished lines are kept, queued jobs are not sent twice)."""
@@ -263,9 +281,8 @@ def run_file_command(
     steering = steer.options(steer_vectors, at, coeff, steer_name, normalize, probe)
     try:
         summary = run_file.run(**options, steer_options=steering)
-    except KeyboardInterrupt:
-        typer.echo(f"\ninterrupted: finished prompts are saved in {out}; run the same command to resume", err=True)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        _interrupted(exc, "prompts", out)
     if steering is not None:
         _steering_done(summary, out)
         return
@@ -330,6 +347,7 @@ def gsm8k_command(
         help="With --mode with-tools: the first turn's tool_choice, auto (the model decides) or required (it must "
         "call the calculator, by constrained decoding); later turns are auto.",
     ),
+    retry_timeout: float = RETRY_OPTION,
 ) -> None:
     """Run a model over GSM8K through the queue, capturing the residual stream, and score it. Works
     on any architecture (the capture is the model's `residual` preset) and on base models
@@ -342,9 +360,8 @@ def gsm8k_command(
     steering = steer.options(steer_vectors, at, coeff, steer_name, normalize)
     try:
         summary = runner.run(**options, steer_options=steering)
-    except KeyboardInterrupt:
-        typer.echo(f"\ninterrupted: finished problems are saved in {out}; run the same command to resume", err=True)
-        raise typer.Exit(130) from None
+    except KeyboardInterrupt as exc:
+        _interrupted(exc, "problems", out)
     if steering is not None:
         _steering_done(summary, out)
         return
@@ -387,6 +404,7 @@ def probe_command(
         help="Another results directory (e.g. the same problems without tools): predict which run a row comes "
         "from; writes RESULTS/versus-<its name>/.",
     ),
+    retry_timeout: float = RETRY_OPTION,
 ) -> None:
     """Train a logistic-regression probe per capture point and pooling; write probes.json and probes.png."""
     with remote.reaching(api):
@@ -400,6 +418,7 @@ def probe_command(
             api_key=api_key,
             turns=turns,
             versus=versus,
+            retry_timeout=retry_timeout,
         )
     for probe in report["probes"]:
         score = (
@@ -441,6 +460,7 @@ def export_command(
     turns: str = typer.Option(
         "all", help="A tool run's turns (columns turn, tool_calls): all (a row per turn's job), first or last."
     ),
+    retry_timeout: float = RETRY_OPTION,
 ) -> None:
     """A results directory of `actq run-file` (one row per prompt line) or `actq gsm8k` (one row per
     problem and capture source), or the jobs `--jobs` or `--label` picks (one row per job, with its created_at,
@@ -452,8 +472,45 @@ def export_command(
 
     if label is not None:
         jobs = [*(jobs or []), f"{METADATA}{RUN_KEY}={label}"]
-    written = export.run(results, format=format, out=out, api=api, api_key=api_key, jobs=jobs, turns=turns)
+    written = export.run(
+        results,
+        format=format,
+        out=out,
+        api=api,
+        api_key=api_key,
+        jobs=jobs,
+        turns=turns,
+        retry_timeout=retry_timeout,
+    )
     typer.echo(f"wrote {written}")
+
+
+@cli.command("cancel")
+def cancel_command(
+    run: list[str] | None = typer.Option(
+        None,
+        "--run",
+        help="A run label (repeatable): the jobs tagged metadata.run=LABEL, as `actq run-file` and `actq gsm8k` tag "
+        "theirs (printed on Ctrl-C) and /runs/LABEL/v1 tags an OpenAI client's.",
+    ),
+    jobs: list[str] | None = typer.Option(
+        None,
+        "--jobs",
+        help="Instead of --run, this API key's jobs that pass a GET /jobs filter: metadata.KEY=VALUE, user=NAME or "
+        "created_after=ISO-TIME (repeat to AND them).",
+    ),
+    api: str | None = API_OPTION,
+    api_key: str | None = API_KEY_OPTION,
+    retry_timeout: float = RETRY_OPTION,
+) -> None:
+    """Cancel this API key's unfinished jobs of a run: each queued job ends `cancelled` at once, each
+    running one within a decoding step (POST /jobs/{id}/cancel). Finished jobs are left as they are;
+    says how many were cancelled and how many had already finished."""
+    if bool(run) == bool(jobs):
+        raise typer.BadParameter("give --run LABEL (repeatable) or --jobs filters, one of the two")
+    with remote.reaching(api), remote.client(api, api_key, retry_seconds=retry_timeout) as client:
+        for line in cancel.cancel_selected(client, run or [], jobs or []):
+            typer.echo(line)
 
 
 @cli.command("flower")

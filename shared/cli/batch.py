@@ -20,7 +20,9 @@ a layer the model lacks) leaves no --out behind, and the corrected command start
 Resuming: items with a sample are skipped; the others are submitted again with the same
 idempotency keys, so a job queued before an interruption is returned, not duplicated, and
 followed to its end. Ctrl-C only sets a flag read between requests and leaves a consistent
-directory (every finished item has its sample).
+directory (every finished item has its sample); the jobs still on the queue are counted and
+the command that cancels them is given (shared/cli/cancel.py: every job carries the run's label
+as `metadata.run`).
 """
 
 from __future__ import annotations
@@ -40,8 +42,10 @@ from typing import Any
 
 from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
 
+from shared.cli import cancel
 from shared.client import Client, Job
 from shared.errors import ToolError
+from shared.listing import RUN_KEY
 
 # Unfinished jobs the progress loop looks at behind the oldest one: twice the default
 # ACTQ_MAX_BATCH, so the running count covers a full batch (one GET each per pass of the loop).
@@ -106,6 +110,15 @@ class BatchRun:
         self.on_save: Callable[[], None] | None = None  # called once when save() creates the directory
         jobs_file = out / "jobs.json"
         self.jobs: dict[str, str] = json.loads(jobs_file.read_text()) if jobs_file.exists() else {}
+
+    @property
+    def label(self) -> str:
+        """The run label its jobs carry as `metadata.run` (`actq cancel --run`, `actq export --label`)."""
+        return cancel.run_label(self.kind, self.run_id)
+
+    def tagged(self, request: dict[str, Any]) -> dict[str, Any]:
+        """A job's request with the run label added to its metadata."""
+        return {**request, "metadata": {**(request.get("metadata") or {}), RUN_KEY: self.label}}
 
     def save(self) -> None:
         """Create the directory with its run.json (the run id, so that a resumed run finds its jobs
@@ -216,10 +229,12 @@ def execute_many(client: Client, plans: list[Planned], *, unit: str = "item", qu
     directories (item 0 of each, then item 1...), so that the worker batches them together, and
     each directory gets its samples and summary. Returns the summaries in the plans' order.
 
-    Ctrl-C only sets a flag, read between requests: a KeyboardInterrupt raised in the middle of
-    an HTTP call can leave the client's connection pool locked, and closing it then hangs (seen
-    once in sixty seconds of waiting). Long polls are short (2 s) so that the flag is read soon."""
-    with interrupt_flag() as interrupted:
+    Ctrl-C only sets a flag, read between requests (and ending a retry's wait): a
+    KeyboardInterrupt raised in the middle of an HTTP call can leave the client's connection pool
+    locked, and closing it then hangs (seen once in sixty seconds of waiting). Long polls are
+    short (2 s) so that the flag is read soon. It is re-raised as `cancel.Interrupted`, which
+    counts the jobs left on the queue and says how to cancel them."""
+    with interrupt_flag() as interrupted, retries_interrupted(client, interrupted):
         started = time.monotonic()
         try:
             _follow(client, plans, unit, quiet, interrupted)
@@ -227,9 +242,28 @@ def execute_many(client: Client, plans: list[Planned], *, unit: str = "item", qu
             for plan in plans:
                 if plan.run.saved:  # interrupted before any of its jobs was queued: nothing to keep
                     plan.run.finish(time.monotonic() - started, False, len(plan.items), unit, plan.summarize)
-            raise
+            raise_interrupted(client, [plan.run for plan in plans])
         wall = time.monotonic() - started
         return [plan.run.finish(wall, True, len(plan.items), unit, plan.summarize) for plan in plans]
+
+
+def raise_interrupted(client: Client, runs: list[BatchRun]) -> None:
+    """Ctrl-C, once the runs' directories are consistent: `cancel.Interrupted` naming the runs
+    that queued jobs and how many of them are left, or a plain KeyboardInterrupt when none did."""
+    labels = [run.label for run in runs if run.saved]
+    if not labels:
+        raise KeyboardInterrupt
+    raise cancel.interrupted(client, labels) from None
+
+
+@contextmanager
+def retries_interrupted(client: Client, interrupted: threading.Event) -> Iterator[None]:
+    """The client's retry waits end at Ctrl-C while the block runs."""
+    previous, client.interrupted = client.interrupted, interrupted
+    try:
+        yield
+    finally:
+        client.interrupted = previous
 
 
 @contextmanager
@@ -268,7 +302,7 @@ def _follow(client: Client, plans: list[Planned], unit: str, quiet: bool, interr
         for start in range(0, len(units), SUBMIT_CHUNK):
             chunk = units[start : start + SUBMIT_CHUNK]
             jobs += client.submit_many(
-                [item.requests[part] for _, item, part in chunk],
+                [plans[p].run.tagged(item.requests[part]) for p, item, part in chunk],
                 idempotency_keys=[plans[p].run.idempotency_key(item.key, part) for p, item, part in chunk],
             )
             for p in sorted({p for p, _, _ in chunk}):

@@ -37,7 +37,10 @@ the columns `created_at`, `user` and `metadata.<key>` added (export_jobs.py).
 Formats: `parquet`, one file (default RESULTS/export.parquet) written a row group per sample, so
 that only one sample's tensors are in memory at a time; `hf-dataset`, a `datasets` directory
 (default RESULTS/hf-dataset) for `datasets.load_from_disk`. Both read without actq installed.
-Activations come from the downloaded files when present, else one tensor at a time through the API.
+Activations come from the downloaded files when present, else one tensor at a time through the API,
+each request retried through an outage for up to --retry-timeout seconds. When a fetch fails for
+good, what was exported so far is kept in a partial file and the same command resumes from it
+(export_partial.py).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ try:  # the `export` extra (numpy comes with datasets); pyarrow ships no type hi
 except ImportError as exc:
     raise ToolError("actq export needs pyarrow and datasets: pip install 'actq[export]'") from exc
 
+from shared.cli import export_partial
+from shared.cli.export_partial import FetchFailed, Kept
 from shared.cli.probes import point_layer
 
 FORMATS = ("parquet", "hf-dataset")
@@ -199,13 +204,20 @@ class _Reader:
     API (one client for the whole export, opened at the first tensor that needs it)."""
 
     def __init__(
-        self, results: Path | None, api: str | None, api_key: str | None = None, client: Any = None, url: str = ""
+        self,
+        results: Path | None,
+        api: str | None,
+        api_key: str | None = None,
+        client: Any = None,
+        url: str = "",
+        retry_seconds: float | None = None,
     ) -> None:
         self.results = results
         self.api = api
         self.api_key = api_key
         self._client: Any = client
         self._url = url
+        self.retry_seconds = retry_seconds
 
     def close(self) -> None:
         if self._client is not None:
@@ -254,7 +266,8 @@ class _Reader:
         try:
             if self._client is None:
                 self._url, key = remote.resolve(self.api, self.api_key)
-                self._client = remote.client(self._url, key)
+                seconds = remote.DEFAULT_SECONDS if self.retry_seconds is None else self.retry_seconds
+                self._client = remote.client(self._url, key, retry_seconds=seconds)
             job = self._client.job(job_id)
             tensors = {name: job.tensor(name).float().numpy() for name in names}
             try:
@@ -264,10 +277,10 @@ class _Reader:
             return tensors
         except (httpx.HTTPError, ActqClientError) as exc:
             if self.results is None:  # --jobs: the API is the only place they are
-                raise ToolError(
+                raise FetchFailed(
                     f"job {job_id}: fetching its activations failed: {remote.explain(exc, self._url)}"
                 ) from None
-            raise ToolError(
+            raise FetchFailed(
                 f"{where}: its activations are not in {self.results} ({fix}), and fetching them failed: "
                 f"{remote.explain(exc, self._url)}"
             ) from None
@@ -352,27 +365,69 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader
     return pa.Table.from_arrays(data, schema=schema)
 
 
+class _Stopped(Exception):
+    """A fetch failed for good part-way: `reason`, and the samples still to export."""
+
+    def __init__(self, reason: str, missing: int) -> None:
+        super().__init__(reason)
+        self.reason, self.missing = reason, missing
+
+
+def _next_sample(samples: Iterator[dict], reader: _Reader) -> dict | None:
+    """The next sample (None at the end); reading a --jobs sample fetches its job and request."""
+    import httpx
+
+    from shared.cli import remote
+    from shared.client import ActqClientError
+
+    try:
+        return next(samples)
+    except StopIteration:
+        return None
+    except (httpx.HTTPError, ActqClientError) as exc:
+        raise FetchFailed(f"reading a job to export failed: {remote.explain(exc, reader._url)}") from None
+
+
 def _write_parquet(
-    samples: Iterable[dict], total: int, target: Path, reader: _Reader, schema: Any, turns: str = "all"
+    samples: Iterable[dict],
+    total: int,
+    target: Path,
+    reader: _Reader,
+    schema: Any,
+    turns: str = "all",
+    kept: Kept | None = None,
 ) -> tuple[int, Counter, Counter]:
-    """Write every exportable row of `samples` to `target`, a row group per sample; (samples, rows
-    by source, skipped by reason)."""
+    """Write every exportable row of `samples` to `target`, a row group per sample, after the
+    rows of a partial export (`kept`); (samples, rows by source, skipped by reason). A fetch that
+    fails for good closes `target` whole with what it has and raises `_Stopped`."""
     from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hints
 
     skipped: Counter = Counter()
-    counts: Counter = Counter()
-    exported = 0
+    counts: Counter = Counter(kept.counts if kept is not None else {})
+    exported = kept.samples if kept is not None else 0
     writer = None
+    if kept is not None and kept.samples:
+        writer = pq.ParquetWriter(str(target), kept.schema(schema))
+        kept.copy_into(writer)
+    handled = 0
+    progress = tqdm(total=total, desc="export", unit="sample", disable=None, file=sys.stderr)
+    iterator = iter(samples)
     try:
-        for sample in tqdm(samples, total=total, desc="export", unit="sample", disable=None, file=sys.stderr):
-            table = _sample_table(sample, list(_sources(sample, skipped, turns)), reader, counts, schema)
-            if table is None:
-                continue
-            if writer is None:
-                writer = pq.ParquetWriter(str(target), table.schema)
-            writer.write_table(table)
-            exported += 1
+        while (sample := _next_sample(iterator, reader)) is not None:
+            own: Counter = Counter()
+            table = _sample_table(sample, list(_sources(sample, skipped, turns)), reader, own, schema)
+            if table is not None:
+                if writer is None:
+                    writer = pq.ParquetWriter(str(target), schema if kept is None else kept.schema(schema))
+                writer.write_table(table)
+                exported += 1
+                counts += own
+            handled += 1
+            progress.update(1)
+    except FetchFailed as exc:
+        raise _Stopped(exc.message, total - handled) from None
     finally:
+        progress.close()
         reader.close()
         if writer is not None:
             writer.close()
@@ -382,16 +437,20 @@ def _write_parquet(
     return exported, counts, skipped
 
 
-def _result_samples(paths: list[Path]) -> Iterator[dict]:
+def _result_samples(paths: list[Path], done: set | None = None) -> Iterator[dict]:
     for path in paths:
         sample = json.loads(path.read_text())
         sample.setdefault("index", int(path.stem) if path.stem.isdigit() else None)
+        if done and sample["index"] in done:
+            continue
         yield sample
 
 
-def _report(exported: int, counts: Counter, skipped: Counter) -> None:
+def _report(exported: int, counts: Counter, skipped: Counter, kept: Kept | None = None) -> None:
     by_source = ", ".join(f"{source} {n}" for source, n in counts.items())
     line = f"exported {sum(counts.values())} rows from {exported} samples ({by_source})"
+    if kept is not None and kept.samples:
+        line += f", {kept.samples} of them kept from {kept.path} (not fetched again)"
     if skipped:
         line += "; skipped sources: " + ", ".join(f"{reason} {n}" for reason, n in sorted(skipped.items()))
     print(line, file=sys.stderr)
@@ -414,12 +473,16 @@ def run(
     api_key: str | None = None,
     jobs: list[str] | None = None,
     turns: str = "all",
+    retry_timeout: float | None = None,
 ) -> Path:
     """Export `results`, or the jobs the `jobs` filters pick (export_jobs.py), as `format` to `out`
     (default inside `results`, else in the working directory); returns the path written.
     Activations not downloaded are fetched from `api` (default ACTQ_API_URL) with `api_key`
-    (default ACTQ_API_KEY). Nothing is left on disk when it fails: folders made for `out` are
-    removed again. `turns`: a tool run's turns to export (all, first or last)."""
+    (default ACTQ_API_KEY), each request retried for up to `retry_timeout` seconds (default 60).
+    When a fetch fails for good, the samples exported so far are kept in a partial file that the
+    next run resumes from (export_partial.py); otherwise nothing is left on disk when it fails:
+    folders made for `out` are removed again. `turns`: a tool run's turns to export (all, first
+    or last)."""
     if turns not in TURNS:
         raise ToolError(f"--turns {turns!r}: one of {', '.join(TURNS)}")
     if format not in FORMATS:
@@ -435,7 +498,8 @@ def run(
         raise ToolError(f"{out} is a directory: give a file name for the parquet export")
     if format == "hf-dataset" and out.exists() and not out.is_dir():
         raise ToolError(f"{out} exists and is not a directory: give another --out")
-    with _samples(results, jobs or [], api, api_key) as source:  # refused before anything is made
+    export = export_partial.identity(results, jobs or [], turns)
+    with _samples(results, jobs or [], api, api_key, out, export, retry_timeout) as source:  # refused first
         made = [p for p in reversed(out.parent.absolute().parents) if not p.exists()]
         made += [out.parent.absolute()] if not out.parent.exists() else []
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -448,47 +512,75 @@ def run(
                 except OSError:
                     break
             raise
-    _report(exported, counts, skipped)
+    _report(exported, counts, skipped, source.kept)
     return out
 
 
 @dataclass
 class _Source:
-    """What an export reads: its samples (how many), the reader of their tensors, the schema."""
+    """What an export reads: its samples (how many), the reader of their tensors, the schema,
+    and what a partial export before it kept."""
 
     samples: Iterable[dict]
     total: int
     reader: _Reader
     schema: Any
+    kept: Kept
 
 
 @contextmanager
-def _samples(results: Path | None, jobs: list[str], api: str | None, api_key: str | None) -> Iterator[_Source]:
+def _samples(
+    results: Path | None,
+    jobs: list[str],
+    api: str | None,
+    api_key: str | None,
+    out: Path,
+    export: str,
+    retry_timeout: float | None = None,
+) -> Iterator[_Source]:
     """A results directory's samples, or the picked jobs' (whose reading through the API, here
-    and while exporting, fails as one line naming the API)."""
+    and while exporting, fails as one line naming the API), but those a partial export kept."""
     if results is not None:
         paths = _sample_paths(results)
         # a tool run (trajectories/) adds the turn columns
         extra = TURN_COLUMNS if (results / "trajectories").is_dir() else ()
-        yield _Source(_result_samples(paths), len(paths), _Reader(results, api, api_key), _schema(extra))
+        schema = _schema(extra)
+        kept = export_partial.read(out, "index", export, schema)
+        total = len(paths) - sum(1 for p in paths if p.stem.isdigit() and int(p.stem) in kept.done)
+        reader = _Reader(results, api, api_key, retry_seconds=retry_timeout)
+        yield _Source(_result_samples(paths, kept.done), total, reader, schema, kept)
         return
     from shared.cli import export_jobs, remote
 
     params = export_jobs.parse_filters(jobs)
     url, key = remote.resolve(api, api_key)
-    with remote.reaching(url), remote.client(url, key) as client:
+    seconds = remote.DEFAULT_SECONDS if retry_timeout is None else retry_timeout
+    with remote.reaching(url), remote.client(url, key, retry_seconds=seconds) as client:
         summaries = export_jobs.picked(client, params)
         names = export_jobs.columns(summaries)
-        samples = export_jobs.samples(client, summaries, names)
-        yield _Source(samples, len(summaries), _Reader(None, url, key, client=client, url=url), _schema(names))
+        schema = _schema(names)
+        kept = export_partial.read(out, "job_id", export, schema)
+        samples = export_jobs.samples(client, summaries, names, skip=kept.done)
+        total = sum(1 for summary in summaries if summary["id"] not in kept.done)
+        yield _Source(samples, total, _Reader(None, url, key, client=client, url=url), schema, kept)
 
 
 def _export(source: _Source, format: str, out: Path, turns: str = "all") -> tuple[int, Counter, Counter]:
+    kept = source.kept
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.") as tmp:
         staged_parquet = Path(tmp) / "export.parquet"
-        exported, counts, skipped = _write_parquet(
-            source.samples, source.total, staged_parquet, source.reader, source.schema, turns
-        )
+        try:
+            exported, counts, skipped = _write_parquet(
+                source.samples, source.total, staged_parquet, source.reader, source.schema, turns, kept
+            )
+        except _Stopped as stop:
+            if not staged_parquet.is_file():  # nothing exported, now or before
+                raise export_partial.stopped(stop.reason, None, 0, 0, stop.missing) from None
+            written = pq.ParquetFile(str(staged_parquet))
+            samples = len(set(written.read(columns=[kept.key_column]).column(0).to_pylist()))
+            rows = written.metadata.num_rows
+            os.replace(staged_parquet, kept.path)
+            raise export_partial.stopped(stop.reason, kept.path, samples, rows, stop.missing) from None
         if format == "parquet":
             os.replace(staged_parquet, out)
         else:
@@ -502,4 +594,5 @@ def _export(source: _Source, format: str, out: Path, turns: str = "all") -> tupl
             dataset.save_to_disk(str(staged))
             del dataset
             _replace(staged, out)
+    kept.path.unlink(missing_ok=True)  # the export is whole: the partial file is in it
     return exported, counts, skipped

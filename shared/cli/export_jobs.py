@@ -56,10 +56,13 @@ def columns(summaries: list[dict]) -> list[str]:
     return ["created_at", "user", *(METADATA + key for key in keys)]
 
 
-def samples(client: Client, summaries: list[dict], names: list[str]) -> Iterator[dict]:
-    """One sample per job, in order; a job that did not succeed with activations is not read
-    further than its summary (export counts it as skipped)."""
+def samples(client: Client, summaries: list[dict], names: list[str], skip: set | None = None) -> Iterator[dict]:
+    """One sample per job, in order, but the jobs in `skip` (exported before: never fetched
+    again); a job that did not succeed with activations is not read further than its summary
+    (export counts it as skipped)."""
     for index, summary in enumerate(summaries):
+        if skip and summary["id"] in skip:
+            continue
         metadata = summary.get("metadata") or {}
         sample: dict[str, Any] = {
             "index": index,

@@ -652,12 +652,14 @@ def run_with_api(
     api_key: str | None = None,
     turns: str = TURNS_DEFAULT,
     versus: Path | None = None,
+    retry_timeout: float | None = None,
 ) -> dict:
-    """`run`, fetching activations that were not downloaded one tensor at a time through the API."""
-    from shared.client import Client
-    from shared.settings import Settings
+    """`run`, fetching activations that were not downloaded one tensor at a time through the API
+    (each request retried through an outage for up to `retry_timeout` seconds, default 60)."""
+    from shared.cli import remote
 
-    with Client(api or Settings().api_url, api_key=api_key or Settings().api_key, timeout=60) as client:
+    seconds = remote.DEFAULT_SECONDS if retry_timeout is None else retry_timeout
+    with remote.client(api, api_key, retry_seconds=seconds) as client:
 
         def fetch(view: dict, name: str) -> np.ndarray:
             return client.job(view["job_id"]).tensor(name).float().numpy()

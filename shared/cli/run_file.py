@@ -272,6 +272,7 @@ def run(
     mode: str = "generate",
     steer_options: steer.Options | None = None,
     max_turns: int = tool_loop.MAX_TURNS_DEFAULT,
+    retry_timeout: float = remote.DEFAULT_SECONDS,
 ) -> dict:
     """Read and check the whole file, then submit what is not done and follow it. A resumed run
     must have the same file (by content) and options. Nothing is written to `out` before the API
@@ -297,7 +298,7 @@ def run(
         raise ToolError(
             f"{prompts}: lines with `tools` run as conversations, which --steer does not sweep; leave --steer out"
         )
-    with remote.reaching(api), remote.client(api, api_key) as client:
+    with remote.reaching(api), remote.client(api, api_key, retry_seconds=retry_timeout) as client:
         model, info = captures.choose_model(client, model)
         capture = captures.choose_capture(model, info, module, no_capture, positions, dtype, layers, reduce)
         if probe is not None:

@@ -42,6 +42,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]  # tqdm ships no type hint
 from shared.calculator import TOOL, TOOL_NAME, calculate_arguments
 from shared.cli import batch
 from shared.client import BadRequest, Client, Job
+from shared.listing import RUN_KEY
 
 MAX_TURNS_DEFAULT = 4
 TRAJECTORIES = "trajectories"
@@ -109,11 +110,15 @@ def ended(turns: list[dict[str, Any]], max_turns: int) -> str | None:
     return "turn_limit" if len(turns) >= max_turns else None
 
 
-def turn_request(conversation: Conversation, turns: list[dict[str, Any]], run_id: str, item_name: str) -> dict:
+def turn_request(
+    conversation: Conversation, turns: list[dict[str, Any]], run_id: str, item_name: str, label: str | None = None
+) -> dict:
     """The job of the conversation's next turn: the same fields every turn (but a `required`
     tool_choice, which holds for the first turn only: later turns are "auto"), the messages so
-    far, and metadata naming the run, the item and the turn."""
+    far, and metadata naming the run (its id, and its label as `run`), the item and the turn."""
     metadata = {"actq_run": run_id, item_name: str(conversation.key), "turn": str(len(turns))}
+    if label is not None:
+        metadata[RUN_KEY] = label
     messages = next_messages(conversation, turns)
     request = conversation.request
     if turns and request.get("tool_choice") == "required":  # forced at the first turn only, or it never ends
@@ -261,14 +266,14 @@ def execute(
     def extra(samples: list[dict]) -> dict:
         return {**summarize(samples), **summarize_more(samples)}
 
-    with batch.interrupt_flag() as interrupted:
+    with batch.interrupt_flag() as interrupted, batch.retries_interrupted(client, interrupted):
         started = time.monotonic()
         try:
             _Loop(client, run, record, max_turns, item_name, download, interrupted).run(conversations, unit, quiet)
         except KeyboardInterrupt:
             if run.saved:
                 run.finish(time.monotonic() - started, False, len(conversations), unit, extra)
-            raise
+            batch.raise_interrupted(client, [run])
         return run.finish(time.monotonic() - started, True, len(conversations), unit, extra)
 
 
@@ -341,7 +346,7 @@ class _Loop:
         batch.py does; a later turn it refuses (what the model wrote made a conversation the API
         will not take) ends that conversation with a failed turn that has no job, and the run goes on."""
         run = self.results
-        requests = [turn_request(s.conversation, s.turns, run.run_id, self.item_name) for s in due]
+        requests = [turn_request(s.conversation, s.turns, run.run_id, self.item_name, run.label) for s in due]
         parts = [f"turn{len(s.turns)}" for s in due]
         keys = [run.idempotency_key(s.conversation.key, part) for s, part in zip(due, parts, strict=True)]
         accepted: list[tuple[_State, Job]] = []

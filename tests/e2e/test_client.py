@@ -216,6 +216,13 @@ def test_cancel_a_queued_job(client, offline_model):
     assert cancelled.value.error_type == "cancelled"
 
 
+def test_cancel_never_deletes_a_finished_job(client):
+    job = client.submit(TINY, MESSAGES, max_tokens=2).wait(timeout=120)
+    with pytest.raises(Conflict, match="already ended succeeded: there is nothing to cancel"):
+        job.cancel()
+    assert client.job(job.id).status == "succeeded"
+
+
 def test_delete_a_finished_job(client):
     job = client.submit(TINY, MESSAGES, max_tokens=2).wait(timeout=120)
     job.delete()
@@ -227,7 +234,7 @@ def test_unavailable_when_the_api_cannot_reach_redis(live):
     env = {**live.env, "ACTQ_REDIS_URL": f"redis://127.0.0.1:{free_port()}/0"}
     with TestStack(live.root / "no-redis-client", env) as cut_off:
         cut_off.start_api()
-        with Client(cut_off.base_url, timeout=20) as client:
+        with Client(cut_off.base_url, timeout=20, retry_seconds=0) as client:  # the 503 itself, not waited out
             with pytest.raises(Unavailable) as health:
                 client.health()
             assert health.value.status_code == 503 and "Redis cannot be reached" in health.value.detail

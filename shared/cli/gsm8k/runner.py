@@ -294,6 +294,7 @@ def run(
     mode: str = "no-tools",
     max_turns: int = tool_loop.MAX_TURNS_DEFAULT,
     tool_choice: str = "auto",
+    retry_timeout: float = remote.DEFAULT_SECONDS,
 ) -> dict:
     """`actq gsm8k`: load the problems, choose the prompt format and the capture, submit what is
     not done, follow it, score it. Ctrl-C (KeyboardInterrupt) leaves a consistent directory and is
@@ -331,7 +332,7 @@ def run(
         if train is None and dataset not in ("hub", "samples"):
             train = str(Path(dataset).expanduser().with_name("train.jsonl"))
         exemplars = data.fewshot_exemplars(data.load(train or dataset, "train"))
-    with remote.reaching(api), remote.client(api, api_key) as client:
+    with remote.reaching(api), remote.client(api, api_key, retry_seconds=retry_timeout) as client:
         model, info = captures.choose_model(client, model)
         resolved_format = data.resolve_prompt_format(prompt_format, model, info)
         if resolved_format == "plain" and sources != ["generated"]:

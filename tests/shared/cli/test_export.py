@@ -441,7 +441,7 @@ def test_activations_not_downloaded_are_fetched_through_the_api(tmp_path, monkey
             return stored[(self.job_id, name)]
 
     class FakeClient:
-        def __init__(self, base_url, api_key=None, timeout=30.0):
+        def __init__(self, base_url, api_key=None, timeout=30.0, **_retrying):
             assert base_url == "http://api.test" and api_key == "k"
 
         def job(self, job_id):
