@@ -56,7 +56,13 @@ def build_services(settings: Settings) -> Services:
         redis=client,
         aredis=aclient,
         jobs=jobs,
-        waiters=JobWaiters(aclient, jobs, settings.max_long_polls),
+        waiters=JobWaiters(
+            aclient,
+            jobs,
+            settings.max_long_polls,
+            settings.max_long_polls_per_key,
+            reads=max(1, settings.redis_max_connections // 2),  # half the pool: the rest for everything else
+        ),
         idempotency=IdempotencyKeys(client, jobs, settings.job_retention_seconds),
         registry=ModelRegistry(client, settings.heartbeat_ttl, cache_seconds=1.0, aclient=aclient),
         celery=celery,

@@ -68,6 +68,9 @@ async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
     return JSONResponse(_body(kind, str(exc.detail)), status_code=exc.status_code, headers=exc.headers)
 
 
+POOL_EXHAUSTED = "No connection available."  # redis-py's BlockingConnectionPool, when its wait runs out
+
+
 def redis_trouble(exc: Exception) -> str:
     """What is wrong with Redis, for a 503: it refuses writes (naming why: MISCONF, OOM, READONLY),
     it cannot be reached, or it answered an error."""
@@ -77,6 +80,11 @@ def redis_trouble(exc: Exception) -> str:
             f"Redis (the job store and broker) refuses writes: {refused}; nothing was changed, "
             "try again once it accepts writes"
         )
+    if isinstance(exc, redis.ConnectionError) and str(exc) == POOL_EXHAUSTED:
+        return (
+            "this API process is busy: all its Redis connections (ACTQ_REDIS_MAX_CONNECTIONS) stayed in use for 5 s; "
+            "Redis itself is reachable; try again shortly"
+        )
     if isinstance(exc, (redis.ConnectionError, redis.TimeoutError)):
         return "Redis (the job store and broker) cannot be reached; try again shortly"
     return f"Redis (the job store and broker) answered an error: {exc}"
@@ -84,7 +92,9 @@ def redis_trouble(exc: Exception) -> str:
 
 async def unavailable(_: Request, exc: Exception) -> JSONResponse:
     log.warning("backend unavailable: %s", exc)
-    return JSONResponse(_body("service_unavailable", redis_trouble(exc)), status_code=503)
+    busy = isinstance(exc, redis.ConnectionError) and str(exc) == POOL_EXHAUSTED
+    headers = {"Retry-After": "1"} if busy else None
+    return JSONResponse(_body("service_unavailable", redis_trouble(exc)), status_code=503, headers=headers)
 
 
 def install(app: FastAPI) -> None:

@@ -247,7 +247,7 @@ async def _open(
     job_requests = [r.model_copy(update={"stream": fmt.not_live is None}) for r in job_requests]
     held = AsyncExitStack()
     try:
-        await held.enter_async_context(services.waiters.slot())
+        await held.enter_async_context(services.waiters.slot(caller))
         await refuse_overflow(services, caller, job_requests)
         checks = heavy(job_requests, await is_large(request))
         submitted = await off_loop(services, caller, checks, submit_choices, services, job_requests, key, caller)

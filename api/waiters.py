@@ -9,8 +9,11 @@ turned long polls, then unrelated requests, into 503s).
 A waiter reads the record after its event is registered and the subscription confirmed, so a
 change between the read and the wait is never missed. If the subscription breaks (Redis
 restarts), every waiter is woken to read again, and waiters also read every RECHECK_SECONDS as a
-safety net. At most `capacity` waiters per process: past it a long poll is refused at once with
-a 429 and `Retry-After` (`Busy`), before anything is queued.
+safety net. At most `capacity` waiters per process, and at most `per_key` of one API key's
+(ACTQ_MAX_LONG_POLLS, ACTQ_MAX_LONG_POLLS_PER_KEY): past either a long poll is refused at once
+with a 429 and `Retry-After` (`Busy`), before anything is queued, so one key's idle long polls or
+WebSocket sessions cannot take every other key's place. Callers without a key (keys off) are one
+caller: only the process's bound applies to them.
 """
 
 from __future__ import annotations
@@ -35,28 +38,52 @@ RETRY_AFTER_SECONDS = 2
 
 
 class JobWaiters:
-    def __init__(self, aredis: aioredis.Redis, jobs: JobStore, capacity: int) -> None:
-        self.aredis, self.jobs, self.capacity = aredis, jobs, capacity
+    """`reads`: at most this many waiters read their records at once (a share of the process's
+    Redis pool, which the long polls must not take whole: past its 5 s wait a burst's requests,
+    long polls or not, answered 503 while Redis was fine). 0: no bound."""
+
+    def __init__(self, aredis: aioredis.Redis, jobs: JobStore, capacity: int, per_key: int = 0, reads: int = 0) -> None:
+        self.aredis, self.jobs, self.capacity, self.per_key = aredis, jobs, capacity, per_key
+        self.reads = reads
+        self._reading: tuple[asyncio.AbstractEventLoop, asyncio.Semaphore] | None = None
         self.active = 0
+        self.by_key: dict[str, int] = {}  # places held per API key (keyless callers not counted)
         self._events: dict[str, set[asyncio.Event]] = {}
         self._listener: asyncio.Task | None = None
         self._subscribed: asyncio.Event | None = None
         self._prefix = keys.job_events("")
 
     @contextlib.asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        """One waiter's place; `Busy` (429) when all `capacity` are taken."""
+    async def slot(self, owner: str | None) -> AsyncIterator[None]:
+        """One waiter's place for a caller of API key `owner` (None: keys are off); `Busy` (429)
+        when all `capacity` are taken, or `per_key` of them by `owner`."""
         if self.active >= self.capacity:
             raise Busy(
                 f"this API process already holds {self.capacity} long polls (ACTQ_MAX_LONG_POLLS); "
                 f"retry in {RETRY_AFTER_SECONDS} s, or poll without `wait`",
                 retry_after=RETRY_AFTER_SECONDS,
             )
+        held = self.by_key.get(owner, 0) if owner is not None else 0
+        if owner is not None and self.per_key and held >= self.per_key:
+            raise Busy(
+                f"your API key already holds {self.per_key} long polls or WebSocket sessions in this API process "
+                f"(ACTQ_MAX_LONG_POLLS_PER_KEY); retry in {RETRY_AFTER_SECONDS} s once one ends, or poll without "
+                "`wait`",
+                retry_after=RETRY_AFTER_SECONDS,
+            )
         self.active += 1
+        if owner is not None:
+            self.by_key[owner] = held + 1
         try:
             yield
         finally:
             self.active -= 1
+            if owner is not None:
+                left = self.by_key[owner] - 1
+                if left:
+                    self.by_key[owner] = left
+                else:
+                    del self.by_key[owner]
 
     async def wait(self, job_id: str, timeout: float) -> JobRecord | None:
         """The record once it is terminal, or as it is after `timeout` seconds (None: no such job).
@@ -68,7 +95,7 @@ class JobWaiters:
             while True:
                 event.clear()
                 await self._subscription()  # again: a lost subscription is renewed before the read
-                record = await self.jobs.get_async(job_id)
+                record = await self._read(job_id)
                 remaining = deadline - time.monotonic()
                 if record is None or record.status.terminal or remaining <= 0:
                     return record
@@ -80,6 +107,16 @@ class JobWaiters:
                 waiters.discard(event)
                 if not waiters:
                     del self._events[job_id]
+
+    async def _read(self, job_id: str) -> JobRecord | None:
+        """A waiter's read of its record, `reads` at a time (they queue here, never on the pool)."""
+        if not self.reads:
+            return await self.jobs.get_async(job_id)
+        loop = asyncio.get_running_loop()
+        if self._reading is None or self._reading[0] is not loop:
+            self._reading = loop, asyncio.Semaphore(self.reads)
+        async with self._reading[1]:
+            return await self.jobs.get_async(job_id)
 
     @contextlib.asynccontextmanager
     async def watch(self) -> AsyncIterator[Watch]:

@@ -265,6 +265,13 @@ class Settings(BaseSettings):
         ge=1,
         description="Long polls (GET /jobs/{id}?wait=, /v1/chat/completions) one API process holds; 429 beyond.",
     )
+    max_long_polls_per_key: int = Field(
+        500,
+        ge=0,
+        description="Long polls and nnsight WebSocket sessions (/subscribe) one API key holds in one API process; "
+        "429 beyond (0: only ACTQ_MAX_LONG_POLLS bounds them). Callers without keys are bounded by "
+        "ACTQ_MAX_LONG_POLLS alone.",
+    )
     fair_share_jobs: int = Field(
         8,
         ge=1,

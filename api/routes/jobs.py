@@ -138,7 +138,7 @@ async def get_job(
     the answer comes as soon as the job finishes (or after `wait` seconds), instead of polling."""
     record = await load_async(services, job_id, caller)
     if wait > 0 and not record.status.terminal:
-        async with services.waiters.slot():
+        async with services.waiters.slot(caller):
             record = await services.waiters.wait(job_id, wait) or record
     return view(record, request, _shown(await services.jobs.live_fields_async(record), operator))
 

@@ -175,21 +175,33 @@ async def subscribe(websocket: WebSocket) -> None:
     """The session: its id first, then every status of the jobs sent with it, LOG lines included,
     until the client closes the socket."""
     services: Services = websocket.app.state.services
+    async with contextlib.AsyncExitStack() as held:
+        try:
+            owner = checks.trusted_caller(services, _key(websocket.headers))
+            await held.enter_async_context(services.waiters.slot(owner))  # a long poll's place, before the id
+        except ActqError as exc:
+            await _deny(websocket, exc)
+            return
+        await _session(websocket, services, owner)
+
+
+async def _deny(websocket: WebSocket, exc: ActqError) -> None:
+    """Refuse a socket before accepting it: the HTTP refusal itself, where the server can send
+    one (uvicorn can), else a policy close that says why."""
+    denial = await actq_error(websocket, exc)  # type: ignore[arg-type]  # it reads nothing of the request
     try:
-        owner = checks.trusted_caller(services, _key(websocket.headers))
-    except ActqError as exc:
-        denial = await actq_error(websocket, exc)  # type: ignore[arg-type]  # it reads nothing of the request
-        try:  # the HTTP refusal itself, where the server can send one (uvicorn can)
-            await websocket.send_denial_response(denial)
-        except RuntimeError:
-            await websocket.close(code=1008, reason=exc.message[:120])
-        return
+        await websocket.send_denial_response(denial)
+    except RuntimeError:
+        await websocket.close(code=1008, reason=exc.message[:120])
+
+
+async def _session(websocket: WebSocket, services: Services, owner: str | None) -> None:
     session = uuid.uuid4().hex
     await websocket.accept()
     await websocket.send_json({"session_id": session})
     closed = asyncio.ensure_future(websocket.receive())  # the client's close (it sends nothing else)
     try:
-        async with services.waiters.slot(), services.waiters.watch() as watch:
+        async with services.waiters.watch() as watch:
             sent_with = keys.nnsight_session(owner, session)
             listed = 0  # how many of the session's jobs have been read from its list
             jobs: dict[str, tuple[str, int]] = {}  # unfinished job id -> (last status sent, LOG lines sent)

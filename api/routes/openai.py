@@ -146,7 +146,7 @@ async def _finished(
     else the error to answer (the first job in choice order that did not). The long-poll place is
     taken before submitting: at capacity the 429 comes before anything is queued, so the client's
     own retry cannot make a second job. `large`: the body was (api/bodies.py)."""
-    async with services.waiters.slot():
+    async with services.waiters.slot(caller):
         await refuse_overflow(services, caller, job_requests)
         checks = heavy(job_requests, large)
         submitted = await off_loop(

@@ -9,6 +9,7 @@ import platform
 
 import pytest
 from fastapi.testclient import TestClient
+from starlette.testclient import WebSocketDenialResponse
 
 from api.main import create_app
 from shared.registry import ModelRegistry
@@ -27,6 +28,8 @@ def settings(redis_server, tmp_path) -> Settings:
         api_keys=f"{FIRST},{SECOND}",
         nnsight_keys=f"{FIRST},{SECOND}",
         max_queued_jobs_per_key=1000,
+        max_long_polls=4,
+        max_long_polls_per_key=2,
         **LIMITS,
     )
 
@@ -70,3 +73,44 @@ def test_every_job_of_a_long_session_gets_its_status(http, served_dir):  # noqa:
         heard = [socket.receive_json() for _ in sent]
     assert sorted(f["id"] for f in heard) == sorted(sent)
     assert {f["status"] for f in heard} == {"QUEUED"}
+
+
+def test_one_keys_sessions_cannot_take_every_other_keys_long_poll(http, served_dir):  # noqa: F811
+    """Issue 47: 2,000 idle sessions of one key took the process's every long-poll place, and the
+    2,001st got a session id and was then closed. A key holds at most ACTQ_MAX_LONG_POLLS_PER_KEY
+    (2 here) places: its third socket is refused before any session id, with a 429 that names the
+    setting, while the other key still opens a session and long-polls a job."""
+    with (
+        http.websocket_connect("/subscribe", headers={"ndif-api-key": FIRST}) as one,
+        http.websocket_connect("/subscribe", headers={"ndif-api-key": FIRST}) as two,
+    ):
+        assert one.receive_json()["session_id"] and two.receive_json()["session_id"]
+        with pytest.raises(WebSocketDenialResponse) as refused:
+            with http.websocket_connect("/subscribe", headers={"ndif-api-key": FIRST}):
+                pass
+        assert refused.value.status_code == 429 and refused.value.headers["retry-after"]
+        assert "ACTQ_MAX_LONG_POLLS_PER_KEY" in refused.value.json()["detail"]
+        with http.websocket_connect("/subscribe", headers={"ndif-api-key": SECOND}) as other:
+            session = other.receive_json()["session_id"]
+            job = send(http, served_dir, session, SECOND)
+            assert other.receive_json()["id"] == job
+            polled = http.get(f"/jobs/{job}", params={"wait": 0.2}, headers={"Authorization": f"Bearer {SECOND}"})
+            assert polled.status_code == 200, polled.text
+    with http.websocket_connect("/subscribe", headers={"ndif-api-key": FIRST}) as again:  # places given back
+        assert again.receive_json()["session_id"]
+
+
+def test_past_the_processs_long_polls_a_socket_is_refused_before_its_session_id(http):
+    """At ACTQ_MAX_LONG_POLLS (4 here) the next socket gets a 429, not a session id and a close."""
+    with (
+        http.websocket_connect("/subscribe", headers={"ndif-api-key": FIRST}) as a,
+        http.websocket_connect("/subscribe", headers={"ndif-api-key": FIRST}) as b,
+        http.websocket_connect("/subscribe", headers={"ndif-api-key": SECOND}) as c,
+        http.websocket_connect("/subscribe", headers={"ndif-api-key": SECOND}) as d,
+    ):
+        assert all(s.receive_json()["session_id"] for s in (a, b, c, d))
+        with pytest.raises(WebSocketDenialResponse) as refused:
+            with http.websocket_connect("/subscribe", headers={"ndif-api-key": SECOND}):
+                pass
+        assert refused.value.status_code == 429
+        assert "ACTQ_MAX_LONG_POLLS" in refused.value.json()["detail"]

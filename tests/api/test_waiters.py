@@ -11,6 +11,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from api.errors import redis_trouble
 from api.waiters import JobWaiters
 from shared.broker import make_celery
 from shared.errors import Busy, JobTimeout
@@ -44,7 +45,7 @@ def test_many_waiters_share_one_subscription_and_each_answers_when_its_job_ends(
         ids = await asyncio.to_thread(_enqueue, store, settings, 300)
 
         async def one(job_id: str) -> JobRecord | None:
-            async with waiters.slot():
+            async with waiters.slot(None):
                 return await waiters.wait(job_id, timeout=30)
 
         tasks = [asyncio.create_task(one(i)) for i in ids]
@@ -88,21 +89,80 @@ def test_a_lost_subscription_is_renewed_and_no_ending_is_missed(settings, redis_
     assert record is not None and record.status is JobStatus.failed
 
 
+def test_waiters_take_at_most_their_share_of_the_pool_while_redis_is_slow(settings, redis_client):
+    """Issue 47: a burst of 1,500 long polls got 247 answers "503 Redis cannot be reached" while
+    Redis was fine: the waiters' reads took the whole pool and its wait ran out. Redis is paused
+    (CLIENT PAUSE, longer than the pool's wait) while 40 waiters read: they queue for their share
+    (2 of 4 connections; the subscription holds one), every one answers, and an unrelated read
+    still gets the connection left."""
+
+    async def scenario() -> tuple[list[JobRecord | None], JobRecord | None]:
+        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=4, timeout=0.5)
+        store = JobStore(redis_client, 60, aclient=aioredis.Redis(connection_pool=pool))
+        waiters = JobWaiters(store.aredis, store, capacity=100, reads=2)
+        ids = await asyncio.to_thread(_enqueue, store, settings, 41)
+        await waiters._subscription()
+        await asyncio.to_thread(redis_client.client_pause, 1500)
+        tasks = [asyncio.create_task(waiters.wait(job_id, timeout=0.1)) for job_id in ids[:40]]
+        await asyncio.sleep(0.1)
+        unrelated = await store.get_async(ids[40])
+        ended = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        await waiters.close()
+        await store.aredis.aclose()
+        return ended, unrelated
+
+    ended, unrelated = asyncio.run(scenario())
+    assert all(r is not None and r.status is JobStatus.queued for r in ended)
+    assert unrelated is not None
+
+
+def test_a_pool_whose_wait_ran_out_is_reported_as_a_busy_process_not_an_unreachable_redis(settings):
+    async def exhausted() -> Exception:
+        pool = aioredis.BlockingConnectionPool.from_url(settings.redis_url, max_connections=1, timeout=0.2)
+        held = await pool.get_connection()
+        try:
+            await aioredis.Redis(connection_pool=pool).get("x")
+        except redis.ConnectionError as exc:
+            return exc
+        finally:
+            await pool.release(held)
+            await pool.aclose()
+        raise AssertionError("the pool gave a second connection")
+
+    message = redis_trouble(asyncio.run(exhausted()))
+    assert "ACTQ_REDIS_MAX_CONNECTIONS" in message and "cannot be reached" not in message
+
+
 def test_past_capacity_a_waiter_is_refused_with_retry_after():
     async def scenario() -> None:
         waiters = JobWaiters(None, None, capacity=2)  # type: ignore[arg-type]  # slots alone touch neither
-        async with waiters.slot(), waiters.slot():
+        async with waiters.slot(None), waiters.slot(None):
             with pytest.raises(Busy, match="already holds 2 long polls") as refused:
-                async with waiters.slot():
+                async with waiters.slot(None):
                     pass
             assert refused.value.retry_after > 0
-        async with waiters.slot():  # freed again
+        async with waiters.slot(None):  # freed again
             assert waiters.active == 1
 
     asyncio.run(scenario())
 
 
 CHAT = {"model": TINY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def test_one_key_holds_at_most_its_share_of_long_polls_and_keyless_callers_only_the_processs():
+    async def scenario() -> None:
+        waiters = JobWaiters(None, None, capacity=5, per_key=2)  # type: ignore[arg-type]
+        async with waiters.slot("a"), waiters.slot("a"):
+            with pytest.raises(Busy, match="ACTQ_MAX_LONG_POLLS_PER_KEY") as refused:
+                async with waiters.slot("a"):
+                    pass
+            assert refused.value.retry_after > 0
+            async with waiters.slot("b"), waiters.slot(None), waiters.slot(None):
+                assert waiters.active == 5 and waiters.by_key == {"a": 2, "b": 1}
+        assert waiters.active == 0 and waiters.by_key == {}
+
+    asyncio.run(scenario())
 
 
 def test_at_capacity_long_polls_get_429_and_the_openai_route_queues_nothing(http, redis_client):
