@@ -3,8 +3,11 @@ failure mapped to the job's recorded error. Artifacts go in the claim's own fold
 outcome is recorded only while the job is still that claim's (shared/attempts.py); an attempt
 that lost logs its outcome and removes its folder. `submit` hands a job to a preparing thread, which
 claims it (Redis, waiting out an outage) and tokenizes it, then queues it for the engine thread;
-its artifacts are written and its outcome recorded on a finisher thread. The engine thread itself
-never waits on Redis or a tokenizer: it decodes the batch."""
+its outcome is recorded on a finisher thread, or, when it writes files (activations, log-probabilities
+past the inline limit, nnsight saves, earlier attempts' folders to tidy), on the store's own pool
+(worker/store_writes.py): a slow or unreachable store never delays a job that stores nothing, and
+holds back only capture jobs. The engine thread itself never waits on Redis, a tokenizer or the
+store: it decodes the batch."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from shared.tools import ToolCall
 from worker import attempt_files, runtime
 from worker.memory import release_memory
 from worker.scheduler import Entry
+from worker.store_writes import StoreWrites
 from worker.text_stream import TextStream
 from worker.tool_calls import call_id
 
@@ -39,7 +43,9 @@ log = get_task_logger(__name__)
 # One INFO line per job even when the worker runs at Celery's default WARNING (`celery worker`
 # without --loglevel): a record at this logger's level reaches the task log's handler.
 log.setLevel(logging.INFO)
-_finisher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actq-finish")
+_finisher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actq-finish")  # jobs that store nothing
+_store_pools: list[StoreWrites] = []  # the jobs that write files (built at first use, from the settings)
+_store_pool_lock = threading.Lock()
 CLAIM_BATCH = 64  # the most delivered jobs claimed in one Redis transaction
 
 
@@ -142,7 +148,10 @@ def _prepare(
             if waiting[0]:
                 return
         rt.progress.remove(job_id)
-        _finisher.submit(_finish, rt, job_id, holder, holder["outcome"], reply)
+        if _writes_files(rt, holder):
+            _store_pool(rt).submit(_finish, rt, job_id, holder, holder["outcome"], reply)
+        else:
+            _finisher.submit(_finish, rt, job_id, holder, holder["outcome"], reply)
 
     def done(outcome: Sequence | Exception) -> None:
         finished("outcome", outcome)
@@ -195,12 +204,47 @@ def _prepare(
     except Exception as exc:  # noqa: BLE001 - answered as the job's outcome (_finish logs or records it)
         done(exc)
         return
-    streamed = request.stream and not seq.trace  # a trace has no text to publish step by step
-    rt.progress.add(job_id, TextStream(rt.served.tokenizer, seq.generated, request.stop) if streamed else None)
-    if twin is not None:
-        waiting[0] = 2
-        rt.core.submit(Entry(seq=twin, done=unedited, estimate=rt.served.estimate(twin), started=lambda: None))
-    rt.core.submit(Entry(seq=seq, done=done, estimate=rt.served.estimate(seq), started=joined))
+
+    def join() -> None:
+        streamed = request.stream and not seq.trace  # a trace has no text to publish step by step
+        rt.progress.add(job_id, TextStream(rt.served.tokenizer, seq.generated, request.stop) if streamed else None)
+        if twin is not None:
+            waiting[0] = 2
+            rt.core.submit(Entry(seq=twin, done=unedited, estimate=rt.served.estimate(twin), started=lambda: None))
+        rt.core.submit(Entry(seq=seq, done=done, estimate=rt.served.estimate(seq), started=joined))
+
+    if record.capture_points:  # its activations go to the store: it waits while too many jobs' files do
+        _store_pool(rt).admit(job_id, join)
+    else:
+        join()
+
+
+def _store_pool(rt: runtime.Runtime) -> StoreWrites:
+    """The pool that finishes jobs whose outcome writes to the store (one per engine process)."""
+    with _store_pool_lock:
+        if not _store_pools:
+            settings = rt.settings
+            _store_pools.append(StoreWrites(settings.storage_backlog_jobs, threads=max(settings.max_batch, 2)))
+        return _store_pools[0]
+
+
+def _writes_files(rt: runtime.Runtime, holder: dict[str, Any]) -> bool:
+    """Whether finishing this job touches the artifact store: its activations or log-probabilities
+    past the inline limit, an nnsight job's saves, or earlier attempts' folders to remove."""
+    record: JobRecord | None = holder.get("record")
+    if record is None:  # never claimed: only Redis is told
+        return False
+    if record.request.nnsight is not None or Attempt.of(record).number > 1:
+        return True
+    runs = [holder["outcome"], holder.get("baseline")]
+    if any(isinstance(run, BaseException) or (run is not None and run.failure is not None) for run in runs):
+        return False  # a failed first attempt has written nothing
+    if holder["outcome"].stopped_by is not None:  # cancelled or out of time: its partial result only
+        return False
+    if record.capture_points:
+        return True
+    limit = rt.settings.logprobs_inline_tokens
+    return any(run is not None and run.scores is not None and len(run.scores.values) > limit for run in runs)
 
 
 def paired(request: JobRequest) -> tuple[JobRequest, JobRequest | None]:

@@ -7,8 +7,6 @@ import pytest
 from fastapi.testclient import TestClient
 
 from api.main import create_app
-from shared.settings import Settings
-from tests.api.conftest import LIMITS
 from tests.support.tmpfs import mounted_tmpfs
 
 
@@ -20,9 +18,8 @@ def test_live_ready_and_health_while_everything_works(http):
     assert health.json()["storage"] == "ok" and health.json()["storage_free_bytes"] > 0
 
 
-def test_redis_down_fails_readiness_and_health_but_not_liveness(own_redis, tmp_path):
-    settings = Settings(redis_url=own_redis.url, storage_url=(tmp_path / "data").as_uri(), **LIMITS)
-    with TestClient(create_app(settings)) as http:
+def test_redis_down_fails_readiness_and_health_but_not_liveness(settings, own_redis):
+    with TestClient(create_app(settings.model_copy(update={"redis_url": own_redis.url}))) as http:
         assert http.get("/readyz").status_code == 200
         own_redis.stop()
         assert http.get("/livez").status_code == 200
@@ -33,12 +30,12 @@ def test_redis_down_fails_readiness_and_health_but_not_liveness(own_redis, tmp_p
         assert http.get("/readyz").status_code == 200
 
 
-def test_a_local_store_low_on_space_is_degraded_with_the_bytes_left(redis_server, tmp_path):
+def test_a_local_store_low_on_space_is_degraded_with_the_bytes_left(settings, tmp_path):
     """A 1 MiB tmpfs: under the default threshold (1 GiB) at once; under a 256 KiB one only once
     a file leaves less than that. Still 200: jobs run, but someone should look."""
     with mounted_tmpfs(tmp_path / "small", "1m") as mount:
-        store = {"redis_url": redis_server.url, "storage_url": mount.as_uri(), **LIMITS}
-        with TestClient(create_app(Settings(**store))) as http:
+        on_tmpfs = settings.model_copy(update={"storage_url": mount.as_uri()})
+        with TestClient(create_app(on_tmpfs)) as http:
             health = http.get("/health")
             assert health.status_code == 200, health.text
             body = health.json()
@@ -47,7 +44,7 @@ def test_a_local_store_low_on_space_is_degraded_with_the_bytes_left(redis_server
                 f"low: {body['storage_free_bytes']} bytes free, under ACTQ_STORAGE_MIN_FREE_BYTES ({1 << 30})"
             )
             assert http.get("/readyz").status_code == 200  # jobs can still be taken
-        with TestClient(create_app(Settings(**store, storage_min_free_bytes=256 << 10))) as http:
+        with TestClient(create_app(on_tmpfs.model_copy(update={"storage_min_free_bytes": 256 << 10}))) as http:
             assert http.get("/health").json()["storage"] == "ok"
             (mount / "filler").write_bytes(b"\0" * ((1 << 20) - (128 << 10)))
             body = http.get("/health").json()
@@ -56,9 +53,7 @@ def test_a_local_store_low_on_space_is_degraded_with_the_bytes_left(redis_server
 
 
 @pytest.mark.parametrize("path", ["/livez", "/readyz"])
-def test_probes_need_no_key(path, redis_server, tmp_path):
-    settings = Settings(
-        redis_url=redis_server.url, storage_url=(tmp_path / "data").as_uri(), api_keys="sekrit-key", **LIMITS
-    )
-    with TestClient(create_app(settings)) as http:
+def test_probes_need_no_key(path, settings):
+    with TestClient(create_app(settings.model_copy(update={"api_keys": "sekrit-key"}))) as http:
+        assert http.get("/jobs").status_code == 401  # keys are on
         assert http.get(path).status_code == 200

@@ -254,6 +254,69 @@ def test_s3_server_stopped_mid_run(live, tiny_dir, tmp_path, outage_seconds):
         s3.stop()
 
 
+def _seconds(job: dict) -> float:
+    """From submission to the recorded outcome."""
+    return (datetime.fromisoformat(job["finished_at"]) - datetime.fromisoformat(job["created_at"])).total_seconds()
+
+
+def test_an_s3_outage_holds_only_the_jobs_that_store(live, tiny_dir, tmp_path):
+    """Issue 47: S3 stopped for 20 s while a worker runs a mix. Capture jobs wait the outage out
+    (ACTQ_STORAGE_OUTAGE_SECONDS=60) and, past ACTQ_STORAGE_BACKLOG_JOBS jobs waiting to store,
+    later capture jobs wait to join a batch, saying why; jobs that capture nothing finish in
+    about their normal time, long before S3 is back (before, they queued behind the uploads on
+    the two finisher threads and took the whole outage). The API stays live and ready; /health
+    says the store cannot be used."""
+    from tests.support.s3_server import BUCKET, SeaweedS3
+
+    outage = 20.0
+    s3 = SeaweedS3(tmp_path / "seaweedfs").start()
+    try:
+        with own_stack(tmp_path / "stack", live.env, **s3.env("mixed")) as s, s.client() as http:
+            s.start_worker(
+                "w", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-mix", "ACTQ_STORAGE_BACKLOG_JOBS": "2"}
+            )
+            plain = {**tiny_body("tiny-mix", max_tokens=16), "capture": None}
+            capture = tiny_body("tiny-mix", max_tokens=4)
+            wait_all(s, http, submit_batch(http, plain, 2), timeout=120)  # warm
+            normal = max(_seconds(j) for j in wait_all(s, http, submit_batch(http, plain, 4), timeout=120))
+            s3.stop()
+            stopped = time.monotonic()
+            uploading = submit_batch(http, capture, 4)  # decoded in a moment, then waiting for S3
+            time.sleep(3)
+            held = submit_batch(http, capture, 2)
+            quick = submit_batch(http, plain, 4)
+            done = wait_all(s, http, quick, timeout=outage)
+            assert time.monotonic() - stopped < outage - 5, "the jobs that store nothing waited for S3"
+            assert [j["status"] for j in done] == ["succeeded"] * 4, done
+            slowest = max(_seconds(j) for j in done)
+            assert slowest <= 3 * normal + 5, (slowest, normal)
+            waiting = [http.get(f"/jobs/{i}").json()["status"] for i in uploading + held]
+            assert waiting == ["running"] * 6, waiting
+            assert http.get("/livez").status_code == 200
+            assert http.get("/readyz").json() == {"status": "ready", "redis": "ok"}
+            health = http.get("/health")
+            assert health.status_code == 503 and "is unreachable" in health.json()["storage"], health.text
+            log = s.log_tail("worker-w", chars=100_000)
+            for job_id in held:
+                assert f"job {job_id} waits to join a batch: the files of 4 jobs are waiting to be stored" in log
+            time.sleep(max(0.0, outage - (time.monotonic() - stopped)))
+            s3.start()
+            stored = wait_all(s, http, uploading + held, timeout=180)
+            assert [j["status"] for j in stored] == ["succeeded"] * 6, [j["error"] for j in stored]
+            listing = s3.client().list_objects_v2(Bucket=BUCKET, Prefix="mixed/jobs/").get("Contents", [])
+            assert {item["Key"].removeprefix("mixed/") for item in listing} == {
+                key
+                for j in stored
+                for key in (
+                    j["activations"]["key"],
+                    j["activations"]["key"].replace("activations.safetensors", "manifest.json"),
+                )
+            }
+            print(f"no capture: normal {normal:.2f} s, during the outage at most {slowest:.2f} s")
+    finally:
+        s3.stop()
+
+
 def test_disk_full_on_the_local_store(live, tiny_dir, tmp_path):
     """The local store on a 1 MiB tmpfs, filled up: a capture job fails as storage_error saying
     the disk is full and leaves no file; the worker survives and, once there is room, stores the
