@@ -43,7 +43,7 @@ class StoreWrites:
     def held(self) -> int:
         return len(self._held)
 
-    def submit(self, finish: Callable[..., None], *args: object) -> None:
+    def submit(self, finish: Callable[..., object], *args: object) -> None:
         """Run `finish(*args)` (it stores a job's files and records its outcome) on the pool."""
         with self._lock:
             self._waiting += 1
