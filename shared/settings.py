@@ -31,7 +31,8 @@ class Settings(BaseSettings):
     api_keys: str | None = Field(
         None,
         description=(
-            "Comma-separated API keys; when set, every endpoint but /health needs `Authorization: Bearer <key>`."
+            "Comma-separated API keys; when set, every endpoint but /health, /livez and /readyz needs "
+            "`Authorization: Bearer <key>`."
         ),
     )
     operator_keys: str | None = Field(
