@@ -404,7 +404,7 @@ class Settings(BaseSettings):
     @field_validator("s3_public_endpoint_url", mode="before")
     @classmethod
     def _endpoint(cls, value: object) -> object:
-        """A URL with a scheme and a host (botocore signs for the host; `localhost:9000` alone has none); empty: unset."""
+        """A URL with a scheme and a host (links are signed for the host; `localhost:9000` has none); empty: unset."""
         if value == "":
             return None
         if isinstance(value, str) and (urlparse(value).scheme not in ("http", "https") or not urlparse(value).netloc):

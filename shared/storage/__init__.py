@@ -61,6 +61,7 @@ def open_store(settings: Settings, wait_for_outages: bool = False) -> ArtifactSt
             region=settings.s3_region,
             chunk_bytes=settings.s3_multipart_chunk_bytes,
             outage_seconds=settings.storage_outage_seconds if wait_for_outages else 0,
+            public_endpoint_url=settings.s3_public_endpoint_url,
         )
     raise ValueError(
         f"ACTQ_STORAGE_URL {url!r}: unsupported scheme {parsed.scheme!r} (use file:///abs/dir or s3://bucket/prefix)"

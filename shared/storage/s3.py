@@ -6,7 +6,8 @@ errors are retried by botocore's standard retry mode; connect and read timeouts 
 endpoint from hanging a job. An endpoint that cannot be reached at all is waited for: uploads
 are retried with backoff for up to `outage_seconds` (the worker's store: ACTQ_STORAGE_OUTAGE_SECONDS),
 so a short S3 outage delays jobs instead of failing them. Credentials come from the standard AWS
-chain (environment, config files, instance roles), never from a request.
+chain (environment, config files, instance roles), never from a request. Download links are signed
+for `public_endpoint_url` when clients reach the server by another name than the workers do.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class S3Store(ArtifactStore):
         region: str | None,
         chunk_bytes: int,
         outage_seconds: float = 0,
+        public_endpoint_url: str | None = None,
     ) -> None:
         self.bucket = bucket
         self.outage_seconds = outage_seconds
@@ -53,9 +55,16 @@ class S3Store(ArtifactStore):
             signature_version="s3v4",
             s3={"addressing_style": "path" if endpoint_url else "auto"},
         )
-        self.client = boto3.session.Session().client(
-            "s3", endpoint_url=endpoint_url, region_name=region or None, config=config
-        )
+        session = boto3.session.Session()
+        self.client = session.client("s3", endpoint_url=endpoint_url, region_name=region or None, config=config)
+        # Download links are signed for the host clients use (SigV4 signs the Host header, so a link
+        # rewritten to another host is refused): a client of its own, never used to send a request.
+        self.signer = self.client
+        if public_endpoint_url:
+            public = config.merge(Config(s3={"addressing_style": "path"}))
+            self.signer = session.client(
+                "s3", endpoint_url=public_endpoint_url, region_name=region or None, config=public
+            )
         self.transfer = TransferConfig(
             multipart_threshold=chunk_bytes, multipart_chunksize=chunk_bytes, use_threads=True
         )
@@ -175,7 +184,7 @@ class S3Store(ArtifactStore):
         yield from body.iter_chunks(chunk)
 
     def presigned_url(self, key: str, expires: int) -> str | None:
-        return self.client.generate_presigned_url(
+        return self.signer.generate_presigned_url(
             "get_object", Params={"Bucket": self.bucket, "Key": self._key(key)}, ExpiresIn=expires
         )
 

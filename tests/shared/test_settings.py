@@ -32,3 +32,11 @@ def test_worker_refuses_a_visibility_timeout_below_the_hard_limit():
     check_timeouts(Settings(visibility_timeout=3600, job_soft_time_limit=100, job_time_limit=200))
     with pytest.raises(ConfigurationError, match="ACTQ_VISIBILITY_TIMEOUT"):
         check_timeouts(Settings(visibility_timeout=100, job_soft_time_limit=100, job_time_limit=200))
+
+
+@pytest.mark.parametrize("value", ["localhost:9000", "minio", "ftp://minio:9000", "http://"])
+def test_a_public_s3_endpoint_without_scheme_or_host_is_refused_naming_the_fix(value):
+    with pytest.raises(ValidationError, match=r"is not an endpoint: give http\(s\)://host\[:port\]"):
+        Settings(_env_file=None, s3_public_endpoint_url=value)
+    assert Settings(_env_file=None, s3_public_endpoint_url="").s3_public_endpoint_url is None  # empty: unset
+    assert Settings(_env_file=None, s3_public_endpoint_url="https://s3.example.org").s3_public_endpoint_url
