@@ -11,6 +11,11 @@ record's MULTI pushes it onto the model's queue list exactly as kombu's Redis tr
 (`JobStore.enqueue`): a job is recorded and queued together or not at all. The envelope is kombu's
 Redis transport format (kombu is pinned); tests/shared/test_broker.py compares it field by field
 with what `send_task` itself writes, so an upgrade that changes it fails the build.
+
+What monitors show. The message carries only the job id (`run_job(job_id)`), but Celery's task
+events and Flower show its `argsrepr`/`kwargsrepr` headers: the job's model, kind, the start of
+its prompt and its run label go there (`shown`), so an operator can tell jobs apart in Flower
+while the request itself stays in Redis.
 """
 
 from __future__ import annotations
@@ -24,9 +29,12 @@ from kombu.serialization import dumps
 
 from shared import keys
 from shared.errors import ConfigurationError
+from shared.listing import RUN_KEY
+from shared.schemas import JobRecord
 from shared.settings import Settings
 
 PERSISTENT = 2  # kombu's delivery_mode for durable messages
+SHOWN_PROMPT_CHARS = 60  # of a job's prompt, in what monitors show of its message
 
 
 def make_celery(settings: Settings) -> Celery:
@@ -69,10 +77,35 @@ def check_timeouts(settings: Settings) -> None:
         )
 
 
-def task_message(celery: Celery, job_id: str, queue: str) -> str:
-    """The JSON kombu's Redis transport LPUSHes onto `queue` for `run_job(job_id)` (task id = job id)."""
+def shown(record: JobRecord) -> dict[str, str]:
+    """What monitors show of a job beside its id: its model, kind (`generate`, `trace`, `nnsight`),
+    the start of its prompt (whitespace folded, at most SHOWN_PROMPT_CHARS) and its run label, if
+    any. Never its owner (an API key's id) or anything else of the request."""
+    from shared.jobs import summarize  # shared/jobs.py imports this module
+
+    summary = summarize(record)
+    prompt = " ".join(summary.prompt_preview.split())
+    if len(prompt) > SHOWN_PROMPT_CHARS:
+        prompt = prompt[: SHOWN_PROMPT_CHARS - 3] + "..."
+    fields = {"model": record.model, "kind": summary.mode, "prompt": prompt}
+    if run := (record.request.metadata or {}).get(RUN_KEY):
+        fields["run"] = run
+    return fields
+
+
+def task_message(celery: Celery, job_id: str, queue: str, show: dict[str, str] | None = None) -> str:
+    """The JSON kombu's Redis transport LPUSHes onto `queue` for `run_job(job_id)` (task id = job id).
+    `show` (see `shown`): what monitors show as the task's keyword arguments; the payload itself
+    stays the job id alone."""
     headers, properties, body, _ = celery.amqp.create_task_message(
-        job_id, keys.TASK_NAME, [job_id], {}, reply_to=celery.thread_oid, create_sent_event=False, ignore_result=None
+        job_id,
+        keys.TASK_NAME,
+        [job_id],
+        {},
+        reply_to=celery.thread_oid,
+        create_sent_event=False,
+        ignore_result=None,
+        kwargsrepr=repr(show) if show else None,
     )
     content_type, content_encoding, data = dumps(body, serializer="json")
     return json.dumps(

@@ -267,7 +267,7 @@ class JobStore:
                 keys.jobs_status_index(owner, record.status.value),
                 keys.counters(record.model),
                 queue,
-                broker.task_message(celery, record.id, queue),
+                broker.task_message(celery, record.id, queue, broker.shown(record)),
                 int(size),
                 " ".join(tag_indexes(record)),
             ]

@@ -7,24 +7,43 @@ message is acknowledged when its own job ends (late ack), and up to ACTQ_MAX_BAT
 from the queue at once. The worker process itself never imports torch: its main thread stays free
 to answer control commands (`inspect ping`), send heartbeats and task events while the engine
 computes, and a kill -9 of the engine process loses no job (engine_client.py).
+
+Its name. Each worker is a Celery node of its own: without `-n`, it is named
+`actq-<model>-<6 hex>@<host>` (`-gpu<N>` after the model when CUDA_VISIBLE_DEVICES names one
+device), never Celery's `celery@<host>`, which two workers on one machine would share (Flower
+and `celery inspect` would see one). The node name is also the worker's name in Redis: its
+heartbeat, the jobs it claims (`worker` in GET /jobs/{id}) and its figures in /metrics. Workers
+run without mingle and gossip (each would otherwise talk to every other node at start and on
+every event); Flower and `celery inspect` do not need them.
+
+What monitors see of a job: the task ends as the job did. A failed job's task fails (Flower:
+FAILURE, the job's error type and message as its exception), a cancelled job's is revoked
+(REVOKED), any other ends SUCCESS; the job's own record and error handling are unchanged, and
+the message is acknowledged either way (a failed task is not retried).
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import socket
+import re
 import threading
+import uuid
+from typing import Any
 
-from celery.exceptions import Reject
+from celery import Task
+from celery.exceptions import Ignore, Reject
 from celery.platforms import EX_FAILURE
 from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
+from celery.utils.nodenames import default_nodename, host_format
 
 from shared import keys
 from shared.attempts import Attempt, StaleAttempt
 from shared.broker import check_timeouts, make_celery
 from shared.errors import InternalError, JobFailure, JobTimeout, NnsightCodeFailed
 from shared.jobs import JobStore
+from shared.registry import ModelRegistry
 from shared.settings import get_settings
 from worker.engine_client import EngineClient, EngineStartFailed
 from worker.lost_messages import LostMessageSweeper
@@ -51,11 +70,38 @@ _sweepers: list[LostMessageSweeper] = []
 _holding: set[str] = set()  # job ids whose task is running in this worker
 _holding_lock = threading.Lock()  # the pool's task threads check and add together
 _stores: list[JobStore] = []  # this process's job store (built at first use: no Redis at import)
+CELERY_DEFAULT_NODE = host_format(default_nodename(None))  # `celery@<host>`: what Celery names a worker without -n
+_node: list[str] = []  # this worker's node name, once Celery has named it (worker_init)
 
 
-@app.task(name=keys.TASK_NAME, ignore_result=True)
-def run_job(job_id: str) -> None:
-    """The task: its message carries only the job id; the request lives in the job's record."""
+def node_name(model: str, gpus: str | None = None) -> str:
+    """A worker's default node name: `actq-<model>[-gpu<N>]-<6 hex>@<host>`, unique per process."""
+    tag = re.sub(r"[^A-Za-z0-9_.-]+", "-", model).strip("-") or "model"
+    if gpus and re.fullmatch(r"[0-9A-Za-z-]+", gpus):  # one device (an index or a GPU-... uuid)
+        tag += f"-gpu{gpus}"
+    return host_format(f"actq-{tag}-{uuid.uuid4().hex[:6]}@%h")
+
+
+class Worker(app.Worker):  # type: ignore[name-defined,misc]  # Celery builds the class per app
+    """`celery worker` for actq: its own node name when `-n` gives none, no mingle, no gossip."""
+
+    def __init__(self, hostname: str | None = None, **options: Any) -> None:
+        if hostname in (None, CELERY_DEFAULT_NODE):
+            hostname = node_name(settings.served_model_name, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        super().__init__(hostname=hostname, **{**options, "without_mingle": True, "without_gossip": True})
+
+
+app.Worker = Worker
+
+
+class JobFailed(Exception):
+    """The job ended `failed`: its task fails with the job's error type and message."""
+
+
+@app.task(name=keys.TASK_NAME, ignore_result=True, bind=True, throws=(JobFailed,))
+def run_job(task: Task, job_id: str) -> None:
+    """The task: its message carries only the job id; the request lives in the job's record. It
+    ends as the job did (module docstring)."""
     with _holding_lock:
         if job_id in _holding:  # a second delivery while a task of ours runs it: drop (ack) this copy
             log.warning(
@@ -93,6 +139,38 @@ def run_job(job_id: str) -> None:
     elif outcome == "unavailable":
         why, _ = runs_on.ended.pop(job_id, ("unknown", None))
         _fail(job_id, InternalError(f"the worker's nnsight engine could not start ({why}); try again later"), None)
+    _end_as_the_job(task, job_id)
+
+
+def _end_as_the_job(task: Task, job_id: str) -> None:
+    """Failed: raise JobFailed (an expected exception: logged at INFO without a traceback, the
+    message acknowledged). Cancelled: a `task-revoked` event, then Ignore (acknowledged, no other
+    event). Anything else, or a record that cannot be read now (Redis away): the task succeeds."""
+    ended = _final_state(job_id)
+    if ended is None:
+        return
+    status, error = ended
+    if status == "failed":
+        raise JobFailed(f"{error.get('type', 'job_failed')}: {str(error.get('message', ''))[:300]}")
+    if status == "cancelled":
+        task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+        raise Ignore()
+
+
+def _final_state(job_id: str) -> tuple[str, dict[str, Any]] | None:
+    """The job's status and error as its record holds them, when it ended failed or cancelled (one
+    GET, no wait through an outage); None otherwise."""
+    import redis
+
+    try:
+        raw = _store().redis.get(keys.job(job_id))
+        record = json.loads(raw) if raw is not None else None
+    except (redis.RedisError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("status") not in ("failed", "cancelled"):
+        return None
+    error = record.get("error")
+    return str(record["status"]), error if isinstance(error, dict) else {}
 
 
 def _attempt(attempt: tuple[int, str | None] | None) -> Attempt | None:
@@ -132,9 +210,15 @@ def _engine_for(job_id: str) -> EngineClient | None:
         return None
 
 
+def _registry() -> ModelRegistry:
+    return ModelRegistry(_store().redis, settings.heartbeat_ttl)
+
+
 @worker_init.connect
-def _start_engine(**_: object) -> None:
-    log.info("loading model %s (batches of up to %d jobs)", settings.model, settings.max_batch)
+def _start_engine(sender: Any = None, **_: object) -> None:
+    _node.append(getattr(sender, "hostname", None) or node_name(settings.served_model_name))
+    engine.node = nnsight_engine.node = _node[0]  # the engines claim jobs and beat under this name
+    log.info("loading model %s as %s (batches of up to %d jobs)", settings.model, _node[0], settings.max_batch)
     try:
         engine.start()
     except EngineStartFailed:
@@ -158,7 +242,7 @@ def _start_lost_message_checks() -> LostMessageSweeper:
         lambda job_id: task_message(app, job_id, queue),
         interval=settings.lost_message_check_seconds,
         confirm=settings.lost_message_check_seconds,
-        worker_id=f"{socket.gethostname()}:{os.getpid()}",
+        worker_id=_node[0],
         holding=lambda: set(_holding),
         publish_every=settings.heartbeat_interval,  # this worker's holdings live as long as a heartbeat
         held_ttl=settings.heartbeat_ttl,
@@ -172,17 +256,34 @@ def _checks(**_: object) -> None:
     _sweepers.append(_start_lost_message_checks())
 
 
+def _leave_live_workers() -> None:
+    """This worker no longer counts as live for its model (GET /health, /metrics): at once, not
+    when its last heartbeat expires. Best effort: a Redis away leaves it to the heartbeat TTL."""
+    import redis
+
+    if not _node:
+        return
+    try:
+        _registry().remove_worker(settings.served_model_name, _node[0])
+    except redis.RedisError as exc:
+        log.warning("could not leave the live workers (%s): this worker leaves when its heartbeat expires", exc)
+
+
 @worker_shutting_down.connect
 def _shutting_down(**_: object) -> None:
     # A SIGTERM or Ctrl-C sent to the worker's process group reaches the engine processes too: they
     # end, their jobs go back to the queue, and they must not be restarted while the worker stops.
+    # An engine that is still running (a SIGTERM to this process alone: a warm shutdown that lets
+    # running jobs finish) stops its heartbeat: a stopping worker takes no new job.
     engine.closing()
     nnsight_engine.closing()
     for sweeper in _sweepers:
         sweeper.stop.set()
+    _leave_live_workers()
 
 
 @worker_shutdown.connect
 def _stop_engine(**_: object) -> None:
     engine.close()
     nnsight_engine.close()
+    _leave_live_workers()  # again: a heartbeat sent while the worker was stopping counts no more

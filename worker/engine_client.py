@@ -30,7 +30,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from worker.engine_process import REPLY_FD_ENV, ROLE_ENV
+from worker.engine_process import NODE_ENV, REPLY_FD_ENV, ROLE_ENV
 
 EX_FAILURE = 1
 RESTARTS = 3  # tries to replace a dead engine before the worker gives up
@@ -79,6 +79,7 @@ class EngineClient:
         self, start_timeout: float, role: str = "capture", lazy: bool = False, idle_seconds: float | None = None
     ) -> None:
         self.start_timeout, self.role, self.lazy, self.idle_seconds = start_timeout, role, lazy, idle_seconds
+        self.node: str | None = None  # the worker's Celery node name: the engine's name in Redis
         self.engine: _Engine | None = None
         self._lock = threading.Lock()  # guards engine, _waiting and writes to the engine's stdin
         self._starting = threading.Lock()  # one start at a time
@@ -107,6 +108,8 @@ class EngineClient:
         """Start an engine process and wait until its model is loaded (or raise why not)."""
         read_fd, write_fd = os.pipe()
         env = {**os.environ, REPLY_FD_ENV: str(write_fd), ROLE_ENV: self.role}
+        if self.node:
+            env[NODE_ENV] = self.node
         proc = subprocess.Popen(
             [sys.executable, "-m", "worker.engine_process"],
             stdin=subprocess.PIPE,
@@ -150,9 +153,17 @@ class EngineClient:
         return None
 
     def closing(self) -> None:
-        """The worker is stopping: an engine that ends from now on is not restarted."""
+        """The worker is stopping: an engine that ends from now on is not restarted, and one that
+        runs on (finishing its jobs) stops its heartbeat: it takes no new job."""
         with self._lock:
             self._closing = True
+            proc = self.proc
+            if proc is not None and proc.poll() is None and proc.stdin is not None:
+                try:
+                    proc.stdin.write(json.dumps({"closing": True}) + "\n")
+                    proc.stdin.flush()
+                except OSError:  # it is ending already
+                    pass
 
     def close(self) -> None:
         """Stop the engine: closing its stdin lets it unpublish itself and exit."""

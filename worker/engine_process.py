@@ -5,6 +5,8 @@ scheduler's batches. Its role (ACTQ_ENGINE_ROLE) is `capture` (every job but nns
 
 Protocol: one JSON object per line, nothing else is ever decoded:
   stdin (from the worker)      {"run": JOB_ID}
+                               {"closing": true}      the worker is stopping: no more heartbeats (it
+                                                      takes no new job); running jobs go on
   fd REPLY_FD (to the worker)  {"ready": WORKER_ID}   once the model is loaded and published
                                {"started": JOB_ID, "attempt": [N, WORKER]}  the job joined a batch, as
                                                       the attempt its claim made (shared/attempts.py)
@@ -15,7 +17,8 @@ Protocol: one JSON object per line, nothing else is ever decoded:
                                                       cannot prove whole: it exits (EX_REPLACED) after this
                                {"died": TEXT}         the engine thread's fatal error, before the process ends
 stdout and stderr stay free for logs. When stdin closes (the worker stopped or died) the process
-unpublishes itself and exits.
+unpublishes itself and exits. It claims jobs and beats under the worker's Celery node name
+(NODE_ENV, set by the worker), or `host:pid` when started without one.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
 
 REPLY_FD_ENV = "ACTQ_ENGINE_REPLY_FD"
 ROLE_ENV = "ACTQ_ENGINE_ROLE"
+NODE_ENV = "ACTQ_ENGINE_NODE"
 EX_REPLACED = 75  # the process ended itself to be replaced (EX_TEMPFAIL)
 
 
@@ -74,7 +78,12 @@ def main() -> None:
 
     engine_core.last_words = lambda text: send({"died": text})
     try:
-        rt = runtime.start(settings, role, replace=lambda job, reasons: to_replace.__setitem__(job, reasons))
+        rt = runtime.start(
+            settings,
+            role,
+            replace=lambda job, reasons: to_replace.__setitem__(job, reasons),
+            worker_id=os.environ.get(NODE_ENV),
+        )
     except Exception:
         log.critical("cannot serve model %s", settings.model, exc_info=True)
         sys.exit(1)
@@ -82,6 +91,9 @@ def main() -> None:
     try:
         for line in sys.stdin:
             message = json.loads(line)
+            if message.get("closing"):
+                runtime.unpublish()
+                continue
             job_id = str(message["run"])
             runner.submit(job_id, reply=reply, started=started)
     finally:

@@ -48,9 +48,14 @@ _runtime: Runtime | None = None
 
 
 def start(
-    settings: Settings, role: str = "capture", replace: Callable[[str, list[str]], None] | None = None
+    settings: Settings,
+    role: str = "capture",
+    replace: Callable[[str, list[str]], None] | None = None,
+    worker_id: str | None = None,
 ) -> Runtime:
-    """Load the model once, publish it, and start heartbeats. Runs in the engine process. `role`:
+    """Load the model once, publish it, and start heartbeats. Runs in the engine process.
+    `worker_id`: its name in Redis (claims, heartbeats): the worker's Celery node name, else
+    `host:pid` (`:nnsight` added for the nnsight engine). `role`:
     `capture` (every job but nnsight ones; publishes the model and answers the API's tokenizer
     calls) or `nnsight` (trusted code on a copy of the model of its own: worker/engine_process.py).
     `replace(job_id, reasons)`: told when trusted code left this process in a state it cannot prove
@@ -83,7 +88,7 @@ def start(
     registry = ModelRegistry(client, settings.heartbeat_ttl)
     if capture:
         registry.publish(served.info)
-    worker_id = f"{socket.gethostname()}:{os.getpid()}" + ("" if capture else ":nnsight")
+    worker_id = worker_id or f"{socket.gethostname()}:{os.getpid()}" + ("" if capture else ":nnsight")
     stop = threading.Event()
     jobs = JobStore(client, settings.job_retention_seconds, settings.redis_outage_seconds)
     grace = settings.redis_outage_seconds + settings.storage_outage_seconds + 60
@@ -205,10 +210,24 @@ def _beat_once(runtime: Runtime, since: float | None = None) -> float:
 
 def _beat(runtime: Runtime) -> None:
     last = time.monotonic()
-    while not runtime.stop.wait(runtime.settings.heartbeat_interval):
+    while not runtime.stop.wait(runtime.settings.heartbeat_interval) and not _unpublished.is_set():
         if not runtime.core.alive:  # a dead engine thread never looks live (the process is ending)
             return
         last = _beat_once(runtime, last)
+
+
+_unpublished = threading.Event()  # the worker is stopping: no more heartbeats
+
+
+def unpublish() -> None:
+    """The worker is stopping: stop the heartbeat and leave the live workers now (jobs running go on)."""
+    _unpublished.set()
+    if _runtime is None or _runtime.role != "capture":
+        return
+    try:
+        _runtime.registry.remove_worker(_runtime.served.info.name, _runtime.worker_id)
+    except redis.RedisError:
+        pass
 
 
 def stop() -> None:

@@ -4,7 +4,6 @@ and so do the tests and the benchmarks: one way to start a stack."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import tempfile
@@ -21,7 +20,10 @@ from shared.cli.redis_server import RedisServer
 from shared.settings import Settings
 
 
-def worker_command(name: str) -> list[str]:
+def worker_command() -> list[str]:
+    """A worker as docs/operations.md runs one. Without `-n` it names itself
+    `actq-<model>-<6 hex>@<host>` (worker/celery_app.py), so workers on one machine are distinct
+    nodes; mingle and gossip are off (worker/celery_app.py turns them off also when not asked)."""
     return [
         sys.executable,
         "-m",
@@ -30,8 +32,6 @@ def worker_command(name: str) -> list[str]:
         "worker.celery_app",
         "worker",
         "-E",  # no --loglevel: Celery's default, WARNING, still logs one INFO line per job (tested)
-        "-n",
-        f"{name}-{os.getpid()}-{free_port()}@%h",
         "--without-mingle",
         "--without-gossip",
     ]
@@ -115,7 +115,7 @@ class Stack:
         """A worker (`worker-<name>`) with `env` over the stack's; waits until the API lists it live
         (failing at once, with the log's tail, if it or the API dies meanwhile)."""
         env = dict(env or {})
-        process = self._start(f"worker-{name}", worker_command(name), env)
+        process = self._start(f"worker-{name}", worker_command(), env)
         settings = {k.removeprefix("ACTQ_").lower(): v for k, v in {**self.env, **env}.items() if k.startswith("ACTQ_")}
         model = self.models[f"worker-{name}"] = Settings.model_validate(settings).served_model_name
         names = [f"worker-{name}", *(["api"] if "api" in self.processes else [])]

@@ -216,7 +216,7 @@ def test_a_chat_template_file_gives_a_base_model_messages(live, http, tmp_path, 
 
     log = tmp_path / "worker-bad-template.log"
     env = {**live.env, "ACTQ_MODEL": str(folder), "ACTQ_CHAT_TEMPLATE": str(tmp_path / "missing.jinja")}
-    process = spawn(worker_command("bad-template"), log, env)
+    process = spawn(worker_command(), log, env)
     try:
         code = process.wait(timeout=120)
     finally:

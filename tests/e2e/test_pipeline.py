@@ -303,7 +303,7 @@ def test_long_poll_times_out_with_the_job_as_it_is(live, http, redis_client):
 def test_a_worker_that_cannot_load_its_model_stops_with_the_reason(live, tmp_path):
     log = tmp_path / "worker-broken.log"
     env = {**live.env, "ACTQ_MODEL": str(tmp_path / "no-such-model"), "ACTQ_MODEL_NAME": "broken"}
-    process = spawn(worker_command("broken"), log, env)
+    process = spawn(worker_command(), log, env)
     try:
         code = process.wait(timeout=120)  # the worker exits by itself (TimeoutExpired fails the test)
     finally:
