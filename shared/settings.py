@@ -382,8 +382,13 @@ class Settings(BaseSettings):
     )
     max_attempts: int = Field(3, ge=1, description="Deliveries of one job before it is failed as `worker_lost`.")
     job_retention_seconds: int = Field(7 * 24 * 3600, gt=0, description="How long job records are kept.")
-    heartbeat_interval: float = Field(5.0, gt=0, description="Seconds between worker heartbeats.")
-    heartbeat_ttl: float = Field(20.0, gt=0, description="A worker with no heartbeat for this long is not live.")
+    heartbeat_interval: float = Field(1.0, gt=0, description="Seconds between worker heartbeats.")
+    heartbeat_ttl: float = Field(
+        4.0,
+        gt=0,
+        description="A worker with no heartbeat for this long is not live (a worker that stops leaves at once; "
+        "one that dies, after this long).",
+    )
     worker_start_timeout: float = Field(
         300.0, gt=0, description="Seconds the worker's engine process may take to load the model."
     )
