@@ -150,3 +150,16 @@ def test_the_http_reference_lists_every_route_parameter_and_request_field(site):
         missing += [f"schema {name} {f}" for f in component.get("properties", {}) if f not in words(codes)]
     assert {"CaptureSpec", "Intervention", "Tool"} <= set(named), sorted(named)
     assert not missing, f"not on the HTTP API reference page: {missing}"
+
+
+def test_long_code_lines_wrap_on_every_page(site):
+    """A long command or output wraps on screen instead of hiding behind a scrollbar (issue 47):
+    every built page loads the stylesheet that says so."""
+    css = (site / "stylesheets" / "extra.css").read_text()
+    rule = css[css.index(".md-typeset pre > code {") :]
+    assert "white-space: pre-wrap;" in rule[: rule.index("}")]
+    pages = sorted(site.rglob("index.html"))
+    assert len(pages) >= 15
+    for page in pages:
+        depth = len(page.relative_to(site).parts) - 1
+        assert f'href="{"../" * depth}stylesheets/extra.css"' in page.read_text(), page
