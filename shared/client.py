@@ -277,9 +277,9 @@ class Job:
     # --- activations -------------------------------------------------------------------------
 
     @contextmanager
-    def _stream_file(self, *, proxy: bool = False) -> Iterator[httpx.Response]:
+    def _stream_file(self, *, proxy: bool = False, retried: bool = True) -> Iterator[httpx.Response]:
         params = {"proxy": "true"} if proxy else None
-        with self._client._stream("GET", f"/jobs/{self.id}/activations", params=params) as response:
+        with self._client._stream("GET", f"/jobs/{self.id}/activations", retried, params=params) as response:
             yield response
 
     def _expected(self) -> dict | None:
@@ -333,7 +333,7 @@ class Job:
         digest, size = hashlib.sha256(), 0
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
         try:
-            with os.fdopen(fd, "wb") as out, self._stream_file(proxy=proxy) as response:
+            with os.fdopen(fd, "wb") as out, self._stream_file(proxy=proxy, retried=False) as response:
                 for chunk in response.iter_bytes(1 << 20):
                     out.write(chunk)
                     digest.update(chunk)
@@ -468,11 +468,13 @@ class Client:
         return response
 
     @contextmanager
-    def _stream(self, method: str, path: str, **kwargs: Any) -> Iterator[httpx.Response]:
+    def _stream(self, method: str, path: str, retried: bool = True, **kwargs: Any) -> Iterator[httpx.Response]:
         """A streamed answer (redirects followed: the S3 store answers 307 to a presigned URL); the
-        request is retried until its headers arrive, the body is the caller's to read."""
+        request is retried until its headers arrive (unless `retried` is False: the caller retries
+        the whole read), the body is the caller's to read."""
         request = self._http.build_request(method, path, **kwargs)
-        for attempt in self._retrying(method):
+        attempts = self._retrying(method) if retried else Retrying(RetryPolicy(seconds=0), resendable=False)
+        for attempt in attempts:
             with attempt:
                 response = self._http.send(request, stream=True, follow_redirects=True)
                 self._answered = True

@@ -95,8 +95,8 @@ class Retrying:
         policy: RetryPolicy,
         *,
         resendable: bool,
-        reached: Callable[[], bool],
-        notify: Callable[[str], None] | None,
+        reached: Callable[[], bool] = lambda: True,
+        notify: Callable[[str], None] | None = None,
         busy_retried: bool = True,
         interrupted: threading.Event | None = None,
     ) -> None:

@@ -15,6 +15,7 @@
     export.py        a results directory as Parquet or a Hugging Face dataset (`actq export`)
     export_jobs.py   the jobs `actq export --jobs` picks by GET /jobs filters, as export samples
     export_partial.py an export stopped by a failed fetch: the partial file it keeps, resumed by the next run
+    export_reader.py where an export's tensors come from: downloaded files, else the API (a failed fetch named)
     gsm8k/           GSM8K problems and prompts, harness-style scoring (`actq gsm8k`, on batch.py)
     tool_loop.py     tool-calling conversations (gsm8k --mode with-tools, run-file tools lines): a job per turn
 

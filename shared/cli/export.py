@@ -68,6 +68,7 @@ except ImportError as exc:
 
 from shared.cli import export_partial
 from shared.cli.export_partial import FetchFailed, Kept
+from shared.cli.export_reader import TOKEN_IDS, Reader, next_sample
 from shared.cli.probes import point_layer
 
 FORMATS = ("parquet", "hf-dataset")
@@ -75,7 +76,6 @@ TURNS = ("all", "first", "last")
 TURN_COLUMNS = ("turn", "tool_calls")  # a tool run's, after the others
 DEFAULT_OUT = {"parquet": "export.parquet", "hf-dataset": "hf-dataset"}
 GENERATED = "generated"
-TOKEN_IDS = "token_ids"
 NOT_CAPTURES = (TOKEN_IDS,)  # in the file, but not a capture point
 
 
@@ -199,93 +199,6 @@ def _prompt(sample: dict) -> tuple[str | None, str | None]:
     return (question if isinstance(question, str) else None), None
 
 
-class _Reader:
-    """Tensors of one source as float32 numpy arrays: from its downloaded file, else through the
-    API (one client for the whole export, opened at the first tensor that needs it)."""
-
-    def __init__(
-        self,
-        results: Path | None,
-        api: str | None,
-        api_key: str | None = None,
-        client: Any = None,
-        url: str = "",
-        retry_seconds: float | None = None,
-    ) -> None:
-        self.results = results
-        self.api = api
-        self.api_key = api_key
-        self._client: Any = client
-        self._url = url
-        self.retry_seconds = retry_seconds
-
-    def close(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
-    def read(self, sample: dict, source: str, fields: dict, names: list[str]) -> dict[str, np.ndarray]:
-        file = fields.get("activations_file")
-        if file and self.results is not None and (self.results / file).is_file():
-            return self._read_file(self.results / file, names)
-        return self._fetch(sample, source, fields, names)
-
-    def _read_file(self, path: Path, names: list[str]) -> dict[str, np.ndarray]:
-        from safetensors import safe_open
-
-        out: dict[str, np.ndarray] = {}
-        bf16: list[str] = []
-        with safe_open(str(path), framework="np") as f:
-            present = set(f.keys())
-            if TOKEN_IDS in present:
-                out[TOKEN_IDS] = np.asarray(f.get_tensor(TOKEN_IDS), dtype=np.int64)
-            for name in names:
-                if name not in present:
-                    raise ToolError(f"{path}: no tensor {name!r}, which its manifest lists")
-                if f.get_slice(name).get_dtype() == "BF16":
-                    bf16.append(name)  # numpy has no bfloat16: read through torch below
-                else:
-                    out[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
-        if bf16:
-            with safe_open(str(path), framework="pt") as f:
-                for name in bf16:
-                    out[name] = f.get_tensor(name).float().numpy()
-        return out
-
-    def _fetch(self, sample: dict, source: str, fields: dict, names: list[str]) -> dict[str, np.ndarray]:
-        import httpx
-
-        from shared.cli import remote
-        from shared.client import ActqClientError, NotFound
-
-        job_id = fields.get("job_id")
-        where = f"sample {sample.get('index')} ({source})"
-        fix = "run the command with --download, or give --api (and --api-key) for the API that ran it"
-        if not job_id:
-            raise ToolError(f"{where}: its activations are not in {self.results} and it has no job id; {fix}")
-        try:
-            if self._client is None:
-                self._url, key = remote.resolve(self.api, self.api_key)
-                seconds = remote.DEFAULT_SECONDS if self.retry_seconds is None else self.retry_seconds
-                self._client = remote.client(self._url, key, retry_seconds=seconds)
-            job = self._client.job(job_id)
-            tensors = {name: job.tensor(name).float().numpy() for name in names}
-            try:
-                tensors[TOKEN_IDS] = job.tensor(TOKEN_IDS).numpy().astype(np.int64)
-            except NotFound:  # a file written without them
-                pass
-            return tensors
-        except (httpx.HTTPError, ActqClientError) as exc:
-            if self.results is None:  # --jobs: the API is the only place they are
-                raise FetchFailed(
-                    f"job {job_id}: fetching its activations failed: {remote.explain(exc, self._url)}"
-                ) from None
-            raise FetchFailed(
-                f"{where}: its activations are not in {self.results} ({fix}), and fetching them failed: "
-                f"{remote.explain(exc, self._url)}"
-            ) from None
-
-
 def _row_positions(entry: dict, tensor: np.ndarray) -> list[int] | None:
     """The token index (into token_ids) of each row: start, start+1, ... (None when reduced, or
     when the manifest does not say)."""
@@ -307,7 +220,7 @@ def _rows_array(matrix: np.ndarray) -> Any:
     return pa.ListArray.from_arrays(pa.array(np.array([0, rows], dtype=np.int32), type=pa.int32()), inner)
 
 
-def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: _Reader, counts: Counter, schema: Any) -> Any:
+def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: Reader, counts: Counter, schema: Any) -> Any:
     """One sample's rows as a pyarrow Table (None when it has none)."""
     columns: dict[str, list] = {field.name: [] for field in schema if field.name != "activations"}
     arrays: list[Any] = []
@@ -373,26 +286,11 @@ class _Stopped(Exception):
         self.reason, self.missing = reason, missing
 
 
-def _next_sample(samples: Iterator[dict], reader: _Reader) -> dict | None:
-    """The next sample (None at the end); reading a --jobs sample fetches its job and request."""
-    import httpx
-
-    from shared.cli import remote
-    from shared.client import ActqClientError
-
-    try:
-        return next(samples)
-    except StopIteration:
-        return None
-    except (httpx.HTTPError, ActqClientError) as exc:
-        raise FetchFailed(f"reading a job to export failed: {remote.explain(exc, reader._url)}") from None
-
-
 def _write_parquet(
     samples: Iterable[dict],
     total: int,
     target: Path,
-    reader: _Reader,
+    reader: Reader,
     schema: Any,
     turns: str = "all",
     kept: Kept | None = None,
@@ -413,7 +311,7 @@ def _write_parquet(
     progress = tqdm(total=total, desc="export", unit="sample", disable=None, file=sys.stderr)
     iterator = iter(samples)
     try:
-        while (sample := _next_sample(iterator, reader)) is not None:
+        while (sample := next_sample(iterator, reader)) is not None:
             own: Counter = Counter()
             table = _sample_table(sample, list(_sources(sample, skipped, turns)), reader, own, schema)
             if table is not None:
@@ -523,7 +421,7 @@ class _Source:
 
     samples: Iterable[dict]
     total: int
-    reader: _Reader
+    reader: Reader
     schema: Any
     kept: Kept
 
@@ -547,7 +445,7 @@ def _samples(
         schema = _schema(extra)
         kept = export_partial.read(out, "index", export, schema)
         total = len(paths) - sum(1 for p in paths if p.stem.isdigit() and int(p.stem) in kept.done)
-        reader = _Reader(results, api, api_key, retry_seconds=retry_timeout)
+        reader = Reader(results, api, api_key, retry_seconds=retry_timeout)
         yield _Source(_result_samples(paths, kept.done), total, reader, schema, kept)
         return
     from shared.cli import export_jobs, remote
@@ -562,7 +460,7 @@ def _samples(
         kept = export_partial.read(out, "job_id", export, schema)
         samples = export_jobs.samples(client, summaries, names, skip=kept.done)
         total = sum(1 for summary in summaries if summary["id"] not in kept.done)
-        yield _Source(samples, total, _Reader(None, url, key, client=client, url=url), schema, kept)
+        yield _Source(samples, total, Reader(None, url, key, client=client, url=url), schema, kept)
 
 
 def _export(source: _Source, format: str, out: Path, turns: str = "all") -> tuple[int, Counter, Counter]:
