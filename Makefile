@@ -43,16 +43,16 @@ test-fast: $(STAMP)
 	$(BIN)/python -m pytest -ra -m "not e2e and not model"
 
 lint: $(STAMP)
-	$(BIN)/ruff check api worker shared tests bench
-	$(BIN)/ruff format --check api worker shared tests bench
+	$(BIN)/ruff check api worker shared tests bench docs/hooks
+	$(BIN)/ruff format --check api worker shared tests bench docs/hooks
 	$(BIN)/mypy
 
 docs: $(STAMP)
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 format: $(STAMP)
-	$(BIN)/ruff check --fix api worker shared tests bench
-	$(BIN)/ruff format api worker shared tests bench
+	$(BIN)/ruff check --fix api worker shared tests bench docs/hooks
+	$(BIN)/ruff format api worker shared tests bench docs/hooks
 
 # Debian's Chromium renders Flower's page in one test; installed when this machine allows it.
 browser:
