@@ -79,18 +79,18 @@ def check_timeouts(settings: Settings) -> None:
 
 def shown(record: JobRecord) -> dict[str, str]:
     """What monitors show of a job beside its id: its model, kind (`generate`, `trace`, `nnsight`),
-    the start of its prompt (whitespace folded, at most SHOWN_PROMPT_CHARS) and its run label, if
-    any. Never its owner (an API key's id) or anything else of the request."""
+    its run label, if any, and the start of its prompt (whitespace folded, at most
+    SHOWN_PROMPT_CHARS). Never its owner (an API key's id) or anything else of the request."""
     from shared.jobs import summarize  # shared/jobs.py imports this module
 
     summary = summarize(record)
     prompt = " ".join(summary.prompt_preview.split())
     if len(prompt) > SHOWN_PROMPT_CHARS:
         prompt = prompt[: SHOWN_PROMPT_CHARS - 3] + "..."
-    fields = {"model": record.model, "kind": summary.mode, "prompt": prompt}
+    fields = {"model": record.model, "kind": summary.mode}
     if run := (record.request.metadata or {}).get(RUN_KEY):
         fields["run"] = run
-    return fields
+    return {**fields, "prompt": prompt}  # last: the longest, cut first where a monitor's column ends
 
 
 def task_message(celery: Celery, job_id: str, queue: str, show: dict[str, str] | None = None) -> str:

@@ -514,6 +514,9 @@ def cancel_command(
             typer.echo(line)
 
 
+FLOWER_TASK_COLUMNS = "name,uuid,state,kwargs,exception,received,runtime,worker"
+
+
 @cli.command("flower")
 def flower(
     port: int = typer.Option(5555, help="Port for the dashboard."),
@@ -530,6 +533,9 @@ def flower(
         "flower",
         f"--port={port}",
         f"--address={address}",
+        # the tasks page: what identifies each job (its kwargs: model, kind, prompt start, run label)
+        # and how it ended (state; a failed job's exception names its error), beside the defaults
+        f"--tasks_columns={FLOWER_TASK_COLUMNS}",
     ]
     if settings.flower_basic_auth:
         if ":" not in settings.flower_basic_auth:
