@@ -412,6 +412,12 @@ class Client:
     Retry-After, 502/503/504, a lost connection; 0: never); `on_retry` is told each retry in a
     line (what failed, the wait). Other 4xx answers are raised at once (shared/retries.py)."""
 
+    # defaults of what __init__ sets, for a client made without it (a test's in-process transport)
+    retry = RetryPolicy()
+    on_retry: Callable[[str], None] | None = None
+    interrupted: threading.Event | None = None
+    _answered = False
+
     def __init__(
         self,
         base_url: str,
@@ -428,7 +434,9 @@ class Client:
         self.interrupted: threading.Event | None = None  # set: a retry's wait ends in KeyboardInterrupt
         # Redirects are followed only for downloads (the S3 store answers 307 to a presigned
         # URL); httpx drops the Authorization header when a redirect leaves the API's origin.
-        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout)
+        # every answer, a redirect's included, is heard: the API (or its store) was reached
+        hooks = {"response": [self._heard]}
+        self._http = httpx.Client(base_url=base_url, headers=headers, timeout=timeout, event_hooks=hooks)
 
     def __enter__(self) -> Client:
         return self
@@ -439,6 +447,9 @@ class Client:
     def close(self) -> None:
         """Close the connection pool."""
         self._http.close()
+
+    def _heard(self, response: httpx.Response) -> None:
+        self._answered = True
 
     @property
     def base_url(self) -> str:
@@ -463,7 +474,6 @@ class Client:
         for attempt in self._retrying(method, resendable, busy_retried):
             with attempt:
                 response = self._http.request(method, path, **kwargs)
-                self._answered = True
                 _raise_for_error(response)
         return response
 
@@ -477,7 +487,6 @@ class Client:
         for attempt in attempts:
             with attempt:
                 response = self._http.send(request, stream=True, follow_redirects=True)
-                self._answered = True
                 try:
                     _raise_for_error(response)
                 except BaseException:

@@ -174,7 +174,8 @@ def test_s3_down_during_download_and_export_names_the_store_and_keeps_what_was_f
             _, stderr = process.communicate(timeout=120)
             assert process.returncode == 2, stderr
             line = error_line(stderr)
-            assert f"cannot reach {s3.endpoint}, the object store the actq API at {s.base_url} sent the download to" in line
+            store = f"cannot reach {s3.endpoint}, the object store the actq API at {s.base_url} sent the download to"
+            assert store in line, line
             assert "cannot reach the actq API" not in line and "gave up after" in line, line
             s3.start()
             again = subprocess.run(actq(s.base_url, *args), env=run_env(s), capture_output=True, text=True, timeout=300)

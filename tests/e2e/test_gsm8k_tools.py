@@ -125,7 +125,8 @@ def test_with_tools_calls_the_calculator_feeds_it_back_and_scores_the_answer(liv
     run_id = json.loads((out / "run.json").read_text())["run_id"]
     for key, record in records(redis_client, out).items():
         index, turn = key.split(":turn")
-        assert record.request.metadata == {"actq_run": run_id, "problem": index, "turn": turn}
+        label = f"gsm8k-{run_id[:16]}"  # the run's label: `actq cancel --run`, `actq export --label`
+        assert record.request.metadata == {"actq_run": run_id, "problem": index, "turn": turn, "run": label}
         assert [t.rendered() for t in record.request.tools or []] == [TOOL] and record.request.tool_choice == "auto"
         assert record.request.capture is not None and record.request.capture.positions == "generated"
 
