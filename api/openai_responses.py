@@ -30,6 +30,7 @@ from api.openai_protocol import (
     PromptLogprobs,
     TextChoice,
 )
+from api.openai_requests import echoed
 from api.presenters import view
 from shared.schemas import (
     JobRecord,
@@ -53,13 +54,14 @@ class Shown:
     prompt: int | None = None  # vLLM's `prompt_logprobs`: each prompt token's, with this many alternatives
     echo: bool = False  # legacy `echo`: the text (and the logprobs) begin with the prompt
     as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`
+    chat_echo: str = ""  # vLLM's chat `echo`: the text before each choice's content (api/openai_requests.py)
 
     @classmethod
     def of(cls, body: ChatCompletionRequest | CompletionRequest) -> Shown:
         as_ids = bool(body.return_tokens_as_token_ids)
         if isinstance(body, ChatCompletionRequest):
             top = (body.top_logprobs or 0) if body.logprobs else 0
-            return cls(bool(body.logprobs), top, body.prompt_logprobs, as_ids=as_ids)
+            return cls(bool(body.logprobs), top, body.prompt_logprobs, as_ids=as_ids, chat_echo=echoed(body))
         generated = body.logprobs is not None
         return cls(generated, body.logprobs or 0, body.prompt_logprobs, echo=bool(body.echo), as_ids=as_ids)
 
@@ -278,10 +280,13 @@ def completion(records: list[JobRecord], request: Request, shown: Shown) -> Chat
     choices = []
     for index, record in enumerate(records):
         assert record.result is not None
+        message = AssistantMessage.of(record.result)
+        if shown.chat_echo:
+            message.content = shown.chat_echo + (message.content or "")
         choices.append(
             Choice(
                 index=index,
-                message=AssistantMessage.of(record.result),
+                message=message,
                 finish_reason=record.result.finish_reason,
                 logprobs=chat_logprobs(record, shown),
             )

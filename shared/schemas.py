@@ -32,6 +32,7 @@ from shared.interventions import (
     feature_indices,
 )
 from shared.states import JobStatus as JobStatus
+from shared.structured_outputs import StructuredOutputs
 from shared.tools import (
     CALL_ID_PATTERN,
     MAX_TOOL_CALLS,
@@ -230,9 +231,13 @@ class JobRequest(Strict):
     # false: a forced reply ("required") is one call, not one or more
     parallel_tool_calls: StrictBool = True
     response_format: ResponseFormat | None = None
+    # vLLM's `structured_outputs`: the reply follows one of a JSON Schema, any JSON object, a
+    # regex, a choice of strings or a Lark grammar (shared/structured_outputs.py; constrained)
+    structured_outputs: StructuredOutputs | None = None
     # How a chat is rendered (vLLM's chat extras): `add_generation_prompt` false leaves the
-    # assistant's turn unopened; `continue_final_message` continues the final assistant message
-    # (a prefill: the reply goes on from its text, in its turn); `chat_template_kwargs` are
+    # assistant's turn unopened; `continue_final_message` continues the final message, whatever
+    # its role, as transformers does (an assistant prefill: the reply goes on from its text, in
+    # its turn); `chat_template_kwargs` are
     # variables the chat template reads (`enable_thinking` for reasoning models). None: default.
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool | None = None
@@ -279,16 +284,22 @@ class JobRequest(Strict):
             raise ValueError(
                 "tools and tool turns belong to a chat (`messages`): a raw prompt has no template to render them"
             )
-        constrained = self.forced_tools is not None or self.output_schema is not None
+        shaped = self.response_format is not None and self.response_format.type != "text"
+        constrained = self.forced_tools is not None or shaped or self.structured_outputs is not None
         if constrained and self.trace:
             raise ValueError(
-                "a trace job generates nothing, so tool_choice 'required' or a named function, and response_format "
-                "json_object or json_schema, cannot apply; leave them out (or use mode: generate)"
+                "a trace job generates nothing, so tool_choice 'required' or a named function, response_format "
+                "json_object or json_schema, and structured_outputs cannot apply; leave them out (or use mode: "
+                "generate)"
             )
-        if self.forced_tools is not None and self.output_schema is not None:
+        if shaped and self.structured_outputs is not None:
             raise ValueError(
-                "tool_choice forces a tool call and response_format asks for a JSON reply: give one of them"
+                "response_format and structured_outputs each constrain the reply: give one of them (a JSON Schema "
+                "goes in either)"
             )
+        if self.forced_tools is not None and (shaped or self.structured_outputs is not None):
+            given = "response_format" if shaped else "structured_outputs"
+            raise ValueError(f"tool_choice forces a tool call and {given} constrains the reply: give one of them")
 
     def _check_rendering(self) -> None:
         given = [
@@ -308,13 +319,13 @@ class JobRequest(Strict):
         if self.continue_final_message:
             if self.add_generation_prompt:
                 raise ValueError(
-                    "continue_final_message continues the final assistant message in its own turn, and "
+                    "continue_final_message continues the final message in its own turn, and "
                     "add_generation_prompt opens a new one: send add_generation_prompt false (or leave it out)"
                 )
-            if self.messages[-1].role != "assistant":
+            if not self.messages[-1].content:
                 raise ValueError(
-                    "continue_final_message continues the final message, which must be the assistant's (the "
-                    f"prefill); the last message is the {self.messages[-1].role}'s"
+                    "continue_final_message continues the final message's text, and the last message has none: "
+                    "end with a message whose content the reply goes on from"
                 )
         if self.chat_template_kwargs is not None:
             check_template_kwargs(self.chat_template_kwargs)
@@ -388,12 +399,16 @@ class JobRequest(Strict):
 
     @property
     def output_schema(self) -> dict | None:
-        """The JSON Schema the reply must satisfy (response_format json_object/json_schema), or None."""
+        """The JSON Schema the reply must satisfy (response_format json_object/json_schema, or
+        structured_outputs json/json_object), or None."""
+        if self.structured_outputs is not None:
+            return self.structured_outputs.json_schema()
         return self.response_format.json_schema_of() if self.response_format is not None else None
 
     def schemas(self) -> list[tuple[str, dict[str, Any]]]:
         """(field, schema) for every JSON Schema the request carries, as a 4xx would name it: each
-        tool's `parameters` and the `response_format` schema (shared/schema_checks.py checks them)."""
+        tool's `parameters`, the `response_format` schema and `structured_outputs.json`
+        (shared/schema_checks.py checks them)."""
         found = [
             (f"tools[{i}].function.parameters", tool.function.parameters)
             for i, tool in enumerate(self.tools or [])
@@ -401,6 +416,8 @@ class JobRequest(Strict):
         ]
         if self.response_format is not None and self.response_format.json_schema is not None:
             found.append(("response_format.json_schema.schema", self.response_format.json_schema.schema_))
+        if self.structured_outputs is not None and self.structured_outputs.json_ is not None:
+            found.append(("structured_outputs.json", self.structured_outputs.json_))
         return found
 
     @property

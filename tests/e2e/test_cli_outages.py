@@ -138,74 +138,101 @@ def test_ctrl_c_says_what_is_left_and_actq_cancel_cancels_it(live, tiny_dir, tmp
         live.stop_process(f"worker-{model}")
 
 
-def test_s3_down_during_download_and_export_names_the_store_and_keeps_what_was_fetched(live, tiny_dir, tmp_path):
-    """SeaweedFS stopped while `actq gsm8k --download` downloads: the error names the object store's
-    URL and says the API answered (it said "cannot reach the actq API"); the same command once S3
-    is back finishes the run. Then S3 stopped while `actq export` fetches the activations of the
-    half of the samples not downloaded: the API's 503 is said as its storage being unavailable, the
-    samples exported so far are kept in a partial file, and the same command resumes from it once
-    S3 is back (the kept samples' jobs are deleted first, so they can only come from that file)."""
+@pytest.fixture(scope="module")
+def s3_stack(live, tiny_dir, tmp_path_factory):
+    """SeaweedFS, an API and a tiny-model worker storing activations in it, for this module."""
     from tests.support.s3_server import SeaweedS3
 
-    model = "tiny-cli-s3"
-    s3 = SeaweedS3(tmp_path / "seaweedfs").start()
+    root = tmp_path_factory.mktemp("cli-s3")
+    s3 = SeaweedS3(root / "seaweedfs").start()
     try:
-        with own_stack(tmp_path / "stack", live.env, **s3.env("cli")) as s, s.client() as http:
-            s.start_worker("w", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": model})
+        with own_stack(root / "stack", live.env, **s3.env("cli")) as s:
+            s.start_worker("w", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": S3_MODEL})
             s.wait_workers()
-            out = tmp_path / "run"
-            args = ["gsm8k", "--out", str(out), "--dataset", "samples", "--model", model, "--max-tokens", "8"]
-            args += ["--download", "--quiet"]
-            process = subprocess.Popen(
-                actq(s.base_url, *args, "--retry-timeout", "3"),
-                env=run_env(s),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            wait_for(out / "jobs.json", process)
-            process.send_signal(signal.SIGSTOP)  # it downloads once the jobs have ended, and S3 is down
-            try:
-                jobs = json.loads((out / "jobs.json").read_text())
-                assert all(j["status"] == "succeeded" for j in wait_ended(http, jobs.values()).values())
-                s3.stop()
-            finally:
-                process.send_signal(signal.SIGCONT)
-            _, stderr = process.communicate(timeout=120)
-            assert process.returncode == 2, stderr
-            line = error_line(stderr)
-            store = f"cannot reach {s3.endpoint}, the object store the actq API at {s.base_url} sent the download to"
-            assert store in line, line
-            assert "cannot reach the actq API" not in line and "gave up after" in line, line
-            s3.start()
-            again = subprocess.run(actq(s.base_url, *args), env=run_env(s), capture_output=True, text=True, timeout=300)
-            assert again.returncode == 0, again.stderr
-            assert len(list((out / "activations").glob("*.safetensors"))) == 12
-
-            for index in range(6, 12):  # their activations must now come through the API
-                (out / "activations" / f"{index}.safetensors").unlink()
-            s3.stop()
-            export = actq(s.base_url, "export", str(out), "--retry-timeout", "2")
-            stopped = subprocess.run(export, env=run_env(s), capture_output=True, text=True, timeout=300)
-            assert stopped.returncode == 2, stopped.stderr
-            line = error_line(stopped.stderr)
-            assert "answered that its storage is unavailable (503 storage_error: " in line, line
-            assert f"S3 endpoint {s3.endpoint} is unreachable" in line and "cannot reach" not in line, line
-            partial = out / "export.partial.parquet"
-            assert f"the 6 samples exported so far (18 rows) are kept in {partial}, 6 samples are missing" in line
-            assert "run the same command again to resume" in line and not (out / "export.parquet").exists()
-            kept = pq.read_table(partial)
-            assert sorted(set(kept.column("index").to_pylist())) == list(range(6))
-
-            s3.start()
-            for index in range(6):  # the kept samples can only come from the partial file now
-                (out / "activations" / f"{index}.safetensors").unlink()
-                assert http.delete(f"/jobs/{jobs[str(index)]}").status_code == 204
-            resumed = subprocess.run(export, env=run_env(s), capture_output=True, text=True, timeout=300)
-            assert resumed.returncode == 0, resumed.stderr
-            assert f"exported 36 rows from 12 samples (generated 36), 6 of them kept from {partial}" in resumed.stderr
-            table = pq.read_table(out / "export.parquet")
-            assert sorted(table.column("index").to_pylist()) == sorted(list(range(12)) * 3)
-            assert not partial.exists()
+            yield s3, s
     finally:
         s3.stop()
+
+
+S3_MODEL = "tiny-cli-s3"
+GSM8K_DOWNLOAD = ["gsm8k", "--dataset", "samples", "--model", S3_MODEL, "--max-tokens", "8", "--download", "--quiet"]
+
+
+def test_s3_down_during_download_names_the_store_and_the_same_command_finishes_after(s3_stack, tmp_path):
+    """SeaweedFS stopped while `actq gsm8k --download` downloads: the error names the object store's
+    URL and says the API answered (it said "cannot reach the actq API"); the same command once S3
+    is back finishes the run."""
+    s3, s = s3_stack
+    out = tmp_path / "run"
+    args = [*GSM8K_DOWNLOAD, "--out", str(out)]
+    process = subprocess.Popen(
+        actq(s.base_url, *args, "--retry-timeout", "3"),
+        env=run_env(s),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(out / "jobs.json", process)
+    process.send_signal(signal.SIGSTOP)  # it downloads once the jobs have ended, and S3 is down
+    try:
+        with s.client() as http:
+            jobs = json.loads((out / "jobs.json").read_text())
+            assert all(j["status"] == "succeeded" for j in wait_ended(http, jobs.values()).values())
+        s3.stop()
+    finally:
+        process.send_signal(signal.SIGCONT)
+    try:
+        _, stderr = process.communicate(timeout=120)
+        assert process.returncode == 2, stderr
+        line = error_line(stderr)
+        store = f"cannot reach {s3.endpoint}, the object store the actq API at {s.base_url} sent the download to"
+        assert store in line, line
+        assert "cannot reach the actq API" not in line and "gave up after" in line, line
+        assert "actq: ConnectError" in stderr  # each retry was said
+    finally:
+        s3.start()
+    again = subprocess.run(actq(s.base_url, *args), env=run_env(s), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert len(list((out / "activations").glob("*.safetensors"))) == 12
+
+
+def test_export_stopped_by_a_503_keeps_what_it_fetched_and_resumes(s3_stack, tmp_path):
+    """S3 stopped while `actq export` fetches the activations of the half of a run's samples that
+    were not downloaded: the API's 503 is said as its storage being unavailable, in its words; the
+    samples exported so far are kept in a partial file, the error says how many are missing and how
+    to resume; the same command once S3 is back resumes from that file (the kept samples' jobs are
+    deleted first, so they can only come from it)."""
+    s3, s = s3_stack
+    out = tmp_path / "run"
+    done = subprocess.run(
+        actq(s.base_url, *GSM8K_DOWNLOAD, "--out", str(out)), env=run_env(s), capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    jobs = json.loads((out / "jobs.json").read_text())
+    for index in range(6, 12):  # their activations must now come through the API
+        (out / "activations" / f"{index}.safetensors").unlink()
+    s3.stop()
+    try:
+        export = actq(s.base_url, "export", str(out), "--retry-timeout", "2")
+        stopped = subprocess.run(export, env=run_env(s), capture_output=True, text=True, timeout=300)
+        assert stopped.returncode == 2, stopped.stderr
+        line = error_line(stopped.stderr)
+        assert "answered that its storage is unavailable (503 storage_error: " in line, line
+        assert f"S3 endpoint {s3.endpoint} is unreachable" in line and "cannot reach" not in line, line
+        partial = out / "export.partial.parquet"
+        assert f"the 6 samples exported so far (18 rows) are kept in {partial}, 6 samples are missing" in line
+        assert "run the same command again to resume" in line and not (out / "export.parquet").exists()
+        kept = pq.read_table(partial)
+        assert sorted(set(kept.column("index").to_pylist())) == list(range(6))
+    finally:
+        s3.start()
+    with s.client() as http:
+        for index in range(6):  # the kept samples can only come from the partial file now
+            (out / "activations" / f"{index}.safetensors").unlink()
+            assert http.delete(f"/jobs/{jobs[str(index)]}").status_code == 204
+    resumed = subprocess.run(export, env=run_env(s), capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"exported 36 rows from 12 samples (generated 36), 6 of them kept from {partial}" in resumed.stderr
+    table = pq.read_table(out / "export.parquet")
+    assert sorted(table.column("index").to_pylist()) == sorted(list(range(12)) * 3)
+    assert not partial.exists()
