@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import redis
+import redis.asyncio as aioredis
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -14,6 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import HTTPExceptionHandler
 
 from shared.errors import ActqError, Busy
+from shared.outages import REDIS, outage
 from shared.redis_faults import refusal
 
 log = logging.getLogger("actq.api")
@@ -90,9 +93,29 @@ def redis_trouble(exc: Exception) -> str:
     return f"Redis (the job store and broker) answered an error: {exc}"
 
 
-async def unavailable(_: Request, exc: Exception) -> JSONResponse:
-    log.warning("backend unavailable: %s", exc)
+_probes: set[asyncio.Task[None]] = set()  # the running outage probe (kept: the loop holds tasks weakly)
+
+
+async def _until_back(client: aioredis.Redis, every: float = 1.0) -> None:
+    """PING Redis every `every` seconds until it answers: then the outage has ended (logged once)."""
+    while True:
+        await asyncio.sleep(every)
+        try:
+            await client.ping()
+        except redis.RedisError:
+            continue
+        outage(REDIS).ok()
+        return
+
+
+async def unavailable(request: Request, exc: Exception) -> JSONResponse:
     busy = isinstance(exc, redis.ConnectionError) and str(exc) == POOL_EXHAUSTED
+    if busy:
+        log.warning("backend unavailable: %s", exc)
+    elif outage(REDIS).failed(exc):  # the first 503 of an outage: logged once, its end found by a probe
+        probe = asyncio.get_running_loop().create_task(_until_back(request.app.state.services.aredis))
+        _probes.add(probe)
+        probe.add_done_callback(_probes.discard)
     headers = {"Retry-After": "1"} if busy else None
     return JSONResponse(_body("service_unavailable", redis_trouble(exc)), status_code=503, headers=headers)
 

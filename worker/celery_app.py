@@ -30,10 +30,11 @@ import os
 import re
 import threading
 import uuid
+import warnings
 from typing import Any
 
 from celery import Task
-from celery.exceptions import Ignore, Reject
+from celery.exceptions import CPendingDeprecationWarning, Ignore, Reject
 from celery.platforms import EX_FAILURE
 from celery.signals import worker_init, worker_ready, worker_shutdown, worker_shutting_down
 from celery.utils.nodenames import default_nodename, host_format
@@ -43,6 +44,7 @@ from shared.attempts import Attempt, StaleAttempt
 from shared.broker import check_timeouts, make_celery
 from shared.errors import InternalError, JobFailure, JobTimeout, NnsightCodeFailed
 from shared.jobs import JobStore
+from shared.outages import ReconnectLines, quiet_retries
 from shared.registry import ModelRegistry
 from shared.settings import get_settings
 from worker.engine_client import EngineClient, EngineStartFailed
@@ -50,6 +52,10 @@ from worker.lost_messages import LostMessageSweeper
 
 settings = get_settings()
 check_timeouts(settings)
+# A Redis outage is logged once when it starts and once when it ends (shared/outages.py), not by
+# every reconnection attempt of the consumer, every retried ack or every retried job store call.
+quiet_retries()
+logging.getLogger("celery.worker.consumer.consumer").addFilter(ReconnectLines())
 app = make_celery(settings)
 app.conf.update(
     worker_pool="threads",
@@ -82,7 +88,7 @@ def node_name(model: str, gpus: str | None = None) -> str:
     return host_format(f"actq-{tag}-{uuid.uuid4().hex[:6]}@%h")
 
 
-class Worker(app.Worker):  # type: ignore[name-defined,misc]  # Celery builds the class per app
+class Worker(app.Worker):  # type: ignore[name-defined]  # Celery builds the class per app
     """`celery worker` for actq: its own node name when `-n` gives none, no mingle, no gossip."""
 
     def __init__(self, hostname: str | None = None, **options: Any) -> None:
@@ -254,6 +260,10 @@ def _start_lost_message_checks() -> LostMessageSweeper:
 @worker_ready.connect
 def _checks(**_: object) -> None:
     _sweepers.append(_start_lost_message_checks())
+    # Nor is an outage logged by Celery 5's notice, at each connection loss, of a setting whose
+    # default Celery 6 changes (worker_cancel_long_running_tasks_on_connection_loss: actq keeps its
+    # running jobs through an outage). Here: Celery's logging setup, before, shows every such warning.
+    warnings.filterwarnings("ignore", message=r"\s*In Celery 5.1 we introduced", category=CPendingDeprecationWarning)
 
 
 def _leave_live_workers() -> None:

@@ -50,6 +50,9 @@ def main() -> None:
         stream=sys.stderr,
     )
     log = logging.getLogger("actq.engine")
+    from shared.outages import quiet_retries
+
+    quiet_retries()  # a Redis or store outage: one line when it starts, one when it ends (shared/outages.py)
     replies = os.fdopen(int(os.environ[REPLY_FD_ENV]), "w", buffering=1, encoding="utf-8")
     lock = threading.Lock()
     to_replace: dict[str, list[str]] = {}  # job id -> why the process must be replaced once it is answered

@@ -53,6 +53,7 @@ from pydantic import ValidationError
 
 from shared import keys
 from shared.newer_records import RecordCore
+from shared.outages import REDIS, outage
 from shared.states import TERMINAL_NAMES, JobStatus
 
 log = logging.getLogger("actq.worker")
@@ -306,7 +307,9 @@ class LostMessageSweeper:
                     next_sweep = time.monotonic() + self.interval
                     self.sweep()
             except redis.RedisError as exc:  # an outage: the next round tries again
-                log.debug("lost-message check skipped: %s", exc)
+                outage(REDIS).failed(exc)
+            else:
+                outage(REDIS).ok()
 
     def start(self) -> threading.Thread:
         thread = threading.Thread(target=self.run, name="actq-lost-messages", daemon=True)

@@ -26,6 +26,7 @@ import redis
 
 from shared import keys
 from shared.jobs import JobStore
+from shared.outages import REDIS, outage
 from worker.gate import Gate
 from worker.text_stream import TextStream
 
@@ -84,8 +85,9 @@ class ProgressWatch:
             state.tokens = tokens
         return state.cancelled
 
-    def poll(self) -> None:
-        """One round for every running job (the thread's loop; tests call it directly)."""
+    def poll(self) -> bool:
+        """One round for every running job (the thread's loop; tests call it directly). True when
+        it talked to Redis (it does not while no job runs)."""
         with self._lock:
             running = {job_id: state.tokens for job_id, state in self._running.items()}
             streamed = {job_id: state for job_id, state in self._running.items() if state.text is not None}
@@ -103,6 +105,7 @@ class ProgressWatch:
             with self._lock:  # their `end` entries go with the next round
                 self._ended[:0] = ended
             raise
+        return bool(running or streamed or ended)
 
     def _publish(self, streamed: dict[str, _Running], ended: list[str]) -> None:
         """Append each streamed job's new text to its Redis Stream, and `end` to those that left."""
@@ -134,9 +137,10 @@ class ProgressWatch:
         while not self._stop.wait(self.interval):
             started = time.monotonic()
             try:
-                self.poll()
+                if self.poll():
+                    outage(REDIS).ok()
             except redis.RedisError as exc:  # progress is best effort; cancels are seen once Redis is back
-                log.warning("progress and cancel flags not read: %s", exc)
+                outage(REDIS).failed(exc)  # logged once per outage, not every round
             except Exception:  # this thread must outlive any one bad round
                 log.exception("progress round failed")
             spent = time.monotonic() - started

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import redis
 
 from shared.jobs import JobStore
+from shared.outages import REDIS, outage
 from shared.registry import ModelRegistry
 from shared.settings import Settings
 from shared.stats import record_holds, record_steps
@@ -204,7 +205,9 @@ def _beat_once(runtime: Runtime, since: float | None = None) -> float:
                 )
         record_holds(runtime.registry.redis, name, runtime.settings.nnsight_engine, runtime.core.stats.take_holds())
     except redis.RedisError as exc:  # keep beating once Redis is back (these steps' figures are lost)
-        log.warning("heartbeat failed: %s", exc)
+        outage(REDIS).failed(exc)
+    else:
+        outage(REDIS).ok()
     return now
 
 

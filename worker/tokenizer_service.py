@@ -26,6 +26,7 @@ from pydantic import ValidationError
 
 from shared import keys
 from shared.errors import ActqError, BadRequest, JobFailure, NoChatTemplate
+from shared.outages import REDIS, outage
 from shared.tokenization import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -68,9 +69,10 @@ class TokenizerService:
             try:
                 popped = self.redis.blpop([key], timeout=POLL_SECONDS)
             except redis.RedisError as exc:  # an outage: wait it out, as the heartbeat does
-                log.warning("tokenizer calls cannot be read: %s", exc)
+                outage(REDIS).failed(exc)
                 self.stop.wait(POLL_SECONDS)
                 continue
+            outage(REDIS).ok()
             if popped is not None:
                 try:
                     self._reply(popped[1])

@@ -24,6 +24,7 @@ from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionEr
 from botocore.exceptions import ConnectionError as S3ConnectionError
 
 from shared.errors import StorageError
+from shared.outages import STORE, outage
 from shared.storage.base import ArtifactStore, check_key
 
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken"}
@@ -105,6 +106,7 @@ class S3Store(ArtifactStore):
                     call()
         except Exception as exc:  # boto3's transfer manager wraps errors in S3UploadFailedError
             raise self._error("store", key, _cause(exc)) from exc
+        outage(STORE).ok()  # an outage its retries went through (shared/outages.py) has ended
         return self.uri(key)
 
     def put_file(self, key: str, src: Path) -> str:
