@@ -82,6 +82,13 @@ class GenerationRequest(BaseModel):
     min_p: float | None = None
     min_tokens: int | None = None
     repetition_penalty: float | None = None
+    # vLLM's constrained output: `structured_outputs` (one of json, json_object, regex, choice,
+    # grammar: shared/structured_outputs.py), or one of its deprecated names below (api/openai_requests.py)
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
     # Stored with the job (GET /jobs shows them and filters on them); no effect on what runs
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -125,6 +132,9 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: StrictBool | None = None
     continue_final_message: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's chat `echo`: the reply's content begins with the last message's, when that message
+    # has the reply's role (api/openai_requests.py, `echoed`)
+    echo: StrictBool | None = None
 
 
 class CompletionRequest(GenerationRequest):

@@ -7,6 +7,10 @@ Log-probabilities: chat `logprobs`/`top_logprobs` and the legacy completion's `l
 become the job's `logprobs`/`top_logprobs`; vLLM's `prompt_logprobs` (both routes) makes the job
 score its prompt too (`prompt_logprobs`). A legacy completion with `echo: true` and
 `max_tokens: 0` is a trace job over the prompt (scoring the text, no generation).
+
+vLLM's extras: `structured_outputs` (and its deprecated names `guided_json`, `guided_regex`,
+`guided_choice`, `guided_grammar`) becomes the job's `structured_outputs`; chat `echo` puts the
+last message's content before the reply's (`echoed`, shown by api/openai_responses.py).
 """
 
 from __future__ import annotations
@@ -163,6 +167,55 @@ def _with_prompt(body: GenerationRequest, fields: dict[str, Any]) -> dict[str, A
     return {**fields, "logprobs": True, "top_logprobs": top or None, "prompt_logprobs": True}
 
 
+# vLLM's deprecated names of the structured_outputs keys
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(body: GenerationRequest, response_format: Any = None) -> Any:
+    """The job's `structured_outputs`: vLLM's own, or the one `guided_*` field given as the key it
+    stands for (JobRequest checks the shape); 400 for two constraints at once."""
+    given = [name for name in GUIDED if getattr(body, name) is not None]
+    if len(given) > 1:
+        raise OpenAIError(
+            400,
+            f"{given[0]} and {given[1]} each constrain the reply: send one of them",
+            "invalid_request",
+            param=given[1],
+        )
+    if not given:
+        return body.structured_outputs
+    name = given[0]
+    if body.structured_outputs is not None:
+        raise OpenAIError(
+            400,
+            f"{name} is the deprecated name of structured_outputs.{GUIDED[name]}, and structured_outputs is given too: "
+            "send structured_outputs alone",
+            "invalid_request",
+            param=name,
+        )
+    if response_format is not None:
+        raise OpenAIError(
+            400, f"{name} and response_format each constrain the reply: send one of them", "invalid_request", param=name
+        )
+    return {GUIDED[name]: getattr(body, name)}
+
+
+def echoed(body: ChatCompletionRequest) -> str:
+    """What chat `echo` puts before the reply's content, as vLLM does: the last message's text
+    when its role is the reply's (the assistant's, when the rendering opens its turn; otherwise the
+    last message's own, which then always matches); "" without `echo`. List content is joined
+    with newlines, as vLLM joins it."""
+    if not body.echo or not body.messages:
+        return ""
+    last = body.messages[-1]
+    opens_turn = body.add_generation_prompt is not False and not body.continue_final_message
+    if opens_turn and last.role != "assistant":
+        return ""
+    if isinstance(last.content, list):
+        return "\n".join(part.text or "" for part in last.content)
+    return last.content or ""
+
+
 def to_job_requests(body: ChatCompletionRequest) -> list[JobRequest]:
     """The actq jobs an OpenAI chat completion request asks for, one per choice (`n`; choice j of
     a seeded request draws with seed + j); 400 for what it cannot honour."""
@@ -180,6 +233,7 @@ def to_job_requests(body: ChatCompletionRequest) -> list[JobRequest]:
             "invalid_request",
             param="max_completion_tokens",
         )
+    response_format = None if body.response_format == {"type": "text"} else body.response_format
     fields: dict[str, Any] = {
         "model": body.model,
         "messages": [_message(i, m) for i, m in enumerate(body.messages)],
@@ -196,7 +250,8 @@ def to_job_requests(body: ChatCompletionRequest) -> list[JobRequest]:
         "tools": body.tools,
         "tool_choice": body.tool_choice,
         "parallel_tool_calls": body.parallel_tool_calls,
-        "response_format": None if body.response_format == {"type": "text"} else body.response_format,
+        "response_format": response_format,
+        "structured_outputs": structured_outputs(body, response_format),
         "add_generation_prompt": body.add_generation_prompt,
         "continue_final_message": body.continue_final_message,
         "chat_template_kwargs": body.chat_template_kwargs,
@@ -340,6 +395,7 @@ def completion_job_requests(body: CompletionRequest) -> list[JobRequest]:
         "baseline": body.baseline,
         "metadata": body.metadata,
         "user": body.user,
+        "structured_outputs": structured_outputs(body),
     }
     jobs = []
     for prompt in prompts:

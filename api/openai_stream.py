@@ -117,7 +117,8 @@ async def stream_chat(
     def render(records: list[JobRecord], request: Request) -> ChatCompletion:
         return completion(records, request, Shown.of(body))
 
-    return await _open(services, job_requests, _Format(chat=True, usage=usage), render, request, caller, key, body)
+    fmt = _Format(chat=True, usage=usage, echo=Shown.of(body).chat_echo)
+    return await _open(services, job_requests, fmt, render, request, caller, key, body)
 
 
 async def stream_completion(
@@ -147,6 +148,7 @@ class _Format:
     chat: bool
     usage: bool  # stream_options.include_usage
     not_live: str | None = None  # why no choice's text can come as it is generated
+    echo: str = ""  # vLLM's chat `echo`: sent first in each choice, before its generated text
     id: str = ""
     created: int = 0
     model: str = ""
@@ -292,6 +294,8 @@ async def _events(
         for choice in choices:
             first = {"role": "assistant", "content": ""}
             yield fmt.chunk([{"index": choice.index, "delta": first, "logprobs": None, "finish_reason": None}])
+            if fmt.echo:
+                yield fmt.piece(choice.index, fmt.echo)
     reasons = dict.fromkeys(choice.not_live for choice in choices if choice.not_live is not None)
     for reason in reasons:
         yield f": actq: not streamed live: {reason}; the whole text comes when the job has finished\n\n"
@@ -392,7 +396,7 @@ async def _ending(
     else:
         legacy = answer.choices[0]
         text, reason, logprobs = legacy.text, legacy.finish_reason, legacy.logprobs
-    sent = choice.sent
+    sent = fmt.echo + choice.sent  # the echo was sent first (chat `echo`), then the live pieces
     if not text.startswith(sent):
         log.warning("job %s: its streamed text is not a prefix of its final text", choice.job_id)
     if text[len(sent) :]:

@@ -149,9 +149,9 @@ def plan(
 
 def has_schemas(request: JobRequest) -> bool:
     """Whether submitting the request checks JSON Schemas or compiles a grammar (tools or a
-    `response_format`): work that scales with the request, done off the event loop
-    (api/content_checks.py)."""
-    return bool(request.tools) or request.response_format is not None
+    `response_format`, `structured_outputs`): work that scales with the request, done off the event
+    loop (api/content_checks.py)."""
+    return bool(request.tools) or request.response_format is not None or request.structured_outputs is not None
 
 
 def heavy(requests: list[JobRequest], large: bool) -> bool:
@@ -216,13 +216,13 @@ def check_schema_budget(request: JobRequest, budget: int, cache: dict) -> None:
     parts: list[tuple[str, object]] = [
         (f"tools[{i}]", [t.function.name, t.function.description, t.function.parameters]) for i, t in enumerate(tools)
     ]
-    parts += [(where, schema) for where, schema in request.schemas() if where.startswith("response_format")]
+    parts += [(where, schema) for where, schema in request.schemas() if not where.startswith("tools")]
     seen: set[bytes] = cache.setdefault(("schema-texts",), set())
     for where, part in parts:
         try:
             text = json.dumps(part)
         except RecursionError:  # deeper than Python writes
-            field = where if where.startswith("response_format") else f"{where}.function.parameters"
+            field = f"{where}.function.parameters" if where.startswith("tools") else where
             message = f"{field} nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep"
             raise InvalidSchema(message, field) from None
         digest = hashlib.sha256(text.encode()).digest()
@@ -271,7 +271,8 @@ def check_schemas(request: JobRequest, info: ModelInfo, cache: dict) -> None:
         raise InvalidSchema(str(problem), None if " " in field else field)
 
 
-GRAMMAR_FIELDS = {"tools", "tool_choice", "parallel_tool_calls", "response_format"}  # what a grammar is built from
+# what a grammar is built from
+GRAMMAR_FIELDS = {"tools", "tool_choice", "parallel_tool_calls", "response_format", "structured_outputs"}
 
 
 def _limits(services: Services) -> tuple[int, int]:

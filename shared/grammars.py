@@ -1,12 +1,15 @@
 """The grammar a constrained reply follows, and whether the constrained decoder can compile it.
 
 A request is constrained when it forces a tool call (`tool_choice` "required" or a named
-function) or asks for JSON (`response_format` json_object / json_schema). The grammar is
+function), asks for JSON (`response_format` json_object / json_schema) or gives vLLM's
+`structured_outputs` (shared/structured_outputs.py). The grammar is
 llguidance's (its JSON grammar text, what `llguidance.LLMatcher` takes), built here without a
 tokenizer so the API can check it at submit (`grammar_problem`) and the worker compile the same
 text (worker/constrained.py).
 
 - JSON output: the schema, as llguidance's JSON compiler reads it.
+- structured_outputs `regex`: llguidance's regex grammar; `choice`: a Lark rule whose
+  alternatives are the strings, as literals; `grammar`: the client's Lark text as it is.
 - Forced tool calls: a Lark grammar whose calls are written as the model's tool format writes
   them (worker/tool_calls.py reads them back): HERMES `<tool_call>\\n{"name": "f", "arguments":
   {...}}\\n</tool_call>`, several separated by "\\n" under "required" (one when
@@ -62,6 +65,7 @@ if TYPE_CHECKING:
     import llguidance
 
     from shared.schemas import JobRequest
+    from shared.structured_outputs import StructuredOutputs
 
 ITEM_SEPARATOR = ", "
 KEY_SEPARATOR = ": "
@@ -87,6 +91,8 @@ def grammar_for(request: JobRequest, fmt: ToolFormat | None) -> str | None:
     schema = request.output_schema
     if schema is not None:
         return _json_grammar(schema)
+    if request.structured_outputs is not None:
+        return _text_grammar(request.structured_outputs)
     forced = request.forced_tools
     if forced is None:
         return None
@@ -99,10 +105,20 @@ def grammar_problem(request: JobRequest, fmt: ToolFormat | None) -> str | None:
     """None when the constrained decoder can compile the request's grammar (or there is none);
     otherwise what is wrong, in the request's terms (which field, llguidance's reason)."""
     schema = request.output_schema
+    outputs = request.structured_outputs
     if schema is not None:
-        named = request.response_format is not None and request.response_format.type == "json_schema"
-        where = "response_format.json_schema.schema" if named else "response_format"
+        if outputs is not None:
+            where = f"structured_outputs.{outputs.kind}"
+        elif request.response_format is not None and request.response_format.type == "json_schema":
+            where = "response_format.json_schema.schema"
+        else:
+            where = "response_format"
         return _problem(lambda: _json_grammar(schema), where) or _endless(schema, where)
+    if outputs is not None:
+        problem = _problem(lambda: _text_grammar(outputs), f"structured_outputs.{outputs.kind}")
+        if problem is not None and outputs.kind == "grammar":
+            problem += " (a Lark grammar in llguidance's syntax, whose `start` rule is the reply; GBNF is not read)"
+        return problem
     forced = request.forced_tools
     if forced is None:
         return None
@@ -132,6 +148,18 @@ def _json_grammar(schema: dict[str, Any]) -> str:
     from llguidance import LLMatcher
 
     return LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=JSON_OPTIONS)  # type: ignore[arg-type]
+
+
+def _text_grammar(outputs: StructuredOutputs) -> str:
+    """The grammar of a `regex`, `choice` or `grammar` constraint (a JSON one goes by its schema)."""
+    from llguidance import LLMatcher
+
+    if outputs.regex is not None:
+        return LLMatcher.grammar_from_regex(outputs.regex)
+    if outputs.choice is not None:
+        return LLMatcher.grammar_from_lark("start: " + " | ".join(map(_lark_string, outputs.choice)) + "\n")
+    assert outputs.grammar is not None
+    return LLMatcher.grammar_from_lark(outputs.grammar)
 
 
 def _calls_grammar(tools: list[Tool], fmt: ToolFormat, several: bool) -> str:

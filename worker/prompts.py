@@ -153,9 +153,7 @@ class PromptEncoder:
         except ValueError as exc:  # continue_final_message: a final message the template does not show as written
             if not options.get("continue_final_message"):
                 raise
-            raise JobFailure(
-                f"the final assistant message cannot be continued with this chat template: {exc}"
-            ) from None
+            raise JobFailure(f"the final message cannot be continued with this chat template: {exc}") from None
 
     def _render(
         self, messages: list[dict], generation_prompt: bool, tools: list[dict] | None, options: dict[str, Any]

@@ -535,11 +535,13 @@ def test_an_assistant_prefill_is_continued_in_its_own_turn(http, client, tiny_di
     assert reply.usage.prompt_tokens == len(expected)
     tensors = load_safetensors(http.get(reply.model_extra["actq"]["activations"]["download_url"]).content)
     assert tensors["token_ids"][: len(expected)].tolist() == list(expected)
-    with pytest.raises(openai.BadRequestError) as refused:  # nothing to continue: the last turn is the user's
-        client.chat.completions.create(
-            model=TINY, messages=MESSAGES, max_tokens=3, extra_body={"continue_final_message": True}
-        )
-    assert "must be the assistant's" in str(refused.value)
+    # a final user message is continued too, as transformers continues it (vLLM passes it through)
+    user_final = tokenizer.apply_chat_template(
+        MESSAGES, continue_final_message=True, add_generation_prompt=False, return_dict=True
+    )["input_ids"]
+    extra = {"continue_final_message": True, "add_generation_prompt": False}
+    continued = client.chat.completions.create(model=TINY, messages=MESSAGES, max_tokens=3, extra_body=extra)
+    assert continued.usage.prompt_tokens == len(user_final) != len(expected)
 
 
 def test_penalties_bias_and_vllms_sampling_extras_reach_the_job(http, client):

@@ -256,6 +256,11 @@ def test_prompt_past_the_context_fails_before_generating(served):
         run(served, long, 4)
 
 
+CALLED = {  # an assistant turn that only calls a tool: no text to continue
+    "role": "assistant",
+    "content": None,
+    "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+}
 PREFILL = [
     {"role": "system", "content": "Be brief."},
     {"role": "user", "content": "Name a colour."},
@@ -286,6 +291,20 @@ def test_a_chat_renders_as_apply_chat_template_with_the_requests_options(served)
     assert kept.count(start) == 3 and tokenizer.decode(kept).endswith("<|im_start|>assistant\nSure")
 
 
+def test_a_final_message_of_any_role_is_continued_as_apply_chat_template_continues_it(served):
+    """continue_final_message on a final user or system message (transformers continues the final
+    message whatever its role; actq used to refuse all but the assistant's)."""
+    tokenizer = served.tokenizer
+    for role in ("user", "system"):
+        messages = [*PREFILL[:1], {"role": role, "content": "Finish this: the colour is"}]
+        got = served.encode(request(messages=messages, continue_final_message=True))["input_ids"][0].tolist()
+        expected = tokenizer.apply_chat_template(
+            messages, continue_final_message=True, add_generation_prompt=False, return_dict=True
+        )["input_ids"]
+        assert got == list(expected)
+        assert tokenizer.decode(got).endswith(f"<|im_start|>{role}\nFinish this: the colour is")
+
+
 def test_chat_template_kwargs_reach_the_template(served):
     tokenizer = copy.deepcopy(served.tokenizer)
     tokenizer.chat_template = (
@@ -309,7 +328,7 @@ def test_chat_template_kwargs_reach_the_template(served):
     ("fields", "message"),
     [
         ({"messages": None, "prompt": "hi", "continue_final_message": True}, "a raw prompt has no template"),
-        ({"messages": PREFILL[:2], "continue_final_message": True}, "the last message is the user's"),
+        ({"messages": [*PREFILL[:2], CALLED], "continue_final_message": True}, "the last message has none"),
         (
             {"messages": PREFILL, "continue_final_message": True, "add_generation_prompt": True},
             "add_generation_prompt false",
@@ -321,7 +340,7 @@ def test_chat_template_kwargs_reach_the_template(served):
             "a trace job renders its conversation whole",
         ),
     ],
-    ids=["raw-prompt", "last-not-assistant", "both", "reserved", "bad-name", "trace"],
+    ids=["raw-prompt", "no-text-to-continue", "both", "reserved", "bad-name", "trace"],
 )
 def test_rendering_options_that_cannot_apply_are_refused_saying_why(fields, message):
     with pytest.raises(ValidationError, match=message):
