@@ -57,8 +57,14 @@ def test_lifecycle_and_activations_equal_forward_hooks(live, http, reference_mod
     assert usage["completion_tokens"] == 10 and usage["total_tokens"] == usage["prompt_tokens"] + 10
     assert job["result"]["finish_reason"] == "length"
 
-    # one INFO line per job, though the worker runs at Celery's default log level (WARNING)
-    line = next(x for x in live.log_tail(chars=200_000).splitlines() if f"job {queued['id']} succeeded" in x)
+    # one INFO line per job, though the worker runs at Celery's default log level (WARNING); it is
+    # written just after the outcome is recorded, so the reader that saw the outcome may be first
+    deadline, lines = time.monotonic() + 10, []
+    while not lines and time.monotonic() < deadline:
+        lines = [x for x in live.log_tail(chars=200_000).splitlines() if f"job {queued['id']} succeeded" in x]
+        time.sleep(0.05)
+    assert len(lines) == 1, live.log_tail()
+    line = lines[0]
     assert f"{usage['prompt_tokens']} prompt + 10 new tokens" in line and "bytes stored" in line
 
     manifest = job["activations"]
