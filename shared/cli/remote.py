@@ -6,6 +6,7 @@ exactly what failed: the API, or the object store a download was sent to, or the
 
 from __future__ import annotations
 
+import logging
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -38,7 +39,16 @@ def say_retry(line: str) -> None:
 
 def client(api: str | None, api_key: str | None, timeout: float = 60, retry_seconds: float = DEFAULT_SECONDS) -> Client:
     url, key = resolve(api, api_key)
+    quiet_stamina()
     return Client(url, api_key=key, timeout=timeout, retry_seconds=retry_seconds, on_retry=say_retry)
+
+
+def quiet_stamina() -> None:
+    """stamina logs each retry as a bare `stamina.retry_scheduled` warning, which Python prints
+    on stderr when nothing is configured; say_retry says it in words instead."""
+    stamina_log = logging.getLogger("stamina")
+    if not any(isinstance(h, logging.NullHandler) for h in stamina_log.handlers):
+        stamina_log.addHandler(logging.NullHandler())
 
 
 def one_line(text: object) -> str:
