@@ -22,7 +22,7 @@ import redis
 
 from api.deps import Services
 from api.tokenizer_calls import tokenizer_call
-from shared.errors import ActqError, PromptTooLong, over_context
+from shared.errors import ActqError, LogprobsTooLong, PromptTooLong, over_context
 from shared.schemas import JobRequest
 from shared.tokenization import TokenizeRequest
 
@@ -43,39 +43,63 @@ def may_overflow(request: JobRequest, context: int, max_tokens: int) -> bool:
     return most + max_tokens > context
 
 
+def scores_prompt_past(request: JobRequest, limit: int) -> bool:
+    """Whether the request's prompt may hold more log-probability entries than `limit` (vLLM's
+    `prompt_logprobs`, a scored trace): each of its tokens but the first gets one."""
+    if not (request.prompt_logprobs or (request.trace and request.logprobs)):
+        return False
+    if request.prompt_token_ids is not None:
+        return len(request.prompt_token_ids) - 1 > limit
+    return may_overflow(request, limit + 1, 0)
+
+
 async def refuse_overflow(services: Services, caller: str | None, requests: list[JobRequest]) -> None:
     """PromptTooLong when a request's text cannot fit its model's context beside its max_tokens
-    (module docstring); the requests of one OpenAI call share their prompts (n choices)."""
+    (module docstring), and LogprobsTooLong when its prompt's log-probabilities alone are more than
+    a response holds (ACTQ_LOGPROBS_INLINE_TOKENS: they would be scored, then refused); the
+    requests of one OpenAI call share their prompts (n choices)."""
     counted: dict[str, int] = {}
+    inline = services.settings.logprobs_inline_tokens
     for request in requests:
         info = await services.registry.get_async(request.model)
         if info is None:
             continue  # submit says the model is unknown
         max_tokens = 0 if request.trace else request.max_tokens or services.settings.max_tokens_default
-        if not may_overflow(request, info.max_context, max_tokens) or request.continue_final_message:
+        scored = scores_prompt_past(request, inline)
+        overflows = may_overflow(request, info.max_context, max_tokens)
+        if not (overflows or scored) or request.continue_final_message:
             continue  # a continued message renders shorter than /tokenize counts it: the worker decides
         if request.chat_template_kwargs:
             continue  # variables /tokenize does not take: the worker counts with them
-        key = request.model_dump_json(include={"model", "prompt", "messages", "add_generation_prompt"})
-        if key not in counted:
-            tokenize = TokenizeRequest(
-                model=request.model,
-                prompt=request.prompt,
-                messages=request.messages,
-                add_generation_prompt=None if request.messages is None else request.generation_prompt,
-            )
-            try:
-                result, _ = await tokenizer_call(
-                    services, caller, request.model, "tokenize", tokenize=tokenize, wait=COUNT_WAIT_SECONDS
+        if request.prompt_token_ids is not None:
+            prompt = len(request.prompt_token_ids)
+        else:
+            key = request.model_dump_json(include={"model", "prompt", "messages", "add_generation_prompt"})
+            if key not in counted:
+                tokenize = TokenizeRequest(
+                    model=request.model,
+                    prompt=request.prompt,
+                    messages=request.messages,
+                    add_generation_prompt=None if request.messages is None else request.generation_prompt,
                 )
-            except ActqError as exc:  # no worker answered, or its tokenizer refused: the worker decides
-                log.info("not counting a long prompt's tokens before queueing it: %s", exc.message)
-                return
-            except redis.RedisError as exc:  # submitting meets Redis next, and answers for it
-                log.info("not counting a long prompt's tokens before queueing it: Redis: %r", exc)
-                return
-            counted[key] = int(result["count"])
-        prompt = counted[key]
+                try:
+                    result, _ = await tokenizer_call(
+                        services, caller, request.model, "tokenize", tokenize=tokenize, wait=COUNT_WAIT_SECONDS
+                    )
+                except ActqError as exc:  # no worker answered, or its tokenizer refused: the worker decides
+                    log.info("not counting a long prompt's tokens before queueing it: %s", exc.message)
+                    return
+                except redis.RedisError as exc:  # submitting meets Redis next, and answers for it
+                    log.info("not counting a long prompt's tokens before queueing it: Redis: %r", exc)
+                    return
+                counted[key] = int(result["count"])
+            prompt = counted[key]
+        what = "messages" if request.messages is not None else "prompt"
         if prompt + max_tokens > info.max_context:
-            what = "messages" if request.messages is not None else "prompt"
             raise PromptTooLong(over_context(info.max_context, prompt, max_tokens, what))
+        if scored and prompt - 1 > inline:
+            raise LogprobsTooLong(
+                f"your {what} holds {prompt} tokens, so its log-probabilities (prompt_logprobs) would be {prompt - 1} "
+                f"entries, more than a response holds (ACTQ_LOGPROBS_INLINE_TOKENS={inline}): send a shorter {what}, "
+                "or submit it as a job (POST /jobs with prompt_logprobs) and read them from its activations file"
+            )

@@ -130,7 +130,9 @@ def _inline_logprobs(record: JobRecord) -> Logprobs | None:
     if result is None or not record.request.logprobs or result.logprobs is None:
         return None
     if result.logprobs.content is None:
-        tokens = result.usage.prompt_tokens if record.request.trace else result.usage.completion_tokens
+        request, usage = record.request, result.usage
+        prompt = usage.prompt_tokens - 1 if request.trace or request.prompt_logprobs else 0  # the first has none
+        tokens = prompt + (0 if request.trace else usage.completion_tokens)
         raise OpenAIError(
             400,
             f"job {record.id} succeeded, but its {tokens} tokens of log-probabilities are more than a response "

@@ -86,6 +86,12 @@ class PromptTooLong(BadRequest):
     error_type = "context_length_exceeded"
 
 
+class LogprobsTooLong(BadRequest):
+    """More log-probability entries than a response holds (ACTQ_LOGPROBS_INLINE_TOKENS)."""
+
+    error_type = "logprobs_too_long"
+
+
 class InvalidSchema(BadRequest):
     """A JSON Schema of the request (`field`: e.g. "tools[0].function.parameters") that cannot be
     checked or enforced: too deep, not a JSON Schema, refused by the grammar compiler, or
