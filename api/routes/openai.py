@@ -65,9 +65,11 @@ from collections.abc import Callable
 from typing import Annotated, Any
 
 import redis
+from anyio import to_thread
 from fastapi import APIRouter, Depends, Header, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from api.bodies import body_schema, in_turn, is_large, parsed
@@ -170,6 +172,16 @@ async def _finished(
     return [await whole_result(services.jobs, record) for record in records]
 
 
+async def _answer(records: list[JobRecord], build: Callable[[], BaseModel]) -> Response:
+    """The answer, built and serialised on a thread: a reply with every prompt token's
+    log-probabilities runs to megabytes, and building it on the event loop held every other
+    request (/health waited up to a second behind one)."""
+    body = await to_thread.run_sync(lambda: build().model_dump_json(by_alias=True).encode())
+    answer = Response(body, media_type="application/json")
+    _name_jobs(answer, records)
+    return answer
+
+
 def _name_jobs(response: Response, records: list[JobRecord]) -> None:
     """The jobs' ids in choice order, for clients that drop the body's `actq` field."""
     response.headers[JOB_ID_HEADER] = ",".join(record.id for record in records)
@@ -186,7 +198,6 @@ async def chat_completions(
     services: ServicesDep,
     caller: CallerDep,
     request: Request,
-    response: Response,
     idempotency_key: IdempotencyKey = None,
 ) -> ChatCompletion | Response:
     """OpenAI's chat completion, run as actq jobs (one per choice, with an optional `capture`):
@@ -197,8 +208,7 @@ async def chat_completions(
     job_requests = labelled(request, await in_turn(request, services, caller, to_job_requests, body))
     large = await is_large(request)
     records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
-    _name_jobs(response, records)
-    return completion(records, request, Shown.of(body))
+    return await _answer(records, lambda: completion(records, request, Shown.of(body)))
 
 
 @router.post("/completions", response_model=Completion, responses=ERRORS, openapi_extra=body_schema(CompletionRequest))
@@ -207,7 +217,6 @@ async def completions(
     services: ServicesDep,
     caller: CallerDep,
     request: Request,
-    response: Response,
     idempotency_key: IdempotencyKey = None,
 ) -> Completion | Response:
     """OpenAI's (legacy) completion: each prompt (text, tokenized as it is with no chat template,
@@ -219,8 +228,7 @@ async def completions(
     job_requests = labelled(request, await in_turn(request, services, caller, completion_job_requests, body))
     large = await is_large(request)
     records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
-    _name_jobs(response, records)
-    return text_completion(records, request, Shown.of(body))
+    return await _answer(records, lambda: text_completion(records, request, Shown.of(body)))
 
 
 def _live_models(services: Services) -> list[str]:
