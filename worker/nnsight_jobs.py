@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 MAX_LOG_LINE = 4000  # characters of one printed line sent as a LOG status
 MAX_LOG_LINES = 1000  # LOG statuses per job; what is printed past this is dropped (and said)
+STRAY_BYTES = 1 << 20  # characters printed outside any job (by threads a job left) that reach the log
 # What nnsight itself puts on each module it wraps (its controller as the instance's forward, its
 # state): taken off again after every job, not reported.
 NNSIGHT_ATTRIBUTES = frozenset({"forward", "__nnsight__"})
@@ -75,17 +76,27 @@ class Outcome:
 
 
 class _ThreadStdout(io.TextIOBase):
-    """sys.stdout that sends what one thread prints to that thread's sink, if it has one."""
+    """sys.stdout that sends what a job prints to that job's sink: what its own thread prints, and,
+    while it runs, what any other thread without a sink prints (threads its code started). What
+    such threads print while no job runs reaches the process's own stdout up to STRAY_BYTES in
+    all, then is dropped (said once): a job's thread left printing filled a worker's log with 200 MB."""
 
     def __init__(self, original: Any) -> None:
         self.original = original
         self.sinks: dict[int, _LineSink] = {}
+        self.current: _LineSink | None = None  # the running job's sink (exclusive runs: one at a time)
+        self.stray = 0  # characters passed to `original` from threads without a sink, no job running
 
     def write(self, text: str) -> int:
-        sink = self.sinks.get(threading.get_ident())
-        if sink is None:
-            return self.original.write(text)
-        sink.write(text)
+        sink = self.sinks.get(threading.get_ident()) or self.current
+        if sink is not None:
+            sink.write(text)
+        elif self.stray < STRAY_BYTES:
+            self.stray += len(text)
+            self.original.write(text[: max(0, len(text) - (self.stray - STRAY_BYTES))])
+            if self.stray >= STRAY_BYTES:
+                dropped = f"more than {STRAY_BYTES} characters printed outside any job; the rest are dropped"
+                self.original.write(f"\n(actq: {dropped})\n")
         return len(text)
 
     def flush(self) -> None:
@@ -94,24 +105,42 @@ class _ThreadStdout(io.TextIOBase):
 
 
 class _LineSink:
+    """Lines of printed text, each emitted once whole (cut at MAX_LOG_LINE characters): a line's
+    text past the cut is never kept, so printing without newlines costs linear time and bounded
+    memory. Several threads may write."""
+
     def __init__(self, emit: Callable[[str], None]) -> None:
-        self.emit, self.pending, self.lines = emit, "", 0
+        self.emit, self.lines = emit, 0
+        self.pending: list[str] = []  # the line so far, at most MAX_LOG_LINE characters
+        self.size = 0
+        self.lock = threading.Lock()
 
     def write(self, text: str) -> None:
-        self.pending += text
-        while "\n" in self.pending:
-            line, self.pending = self.pending.split("\n", 1)
-            self._line(line)
+        with self.lock:
+            start = 0
+            while (end := text.find("\n", start)) >= 0:
+                self._keep(text, start, end)
+                self._line()
+                start = end + 1
+            self._keep(text, start, len(text))
+
+    def _keep(self, text: str, start: int, end: int) -> None:
+        room = MAX_LOG_LINE - self.size
+        if room > 0 and end > start:
+            part = text[start : min(end, start + room)]
+            self.pending.append(part)
+            self.size += len(part)
 
     def close(self) -> None:
-        if self.pending:
-            self._line(self.pending)
-            self.pending = ""
+        with self.lock:
+            if self.pending:
+                self._line()
 
-    def _line(self, line: str) -> None:
+    def _line(self) -> None:
+        line, self.pending, self.size = "".join(self.pending), [], 0
         self.lines += 1
         if self.lines <= MAX_LOG_LINES:
-            self.emit(line[:MAX_LOG_LINE])
+            self.emit(line)
         elif self.lines == MAX_LOG_LINES + 1:
             self.emit(f"(actq: more than {MAX_LOG_LINES} lines printed; the rest are dropped)")
 
@@ -132,10 +161,12 @@ def _printed_to(emit: Callable[[str], None]) -> Iterator[None]:
     router = _router()
     sink = _LineSink(emit)
     router.sinks[threading.get_ident()] = sink
+    router.current = sink
     try:
         yield
     finally:
         router.sinks.pop(threading.get_ident(), None)
+        router.current = None
         sink.close()
 
 
