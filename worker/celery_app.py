@@ -159,7 +159,10 @@ def _end_as_the_job(task: Task, job_id: str) -> None:
     if status == "failed":
         raise JobFailed(f"{error.get('type', 'job_failed')}: {str(error.get('message', ''))[:300]}")
     if status == "cancelled":
-        task.send_event("task-revoked", terminated=False, signum=None, expired=False)
+        try:
+            task.send_event("task-revoked", retry=False, terminated=False, signum=None, expired=False)
+        except Exception as exc:  # noqa: BLE001 - a monitor's event is best effort (Redis away: lost, like any)
+            log.debug("job %s: its task-revoked event was not sent: %s", job_id, exc)
         raise Ignore()
 
 
