@@ -1,6 +1,6 @@
 """A whole worker lost mid-batch (its process group SIGKILLed, as when a spot machine vanishes):
 nothing rejects or acknowledges its messages, so they sit in Redis's `unacked` hash and their
-jobs stay `running`. With default settings (heartbeat 5 s, TTL 20 s, lost-message check 10 s,
+jobs stay `running`. With default settings (heartbeat 1 s, TTL 4 s, lost-message check 10 s,
 visibility timeout 7,200 s), the next worker's lost-message check finds them (held by no live
 worker, their engine's heartbeat expired) and runs them again: every job succeeds within 120 s
 of the kill, each once, with its attempts recorded."""
@@ -26,8 +26,8 @@ from tests.support.stack import TINY
 pytestmark = pytest.mark.slow
 
 DEFAULTS = {  # the test stacks beat faster; this test runs on the shipped defaults
-    "ACTQ_HEARTBEAT_INTERVAL": "5",
-    "ACTQ_HEARTBEAT_TTL": "20",
+    "ACTQ_HEARTBEAT_INTERVAL": "1",
+    "ACTQ_HEARTBEAT_TTL": "4",
     "ACTQ_LOST_MESSAGE_CHECK_SECONDS": "10",
     "ACTQ_VISIBILITY_TIMEOUT": "7200",
     "ACTQ_MAX_BATCH": "16",
