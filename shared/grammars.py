@@ -217,17 +217,25 @@ def _problem(build: Callable[[], str], where: str) -> str | None:
     if warnings:
         return f"{where}: {_reason(warnings[0])} (constraining would ignore it)"
     if not allows_a_value(matcher, BYTE_VOCAB, {BYTE_EOS}):
-        return (
-            f"{where}: allows no value at all (a `$ref` cycle with no base case, e.g. a schema that is only a "
-            "reference to itself): give every reference something to end on"
+        return f"{where}: allows no value at all (" + (
+            "a `$ref` cycle with no base case, e.g. a schema that is only a reference to itself): give every "
+            "reference something to end on"
+            if _is_schema(where)
+            else "nothing the model could write matches it): give it something to match"
         )
     if len(matcher.compute_ff_bytes()) >= MAX_FORCED_BYTES:
-        return (
-            f"{where}: forces {MAX_FORCED_BYTES:,} bytes or more before the model chooses anything (a required "
-            "property or item that refers back to its own schema, so every value is endless): make the reference "
-            "optional, or give it something to end on"
+        return f"{where}: forces {MAX_FORCED_BYTES:,} bytes or more before the model chooses anything (" + (
+            "a required property or item that refers back to its own schema, so every value is endless): make "
+            "the reference optional, or give it something to end on"
+            if _is_schema(where)
+            else "a regex, choice or grammar whose reply is that long and fixed): let the model choose sooner"
         )
     return None
+
+
+def _is_schema(where: str) -> bool:
+    """Whether the field a problem names holds a JSON Schema (not a regex, choice or Lark grammar)."""
+    return not where.startswith(("structured_outputs.regex", "structured_outputs.choice", "structured_outputs.grammar"))
 
 
 def allows_a_value(matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: set[int]) -> bool:

@@ -43,6 +43,8 @@ NO_WAIT = {"actq_wait_seconds": 0.1}  # no worker here: an accepted request answ
         ({"structured_outputs": {"regex": "(?=a)b"}}, "structured_outputs.regex", "look-around"),
         ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "structured_outputs.grammar", "Lark grammar"),
         ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "at least 1 item"),
+        ({"structured_outputs": {"regex": "a{9000}"}}, "structured_outputs.regex", "let the model choose sooner"),
+        ({"guided_regex": r"[^\s\S]"}, "structured_outputs.regex", "allows no value at all"),
         ({"guided_json": "[1, 2]"}, "structured_outputs.json", "a schema is a JSON object"),
         (
             {"continue_final_message": True, "add_generation_prompt": True},
@@ -61,6 +63,8 @@ NO_WAIT = {"actq_wait_seconds": 0.1}  # no worker here: an accepted request answ
         "regex-look-around",
         "gbnf",
         "no-choices",
+        "forced-regex",
+        "empty-regex",
         "schema-not-object",
         "continue-and-open",
     ],
