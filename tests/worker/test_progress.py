@@ -4,6 +4,9 @@ follows once the job has left; an unedited twin's count is not the job's."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import pytest
 import redis
 from tokenizers import Tokenizer, decoders, models
@@ -62,3 +65,28 @@ def test_a_cancel_flag_is_seen_and_a_twin_count_is_not_the_job_s(redis_client):
     watch.poll()
     assert redis_client.get(keys.progress("job")) == b"4"
     assert watch.update("job", None) is True and watch.update("job", 5) is True
+
+
+def test_a_redis_outage_is_logged_once_not_every_round_and_its_end_once(own_redis, caplog):
+    """Issue 47: the progress thread logged each failed 50 ms round, 20 lines a second for the whole
+    outage. Redis stopped for real under a running job: one line when it goes, one when it is back."""
+    client = redis.Redis.from_url(own_redis.url, socket_timeout=2, socket_connect_timeout=2)
+    watch = ProgressWatch(JobStore(client, 60), interval=0.05)
+    watch.add("job")
+    caplog.set_level("INFO")
+    watch.start()
+    try:
+        time.sleep(0.3)
+        own_redis.stop()
+        time.sleep(1.5)  # about 30 rounds fail
+        own_redis.start()
+        deadline = time.monotonic() + 10
+        while "Redis is back after" not in caplog.text:
+            assert time.monotonic() < deadline, caplog.text
+            time.sleep(0.05)
+        assert client.get(keys.progress("job")) == b"0"  # rounds write again
+    finally:
+        watch.stop()
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 2, warnings
+    assert warnings[0].startswith("Redis is unreachable") and warnings[1].startswith("Redis is back after")
