@@ -52,10 +52,6 @@ from worker.lost_messages import LostMessageSweeper
 
 settings = get_settings()
 check_timeouts(settings)
-# A Redis outage is logged once when it starts and once when it ends (shared/outages.py), not by
-# every reconnection attempt of the consumer, every retried ack or every retried job store call.
-quiet_retries()
-logging.getLogger("celery.worker.consumer.consumer").addFilter(ReconnectLines())
 app = make_celery(settings)
 app.conf.update(
     worker_pool="threads",
@@ -227,6 +223,10 @@ def _registry() -> ModelRegistry:
 def _start_engine(sender: Any = None, **_: object) -> None:
     _node.append(getattr(sender, "hostname", None) or node_name(settings.served_model_name))
     engine.node = nnsight_engine.node = _node[0]  # the engines claim jobs and beat under this name
+    # A Redis outage is logged once when it starts and once when it ends (shared/outages.py), not by
+    # every reconnection attempt of the consumer, every retried ack or every retried job store call.
+    quiet_retries()
+    logging.getLogger("celery.worker.consumer.consumer").addFilter(ReconnectLines())
     log.info("loading model %s as %s (batches of up to %d jobs)", settings.model, _node[0], settings.max_batch)
     try:
         engine.start()
