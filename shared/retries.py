@@ -1,11 +1,12 @@
 """When the client (shared/client.py) sends a request again, and how long it keeps trying.
 
 Retried, with exponential backoff and jitter (stamina, over tenacity): an answer of 429 (the
-API's Retry-After is honoured), 502, 503 or 504, and a connection that failed. A connection
-that was refused or timed out before the request was sent is always safe to try again; one
-lost after the request went out (a read error or timeout, a dropped connection) only for
-requests that can be sent twice without doing anything twice: GET, HEAD, PUT, DELETE and a POST
-the caller marks so (a batch whose every job has an idempotency key, a tokenizer call). Every
+API's Retry-After is honoured) or 503 (the API did nothing: Redis or its store is away), and a
+connection refused or timed out before the request was sent. A 502 or 504 (a proxy's answer)
+and a connection lost after the request went out (a read error or timeout, a dropped
+connection) may follow a request the API carried out, so they are retried only for requests
+that can be sent twice without doing anything twice: GET, HEAD, PUT, DELETE and a POST the
+caller marks so (a batch whose every job has an idempotency key, a tokenizer call). Every
 other 4xx is the request's own fault and is never retried.
 
 A connection refused before the API has answered once is never waited for: the URL is wrong,
@@ -33,6 +34,7 @@ import stamina
 
 DEFAULT_SECONDS = 60.0
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
+GATEWAY_STATUSES = frozenset({502, 504})  # said by a proxy, not the API: the request may have run
 RESENDABLE_METHODS = frozenset({"GET", "HEAD", "PUT", "DELETE", "OPTIONS"})
 NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout)  # the request never left this machine
 
@@ -121,6 +123,8 @@ class Retrying:
         status = getattr(exc, "status_code", None)
         if isinstance(status, int):
             if status == 429 and not self.busy_retried:
+                return False, None
+            if status in GATEWAY_STATUSES and not self.resendable:  # a proxy's: the API may have done it
                 return False, None
             return status in RETRY_STATUSES, getattr(exc, "retry_after", None)
         if isinstance(exc, httpx.TransportError):

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from shared.cli import remote
-from shared.client import BadRequest, Busy, Client, Unavailable
+from shared.client import ActqClientError, BadRequest, Busy, Client, Unavailable
 
 HEALTHY = (200, {}, {"status": "ok", "redis": "ok", "workers": {}})
 REDIS_DOWN = (503, {}, {"error": "service_unavailable", "detail": "Redis (the job store) cannot be reached"})
@@ -41,6 +41,10 @@ class Scripted(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self.do_GET()
 
     def log_message(self, *args: object) -> None:
         pass
@@ -155,3 +159,18 @@ def test_ctrl_c_ends_a_retry_wait(server):
         with pytest.raises(KeyboardInterrupt):
             client.health()
     assert time.monotonic() - started < 5
+
+
+def test_a_proxys_504_resends_only_what_can_be_sent_twice(server):
+    """A 504 comes from a proxy: the API may have queued the job. A POST /jobs without an
+    idempotency key is not sent again (it could make a second job); with one, it is."""
+    gateway = (504, {}, {"error": "http_504", "detail": "gateway timeout"})
+    queued = (202, {}, {"id": "00000000-0000-4000-8000-000000000001", "status": "queued"})
+    Scripted.script = [gateway, queued]
+    with Client(server.url) as client, pytest.raises(ActqClientError, match="gateway timeout"):
+        client.submit("tiny", [{"role": "user", "content": "hi"}])
+    assert len(Scripted.seen) == 1
+    Scripted.seen, Scripted.script = [], [gateway, queued]
+    with Client(server.url) as client:
+        job = client.submit("tiny", [{"role": "user", "content": "hi"}], idempotency_key="k1")
+    assert job.status == "queued" and len(Scripted.seen) == 2
