@@ -771,6 +771,9 @@ class JobView(Strict):
     # of `attempts`, those that ended through no fault of the job (another job's trusted code
     # ended the engine running it): not counted against ACTQ_MAX_ATTEMPTS
     forgiven_attempts: int = 0
+    # the worker that claimed its last attempt: its Celery node name, as Flower and `celery inspect`
+    # show it (None while queued)
+    worker: str | None = None
     result: JobResult | None
     activations: ActivationsManifest | None
     error: JobError | None
@@ -787,9 +790,6 @@ class JobSummary(Strict):
     mode: Mode
     created_at: datetime
     finished_at: datetime | None
-    # the worker that claimed its last attempt: its Celery node name, as Flower and `celery inspect`
-    # show it (None while queued)
-    worker: str | None = None
     prompt_preview: str  # the first 200 characters of the prompt (a chat: of its last message)
     error_type: str | None  # a failed or cancelled job's `error.type`
     finish_reason: str | None  # a finished job's `result.finish_reason`
