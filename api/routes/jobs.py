@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, Header, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from api.bodies import body_schema, is_large, parsed
-from api.deps import CallerDep, SeesAllDep, ServicesDep, get_caller
+from api.deps import CallerDep, SeesAllDep, Services, ServicesDep, get_caller
 from api.presenters import view
 from api.submit import has_references, heavy, off_loop, submit, submit_batch, submit_now
 from api.visibility import load, load_async
@@ -20,6 +20,7 @@ from shared.schemas import (
     BatchItem,
     BatchRequest,
     BatchResponse,
+    JobRecord,
     JobRequest,
     JobStatus,
     JobSummary,
@@ -184,16 +185,9 @@ def delete_job(
     """A queued job is cancelled (200; the worker skips it). A running job is stopped within one
     decoding step (202; it ends `cancelled` with the text generated so far). A finished job's
     record and activations are deleted (204)."""
-    record = load(services, job_id, caller)
-    if record.status is JobStatus.queued:
-        cancelled = services.jobs.cancel_queued(job_id, JobCancelled("cancelled by DELETE /jobs/{id} before it ran"))
-        if cancelled is not None:
-            return view(cancelled, request)
-        record = load(services, job_id, caller)
-    if record.status is JobStatus.running:
-        services.jobs.request_cancel(job_id)
-        response.status_code = 202
-        return view(record, request, _shown(services.jobs.live_fields(record), operator))
+    record, answer = _cancel(services, job_id, caller, operator, request, response, "DELETE /jobs/{id}")
+    if answer is not None:
+        return answer
     services.store.delete_prefix(job_prefix(job_id))
     services.jobs.delete(record)
     return Response(status_code=204)
@@ -212,18 +206,34 @@ def cancel_job(
     a running job is stopped within one decoding step (202; it ends `cancelled` with the text
     generated so far). A finished job is left as it is: 409 naming its state (DELETE would
     delete it). `actq cancel --run LABEL` calls it for each unfinished job of a run."""
+    record, answer = _cancel(services, job_id, caller, operator, request, response, "POST /jobs/{id}/cancel")
+    if answer is not None:
+        return answer
+    raise Conflict(f"job {job_id} already ended {record.status.value}: there is nothing to cancel")
+
+
+def _cancel(
+    services: Services,
+    job_id: str,
+    caller: str | None,
+    operator: bool,
+    request: Request,
+    response: Response,
+    by: str,
+) -> tuple[JobRecord, JobView | None]:
+    """Cancel `job_id` if it has not ended: a queued job's view (it is `cancelled`), or a running
+    job's (202: it stops within one decoding step). Otherwise its record and None."""
     record = load(services, job_id, caller)
     if record.status is JobStatus.queued:
-        reason = JobCancelled("cancelled by POST /jobs/{id}/cancel before it ran")
-        cancelled = services.jobs.cancel_queued(job_id, reason)
+        cancelled = services.jobs.cancel_queued(job_id, JobCancelled(f"cancelled by {by} before it ran"))
         if cancelled is not None:
-            return view(cancelled, request)
+            return cancelled, view(cancelled, request)
         record = load(services, job_id, caller)
     if record.status is JobStatus.running:
         services.jobs.request_cancel(job_id)
         response.status_code = 202
-        return view(record, request, _shown(services.jobs.live_fields(record), operator))
-    raise Conflict(f"job {job_id} already ended {record.status.value}: there is nothing to cancel")
+        return record, view(record, request, _shown(services.jobs.live_fields(record), operator))
+    return record, None
 
 
 def _shown(live: dict[str, int | None], operator: bool) -> dict[str, int | None]:

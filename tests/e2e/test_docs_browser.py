@@ -4,30 +4,13 @@ scripts being on a CDN). ReDoc is checked the same way."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 
-import pytest
-
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--virtual-time-budget=15000",
-    "--window-size=1400,900",
-]
+from tests.support.browser import chromium, flags
 
 
 def rendered(url: str, profile: str) -> str:
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
-        pytest.skip("Debian's chromium is not installed (make test installs it when it can: apt-get install chromium)")
-    command = [browser, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", url]
+    command = [chromium(), *flags(profile, 15), "--dump-dom", url]
     return subprocess.run(command, capture_output=True, text=True, timeout=120).stdout
 
 

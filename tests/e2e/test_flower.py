@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import ast
 import html
-import shutil
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import httpx
 import pytest
 
 from shared.cli.processes import free_port, spawn, stop
+from tests.support.browser import chromium, flags
 from tests.support.stack import TINY
 
 AUTH = ("flower-admin", "flower-secret-1")
@@ -120,9 +120,7 @@ def test_a_failed_and_a_cancelled_job_show_as_such_and_flower_counts_agree_with_
 
 
 def test_the_tasks_page_shows_each_outcome_in_headless_chromium(flower, live, http, tmp_path):
-    browser = shutil.which("chromium") or shutil.which("chromium-browser")
-    if browser is None:
-        pytest.skip("Debian's chromium is not installed (make test installs it when it can: apt-get install chromium)")
+    browser = chromium()
     run = {"metadata": {"run": "chromium-run"}}
     job = live.wait(
         http,
@@ -135,28 +133,16 @@ def test_the_tasks_page_shows_each_outcome_in_headless_chromium(flower, live, ht
     assert live.wait(http, long)["status"] == "cancelled"
     flower_task(flower, long, "REVOKED")
     url = f"http://{AUTH[0]}:{AUTH[1]}@{flower.removeprefix('http://')}/tasks"
-    flags = [
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        f"--user-data-dir={tmp_path / 'profile'}",
-        "--virtual-time-budget=8000",
-        "--window-size=1400,900",
-    ]
+    options = flags(str(tmp_path / "profile"), 8)
     shot = tmp_path / "flower-tasks.png"
     deadline = time.monotonic() + 60
     while True:
-        dom = subprocess.run([browser, *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
+        dom = subprocess.run([browser, *options, "--dump-dom", url], capture_output=True, text=True, timeout=120).stdout
         if all(i in dom for i in (job["id"], failed["id"], long)):
             break
         assert time.monotonic() < deadline, dom[-2000:]
         time.sleep(1)
-    subprocess.run([browser, *flags, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True)
+    subprocess.run([browser, *options, f"--screenshot={shot}", url], capture_output=True, timeout=120, check=True)
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and shot.stat().st_size > 10_000
     assert "actq.run_job" in dom
     rows = {i: row_of(dom, i) for i in (job["id"], failed["id"], long)}
