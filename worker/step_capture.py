@@ -271,10 +271,12 @@ class StepRings:
     def hand_over(self, rewind: bool = False) -> None:
         """The window of recorded steps to the capture writer (see the module): one copy per ring
         is enqueued, nothing is waited for. The cursor goes back to the ring's start at its end,
-        or with `rewind` (before a ring is made: a new ring starts at step 0)."""
-        count, self.count = self.count, 0
-        if count:
-            self._window(count)
+        or with `rewind` (before a ring is made: a new ring starts at step 0). Should the copy
+        fail, nothing is reset: the running rows' recorded steps stay for the next hand-over
+        (a failed join must not take steps from the rows already running)."""
+        if self.count:
+            self._window(self.count)
+        self.count = 0
         self._since = [0] * self.slots
         self._until = [None] * self.slots
         if rewind or self.pos >= self.depth:
