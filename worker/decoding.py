@@ -30,11 +30,12 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from shared.capture_spec import SCORE_ROWS
-from shared.errors import InternalError, JobFailure, OutOfMemory
+from shared.errors import InternalError, JobFailure
 from worker import kvcache
 from worker.capture import BatchHooks, JobCapture, Mark
 from worker.constrained import Constraint, masked_rows
 from worker.edits import BatchEdits, JobEdits
+from worker.failures import failure_of, is_oom, out_of_memory
 from worker.sampling import RowSampling
 from worker.stop_strings import checked_from, stop_cut
 
@@ -43,24 +44,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-OUT_OF_MEMORY = "the model ran out of memory on this job; ask for fewer tokens or capture less"
 # Asked after each decoding step with the number of new tokens so far; a reason string stops.
 Watch = Callable[[int], str | None]
-
-
-def is_oom(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return (
-        isinstance(exc, (torch.OutOfMemoryError, MemoryError))
-        or "out of memory" in text
-        or ("can't allocate memory" in text)
-    )
-
-
-def unexpected_failure(exc: Exception) -> JobFailure:
-    """A job's failure for an exception no step expects (logged with its traceback: a bug)."""
-    log.error("a sequence failed unexpectedly", exc_info=exc)
-    return InternalError(f"{type(exc).__name__}: {str(exc)[:500]}")
 
 
 class Sampler:
@@ -523,7 +508,7 @@ class Decoder:
             mask = append_column(self.mask, 1)
             pos = append_column(self.pos, self.pos[:, -1] + 1)
         except Exception as exc:  # noqa: BLE001 - rows that ended keep their results; the others cannot go on
-            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+            failure = failure_of(exc)
             for row in self.rows:
                 if row.ended is None:
                     row.failure, row.ended = failure, "failed"
@@ -556,7 +541,7 @@ class Decoder:
             torch.cuda.empty_cache()
         if len(rows) == 1:
             if rows[0].ended is None:  # not a vacancy (nobody's row)
-                rows[0].failure = OutOfMemory(OUT_OF_MEMORY)
+                rows[0].failure = out_of_memory()
                 rows[0].ended = "failed"
             return None, cache, timeline
         half = len(rows) // 2
@@ -601,7 +586,7 @@ class Decoder:
             tokens = self._choose(rows, logits, live, ids_of or self._row_ids)
             self.hooks.synced(logits.device)  # the tokens' read waited for this step's staged copies too
         except Exception as exc:  # noqa: BLE001 - the batch's argmax failed: the rows it served fail
-            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+            failure = failure_of(exc)
             for i in live:
                 rows[i].failure, rows[i].ended = failure, "failed"
             return
@@ -611,7 +596,7 @@ class Decoder:
                 index = torch.tensor(scored, device=logits.device)
                 score_rows([rows[i].scores for i in scored], logits[index], [tokens[i] for i in scored])  # type: ignore[misc]
             except Exception as exc:  # noqa: BLE001 - scoring failed: the rows that asked for it fail
-                failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+                failure = failure_of(exc)
                 for i in scored:
                     rows[i].failure, rows[i].ended = failure, "failed"
         for i in live:
@@ -619,7 +604,7 @@ class Decoder:
                 try:
                     self._take(rows[i], tokens[i])
                 except Exception as exc:  # noqa: BLE001 - one row's stop check or watch fails that row only
-                    rows[i].failure, rows[i].ended = unexpected_failure(exc), "failed"
+                    rows[i].failure, rows[i].ended = failure_of(exc), "failed"
 
     def _row_ids(self, index: int) -> torch.Tensor:
         """Row `index`'s tokens so far `[1, n]`: a view of the batch's ids, without its padding."""
@@ -643,7 +628,7 @@ class Decoder:
             try:
                 picks[i] = sampler.pick(ids_of(i), masked[i] if i in masked else logits[i : i + 1])
             except Exception as exc:  # noqa: BLE001 - this row's sampling fails this row only
-                rows[i].failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+                rows[i].failure = failure_of(exc)
                 rows[i].ended = "failed"
         return picks.tolist()
 
@@ -660,7 +645,7 @@ class Decoder:
             masked = masked_rows(logits, index, [rows[i].constraint for i in constrained])  # type: ignore[misc]
             picks[index] = torch.argmax(masked, dim=-1)
         except Exception as exc:  # noqa: BLE001 - the mask failed: the rows it served fail
-            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+            failure = failure_of(exc)
             for i in constrained:
                 rows[i].failure, rows[i].ended = failure, "failed"
             return {}

@@ -31,8 +31,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shared.errors import JobFailure, OutOfMemory
-from worker.decoding import OUT_OF_MEMORY, Decoder, Feeding, Sequence, is_oom
+from shared.errors import JobFailure
+from worker.decoding import Decoder, Feeding, Sequence
+from worker.failures import answer_of, is_oom
 from worker.scheduler import TRACE_PADDING, Entry, Feed, Scheduler
 
 if TYPE_CHECKING:
@@ -346,7 +347,7 @@ class EngineCore:
             elif torch.cuda.is_available():
                 torch.cuda.empty_cache()
             self.scheduler.fed(entry)
-            self._done(entry, OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc)
+            self._done(entry, answer_of(exc))
             return
         if not fed:
             return
@@ -371,7 +372,7 @@ class EngineCore:
                 for entry in group:
                     self._admit_group(decoder, [entry])
                 return
-            self._done(group[0], OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc)
+            self._done(group[0], answer_of(exc))
             return
         self.stats.add(0, len(group))  # each one's first token came from the prefill
         for entry in group:
@@ -402,7 +403,7 @@ class EngineCore:
                     self._trace_pass(decoder, group[:half])
                     self._trace_pass(decoder, group[half:])
                     return
-            failure: Exception = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc
+            failure: Exception = answer_of(exc)
             if not is_oom(exc):
                 log.error("a trace pass failed; failing the %d jobs in it", len(group), exc_info=exc)
             for entry in group:
@@ -420,7 +421,7 @@ class EngineCore:
             ended = decoder.step()
         except Exception as exc:  # the step's failure is its jobs', never the engine's
             log.error("a decoding step failed; failing the %d jobs in it", len(live), exc_info=exc)
-            failure: Exception = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else exc
+            failure: Exception = answer_of(exc)
             decoder.reset()
             for entry in live:
                 self._done(entry, failure)

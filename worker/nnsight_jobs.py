@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared.errors import JobFailure, JobTimeout, NnsightCodeFailed, OutOfMemory, WeightsWritten
+from worker.failures import is_oom
 
 if TYPE_CHECKING:
     from worker.served_model import ServedModel
@@ -279,8 +280,6 @@ def run(served: ServedModel, blob: bytes, compress: bool, limit: float, emit: Ca
     except JobFailure as exc:
         failure = exc
     except BaseException as exc:  # noqa: BLE001 - the sender's code: anything it raises is its job's error
-        from worker.decoding import is_oom
-
         if is_oom(exc):
             failure = OutOfMemory(
                 f"the nnsight job ran out of memory ({type(exc).__name__}: {str(exc)[:300]}); the engine and the "

@@ -25,10 +25,11 @@ from celery.utils.log import get_task_logger
 
 from shared.attempts import Attempt, StaleAttempt
 from shared.edit_refs import References
-from shared.errors import InternalError, JobCancelled, JobFailure, JobTimeout, OutOfMemory
+from shared.errors import InternalError, JobCancelled, JobFailure, JobTimeout
 from shared.schemas import BaselineResult, JobRecord, JobRequest, JobResult, Logprobs, TokenLogprob, TopLogprob, Usage
 from shared.tools import ToolCall
 from worker import attempt_files, runtime
+from worker.failures import failure_of
 from worker.memory import release_memory
 from worker.scheduler import Entry
 from worker.store_writes import StoreWrites
@@ -368,7 +369,7 @@ def _record(
     except redis.RedisError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure ends the job, never the worker
-        _fail(rt, record, _classify(exc))
+        _fail(rt, record, failure_of(exc))
 
 
 def _ms(since: float) -> float:
@@ -468,15 +469,6 @@ def _stopped(rt: runtime.Runtime, record: JobRecord, generation: Generation) -> 
     )
     attempt_files.tidy(rt.store, record.id, Attempt.of(record), succeeded=False)
     log.info("job %s ended %s after %d tokens", record.id, failure.error_type, tokens)
-
-
-def _classify(exc: Exception) -> JobFailure:
-    from worker.decoding import OUT_OF_MEMORY, is_oom
-
-    if is_oom(exc):
-        return OutOfMemory(OUT_OF_MEMORY)
-    log.error("job failed unexpectedly", exc_info=exc)
-    return InternalError(f"{type(exc).__name__}: {str(exc)[:500]}")
 
 
 def _fail(rt: runtime.Runtime, record: JobRecord, exc: JobFailure) -> None:

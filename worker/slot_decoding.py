@@ -37,9 +37,10 @@ from typing import Any
 
 import torch
 
-from shared.errors import InternalError, OutOfMemory
+from shared.errors import InternalError
 from worker.constrained import fill_bitmask
-from worker.decoding import OUT_OF_MEMORY, Decoder, Sequence, is_oom, score_rows, unexpected_failure
+from worker.decoding import Decoder, Sequence, score_rows
+from worker.failures import failure_of, is_oom, out_of_memory
 from worker.input_batch import InputBatch, Reading
 from worker.memory import release_device_memory
 from worker.model_runner import DecodeStep, allowed_tokens
@@ -268,7 +269,7 @@ class SlotDecoder(Decoder):
                 index = torch.tensor(constrained, device=logits.device)
                 allowed[index] = allowed_tokens(bits.to(logits.device), logits.shape[1])
             except Exception as exc:  # noqa: BLE001 - the mask failed: the rows it served fail
-                failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+                failure = failure_of(exc)
                 for i in constrained:
                     rows[i].failure, rows[i].ended = failure, "failed"
                 allowed = None
@@ -317,7 +318,7 @@ class SlotDecoder(Decoder):
 
     def _fail_all(self, exc: Exception) -> list[Sequence]:
         """A step failed as a whole: every running row fails with it and the batch is dropped."""
-        failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+        failure = failure_of(exc)
         for row in self.rows:
             if row.ended is None:
                 row.failure, row.ended = failure, "failed"
@@ -442,7 +443,7 @@ class SlotDecoder(Decoder):
                 try:  # where its gates fired at its steps (their report): read once, as it leaves
                     self.runner.edits.collect(slot, leaving.edits, leaving.prompt_tokens, len(leaving.generated))
                 except Exception as exc:  # noqa: BLE001 - that row's failure, never the batch's
-                    leaving.failure, leaving.ended = unexpected_failure(exc), "failed"
+                    leaving.failure, leaving.ended = failure_of(exc), "failed"
             self.batch.leave(slot)
             ended.append(leaving)
         self.rows = [row for row in self.rows if row.ended is None]
@@ -459,7 +460,7 @@ class SlotDecoder(Decoder):
         try:
             bits = fill_bitmask([owners[slot].constraint for slot in constrained])  # type: ignore[union-attr,misc]
         except Exception as exc:  # noqa: BLE001 - the mask failed: the rows it served fail
-            failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+            failure = failure_of(exc)
             for slot in constrained:
                 row = owners[slot]
                 assert row is not None
@@ -513,7 +514,7 @@ class SlotDecoder(Decoder):
             torch.cuda.empty_cache()
         if hi - lo == 1:
             if part[0] is not None and part[0].ended is None:
-                part[0].failure, part[0].ended = OutOfMemory(OUT_OF_MEMORY), "failed"
+                part[0].failure, part[0].ended = out_of_memory(), "failed"
             return
         half = (hi - lo) // 2
         if top:
@@ -543,7 +544,7 @@ class SlotDecoder(Decoder):
                     [tokens[slot] for slot in scored],
                 )
             except Exception as exc:  # noqa: BLE001 - scoring failed: the rows that asked for it fail
-                failure = OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc)
+                failure = failure_of(exc)
                 for slot in scored:
                     row = owners[slot]
                     assert row is not None
@@ -553,7 +554,7 @@ class SlotDecoder(Decoder):
                 try:
                     self._take(row, tokens[slot])
                 except Exception as exc:  # noqa: BLE001 - one row's stop check or watch fails that row only
-                    row.failure, row.ended = unexpected_failure(exc), "failed"
+                    row.failure, row.ended = failure_of(exc), "failed"
 
     def close(self) -> None:
         """Hooks removed, and the slots and tables let go (a frame kept alive by a logged

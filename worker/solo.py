@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shared.errors import JobFailure, OutOfMemory
-from worker.decoding import OUT_OF_MEMORY, Decoder, Feeding, Sequence, Undo, append_column, is_oom, unexpected_failure
+from shared.errors import JobFailure
+from worker.decoding import Decoder, Feeding, Sequence, Undo, append_column
+from worker.failures import failure_of, is_oom, out_of_memory
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -142,13 +143,13 @@ class SoloDecoder(Decoder):
         except Exception as exc:
             if not is_oom(exc):
                 raise
-            return self._fail(seq, OutOfMemory(OUT_OF_MEMORY))
+            return self._fail(seq, out_of_memory())
         self._advance([seq], logits)
         if seq.ended is None:
             try:
                 self.ids = append_column(self.ids, seq.generated[-1])
             except Exception as exc:  # noqa: BLE001 - this job's failure, never the engine's
-                return self._fail(seq, OutOfMemory(OUT_OF_MEMORY) if is_oom(exc) else unexpected_failure(exc))
+                return self._fail(seq, failure_of(exc))
             return []
         self.hooks.drain()  # the staged steps are this sequence's: all of them before it leaves
         if seq.failure is None and seq.capture is not None and seq.capture.failure is not None:
