@@ -67,8 +67,20 @@ def rows_of(value: torch.Tensor) -> torch.Tensor | None:
     return None
 
 
-STAGED_STEPS = 32  # decoding steps staged per (module, hook) before they are handed to the jobs
-RING_BYTES = 8 << 20  # and at most this much of them (a wide module, lm_head, stages fewer steps)
+# The rings of decoding steps, both kinds: the slots' device rings (worker/step_capture.py) and the
+# host staging rings of the hooks below. A ring holds RING_STEPS steps of one (module, hook) for
+# every row it serves, and at most RING_BYTES: 32 MiB holds all 32 steps of 64 rows (32 slots, or
+# the staging ring's room for 32 jobs twice) of an 8192-wide bfloat16 value, the widest residual
+# stream served here; only a wider value (lm_head's logits) holds fewer steps, and at least one.
+RING_STEPS = 32
+RING_BYTES = 32 << 20
+
+
+def ring_depth(row_bytes: int) -> int:
+    """Steps a ring holds when one step of it (every row it serves) takes `row_bytes`."""
+    return max(1, min(RING_STEPS, RING_BYTES // max(1, row_bytes)))
+
+
 PROBE_POSITIONS = 7  # the describe run's prompt length: unlike any head count or small width
 PROBE_STEPS = 2
 
@@ -528,7 +540,7 @@ class BatchHooks:
     At a decoding step (`use(..., decoding=True)`: one new position per sequence) the work does not
     grow with the batch: per (module, hook), one gather of the rows the batch keeps into a slot of
     its staging ring (host memory, pinned on a GPU, written `non_blocking` and completed by the
-    step's own transfer of its tokens: see `flush`). A ring holds up to STAGED_STEPS steps and at most RING_BYTES; its
+    step's own transfer of its tokens: see `flush`). A ring holds `ring_depth` steps; its
     rows are handed to the jobs when it is full, when a job ends or the batch otherwise changes
     (`drain`): one copy per job and point for all those steps. Jobs that join at the end of the
     batch become more targets of the same rings (room for twice the rows is allocated), so a join
@@ -824,7 +836,7 @@ class _Ring:
         width, item = int(rows.shape[1]), rows.element_size()
         if self.buffer is None or self.buffer.shape[2] != width or self.buffer.dtype != rows.dtype:
             room = 2 * len(self.targets)  # jobs that join later become targets without a new ring
-            slots = max(1, min(STAGED_STEPS, RING_BYTES // max(1, room * width * item)))
+            slots = ring_depth(room * width * item)
             cuda = rows.device.type == "cuda"
             self.buffer = torch.empty((slots, room, width), dtype=rows.dtype, pin_memory=cuda)
             self.pinned, self.device = cuda, rows.device

@@ -35,13 +35,11 @@ from typing import Any
 import torch
 
 from shared.errors import JobFailure
-from worker.capture import Block, JobCapture, _failure, first_input, first_tensor, step_rows
+from worker.capture import Block, JobCapture, _failure, first_input, first_tensor, ring_depth, step_rows
 from worker.row_identity import remember, remember_all, same, same_all
 
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (module path, "output" | "input")
-RING_STEPS = 32  # decoding steps a ring holds: handed over at half of it, the other half written meanwhile
-RING_BYTES = 32 << 20  # at most this much device memory per ring (a wide module, lm_head, holds fewer steps)
 WINDOWS_AHEAD = 8  # windows handed over and not yet kept before the loop waits for the writer
 
 
@@ -126,7 +124,7 @@ class StepRings:
         self.rings: dict[Key, torch.Tensor] = {}
         self.pos = 0  # the host's copy of the cursor
         self.count = 0  # steps recorded since the last hand-over: ring rows [pos - count, pos)
-        self.depth = RING_STEPS  # steps the rings hold: the least over the rings
+        self.depth = ring_depth(0)  # steps the rings hold: the least over the rings
         self.unfit: dict[Key, str] = {}  # keys whose value is not one row per slot: why
         self._owner: list[weakref.ref | None] = [None] * slots  # the capture each slot's rows are for
         self._since = [0] * slots  # its first step in the window
@@ -228,10 +226,10 @@ class StepRings:
 
     def _ring(self, key: Key, step: torch.Tensor) -> torch.Tensor:
         """A ring for `key` (at its first write: the warm-up before a graph's capture, or an eager
-        step), as deep as RING_BYTES allows a slot's rows of this width, at least one step; its
+        step), as deep as `ring_depth` allows the slots' rows of this width, at least one step; its
         rows as one `[steps * slots, W]` view (what `_write` indexes)."""
         width = int(step.shape[1])
-        depth = max(1, min(RING_STEPS, RING_BYTES // max(1, self.slots * width * step.element_size())))
+        depth = ring_depth(self.slots * width * step.element_size())
         ring = torch.zeros((depth, self.slots, width), dtype=step.dtype, device=step.device)
         self.rings[key] = ring
         self._flat[key] = ring.view(depth * self.slots, width)
@@ -364,7 +362,7 @@ class StepRings:
         self.rings.clear()
         self._flat.clear()
         self._copying = []  # copies from the old rings: nothing writes those rows again
-        self.depth = RING_STEPS
+        self.depth = ring_depth(0)
         self._owner = (self._owner + [None] * slots)[:slots]
         self._since = [0] * slots
         self._until = [None] * slots

@@ -35,7 +35,7 @@ WORKER = str(Path(__file__).resolve().parents[2] / "worker")
 CAPTURE = {"modules": ["model.layers.{0,1}", "model.norm"], "positions": "all"}
 JOBS = [  # (question, max_tokens, fields): joins together, leaves at different steps; a trace
     ("What is 2+3?", 3, {}),
-    ("Name three colours.", 10, {"logprobs": True, "top_logprobs": 2}),  # past STAGED_STEPS (4 here)
+    ("Name three colours.", 10, {"logprobs": True, "top_logprobs": 2}),  # past RING_STEPS (4 here)
     ("Count to five.", 4, {"temperature": 0.8, "seed": 7}),
     ("Write a haiku.", 0, {"mode": "trace", "logprobs": True}),
     # longer than the others: fed in chunks (the chunk is the longest of the others' prompts)
@@ -165,11 +165,9 @@ def steady_clock(monkeypatch):
 
     import worker.capture
     import worker.engine_core
-    import worker.step_capture
 
     monkeypatch.setattr(worker.engine_core, "clock", itertools.count().__next__)
-    monkeypatch.setattr(worker.capture, "STAGED_STEPS", 4)  # so that the scenario fills the rings
-    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)
+    monkeypatch.setattr(worker.capture, "RING_STEPS", 4)  # so that the scenario fills the rings
 
 
 def run(served, requests, mode: FailAt | None) -> tuple[Answers, EngineCore, object]:
