@@ -15,6 +15,15 @@ from shared.settings import Settings
 from tests.support.models import tiny_llama
 
 LIMITS = {"max_tokens_limit": 200, "default_max_tokens": 16, "capture_budget_bytes": 20_000_000}
+COUNT_WAIT_SECONDS = 0.2  # what a long prompt's count waits here for a tokenizer that never answers
+
+
+@pytest.fixture(autouse=True)
+def no_tokenizer_answers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests list live workers but run none, so no tokenizer answers the count of a long
+    prompt (api/context_check.py) and the API goes on without it: after 0.2 s here, not the
+    shipped 2 s (a chat to the tiny model's 256-token context is always counted)."""
+    monkeypatch.setattr("api.context_check.COUNT_WAIT_SECONDS", COUNT_WAIT_SECONDS)
 
 
 @pytest.fixture
