@@ -18,30 +18,34 @@ connections are retried with backoff for up to `retry_seconds` per request (shar
 
 from __future__ import annotations
 
-import hashlib
 import json
-import os
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import quote
 
 import httpx
 
-from shared.retries import DEFAULT_SECONDS, RESENDABLE_METHODS, Retrying, RetryPolicy, retry_after
-from shared.states import TERMINAL_NAMES
-
-if TYPE_CHECKING:  # pragma: no cover
-    import torch
+from shared.client_errors import (
+    ActqClientError,
+    BadRequest,
+    Busy,
+    ChecksumMismatch,
+    Conflict,
+    JobFailed,
+    NotFound,
+    Unavailable,
+    raise_for_error,
+)
+from shared.client_jobs import TERMINAL, Job, Result, Usage
+from shared.retries import DEFAULT_SECONDS, RESENDABLE_METHODS, Retrying, RetryPolicy
 
 __all__ = [
     "ActqClientError",
     "BadRequest",
+    "Busy",
     "NotFound",
     "Conflict",
     "Unavailable",
@@ -54,354 +58,7 @@ __all__ = [
     "TERMINAL",
 ]
 
-TERMINAL = TERMINAL_NAMES  # job states that are final
 MAX_LONG_POLL = 60.0  # the API's upper bound for ?wait=
-
-
-# --- errors -----------------------------------------------------------------------------------
-
-
-class ActqClientError(Exception):
-    """An error answered by the API (or found by the client): HTTP status, the API's `error`
-    type and its `detail` message."""
-
-    def __init__(self, status_code: int | None, error_type: str, detail: str, retry_after: float | None = None) -> None:
-        super().__init__(status_code, error_type, detail)
-        self.status_code = status_code
-        self.error_type = error_type
-        self.detail = detail
-        self.retry_after = retry_after  # seconds, from the answer's Retry-After header
-
-    def __str__(self) -> str:
-        status = f"{self.status_code} " if self.status_code is not None else ""
-        return f"{status}{self.error_type}: {self.detail}"
-
-
-class BadRequest(ActqClientError):
-    """400/422: the request cannot be run as given (nothing was enqueued)."""
-
-
-class NotFound(ActqClientError):
-    """404: unknown job or model, or no activations for that job."""
-
-
-class Conflict(ActqClientError):
-    """409: e.g. the activations of a job that has not succeeded."""
-
-
-class Unavailable(ActqClientError):
-    """503: the API cannot reach Redis (`service_unavailable`) or its object store
-    (`storage_error`); retried, then raised once the retry budget is spent."""
-
-
-class Busy(ActqClientError):
-    """429: a capacity limit of the API (e.g. its long polls); retry after a pause."""
-
-
-class JobFailed(ActqClientError):
-    """The job ended `failed` or `cancelled`. `error_type` is the job's `error.type`
-    (e.g. `context_length_exceeded`, or `cancelled`), `detail` its message, `job` the job."""
-
-    def __init__(self, job: Job, error_type: str, detail: str) -> None:
-        super().__init__(None, error_type, detail)
-        self.job = job
-
-
-class ChecksumMismatch(ActqClientError):
-    """The downloaded activations do not match the sha256 or size in the job's manifest."""
-
-
-_BY_STATUS = {400: BadRequest, 422: BadRequest, 404: NotFound, 409: Conflict, 429: Busy, 503: Unavailable}
-
-
-def _raise_for_error(response: httpx.Response) -> None:
-    if response.status_code < 400:
-        return
-    response.read()
-    try:
-        body = response.json()
-    except ValueError:
-        body = None
-    if isinstance(body, dict) and "error" in body:
-        error_type, detail = str(body["error"]), str(body.get("detail", ""))
-    else:  # not the API's error shape (a proxy, or /health's 503 body)
-        error_type, detail = f"http_{response.status_code}", response.text[:1000] or response.reason_phrase
-    error = _BY_STATUS.get(response.status_code, ActqClientError)
-    raise error(response.status_code, error_type, detail, retry_after(response))
-
-
-# --- results ----------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    total_tokens: int
-
-
-@dataclass(frozen=True)
-class Result:
-    """A finished job's completion: `text`, `finish_reason` (`stop` or `length`), `usage`;
-    `logprobs` (the result's JSON: `content`, `total`, `completion_total`) when asked for, and a
-    trace's `completion_span` (the final assistant turn's token range)."""
-
-    text: str
-    finish_reason: str
-    usage: Usage
-    logprobs: dict | None = None
-    completion_span: tuple[int, int] | None = None
-    interventions: list[dict] | None = None  # per edit and module: `applied` per step, `total`
-    baseline: dict | None = None  # `baseline: true`: the unedited run's text, finish_reason, usage
-
-    @classmethod
-    def from_dict(cls, data: dict) -> Result:
-        span = data.get("completion_span")
-        return cls(
-            text=data["text"],
-            finish_reason=data["finish_reason"],
-            usage=Usage(**data["usage"]),
-            logprobs=data.get("logprobs"),
-            completion_span=(span[0], span[1]) if span else None,
-            interventions=data.get("interventions"),
-            baseline=data.get("baseline"),
-        )
-
-
-class Job:
-    """One job as the API last described it. `data` is the raw job JSON; `refresh()` and
-    `wait()` update it in place."""
-
-    def __init__(self, client: Client, data: dict) -> None:
-        self._client = client
-        self.data = data
-
-    def __repr__(self) -> str:
-        return f"Job(id={self.id!r}, status={self.status!r})"
-
-    @property
-    def id(self) -> str:
-        return self.data["id"]
-
-    @property
-    def status(self) -> str:
-        """`queued`, `running`, `succeeded`, `failed` or `cancelled` (as of the last answer)."""
-        return self.data["status"]
-
-    @property
-    def done(self) -> bool:
-        """True once the job is in a final state."""
-        return self.status in TERMINAL
-
-    @property
-    def result(self) -> Result | None:
-        """The completion once the job has succeeded, else None. A large result (long text, many
-        log-probabilities) is kept apart from the job by the API: it is fetched whole here
-        (`GET /jobs/{id}/result`, once), so `text` and `logprobs` are always complete."""
-        raw = self.data.get("result")
-        if raw is None:
-            return None
-        if raw.get("stored") is not None:
-            raw = self.result_data()
-        return Result.from_dict(raw)
-
-    @property
-    def logprobs(self) -> dict | None:
-        """The result's `logprobs` (`content`: one entry per token, `total`, `completion_total`),
-        fetched whole when the API keeps them apart; None when not asked for or not finished."""
-        result = self.result
-        return None if result is None else result.logprobs
-
-    def result_data(self) -> dict:
-        """The whole result's JSON (`GET /jobs/{id}/result`), fetched once per finished job."""
-        cached = getattr(self, "_whole", None)
-        if cached is None or cached[0] is not self.data:
-            whole = self._client._request("GET", f"/jobs/{quote(self.id, safe='')}/result").json()
-            self._whole = (self.data, whole)
-            return whole
-        return cached[1]
-
-    def request(self) -> dict:
-        """The request the job was made from, as stored (`GET /jobs/{id}/request`): its whole
-        prompt or messages, capture, metadata and user."""
-        return self._client._request("GET", f"/jobs/{quote(self.id, safe='')}/request").json()
-
-    @property
-    def manifest(self) -> dict | None:
-        """The activations manifest (uri, key, sha256, bytes, tensors[...]) once the job has
-        succeeded with a capture spec, else None."""
-        return self.data.get("activations")
-
-    @property
-    def error(self) -> dict | None:
-        """`{type, message}` for a failed job, else None."""
-        return self.data.get("error")
-
-    def refresh(self, wait: float = 0.0) -> Job:
-        """Re-read the job (`GET /jobs/{id}`); with `wait`, long-poll up to that many seconds
-        (at most 60) for it to finish. Returns self; never raises for a failed job."""
-        self.data = self._client._get_job(self.id, wait=min(wait, 60.0))
-        return self
-
-    def wait(self, timeout: float | None = None, poll: float = 30.0) -> Job:
-        """Block until the job is final, long polling `GET /jobs/{id}?wait=` (each request held
-        up to `poll` seconds, at most 60). Returns self once it has succeeded.
-
-        Raises `JobFailed` when it failed or was cancelled, `TimeoutError` when it is not final
-        after `timeout` seconds (None: wait forever). Should the server answer a long poll early
-        without the job being final, the next requests are spaced with a growing pause."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        poll = max(0.0, min(poll, MAX_LONG_POLL))
-        pause = 0.0
-        while not self.done:
-            remaining = None if deadline is None else deadline - time.monotonic()
-            if remaining is not None and remaining <= 0:
-                raise TimeoutError(f"job {self.id} is still {self.status} after {timeout}s")
-            hold = poll if remaining is None else min(poll, remaining)
-            started = time.monotonic()
-            self.data = self._client._get_job(self.id, wait=hold)
-            if self.done:
-                break
-            if hold > 0 and time.monotonic() - started >= 0.9 * hold:
-                pause = 0.0  # the long poll held as asked: no extra pause needed
-            else:  # answered early without finishing: back off, never sleeping past the deadline
-                pause = min(max(2 * pause, 0.05), 2.0)
-                if deadline is not None:
-                    pause = min(pause, max(0.0, deadline - time.monotonic()))
-                time.sleep(pause)
-        if self.status != "succeeded":
-            error = self.error or {"type": self.status, "message": f"job {self.id} was {self.status}"}
-            raise JobFailed(self, error["type"], error["message"])
-        return self
-
-    # --- activations -------------------------------------------------------------------------
-
-    @contextmanager
-    def _stream_file(self, *, proxy: bool = False, retried: bool = True) -> Iterator[httpx.Response]:
-        params = {"proxy": "true"} if proxy else None
-        with self._client._stream("GET", f"/jobs/{self.id}/activations", retried, params=params) as response:
-            yield response
-
-    def _expected(self) -> dict | None:
-        if self.manifest is None:
-            self.refresh()
-        return self.manifest
-
-    def _check(self, digest: str, size: int) -> None:
-        manifest = self._expected()
-        if manifest is None:
-            return
-        if size != manifest["bytes"] or digest != manifest["sha256"]:
-            raise ChecksumMismatch(
-                None,
-                "checksum_mismatch",
-                f"activations of job {self.id}: got {size} bytes with sha256 {digest}, the manifest says "
-                f"{manifest['bytes']} bytes with sha256 {manifest['sha256']}",
-            )
-
-    def activations_bytes(self, *, proxy: bool = False) -> bytes:
-        """The job's safetensors file as bytes, checked against the manifest's sha256 and size.
-        `proxy=True` asks the API to stream it instead of redirecting to the object store."""
-        with self._stream_file(proxy=proxy) as response:
-            data = response.read()
-        self._check(hashlib.sha256(data).hexdigest(), len(data))
-        return data
-
-    def activations(self, *, proxy: bool = False) -> dict[str, torch.Tensor]:
-        """Every tensor of the job's file, `{name: tensor}`, after checking the download's sha256
-        against the manifest: the captures in the manifest's order, then `token_ids` and any
-        others (log-probabilities) by name. Needs torch and safetensors."""
-        from safetensors.torch import load
-
-        tensors = load(self.activations_bytes(proxy=proxy))
-        listed = [t["name"] for t in (self.data.get("activations") or {}).get("tensors", []) if t["name"] in tensors]
-        order = listed + sorted(set(tensors) - set(listed))
-        return {name: tensors[name] for name in order}
-
-    def download(self, path: str | os.PathLike, *, proxy: bool = False) -> Path:
-        """Stream the safetensors file to `path` (written to a temporary file beside it, checked
-        against the manifest's sha256, then renamed). Returns the path. A connection lost in the
-        middle starts the download again, within the client's retry budget."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        for attempt in self._client._retrying("GET"):
-            with attempt:
-                self._download_once(path, proxy)
-        return path
-
-    def _download_once(self, path: Path, proxy: bool) -> None:
-        digest, size = hashlib.sha256(), 0
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".part")
-        try:
-            with os.fdopen(fd, "wb") as out, self._stream_file(proxy=proxy, retried=False) as response:
-                for chunk in response.iter_bytes(1 << 20):
-                    out.write(chunk)
-                    digest.update(chunk)
-                    size += len(chunk)
-            self._check(digest.hexdigest(), size)
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
-
-    def tensor(self, name: str, rows: slice | tuple[int, int] | None = None) -> torch.Tensor:
-        """One tensor of the job's file, fetched alone (`GET /jobs/{id}/activations/{name}`).
-        `rows` selects rows of the first dimension: a `slice` (step 1) or a `(start, stop)` pair;
-        with a slice, negative or missing bounds are resolved from the manifest's shape."""
-        from safetensors.torch import load
-
-        params = None
-        if rows is not None:
-            params = {"rows": self._rows(name, rows)}
-        with self._client._stream(
-            "GET", f"/jobs/{self.id}/activations/{quote(name, safe='')}", params=params
-        ) as response:
-            data = response.read()
-            expected = response.headers.get("x-actq-tensor-sha256") if rows is None else None
-        if expected is not None:  # the tensor's bytes follow the small file's header
-            start = 8 + int.from_bytes(data[:8], "little")
-            got = hashlib.sha256(memoryview(data)[start:]).hexdigest()
-            if got != expected:
-                raise ChecksumMismatch(
-                    None,
-                    "checksum_mismatch",
-                    f"tensor {name} of job {self.id}: sha256 {got}, the manifest says {expected}",
-                )
-        return load(data)[name]
-
-    def _rows(self, name: str, rows: slice | tuple[int, int]) -> str:
-        if isinstance(rows, tuple):
-            start, stop = rows
-            return f"{int(start)}:{int(stop)}"
-        if rows.step not in (None, 1):
-            raise ValueError("rows: only contiguous slices (step 1) can be fetched")
-        info = next((t for t in (self.manifest or {}).get("tensors", []) if t["name"] == name), None)
-        if info is not None:
-            start, stop, _ = rows.indices(info["shape"][0])
-            return f"{start}:{max(start, stop)}"
-        if (rows.start or 0) < 0 or (rows.stop or 0) < 0:
-            raise ValueError(f"rows: negative bounds need the tensor's length, and {name!r} is not in the manifest")
-        return f"{rows.start or 0}:{'' if rows.stop is None else rows.stop}"
-
-    # --- cancel / delete ---------------------------------------------------------------------
-
-    def cancel(self) -> Job:
-        """`POST /jobs/{id}/cancel`: a queued job becomes `cancelled`; a running one is stopped
-        within a decoding step (this Job then still says `running`: `wait()` for its end). Never
-        deletes anything: `Conflict` when the job had already finished. Returns self."""
-        self.data = self._client._request("POST", f"/jobs/{quote(self.id, safe='')}/cancel", resendable=True).json()
-        return self
-
-    def delete(self) -> Job:
-        """`DELETE /jobs/{id}`: a queued job becomes `cancelled` (this Job is updated); a finished
-        job's record and artifacts are deleted (this Job keeps its last known state). Returns self."""
-        response = self._client._request("DELETE", f"/jobs/{self.id}")
-        if response.status_code == 200 and response.content:
-            self.data = response.json()
-        return self
-
-
-# --- the client -------------------------------------------------------------------------------
 
 
 class Client:
@@ -474,7 +131,7 @@ class Client:
         for attempt in self._retrying(method, resendable, busy_retried):
             with attempt:
                 response = self._http.request(method, path, **kwargs)
-                _raise_for_error(response)
+                raise_for_error(response)
         return response
 
     @contextmanager
@@ -488,7 +145,7 @@ class Client:
             with attempt:
                 response = self._http.send(request, stream=True, follow_redirects=True)
                 try:
-                    _raise_for_error(response)
+                    raise_for_error(response)
                 except BaseException:
                     response.close()
                     raise
@@ -512,6 +169,29 @@ class Client:
             ).json()
         except Busy:  # every long-poll place of the API is taken: a plain read (Job.wait then backs off)
             return self._request("GET", f"/jobs/{quote(job_id, safe='')}").json()
+
+    def _await_final(self, job: Job, timeout: float | None, poll: float) -> None:
+        """Long poll `GET /jobs/{id}?wait=` until `job` is final, its data updated in place (Job.wait
+        says how); TimeoutError when it is not final after `timeout` seconds."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        poll = max(0.0, min(poll, MAX_LONG_POLL))
+        pause = 0.0
+        while not job.done:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                raise TimeoutError(f"job {job.id} is still {job.status} after {timeout}s")
+            hold = poll if remaining is None else min(poll, remaining)
+            started = time.monotonic()
+            job.data = self._get_job(job.id, wait=hold)
+            if job.done:
+                break
+            if hold > 0 and time.monotonic() - started >= 0.9 * hold:
+                pause = 0.0  # the long poll held as asked: no extra pause needed
+            else:  # answered early without finishing: back off, never sleeping past the deadline
+                pause = min(max(2 * pause, 0.05), 2.0)
+                if deadline is not None:
+                    pause = min(pause, max(0.0, deadline - time.monotonic()))
+                time.sleep(pause)
 
     def submit(
         self,
