@@ -11,6 +11,8 @@
     cancel.py        a bulk run's label (metadata.run), its jobs left after Ctrl-C, `actq cancel`
     run_file.py      any JSONL prompt file as a bulk run (`actq run-file`)
     probes.py        linear probes on captured activations (`actq probe`)
+    probe_data.py    a probe's rows: the jobs a source selects, each capture pooled, their labels and groups
+    probe_directions.py  a two-class probe as a direction in activation space, and the file of them
     steer.py         steering sweeps: run-file and gsm8k --steer, a run per strength, steering.json/.png
     export.py        a results directory as Parquet or a Hugging Face dataset (`actq export`)
     export_jobs.py   the jobs `actq export --jobs` picks by GET /jobs filters, as export samples

@@ -463,7 +463,7 @@ def probe_metric(probe: ProbeMetric, fetch: Callable[[dict, str], np.ndarray]) -
     def measure(run_dir: Path, summary: dict) -> dict:
         scores, missing = [], 0
         for sample in _samples(run_dir):
-            views = probes._views(sample, "sample")
+            views = probes.job_views(sample, "sample")
             if sample.get("status") != "succeeded" or not views:
                 continue
             _, view, job = views[0]
@@ -475,7 +475,7 @@ def probe_metric(probe: ProbeMetric, fetch: Callable[[dict, str], np.ndarray]) -
                 continue
             file = view.get("activations_file")
             if file and (run_dir / file).exists():
-                rows = probes._read_file(run_dir / file, [probe.point])[probe.point]
+                rows = probes.read_file(run_dir / file, [probe.point])[probe.point]
             else:
                 rows = fetch(view, probe.point)
             pooled, _ = probes.pool(

@@ -223,7 +223,7 @@ def test_bfloat16_files(tmp_path):
 
     path = tmp_path / "bf16.safetensors"
     save_torch({"a": torch.arange(6, dtype=torch.bfloat16).reshape(3, 2), "token_ids": torch.arange(3)}, str(path))
-    out = probes._read_file(path, ["a"])
+    out = probes.read_file(path, ["a"])
     assert out["a"].dtype == np.float32 and out["a"].tolist() == [[0, 1], [2, 3], [4, 5]]
 
 

@@ -207,9 +207,9 @@ def test_probes_pool_over_a_tool_runs_turns(tmp_path):
     with_turns(tmp_path, lambda i: 1 + i % 3)
     turns_total = sum(1 + i % 3 for i in range(20))
     sample = json.loads((tmp_path / "samples" / "4.json").read_text())
-    assert [v["turn"] for _, v, _ in probes._views(sample, "sample", "all")] == [0, 1]
-    assert [v["job_id"] for _, v, _ in probes._views(sample, "sample", "first")] == ["job4-first"]
-    assert [(v["job_id"], v["turn"]) for _, v, _ in probes._views(sample, "sample", "last")] == [("job4", 1)]
+    assert [v["turn"] for _, v, _ in probes.job_views(sample, "sample", "all")] == [0, 1]
+    assert [v["job_id"] for _, v, _ in probes.job_views(sample, "sample", "first")] == ["job4-first"]
+    assert [(v["job_id"], v["turn"]) for _, v, _ in probes.job_views(sample, "sample", "last")] == [("job4", 1)]
     for turns, rows in (("last", 20), ("first", 20), ("all", turns_total)):
         _, labels, meta = probes.load_dataset(tmp_path, turns=turns)
         assert meta["n_samples"] == len(labels) == rows
