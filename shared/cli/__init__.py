@@ -14,6 +14,8 @@
     probe_data.py    a probe's rows: the jobs a source selects, each capture pooled, their labels and groups
     probe_directions.py  a two-class probe as a direction in activation space, and the file of them
     steer.py         steering sweeps: run-file and gsm8k --steer, a run per strength, steering.json/.png
+    steer_options.py a sweep's options checked, its vector (a file's tensor or a set's id), its probe
+    steer_report.py  each strength measured (accuracy, a probe's probability, length), steering.json/.png
     export.py        a results directory as Parquet or a Hugging Face dataset (`actq export`)
     export_jobs.py   the jobs `actq export --jobs` picks by GET /jobs filters, as export samples
     export_partial.py an export stopped by a failed fetch: the partial file it keeps, resumed by the next run
