@@ -1,6 +1,10 @@
 """`actq`, the command line, and what only it uses.
 
-    app.py           the commands (typer): run, serve, run-file, gsm8k, probe, export, cancel, flower, ...
+    app.py           the `actq` app (typer): its commands registered in the order --help lists them
+    demo_command.py  `actq run`, the demo on one machine
+    stack_commands.py  `actq serve`, `flower`, `prepare-model`, `env-example`
+    bulk_commands.py `actq run-file` and `actq gsm8k`, the options they share, what Ctrl-C prints
+    result_commands.py  `actq probe`, `export`, `cancel`
     local_stack.py   Redis, a worker and the API as child processes on this machine
     redis_server.py  an embedded redis-server on a free loopback port
     processes.py     starting and stopping child processes
