@@ -42,10 +42,11 @@ from celery.utils.nodenames import default_nodename, host_format
 from shared import keys
 from shared.attempts import Attempt, StaleAttempt
 from shared.broker import check_timeouts, make_celery
-from shared.errors import InternalError, JobFailure, JobTimeout, NnsightCodeFailed
+from shared.errors import InternalError, JobFailure, JobTimeout, NnsightCodeFailed, WorkerLost
 from shared.jobs import JobStore
 from shared.outages import ReconnectLines, quiet_retries
 from shared.registry import ModelRegistry
+from shared.schemas import JobStatus
 from shared.settings import get_settings
 from worker.engine_client import EngineClient, EngineStartFailed
 from worker.lost_messages import LostMessageSweeper
@@ -119,9 +120,13 @@ def run_job(task: Task, job_id: str) -> None:
     finally:
         _holding.discard(job_id)
     if outcome == "lost":  # the engine died with the job: back to the queue (the next attempt counts)
-        raise Reject("the engine process was lost", requeue=True)
+        assert runs_on is not None
+        how, attempt = runs_on.ended.pop(job_id, ("it ended", None))
+        if not _lost_for_good(job_id, how, attempt):
+            raise Reject(f"the engine process was lost ({how})", requeue=True)
     if outcome == "requeue":  # another job's trusted code ended the engine: back, not counted against it
         assert runs_on is not None
+        runs_on.ended.pop(job_id, None)
         _store().forgive(job_id, _attempt(runs_on.requeued.pop(job_id, None)))
         raise Reject("the engine process was ended by another job", requeue=True)
     if outcome == "redis":  # its outcome could not be recorded: it runs again (acked, it would stay `running`)
@@ -176,6 +181,29 @@ def _final_state(job_id: str) -> tuple[str, dict[str, Any]] | None:
         return None
     error = record.get("error")
     return str(record["status"]), error if isinstance(error, dict) else {}
+
+
+def _lost_for_good(job_id: str, how: str, attempt: tuple[int, str | None] | None) -> bool:
+    """The engine running `job_id` ended (`how`: its exit status and the reason it gave). On the
+    job's last allowed attempt (ACTQ_MAX_ATTEMPTS), fail it as `worker_lost` with that reason (its
+    error says why, not only how many times) and return True; else False: it goes back to the queue
+    (the engine client's log line says why; the next claim fails it, without the reason, when
+    this worker could not)."""
+    try:
+        record = _store().get(job_id)
+    except Exception as exc:  # noqa: BLE001 - Redis away, a record of a newer version: the claim judges it
+        log.warning("job %s: its record could not be read (%s)", job_id, exc)
+        record = None
+    if attempt is None and record is not None and record.worker in _node:
+        attempt = (record.attempts, record.worker)  # claimed by the engine, not yet in a batch; or not claimed again
+    if record is None or record.status is not JobStatus.running or attempt is None:
+        return False
+    counted = record.attempts - record.forgiven_attempts
+    if counted < settings.max_attempts or not Attempt(*attempt).holds(record):
+        return False
+    failure = WorkerLost(f"the engine process running this job ended ({how}); it was lost {counted} times; giving up")
+    _fail(job_id, failure, attempt)
+    return True
 
 
 def _attempt(attempt: tuple[int, str | None] | None) -> Attempt | None:

@@ -15,7 +15,9 @@ When an engine process ends, each job it held is answered by who is to blame:
   queue and the delivery is not counted against them.
 - `lost`: every job, when nothing explains the death (kill -9 from outside, the kernel's OOM
   killer during a batch): back to the queue, the next delivery counts as an attempt.
-A capture engine that died is started again at once; a lazy one at its next job.
+A capture engine that died is started again at once; a lazy one at its next job. Why it died
+(its `dead` message, else its exit status) goes to the worker's log and, through `ended`, to each
+job it held: a job lost on its last allowed attempt is failed with that reason (celery_app.py).
 """
 
 from __future__ import annotations
@@ -58,7 +60,7 @@ class _Engine:
     proc: subprocess.Popen
     generation: int
     replace: list[str] = field(default_factory=list)  # why it asked to be replaced, if it did
-    died: str | None = None  # its last words (the engine thread's fatal error), if it said any
+    dead: str | None = None  # why it ended, as it said before it did (its `dead` message), if it said
     culprit: str | None = None  # the job it was stopped for (hard time limit)
 
 
@@ -90,7 +92,7 @@ class EngineClient:
         self._last_use = time.monotonic()
         # job id -> the hard limit it was stopped at and the attempt it ran as (read once)
         self.stopped_at: dict[str, tuple[float, tuple[int, str | None] | None]] = {}
-        # job id -> how the engine that killed it ended (or why none could start), and its attempt (read once)
+        # job id -> how the engine that held it ended (or why none could start), and its attempt (read once)
         self.ended: dict[str, tuple[str, tuple[int, str | None] | None]] = {}
         # job id -> the attempt an engine's death sent back to the queue ran as (read once)
         self.requeued: dict[str, tuple[int, str | None] | None] = {}
@@ -131,8 +133,9 @@ class EngineClient:
         deadline = time.monotonic() + self.start_timeout
         while not ready.wait(0.2):
             if proc.poll() is not None:
+                reader.join(timeout=5)  # until it has read what the process said before it ended
                 raise EngineStartFailed(
-                    f"the {self.role} engine process ended ({exit_status(proc.returncode)}) while loading the model"
+                    f"the {self.role} engine process ended ({_how(engine)}) while loading the model"
                 )
             if time.monotonic() > deadline:
                 proc.kill()
@@ -194,7 +197,7 @@ class EngineClient:
     def run(self, job_id: str, time_limit: float) -> str:
         """Hand `job_id` to the engine and wait: "done" (its outcome is recorded), "redis" (Redis
         was unreachable: nothing recorded), "lost" / "requeue" / "killed" (its engine died: see the
-        module's docstring; `ended` then says how, for "killed"), "timeout" (the engine kept it past
+        module's docstring; `ended` then says how the engine ended), "timeout" (the engine kept it past
         `time_limit` seconds from joining a batch, or past the job's own shorter limit; `stopped_at`
         then holds that limit and the attempt the engine ran it as; the engine has been stopped) or
         "unavailable" (a lazy engine could not start; `ended` says why)."""
@@ -255,8 +258,8 @@ class EngineClient:
                     waiter.event.set()
             elif "replace" in message:
                 engine.replace = [str(r) for r in message["replace"]] or ["(no reason given)"]
-            elif "died" in message:
-                engine.died = str(message["died"])
+            elif "dead" in message:
+                engine.dead = str(message["dead"])
         engine.proc.wait()
         self._engine_ended(engine, ready.is_set())
 
@@ -269,13 +272,13 @@ class EngineClient:
             self._up.clear()
             if self.lazy:
                 self.engine = None
-        how = exit_status(engine.proc.returncode) + (f": {engine.died}" if engine.died else "")
+        how = _how(engine)
         blamed = [job for job, w in held.items() if w.alone and w.started is not None]
         innocent = bool(engine.replace or engine.culprit or blamed)
         for job_id, waiter in held.items():
+            self.ended[job_id] = (how, waiter.attempt)
             if job_id in blamed:
                 waiter.outcome = "killed"
-                self.ended[job_id] = (how, waiter.attempt)
             else:
                 waiter.outcome = "requeue" if innocent else "lost"
                 if innocent:
@@ -314,6 +317,11 @@ class EngineClient:
         # shutdown cannot be used: it tries to kill each running task, which a threads pool cannot.
         log.critical("cannot restart the engine; stopping the worker")
         os._exit(EX_FAILURE)
+
+
+def _how(engine: _Engine) -> str:
+    """How an engine process ended: its exit status, and why as it said (its `dead` message)."""
+    return exit_status(engine.proc.returncode) + (f": {engine.dead}" if engine.dead else "")
 
 
 def _kill(proc: subprocess.Popen) -> None:

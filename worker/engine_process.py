@@ -15,7 +15,9 @@ Protocol: one JSON object per line, nothing else is ever decoded:
                                {"done": JOB_ID, "outcome": "done" | "redis"}
                                {"replace": [REASON, ...]}  trusted code left the process in a state it
                                                       cannot prove whole: it exits (EX_REPLACED) after this
-                               {"died": TEXT}         the engine thread's fatal error, before the process ends
+                               {"dead": REASON}       why the process ends, before it does: the engine
+                                                      thread's fatal error (exit 70), the model that cannot
+                                                      be served (exit 1), a failure of this loop (exit 70)
 stdout and stderr stay free for logs. When stdin closes (the worker stopped or died) the process
 unpublishes itself and exits. It claims jobs and beats under the worker's Celery node name
 (NODE_ENV, set by the worker), or `host:pid` when started without one.
@@ -23,6 +25,7 @@ unpublishes itself and exits. It claims jobs and beats under the worker's Celery
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +40,15 @@ REPLY_FD_ENV = "ACTQ_ENGINE_REPLY_FD"
 ROLE_ENV = "ACTQ_ENGINE_ROLE"
 NODE_ENV = "ACTQ_ENGINE_NODE"
 EX_REPLACED = 75  # the process ended itself to be replaced (EX_TEMPFAIL)
+EX_SOFTWARE = 70  # the process ended on a bug of its own (engine_core.ENGINE_THREAD_DIED is the same status)
+
+
+def reason(exc: BaseException) -> str:
+    """An exception in words for a `dead` message: its type and text, bounded, never raising."""
+    try:
+        return f"{type(exc).__name__}: {exc}"[:2000]
+    except BaseException:  # noqa: BLE001 - its __str__ may raise too
+        return type(exc).__name__
 
 
 def main() -> None:
@@ -61,6 +73,13 @@ def main() -> None:
         with lock:
             replies.write(json.dumps(message) + "\n")
 
+    def dead(why: str) -> None:
+        """Tell the worker why this process ends (it records it in the log and the jobs' errors)."""
+        try:
+            send({"dead": why})
+        except (OSError, ValueError):  # the worker is gone (a closed pipe): nobody to tell
+            pass
+
     def started(job_id: str, limit: float | None = None, attempt: Attempt | None = None) -> None:
         message: dict = {"started": job_id}
         if attempt is not None:
@@ -77,17 +96,18 @@ def main() -> None:
             log.warning("replacing this engine process: %s", "; ".join(reasons)[:2000])
             os._exit(EX_REPLACED)
 
-    from worker import engine_core, runner, runtime
-
-    engine_core.last_words = lambda text: send({"died": text})
     try:
+        from worker import engine_core, runner, runtime
+
+        engine_core.last_words = dead
         rt = runtime.start(
             settings,
             role,
             replace=lambda job, reasons: to_replace.__setitem__(job, reasons),
             worker_id=os.environ.get(NODE_ENV),
         )
-    except Exception:
+    except Exception as exc:
+        dead(f"cannot serve model {settings.model}: {reason(exc)}")
         log.critical("cannot serve model %s", settings.model, exc_info=True)
         sys.exit(1)
     send({"ready": rt.worker_id})
@@ -99,6 +119,12 @@ def main() -> None:
                 continue
             job_id = str(message["run"])
             runner.submit(job_id, reply=reply, started=started)
+    except Exception as exc:  # a bug of this loop: say it, then end as the engine thread's death does
+        dead(f"the engine process's job loop failed: {reason(exc)}")
+        log.critical("the engine process's job loop failed; exiting", exc_info=True)
+        with contextlib.suppress(Exception):
+            runtime.stop()
+        os._exit(EX_SOFTWARE)
     finally:
         runtime.stop()
     os._exit(0)  # daemon threads (finishers, heartbeat) end with the process
