@@ -40,7 +40,7 @@ test-exhaustive: $(STAMP)
 	$(BIN)/python -m pytest -ra --exhaustive -m exhaustive
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -ra -m "not e2e and not model"
+	$(BIN)/python -m pytest -ra -m "not e2e and not model and not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check api worker shared tests bench docs/hooks

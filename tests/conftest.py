@@ -4,7 +4,7 @@ before each test that uses it), real models built at test time. Tiers, by folder
     tests/shared, tests/api, tests/worker, tests/test_*.py   fast unless marked `model`
     tests/e2e                                                 marked `e2e`: real worker and API processes
 
-`make test-fast` runs `-m "not e2e and not model"`; `make test` runs everything.
+`make test-fast` runs `-m "not e2e and not model and not slow"`; `make test` runs everything.
 """
 
 from __future__ import annotations

@@ -277,6 +277,7 @@ def test_the_hash_stays_in_32_bits_for_any_seed_and_step() -> None:
 BIG_VOCAB = 49_152  # SmolLM2's: an out-of-distribution draw hit about 0.3% of steps at this size
 
 
+@pytest.mark.slow  # 160 steps at 32 x 49,152: 549 s on 2 cores at load 14, past the 120 s check (tests/conftest.py)
 def test_no_draw_ever_leaves_its_rows_filters_mask_or_bias() -> None:
     """32 sampled rows with mixed settings (top_k, top_p, min_p, a -100 logit_bias on the
     likeliest tokens, a grammar-like mask), each with its own seed, over 160 steps of fresh
