@@ -32,7 +32,8 @@ import torch
 from shared.capture_spec import SCORE_ROWS
 from shared.errors import InternalError, JobFailure
 from worker import kvcache
-from worker.capture import BatchHooks, JobCapture, Mark
+from worker.capture import JobCapture, Mark
+from worker.capture_hooks import BatchHooks
 from worker.constrained import Constraint, masked_rows
 from worker.edits import BatchEdits, JobEdits
 from worker.failures import failure_of, is_oom, out_of_memory

@@ -27,7 +27,7 @@ import torch
 
 from shared.errors import JobFailure
 from shared.interventions import EditReport, Intervention, intervals
-from worker.capture import first_input
+from worker.module_rows import first_input
 from worker.row_identity import remember_all, same_all
 
 Key = tuple[str, str]  # (module path, hook)

@@ -22,7 +22,7 @@ from shared.edit_refs import References
 from shared.interventions import EditPoint
 from shared.schemas import CapturePoint, JobRequest, ModelInfo
 from worker import job_prep, results
-from worker.capture import describe_modules
+from worker.capturable import describe_modules
 from worker.constrained import Grammars
 from worker.decoding import Decoder, Sequence, Watch
 from worker.footprint import footprint

@@ -35,12 +35,28 @@ from typing import Any
 import torch
 
 from shared.errors import JobFailure
-from worker.capture import Block, JobCapture, _failure, first_input, first_tensor, ring_depth, step_rows
+from worker.capture import Block, JobCapture
+from worker.failures import failure_of
+from worker.module_rows import first_input, first_tensor, step_rows
 from worker.row_identity import remember, remember_all, same, same_all
 
 log = logging.getLogger(__name__)
 Key = tuple[str, str]  # (module path, "output" | "input")
 WINDOWS_AHEAD = 8  # windows handed over and not yet kept before the loop waits for the writer
+
+# The rings of decoding steps, both kinds: the slots' device rings here and the host staging rings
+# of worker/capture_hooks.py. A ring holds RING_STEPS steps of one (module, hook) for every row it
+# serves (handed over at half of it here, the other half written meanwhile) and at most RING_BYTES:
+# 32 MiB holds all 32 steps of 64 rows (32 slots, or a staging ring's room for 32 jobs twice) of an
+# 8192-wide bfloat16 value (a 70B model's residual stream); only a wider value (lm_head's logits)
+# holds fewer steps, and at least one.
+RING_STEPS = 32
+RING_BYTES = 32 << 20
+
+
+def ring_depth(row_bytes: int) -> int:
+    """Steps a ring holds when one step of it (every row it serves) takes `row_bytes`."""
+    return max(1, min(RING_STEPS, RING_BYTES // max(1, row_bytes)))
 
 
 @dataclass
@@ -74,11 +90,11 @@ def keep_window(window: Window) -> None:
                 if since < until and window.block is not None:
                     capture.keep_block(window.block, slot, since, until)
             except Exception as exc:  # noqa: BLE001 - that job's failure, never the batch's
-                capture.failure = _failure(exc)
+                capture.failure = failure_of(exc, "keeping a window of captured steps")
     except Exception as exc:  # noqa: BLE001 - the copy itself failed: every job in the window fails
         for capture in window.owners:
             if capture is not None and capture.failure is None:
-                capture.failure = _failure(exc)
+                capture.failure = failure_of(exc, "keeping a window of captured steps")
     finally:
         for capture in {id(c): c for c in window.owners if c is not None}.values():
             capture.release()

@@ -32,9 +32,9 @@ from typing import Any
 import torch
 
 from shared.errors import JobFailure
-from worker.capture import first_input
 from worker.edits import JobEdits, RowEdit
 from worker.input_batch import POSITION
+from worker.module_rows import first_input
 from worker.row_identity import remember, same
 
 Key = tuple[str, str]  # (module path, hook)

@@ -15,7 +15,7 @@ from shared.errors import OutOfMemory
 from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.support.architectures import BY_KEY, available, build
-from worker.decoding import Sequence
+from worker.sequence import Sequence
 
 pytestmark = pytest.mark.model
 
@@ -334,7 +334,7 @@ def test_rings_that_fill_many_times_hand_every_step_to_its_job(served, monkeypat
     """Rings of 3 steps (the slots' device rings, and the compacted decoder's staging rings): a
     full ring goes to its jobs before the next step needs its slot, across joins and leaves, so
     each job still gets exactly its solo rows."""
-    import worker.capture
+    import worker.step_capture
 
     generated = {**CAPTURE, "positions": "generated"}
     jobs = [
@@ -344,7 +344,7 @@ def test_rings_that_fill_many_times_hand_every_step_to_its_job(served, monkeypat
         job(QUESTIONS[3], 9, generated),
     ]
     alone = [solo(served, req, n) for req, n in jobs]  # default rings (32 steps): none fills
-    monkeypatch.setattr(worker.capture, "RING_STEPS", 3)
+    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 3)
     batched, largest = run_batched(served, jobs, join_at=[0, 1, 1, 4])
     assert largest == 4
     for i, (got, want) in enumerate(zip(batched, alone, strict=True)):
@@ -358,13 +358,13 @@ def test_the_decoding_loop_goes_on_while_the_capture_writer_is_held(served, monk
     thread running them is given two minutes)."""
     import threading
 
-    import worker.capture
+    import worker.step_capture
     from worker.capture import JobCapture
 
     generated = {**CAPTURE, "positions": "generated"}
     jobs = [job(QUESTIONS[1], 12, generated), job(QUESTIONS[4], 12, generated)]
     alone = [solo(served, req, n) for req, n in jobs]
-    monkeypatch.setattr(worker.capture, "RING_STEPS", 4)  # a hand-over every 2 steps: 5 before the end
+    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)  # a hand-over every 2 steps: 5 before the end
     gate, kept = threading.Event(), []
     keep_block = JobCapture.keep_block
 
@@ -439,10 +439,10 @@ def test_with_each_step_launched_before_the_last_is_read_every_job_gets_its_solo
     at different steps; one is cancelled and one hits a stop string, so each ends while the step
     after its last already ran for it (that step's token and captured row are not its); one is
     sampled with a seed; rings of 4 steps hand over every 2 steps. Each job equals its solo run."""
-    import worker.capture
+    import worker.step_capture
     from worker.slot_decoding import SlotDecoder
 
-    monkeypatch.setattr(worker.capture, "RING_STEPS", 4)
+    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)
     generated = {**CAPTURE, "positions": "generated"}
     jobs = [
         job(QUESTIONS[0], 12, generated),
@@ -494,10 +494,10 @@ def test_jobs_keeping_different_points_features_and_dtypes_side_by_side_equal_fo
     side by side: jobs that keep other modules, a feature subset, another dtype, or the same
     modules in another order, in one batch across several windows, each against forward hooks on
     the plain model running `generate` alone."""
-    import worker.capture
+    import worker.step_capture
     from tests.support.reference import hooked_generate, select
 
-    monkeypatch.setattr(worker.capture, "RING_STEPS", 4)  # a window every 2 steps
+    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)  # a window every 2 steps
     specs = [
         {"modules": ["model.layers.{0,2}", "model.layers.1.mlp"], "positions": "generated"},
         {"modules": ["model.layers.1.mlp", "model.layers.0"], "positions": "generated", "features": [1, 5, 9]},

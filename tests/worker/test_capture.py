@@ -6,7 +6,9 @@ from __future__ import annotations
 import torch
 
 from shared.schemas import CapturePoint
-from worker.capture import BatchHooks, JobCapture, describe_modules
+from worker.capturable import describe_modules
+from worker.capture import JobCapture
+from worker.capture_hooks import BatchHooks
 
 
 class EditsInPlace(torch.nn.Module):

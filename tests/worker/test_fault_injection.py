@@ -163,11 +163,11 @@ def steady_clock(monkeypatch):
     failed in a run of its own): 4 and 10 tokens instead of 8 and 18 halve the test's time."""
     import itertools
 
-    import worker.capture
     import worker.engine_core
+    import worker.step_capture
 
     monkeypatch.setattr(worker.engine_core, "clock", itertools.count().__next__)
-    monkeypatch.setattr(worker.capture, "RING_STEPS", 4)  # so that the scenario fills the rings
+    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)  # so that the scenario fills the rings
 
 
 def run(served, requests, mode: FailAt | None) -> tuple[Answers, EngineCore, object]:

@@ -152,7 +152,7 @@ CAPTURED = frozenset(
 def values_at_step(model, step: DecodeStep, keys) -> dict:
     """Forward hooks that clone each key's value on a plain call of the model with the step's
     inputs (the reference for what the rings hold)."""
-    from worker.capture import first_input, first_tensor
+    from worker.module_rows import first_input, first_tensor
 
     seen: dict = {}
     handles = []
