@@ -6,7 +6,7 @@ written to the file (`write_directions`): the unit vector in activation space (c
 normalized; toward the positive class, the second in sorted order), named `<point>:<pooling>`,
 and `<point>` for the point's best pooling, with the `norm` and `bias` that give the probe's
 score on a raw pooled activation x: `norm * (unit . x) + bias` (the pipeline's
-decision_function). `actq run-file`/`gsm8k --steer` read it (shared/cli/steer.py).
+decision_function). `actq run-file`/`gsm8k --steer` read it (shared/cli/steer_options.py).
 """
 
 from __future__ import annotations

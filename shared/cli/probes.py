@@ -15,7 +15,7 @@ whether the model had a tool? The report goes to RESULTS/versus-<OTHER's name>/.
 
 For a label of two classes, each trained probe's direction in activation space is written to
 `probe-directions.safetensors` (shared/cli/probe_directions.py), which `actq run-file`/`gsm8k
---steer` read (shared/cli/steer.py).
+--steer` read (shared/cli/steer_options.py).
 """
 
 from __future__ import annotations
