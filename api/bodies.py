@@ -5,8 +5,8 @@ ACTQ_MAX_REQUEST_BYTES that held the loop, and every other request of the proces
 (4 MiB of small messages, stop strings or token ids). The routes that take large bodies (jobs,
 batches, the OpenAI routes) declare theirs as `Annotated[Model, parsed(Model)]` instead: a body up to
 INLINE_BYTES is validated on the loop as before (a millisecond or two, no thread hop); a larger
-one is parsed and validated on one of the content-check threads, in the caller's turn
-(api/content_checks.py), so one key's large bodies wait for each other, not for anyone else's.
+one is parsed and validated on one of the check-pool threads, in the caller's turn
+(api/check_pool.py), so one key's large bodies wait for each other, not for anyone else's.
 Every list a body may hold has a bound its model states, checked as it is validated, so what a
 large body costs is its parse (C, holding the GIL: the threads cannot hide it, the body limit
 bounds it) plus validation bounded by the counts. Errors are FastAPI's own: a
@@ -64,7 +64,7 @@ async def is_large(request: Request) -> bool:
 
 
 async def in_turn(request: Request, services: Services, caller: str | None, fn: Callable[..., T], *args: object) -> T:
-    """`fn(*args)` on a content-check thread in `caller`'s turn when the body is large, else here."""
+    """`fn(*args)` on a check-pool thread in `caller`'s turn when the body is large, else here."""
     if await is_large(request):
         return await services.checks.run(caller, fn, *args)
     return fn(*args)

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from celery import Celery
 from fastapi import Depends, Request
 
-from api.content_checks import ContentChecks
+from api.check_pool import CheckPool
 from api.waiters import JobWaiters
 from shared.broker import make_celery
 from shared.errors import Forbidden, Unauthorized
@@ -34,7 +34,7 @@ class Services:
     registry: ModelRegistry
     celery: Celery
     store: ArtifactStore
-    checks: ContentChecks  # schema and grammar checks, on threads, fairly per key
+    checks: CheckPool  # schema and grammar checks, on threads, fairly per key
 
 
 def build_services(settings: Settings) -> Services:
@@ -67,7 +67,7 @@ def build_services(settings: Settings) -> Services:
         registry=ModelRegistry(client, settings.heartbeat_ttl, cache_seconds=1.0, aclient=aclient),
         celery=celery,
         store=open_store(settings),
-        checks=ContentChecks(settings.content_checks_per_key, settings.content_check_threads),
+        checks=CheckPool(settings.content_checks_per_key, settings.content_check_threads),
     )
 
 

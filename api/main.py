@@ -19,7 +19,7 @@ GIL_TURN_SECONDS = 0.001
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     # The event loop waits for the GIL at every wake-up while a content check runs on a thread
-    # (api/content_checks.py): CPython's default 5 ms turn made each wake-up of a /health request
+    # (api/check_pool.py): CPython's default 5 ms turn made each wake-up of a /health request
     # wait up to 5 ms, several times; 1 ms turns cut /health's p99 under such load by about half.
     sys.setswitchinterval(GIL_TURN_SECONDS)
     open_docs = settings.public_docs or not settings.api_key_list

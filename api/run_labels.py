@@ -16,7 +16,7 @@ import re
 from fastapi import Request
 from pydantic import ValidationError
 
-from api.openai_errors import OpenAIError, from_validation
+from api.openai.errors import OpenAIError, from_validation
 from shared.listing import RUN_KEY
 from shared.schemas import JobRequest
 

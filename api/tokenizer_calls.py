@@ -54,7 +54,7 @@ async def tokenizer_call(
     wait: float = WAIT_SECONDS,
 ) -> tuple[dict[str, Any], bool]:
     """Push the call for the model's workers and wait for the reply: its result, and whether the
-    reply was large (parsed off the event loop, in `caller`'s turn: api/content_checks.py); or its
+    reply was large (parsed off the event loop, in `caller`'s turn: api/check_pool.py); or its
     error raised."""
     name = await _served(services, model)
     deadline = time.monotonic() + wait

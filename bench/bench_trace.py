@@ -17,7 +17,7 @@ at ACTQ_MAX_BATCH 1 and 16, against a plain Hugging Face forward pass over the s
    `reduce: "none"` and `"mean"` at ACTQ_MAX_BATCH=`--batch`: stored file size (manifest `bytes`),
    per-job time (the job records' started_at..finished_at), the arm's wall time, and a check that
    each mean file's tensors equal the mean over rows of the matching none file's.
-3. The API's submit-time capture estimate (`shared.capture_spec.estimate`, as api/submit.py plans
+3. The API's submit-time capture estimate (`shared.capture_spec.estimate`, as api/submit_checks.py plans
    a job) against the captured tensors' stored bytes (token_ids excluded), per arm.
 
 Needs ../shared/data/gsm8k/test.jsonl (beside the repository); exits cleanly when it is absent.
@@ -197,7 +197,7 @@ def captured_bytes(job: Any) -> int:
 
 
 def estimates(requests: list[dict], info: Any) -> list[int]:
-    """The capture bytes api/submit.py `plan` estimates for each request."""
+    """The capture bytes api/submit_checks.py `plan` estimates for each request."""
     from shared import capture_spec
     from shared.schemas import JobRequest
 

@@ -10,8 +10,9 @@ from fastapi.responses import StreamingResponse
 
 from api.bodies import body_schema, is_large, parsed
 from api.deps import CallerDep, SeesAllDep, Services, ServicesDep, get_caller
+from api.enqueue import off_loop, submit, submit_batch, submit_now
 from api.presenters import view
-from api.submit import has_references, heavy, off_loop, submit, submit_batch, submit_now
+from api.submit_checks import has_references, heavy
 from api.visibility import load, load_async
 from shared.errors import BadRequest, Conflict, JobCancelled, JobNotFound, NotReady
 from shared.listing import CURSOR_HEADER, METADATA, UNREADABLE_HEADER, JobFilters, as_utc, decode_cursor, parse_tags

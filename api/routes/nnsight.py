@@ -32,9 +32,9 @@ from starlette.datastructures import UploadFile
 from api import nnsight_checks as checks
 from api import nnsight_identity
 from api.deps import CallerDep, Services, ServicesDep, key_id, one_of
+from api.enqueue import queued_record
 from api.errors import actq_error
 from api.limits import QuotaExceeded
-from api.submit import queued_record
 from api.visibility import load_async
 from shared import keys, nnsight_payload
 from shared.errors import ActqError, BadRequest, JobNotFound, NotReady, PayloadTooLarge, Unauthorized

@@ -1,21 +1,20 @@
 """OpenAI-compatible endpoints: `POST /v1/chat/completions`, `POST /v1/completions` and `GET /v1/models`.
 
-A chat completion request becomes an ordinary actq job (the same `JobRequest`, the same
-`api.submit.submit`: validation, capture budget, idempotency and enqueueing are shared with
-`POST /jobs`); the route then waits for the job (async, on its Redis pub/sub channel) and answers
-in OpenAI's ChatCompletion shape, with an extra `actq` field: the job id and the activations
-manifest exactly as `GET /jobs/{id}` renders it.
+A chat completion request becomes an ordinary actq job (the same `JobRequest`, the same checks and
+enqueue as `POST /jobs`: api/submit_checks.py, api/enqueue.py); the route then waits for the job
+(async, on its Redis pub/sub channel) and answers in OpenAI's ChatCompletion shape, with an extra
+`actq` field: the job id and the activations manifest exactly as `GET /jobs/{id}` renders it.
 
-A (legacy) completion request goes the same way (`_finished`) as jobs with a raw `prompt`: the
-text is tokenized as it is (the tokenizer's own BOS included), with no chat template, which is
-what base models and probing on exact text need; a prompt of token ids is fed as given (nothing
-added; ids past the vocabulary are a 400). The answer is OpenAI's Completion (`id` "cmpl-" + the
-first job's id, `object: "text_completion"`), with the same `actq` field. `prompt` is a string, a
-list of strings, a list of token ids or a list of such lists. Refused as for chat: penalties,
-logit bias; and the completion's own `suffix` and `best_of` > 1. `echo: true` answers the prompt
-before the text: with `max_tokens: 0` the prompt is only scored (a trace job, one forward pass);
-with generation, `logprobs` covers the prompt's tokens then the generated ones, from the same
-prefill (the job's `prompt_logprobs`). `max_tokens: 0` without `echo` is a 400.
+A (legacy) completion request goes the same way, as jobs with a raw `prompt`: the text is tokenized
+as it is (the tokenizer's own BOS included), with no chat template, which is what base models and
+probing on exact text need; a prompt of token ids is fed as given (nothing added; ids past the
+vocabulary are a 400). The answer is OpenAI's Completion (`id` "cmpl-" + the first job's id,
+`object: "text_completion"`), with the same `actq` field. `prompt` is a string, a list of strings, a
+list of token ids or a list of such lists. Refused as for chat: penalties, logit bias; and the
+completion's own `suffix` and `best_of` > 1. `echo: true` answers the prompt before the text: with
+`max_tokens: 0` the prompt is only scored (a trace job, one forward pass); with generation,
+`logprobs` covers the prompt's tokens then the generated ones, from the same prefill (the job's
+`prompt_logprobs`). `max_tokens: 0` without `echo` is a 400.
 
 Several prompts and `n` choices: every prompt and each of its `n` choices is its own job (its own
 id, capture, record and activations file), all validated before any is queued and queued in one
@@ -33,7 +32,7 @@ temperature and top_p. More entries than the worker holds inline (ACTQ_LOGPROBS_
 answer a 400 `logprobs_too_long` naming the job, whose activations file has them.
 
 `stream: true` answers server-sent events in OpenAI's chunk format as the jobs generate, choices
-interleaved by `index`, `actq` in the last chunk: api/openai_stream.py, which takes the request at
+interleaved by `index`, `actq` in the last chunk: api/openai/stream.py, which takes the request at
 the start of each handler.
 
 What is served and what is refused, field by field, is docs/feature-matrix.md; a field that is
@@ -48,19 +47,18 @@ at most 3600; past it the answer is a 504 naming the job, which keeps running: p
 `GET /jobs/{id}`). An `Idempotency-Key` header works as for `POST /jobs`: resending a timed-out
 request with the same key waits for the same job instead of queueing another.
 
-Errors under /v1 use OpenAI's error shape (api/openai_errors.py says how); responses about a job
+Errors under /v1 use OpenAI's error shape (api/openai/errors.py says how); responses about a job
 that ran (failed, cancelled, still running) carry `x-should-retry: false`, so that OpenAI's
 clients do not resubmit it on their own: a retry would queue a new job. So does any error met while
 waiting for a queued job (`wait_failed`, naming the job). The wait takes one of the process's
 long-poll places (ACTQ_MAX_LONG_POLLS); when none is free the answer is a 429 with `Retry-After`
-before anything is queued, which the client's own retry handles. Both completion endpoints share
-this flow (`_finished`), so they cannot drift apart on it.
+before anything is queued, which the client's own retry handles. Both completion endpoints, answered
+or streamed, share this flow (api/openai/submit.py), so they cannot drift apart on it.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -73,11 +71,10 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 
 from api.bodies import body_schema, in_turn, is_large, parsed
-from api.context_check import refuse_overflow
 from api.deps import CallerDep, Services, ServicesDep, get_caller
 from api.errors import redis_trouble
-from api.openai_errors import JOB_ID_HEADER, OpenAIError, after_queued, from_actq, from_validation, unfinished
-from api.openai_protocol import (
+from api.openai.errors import JOB_ID_HEADER, OpenAIError, from_actq, from_validation
+from api.openai.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
     Completion,
@@ -85,14 +82,13 @@ from api.openai_protocol import (
     ModelCard,
     ModelList,
 )
-from api.openai_requests import completion_job_requests, to_job_requests
-from api.openai_responses import Shown, completion, text_completion, whole_result
-from api.openai_stream import stream_chat, stream_completion
-from api.openai_submit import submit_choices
+from api.openai.requests import completion_job_requests, to_job_requests
+from api.openai.responses import Shown, completion, text_completion
+from api.openai.stream import stream_chat, stream_completion
+from api.openai.submit import finished
 from api.run_labels import labelled
-from api.submit import heavy, off_loop
 from shared.errors import ActqError
-from shared.schemas import JobRecord, JobRequest, JobStatus
+from shared.schemas import JobRecord
 
 
 class OpenAIRoute(APIRoute):
@@ -136,42 +132,6 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 IdempotencyKey = Annotated[str | None, Header(min_length=1, max_length=256)]
 
 
-async def _finished(
-    services: Services,
-    job_requests: list[JobRequest],
-    wait_seconds: float,
-    idempotency_key: str | None,
-    caller: str | None,
-    large: bool,
-) -> list[JobRecord]:
-    """Submit the jobs (one per choice) and wait for them; their records once all have succeeded,
-    else the error to answer (the first job in choice order that did not). The long-poll place is
-    taken before submitting: at capacity the 429 comes before anything is queued, so the client's
-    own retry cannot make a second job. `large`: the body was (api/bodies.py)."""
-    async with services.waiters.slot(caller):
-        await refuse_overflow(services, caller, job_requests)
-        checks = heavy(job_requests, large)
-        submitted = await off_loop(
-            services, caller, checks, submit_choices, services, job_requests, idempotency_key, caller
-        )
-        records = [record for record, _ in submitted]
-        deadline = time.monotonic() + wait_seconds
-        for index, record in enumerate(records):
-            if record.status.terminal:
-                continue
-            try:
-                left = max(deadline - time.monotonic(), 0.001)
-                records[index] = await services.waiters.wait(record.id, left) or record
-            except Exception as exc:  # whatever it is, the job is queued: say so, and no retry
-                log.warning("waiting for job %s failed: %r", record.id, exc)
-                raise after_queued(record.id, exc) from exc
-    for record in records:
-        if record.status is not JobStatus.succeeded:
-            raise unfinished(record, wait_seconds, idempotency_key)
-    # a result stored apart: its logprobs, its whole text
-    return [await whole_result(services.jobs, record) for record in records]
-
-
 async def _answer(records: list[JobRecord], build: Callable[[], BaseModel]) -> Response:
     """The answer, built and serialised on a thread: a reply with every prompt token's
     log-probabilities runs to megabytes, and building it on the event loop held every other
@@ -206,8 +166,14 @@ async def chat_completions(
     if body.stream or body.stream_options is not None:
         return await stream_chat(services, body, request, caller, idempotency_key)
     job_requests = labelled(request, await in_turn(request, services, caller, to_job_requests, body))
-    large = await is_large(request)
-    records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
+    records = await finished(
+        services,
+        job_requests,
+        large=await is_large(request),
+        wait_seconds=body.actq_wait_seconds,
+        idempotency_key=idempotency_key,
+        caller=caller,
+    )
     return await _answer(records, lambda: completion(records, request, Shown.of(body)))
 
 
@@ -226,8 +192,14 @@ async def completions(
     if body.stream or body.stream_options is not None:
         return await stream_completion(services, body, request, caller, idempotency_key)
     job_requests = labelled(request, await in_turn(request, services, caller, completion_job_requests, body))
-    large = await is_large(request)
-    records = await _finished(services, job_requests, body.actq_wait_seconds, idempotency_key, caller, large)
+    records = await finished(
+        services,
+        job_requests,
+        large=await is_large(request),
+        wait_seconds=body.actq_wait_seconds,
+        idempotency_key=idempotency_key,
+        caller=caller,
+    )
     return await _answer(records, lambda: text_completion(records, request, Shown.of(body)))
 
 

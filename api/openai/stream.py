@@ -3,7 +3,7 @@ server-sent events in OpenAI's chunk format, as the worker generates it.
 
 The request becomes the same jobs as without `stream` (one per choice: prompts x `n`, with
 `stream: true` on each, so the worker publishes its text as it grows: worker/progress.py,
-`keys.job_text`), submitted the same way (api/openai_submit.py) and holding one of the process's
+`keys.job_text`), submitted the same way (api/openai/submit.py) and holding one of the process's
 long-poll places for as long as the stream is open. Before the first byte, a bad request, an
 unknown model or a full queue is an ordinary 4xx JSON answer in OpenAI's error shape; after it, an
 error is an event `{"error": {...}}` in the same shape (the openai SDK raises APIError on it), then
@@ -48,19 +48,16 @@ from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from api.bodies import in_turn, is_large
-from api.context_check import refuse_overflow
-from api.default_capture import with_default_capture
 from api.deps import Services
 from api.errors import redis_trouble
 from api.job_text import JobTexts, TextFeed
-from api.openai_errors import JOB_ID_HEADER, OpenAIError, after_queued, unfinished
-from api.openai_protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
-from api.openai_requests import completion_job_requests, to_job_requests
-from api.openai_responses import Shown, completion, text_completion, whole_result
-from api.openai_submit import submit_choices
+from api.openai.errors import JOB_ID_HEADER, OpenAIError
+from api.openai.protocol import ChatCompletion, ChatCompletionRequest, Completion, CompletionRequest
+from api.openai.requests import completion_job_requests, to_job_requests
+from api.openai.responses import Shown, completion, text_completion
+from api.openai.submit import Queued, result, submit_and_wait
 from api.run_labels import labelled
-from api.submit import heavy, off_loop
-from shared.schemas import JobRecord, JobRequest, JobStatus
+from shared.schemas import JobRecord, JobRequest
 
 log = logging.getLogger("actq.api")
 KEEPALIVE_SECONDS = 15.0  # a comment line when nothing else was sent for this long (proxies drop idle streams)
@@ -180,12 +177,11 @@ class _Format:
 
 @dataclass(eq=False)
 class _Choice:
-    """One choice of the stream: its job, the live text feed (None: not live, or no longer), the
-    wait for the job's end, and the text sent so far."""
+    """One choice of the stream: its job (with the wait for its end), the live text feed (None:
+    not live, or no longer), and the text sent so far."""
 
     index: int
-    job_id: str
-    done: asyncio.Future[JobRecord | None]
+    job: Queued
     feed: TextFeed | None = None
     not_live: str | None = None
     text: str = ""  # the live text read so far (pieces must follow on from it)
@@ -195,6 +191,14 @@ class _Choice:
     @property
     def live(self) -> bool:
         return self.not_live is None
+
+    @property
+    def job_id(self) -> str:
+        return self.job.job_id
+
+    @property
+    def done(self) -> asyncio.Future[JobRecord | None]:
+        return self.job.done
 
 
 def _error(exc: OpenAIError) -> str:
@@ -241,32 +245,35 @@ async def _open(
     key: str | None,
     body: ChatCompletionRequest | CompletionRequest,
 ) -> StreamingResponse:
-    """Take a long-poll place (the 429 comes before anything is queued), submit the jobs, and
-    answer the stream of their events."""
-    job_requests = [with_default_capture(services.settings, r, caller) for r in job_requests]
+    """Submit the jobs as the answered routes do (api/openai/submit.py: the long-poll place first,
+    held for as long as the stream is open), open the live ones' text feeds, and answer the stream
+    of their events."""
     if any(r.parses_tool_calls for r in job_requests):
         fmt.not_live = "a reply that may call tools comes whole: its calls are read from the finished text"
     job_requests = [r.model_copy(update={"stream": fmt.not_live is None}) for r in job_requests]
     held = AsyncExitStack()
     try:
-        await held.enter_async_context(services.waiters.slot(caller))
-        await refuse_overflow(services, caller, job_requests)
-        checks = heavy(job_requests, await is_large(request))
-        submitted = await off_loop(services, caller, checks, submit_choices, services, job_requests, key, caller)
-        first = submitted[0][0]
+        queued = await submit_and_wait(
+            services,
+            held,
+            job_requests,
+            large=await is_large(request),
+            wait_seconds=body.actq_wait_seconds,
+            idempotency_key=key,
+            caller=caller,
+        )
+        first = queued[0].record
         fmt.id, fmt.created, fmt.model = first.id, int(first.created_at.timestamp()), first.model
         choices = []
-        for index, (record, created) in enumerate(submitted):
-            done = asyncio.ensure_future(services.waiters.wait(record.id, body.actq_wait_seconds))
-            held.callback(done.cancel)
-            choice = _Choice(index, record.id, done, not_live=fmt.not_live)
-            if not created and record.status.terminal:
+        for index, job in enumerate(queued):
+            choice = _Choice(index, job, not_live=fmt.not_live)
+            if not job.created and job.record.status.terminal:
                 choice.not_live = "the job had already finished (an Idempotency-Key replay)"
-            elif not created and not record.request.stream:
+            elif not job.created and not job.record.request.stream:
                 choice.not_live = "the job (an Idempotency-Key replay) was submitted without stream"
             if choice.live:
                 texts = _texts(request, services)
-                choice.feed = texts.open(record.id)
+                choice.feed = texts.open(job.job_id)
                 held.callback(texts.close, choice.feed)
             choices.append(choice)
     except BaseException:
@@ -319,7 +326,7 @@ async def _events(
                         yield fmt.piece(choice.index, piece)
                     continue
                 open_.remove(choice)
-                choice.record = await _result(services, choice, waited, key)
+                choice.record = await result(services, choice.job, waited, key)
                 whole = None
                 if not open_:  # the last choice: the whole answer's usage and `actq` come with it
                     whole = render([c.record for c in choices if c.record is not None], request)
@@ -360,22 +367,6 @@ def _grown(choice: _Choice) -> str:
     piece = text[len(choice.sent) :] if text.startswith(choice.sent) else ""
     choice.sent = text if piece else choice.sent
     return piece
-
-
-async def _result(services: Services, choice: _Choice, waited: float, key: str | None) -> JobRecord:
-    """A finished choice's record with its whole result, or the error that ends the stream."""
-    try:
-        record = choice.done.result()
-    except Exception as exc:  # whatever it is, the job is queued: say so, and no retry
-        log.warning("waiting for job %s failed: %r", choice.job_id, exc)
-        raise after_queued(choice.job_id, exc) from exc
-    if record is None:
-        raise OpenAIError(
-            500, f"job {choice.job_id} is no longer stored", "job_not_found", job_id=choice.job_id, retry=False
-        )
-    if record.status is not JobStatus.succeeded:
-        raise unfinished(record, waited, key)
-    return await whole_result(services.jobs, record)
 
 
 async def _ending(

@@ -1,5 +1,5 @@
 """What a request carries is checked off the event loop, fairly between keys and within a budget:
-api/content_checks.py, api/bodies.py and the schema checks of api/submit.py, through the real app
+api/check_pool.py, api/bodies.py and the schema checks of api/submit_checks.py, through the real app
 over a real Redis."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from collections.abc import Callable
 import pytest
 from fastapi.testclient import TestClient
 
-from api.content_checks import ContentChecks
+from api.check_pool import CheckPool
 from api.main import create_app
 from shared.registry import ModelRegistry
 from shared.settings import Settings
@@ -41,7 +41,7 @@ def test_one_key_waits_for_its_own_checks_and_never_for_another_keys():
         return name
 
     async def scenario() -> list[str]:
-        checks = ContentChecks(per_key=1, threads=4)
+        checks = CheckPool(per_key=1, threads=4)
         tasks = [asyncio.create_task(checks.run(key, hold, name)) for key, name in (("A", "a1"), ("A", "a2"))]
         tasks.append(asyncio.create_task(checks.run("B", hold, "b1")))
         while not (started["a1"].is_set() and started["b1"].is_set()):
@@ -71,7 +71,7 @@ def app(settings: Settings, redis_client):
 
 
 def test_a_large_body_is_parsed_off_the_event_loop_in_its_keys_turn(app, redis_client):
-    """A body over 64 KiB is validated on a content-check thread: while its key's one place is
+    """A body over 64 KiB is validated on a check-pool thread: while its key's one place is
     held it waits there, and /health (the same event loop) answers meanwhile."""
     release = threading.Event()
     big = {**CHAT, "messages": [{"role": "user", "content": "hi " * 40_000}], "max_tokens": 2}  # too long: 422

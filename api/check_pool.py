@@ -1,7 +1,7 @@
-"""The checks of a request that scale with what it carries (its JSON Schemas' size, depth and
-metaschema, the grammars the constrained decoder would compile: api/submit.py), run on threads
-of their own instead of the event loop, so that one heavy request never holds `/health` or
-anyone's long poll.
+"""The check pool: the threads that run a request's checks that scale with what it carries (a
+large body's parse, its JSON Schemas' size, depth and metaschema, the grammars the constrained
+decoder would compile: api/bodies.py, api/submit_checks.py) instead of the event loop, so that
+one heavy request never holds `/health` or anyone's long poll.
 
 Threads are shared fairly: at most ACTQ_CONTENT_CHECKS_PER_KEY submissions of one API key (all
 callers together when keys are off) are checked at once, their next ones wait on the event loop
@@ -23,7 +23,7 @@ from anyio import CapacityLimiter
 T = TypeVar("T")
 
 
-class ContentChecks:
+class CheckPool:
     """Per-process: one limiter for the threads, one semaphore per key with checks in flight."""
 
     def __init__(self, per_key: int, threads: int) -> None:

@@ -1,6 +1,6 @@
 """OpenAI's chat completion and (legacy) completion request and response shapes, as actq takes and
 answers them (vLLM's `protocol.py`). A request's fields that actq cannot honour are typed loosely
-here and refused with a 400 naming the field by api/openai_requests.py; the responses carry an
+here and refused with a 400 naming the field by api/openai/requests.py; the responses carry an
 extra `actq` field: the job id and the activations manifest exactly as `GET /jobs/{id}` renders it.
 """
 
@@ -68,7 +68,7 @@ class GenerationRequest(BaseModel):
     actq_wait_seconds: Annotated[float, Field(gt=0, le=WAIT_MAX_SECONDS)] = WAIT_DEFAULT_SECONDS
     # Accepted only with a value actq honours (see UNSUPPORTED)
     n: int | None = None
-    stream: StrictBool | None = None  # server-sent events: api/openai_stream.py
+    stream: StrictBool | None = None  # server-sent events: api/openai/stream.py
     stream_options: Any = None  # checked there (include_usage)
     # vLLM's: logprob entries name tokens as "token_id:<id>" (a piece of a character stays identifiable)
     return_tokens_as_token_ids: StrictBool | None = None
@@ -83,7 +83,7 @@ class GenerationRequest(BaseModel):
     min_tokens: int | None = None
     repetition_penalty: float | None = None
     # vLLM's constrained output: `structured_outputs` (one of json, json_object, regex, choice,
-    # grammar: shared/structured_outputs.py), or one of its deprecated names below (api/openai_requests.py)
+    # grammar: shared/structured_outputs.py), or one of its deprecated names below (api/openai/requests.py)
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
@@ -133,7 +133,7 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: StrictBool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     # vLLM's chat `echo`: the reply's content begins with the last message's, when that message
-    # has the reply's role (api/openai_requests.py, `echoed`)
+    # has the reply's role (api/openai/requests.py, `echoed`)
     echo: StrictBool | None = None
 
 

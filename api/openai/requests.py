@@ -10,7 +10,7 @@ score its prompt too (`prompt_logprobs`). A legacy completion with `echo: true` 
 
 vLLM's extras: `structured_outputs` (and its deprecated names `guided_json`, `guided_regex`,
 `guided_choice`, `guided_grammar`) becomes the job's `structured_outputs`; chat `echo` puts the
-last message's content before the reply's (`echoed`, shown by api/openai_responses.py).
+last message's content before the reply's (`echoed`, shown by api/openai/responses.py).
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ValidationError
 
-from api.openai_errors import OpenAIError, from_validation, unsupported
-from api.openai_protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, Message
+from api.openai.errors import OpenAIError, from_validation, unsupported
+from api.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, Message
 from shared.schemas import (
     MAX_TOP_LOGPROBS,
     JobRequest,
@@ -150,7 +150,7 @@ def _chat_logprobs(body: ChatCompletionRequest) -> dict[str, Any]:
 def _with_prompt(body: GenerationRequest, fields: dict[str, Any]) -> dict[str, Any]:
     """The job's log-probability fields with vLLM's `prompt_logprobs` (k: each prompt token's, and
     its k likeliest alternatives) added: the job scores its prompt in the same prefill and holds the
-    larger count of alternatives (the answer shows each part its own count: api/openai_responses.py)."""
+    larger count of alternatives (the answer shows each part its own count: api/openai/responses.py)."""
     k = body.prompt_logprobs
     if k is None:
         return fields

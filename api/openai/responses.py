@@ -12,8 +12,8 @@ from typing import TYPE_CHECKING
 from anyio import to_thread
 from fastapi import Request
 
-from api.openai_errors import OpenAIError
-from api.openai_protocol import (
+from api.openai.errors import OpenAIError
+from api.openai.protocol import (
     ActqExtra,
     AssistantMessage,
     ChatCompletion,
@@ -30,7 +30,7 @@ from api.openai_protocol import (
     PromptLogprobs,
     TextChoice,
 )
-from api.openai_requests import echoed
+from api.openai.requests import echoed
 from api.presenters import view
 from shared.schemas import (
     JobRecord,
@@ -54,7 +54,7 @@ class Shown:
     prompt: int | None = None  # vLLM's `prompt_logprobs`: each prompt token's, with this many alternatives
     echo: bool = False  # legacy `echo`: the text (and the logprobs) begin with the prompt
     as_ids: bool = False  # vLLM's `return_tokens_as_token_ids`
-    chat_echo: str = ""  # vLLM's chat `echo`: the text before each choice's content (api/openai_requests.py)
+    chat_echo: str = ""  # vLLM's chat `echo`: the text before each choice's content (api/openai/requests.py)
 
     @classmethod
     def of(cls, body: ChatCompletionRequest | CompletionRequest) -> Shown:
