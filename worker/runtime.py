@@ -18,7 +18,7 @@ import redis
 from shared.jobs import JobStore
 from shared.outages import REDIS, outage
 from shared.registry import ModelRegistry
-from shared.settings import Settings
+from shared.settings import Settings, torch_threads_for
 from shared.stats import record_holds, record_steps
 from shared.storage import ArtifactStore, open_store
 from worker.progress import ProgressWatch
@@ -73,6 +73,7 @@ def start(
         settings = _nnsight_engine_settings(settings)
     # Timeouts: a Redis that stops answering is an outage (JobStore waits it out), never a hang.
     client = redis.Redis.from_url(settings.redis_url, socket_timeout=10, socket_connect_timeout=10)
+    settings = _set_threads(settings)
     loaded = load(settings)
     served = ServedModel(
         loaded,
@@ -127,15 +128,31 @@ def start(
     if capture:
         TokenizerService(served, client, stop).start()  # POST /tokenize etc.; ends with `stop`
     log.info(
-        "serving %s (%s on %s, %s) as %s (%s engine)",
+        "serving %s (%s on %s, %s, %d torch threads) as %s (%s engine)",
         served.info.name,
         loaded.source,
         loaded.device,
         loaded.dtype,
+        settings.torch_threads,
         worker_id,
         role,
     )
     return _runtime
+
+
+def _set_threads(settings: Settings) -> Settings:
+    """torch's threads in this engine process, before any torch work: ACTQ_TORCH_THREADS (default:
+    room left for the API, Redis and Celery: shared/settings.py) and ACTQ_TORCH_INTEROP_THREADS.
+    Returns the settings with the thread count resolved (what `load` applies and logs show)."""
+    import torch
+
+    threads = torch_threads_for(settings)
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(settings.torch_interop_threads)
+    except RuntimeError as exc:  # set once per process, before any inter-op work: a second start keeps the first
+        log.debug("torch's inter-op threads stay %d: %s", torch.get_num_interop_threads(), exc)
+    return settings.model_copy(update={"torch_threads": threads})
 
 
 def _nnsight_engine_settings(settings: Settings) -> Settings:
