@@ -82,7 +82,9 @@ def step_times(
     model, tokenizer, grammars, constrained: bool, batch: int, steps: int, device: str = "cpu"
 ) -> list[float]:
     """One run: the batch's prefill, then the time of each step while all rows still run."""
-    from worker.decoding import Decoder, Sampler, Sequence
+    from worker.decoding import Decoder
+    from worker.sampling import Sampler
+    from worker.sequence import Sequence
 
     greedy = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     seqs = []

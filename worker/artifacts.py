@@ -15,8 +15,8 @@ from shared.errors import StorageError
 from shared.schemas import ActivationsManifest, CaptureSpec, TensorInfo
 from shared.storage import ArtifactStore, activations_key, manifest_key
 from shared.storage.tensors import write_file
-from worker.decoding import TokenScores
 from worker.results import Generation
+from worker.sequence import TokenScores
 
 FORMAT = "actq/1"
 log = logging.getLogger(__name__)

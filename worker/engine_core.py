@@ -32,9 +32,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared.errors import JobFailure
-from worker.decoding import Decoder, Feeding, Sequence
 from worker.failures import answer_of, is_oom
+from worker.running_batch import RunningBatch
 from worker.scheduler import TRACE_PADDING, Entry, Feed, Scheduler
+from worker.sequence import Feeding, Sequence
 
 if TYPE_CHECKING:
     from worker.served_model import ServedModel
@@ -226,7 +227,7 @@ class EngineCore:
         except BaseException as exc:  # noqa: BLE001 - nothing may end this thread silently
             self.on_death(exc)
 
-    def tick(self, decoder: Decoder) -> None:
+    def tick(self, decoder: RunningBatch) -> None:
         """One turn of the loop: jobs taken in (waiting up to half a second for one when nothing
         runs), the prefill work the scheduler picks while the running batch is not owed time,
         then one decoding step."""
@@ -260,14 +261,14 @@ class EngineCore:
         self.stats.cache = decoder.cache_size()
         scheduler.decoded(clock() - began)
 
-    def _busy(self, decoder: Decoder) -> bool:
+    def _busy(self, decoder: RunningBatch) -> bool:
         """Other jobs are running or waiting for their first pass: an exclusive run pauses them."""
         return bool(decoder.rows or self.scheduler.waiting or self.scheduler.feeding)
 
     def _served(self, seconds: float) -> None:
         self.alone_owed = max(0.0, self.alone_owed - seconds)
 
-    def _run_alone(self, decoder: Decoder) -> None:
+    def _run_alone(self, decoder: RunningBatch) -> None:
         """The next `Alone` in turn, unless the running batch is still owed time for the last one:
         its own failure is its answer, never the engine's."""
         busy = self._busy(decoder)
@@ -331,7 +332,7 @@ class EngineCore:
 
     # -- running the scheduler's picks ---------------------------------------------------------
 
-    def _feed(self, decoder: Decoder, entry: Entry) -> None:
+    def _feed(self, decoder: RunningBatch, entry: Entry) -> None:
         """One chunk of a long text; its job is answered when the text is all fed and it ended
         (a trace, or a generation whose first token ended it) or failed; a generation that goes
         on has joined the running batch."""
@@ -357,7 +358,7 @@ class EngineCore:
         if item.seq.ended is not None:
             self._done(entry, item.seq)
 
-    def _admit_group(self, decoder: Decoder, group: list[Entry]) -> None:
+    def _admit_group(self, decoder: RunningBatch, group: list[Entry]) -> None:
         """Prefill `group` in one pass and let its jobs join the running batch; if the pass
         fails, each job runs alone, so that only a job that fails alone fails."""
         try:
@@ -379,7 +380,7 @@ class EngineCore:
             if entry.seq.ended is not None:
                 self._done(entry, entry.seq)
 
-    def _trace_pass(self, decoder: Decoder, group: list[Entry]) -> None:
+    def _trace_pass(self, decoder: RunningBatch, group: list[Entry]) -> None:
         """One forward pass over `group`; out of memory, it runs in halves, down to one job, which
         then fails alone. Any other failure fails the jobs of this pass, and only them."""
         seqs = [entry.seq for entry in group]
@@ -413,7 +414,7 @@ class EngineCore:
         for entry in group:
             self._done(entry, entry.seq)
 
-    def _step(self, decoder: Decoder) -> None:
+    def _step(self, decoder: RunningBatch) -> None:
         """One decoding step. Rows that end leave with their results (the decoder never loses
         one); a step that fails as a whole fails the rows still running, and the engine goes on."""
         live = [entry for seq in decoder.rows if (entry := self.scheduler.entry_of(seq)) is not None]

@@ -18,9 +18,9 @@ from shared.errors import ContextLengthExceeded, InterventionError, JobFailure, 
 from shared.interventions import EditPoint
 from shared.schemas import CapturePoint, CaptureSpec, JobRequest
 from worker.capture import JobCapture
-from worker.decoding import Sampler, Sequence, TokenScores, Watch
 from worker.edits import JobEdits, build
-from worker.sampling import RowSampling
+from worker.sampling import RowSampling, Sampler
+from worker.sequence import Sequence, TokenScores, Watch
 
 if TYPE_CHECKING:
     from worker.served_model import ServedModel

@@ -23,7 +23,7 @@ import torch
 from shared.interventions import EditReport
 from shared.schemas import CapturePoint, JobRequest
 from shared.tools import ToolFormat
-from worker.decoding import Sequence, TokenScores
+from worker.sequence import Sequence, TokenScores
 from worker.stop_strings import checked_from, stop_cut
 from worker.tool_calls import Parsed, parse_tool_calls
 

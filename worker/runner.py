@@ -37,8 +37,8 @@ from worker.text_stream import TextStream
 from worker.tool_calls import call_id
 
 if TYPE_CHECKING:
-    from worker.decoding import Sequence, TokenScores, Watch
     from worker.results import Generation
+    from worker.sequence import Sequence, TokenScores, Watch
 
 log = get_task_logger(__name__)
 # One INFO line per job even when the worker runs at Celery's default WARNING (`celery worker`

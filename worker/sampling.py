@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -309,3 +310,38 @@ class _Rows:
         value = getattr(self._table, name)[self._part]
         setattr(self, name, value)
         return value
+
+
+class Sampler:
+    """The next token of one sequence from its logits: the model's own logits processors (as
+    `generate` builds them for these settings), then argmax or a draw from this sequence's own
+    generator."""
+
+    def __init__(self, model: Any, settings: dict, prompt_tokens: int, seed: int | None, device: str) -> None:
+        config, _ = model._prepare_generation_config(None, **settings)  # what generate would use
+        self.processors = model._get_logits_processor(
+            generation_config=config, input_ids_seq_length=prompt_tokens, device=device, model_kwargs={}
+        )
+        self.do_sample = bool(config.do_sample)
+        self.generator: torch.Generator | None = None
+        if self.do_sample:
+            self.generator = torch.Generator(device=device)
+            if seed is not None:
+                self.generator.manual_seed(seed)
+            else:
+                self.generator.seed()
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with no logits processor: the batch's one argmax picks this row's token."""
+        return not self.do_sample and not len(self.processors)
+
+    def pick(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """The next token as a 0-d tensor on the logits' device (no host synchronisation).
+        `ids` is the sequence's tokens so far `[1, n]` (a view: never rebuilt), `logits` `[1, V]`
+        float32."""
+        scores = self.processors(ids, logits) if len(self.processors) else logits
+        if self.do_sample:
+            probs = torch.nn.functional.softmax(scores, dim=-1)
+            return torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0]
+        return torch.argmax(scores, dim=-1)[0]

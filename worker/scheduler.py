@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from worker.decoding import Sequence
+    from worker.sequence import Sequence
 
 TRACE_PADDING = 0.1  # the most of a trace pass's positions that may be padding
 

@@ -24,7 +24,7 @@ from shared.schemas import CapturePoint, JobRequest, ModelInfo
 from worker import job_prep, results
 from worker.capturable import describe_modules
 from worker.constrained import Grammars
-from worker.decoding import Decoder, Sequence, Watch
+from worker.decoding import Decoder
 from worker.footprint import footprint
 from worker.gate import Gate
 from worker.kvcache import check_supported, new_cache
@@ -33,6 +33,8 @@ from worker.nnsight_jobs import installed_version
 from worker.presets import resolve_presets
 from worker.prompts import PromptEncoder
 from worker.results import Generation
+from worker.running_batch import RunningBatch
+from worker.sequence import Sequence, Watch
 from worker.slot_decoding import SlotDecoder
 from worker.slot_sizing import CacheLimits
 from worker.slots import unsupported
@@ -208,7 +210,7 @@ class ServedModel:
         working = working_bytes(self.info, padded_tokens, seq.max_tokens, every)
         return working + (seq.capture.nbytes if seq.capture is not None else 0)
 
-    def decoder(self, slots: int = 16) -> Decoder:
+    def decoder(self, slots: int = 16) -> RunningBatch:
         """The running batch of up to `slots` sequences (the scheduler's ACTQ_MAX_BATCH): in slots
         (worker/slot_decoding.py); for a model whose cache cannot live in slots (`slot_reason`),
         in one compacted timeline; for one whose cache cannot be batched at all (`solo_reason`),
@@ -261,7 +263,7 @@ class ServedModel:
                 if seq.trace:
                     decoder.trace([seq])
                 else:
-                    decoder.admit(seq)
+                    decoder.admit_many([seq])
                 while decoder.rows:
                     decoder.step()
             finally:

@@ -1,4 +1,5 @@
-"""The running batch in slots: `Decoder`'s prefills, trace passes and chunked prompts, with the
+"""The running batch in slots: every batch's prefills, trace passes and chunked prompts
+(worker/batch_passes.py), with the
 decoding steps of worker/model_runner.py over a persistent batch (worker/input_batch.py) and a
 KV cache in slots (worker/slots.py).
 
@@ -38,13 +39,14 @@ from typing import Any
 import torch
 
 from shared.errors import InternalError
+from worker.batch_passes import BatchPasses
 from worker.constrained import fill_bitmask
-from worker.decoding import Decoder, Sequence, score_rows
 from worker.failures import failure_of, is_oom, out_of_memory
 from worker.input_batch import InputBatch, Reading
 from worker.memory import release_device_memory
 from worker.model_runner import DecodeStep, allowed_tokens
 from worker.sampling import Features, RowSampling, SamplingTable, sample, token_counts
+from worker.sequence import Sequence, score_rows
 from worker.slot_sizing import CacheLimits, Shape, SlotSizing
 from worker.slots import SlotCache, position_bytes
 from worker.step_edits import EditPlan, fits
@@ -73,7 +75,7 @@ class Launched:
     tabled: bool = True
 
 
-class SlotDecoder(Decoder):
+class SlotDecoder(BatchPasses):
     """The running batch of up to `slots` sequences in slots (see the module). Not thread-safe:
     one thread drives it (the engine core)."""
 
@@ -118,7 +120,7 @@ class SlotDecoder(Decoder):
             self._take_slots([(seqs[i], i, pads[i]) for i in going], cache)
 
     def _join(self, joining: list[Sequence], cache: Any, ids, mask, pos, pads: list[int]) -> None:
-        """A chunked prompt, all fed (`Decoder.feed`): into a slot."""
+        """A chunked prompt, all fed (`BatchPasses.feed`): into a slot."""
         self._take_slots([(seq, i, pads[i]) for i, seq in enumerate(joining)], cache)
 
     def _take_slots(self, joining: list[tuple[Sequence, int, int]], prefilled: Any) -> None:

@@ -12,8 +12,8 @@ Nothing here reads or rewrites the cache, so whatever state it holds is the mode
 a job computes exactly what `generate` computes for it (tested against `generate` with forward
 hooks on each such architecture).
 
-Everything else is the batch decoder's: the next token from `Sampler` (the model's own logits
-processors, the job's seeded generator), under the job's grammar when it has one (`Decoder._choose`
+Everything else is every batch's (worker/batch_passes.py): the next token from `Sampler` (the model's own logits
+processors, the job's seeded generator), under the job's grammar when it has one (`BatchPasses._choose`
 masks its row, `Undo` rolls its matcher back: worker/constrained.py), the end of a sequence (EOS,
 max_tokens, stop strings, a complete grammar, the watch callback), log-probabilities and the
 capture hooks (`BatchHooks`, a batch of one).
@@ -27,17 +27,19 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared.errors import JobFailure
-from worker.decoding import Decoder, Feeding, Sequence, Undo, append_column
+from worker.batch_passes import BatchPasses
+from worker.columns import append_column
 from worker.failures import failure_of, is_oom, out_of_memory
+from worker.sequence import Feeding, Sequence, Undo
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-class SoloDecoder(Decoder):
+class SoloDecoder(BatchPasses):
     """The running "batch" of a model whose cache cannot be batched: at most one sequence, and the
     model kwargs `generate` would carry between its forward passes (`state`). Same interface as
-    `Decoder` for the scheduler: `admit_many` (one sequence), `step`, `trace`, `rows`,
+    every running batch (worker/running_batch.py): `admit_many` (one sequence), `step`, `trace`, `rows`,
     `most_rows` (1), `reset`, `close`, `hooks`. Not thread-safe: one thread drives it."""
 
     def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, pad_id: int) -> None:
@@ -45,7 +47,7 @@ class SoloDecoder(Decoder):
         self.chunk_tokens = None  # a prompt always runs in one pass, as `generate` runs it
         self.most_rows = 1  # the scheduler never takes a second job in beside the running one
         self.state: dict[str, Any] = {}  # the running sequence's model kwargs: its cache, positions, mask
-        self.pads = [0]  # `_row_ids(0)` is the whole of `ids`: no padding, ever
+        self.ids = torch.empty(0, 0, dtype=torch.long)  # the running sequence's tokens `[1, n]`: no padding, ever
         params = inspect.signature(model.forward).parameters
         self._takes_mask = "attention_mask" in params
         self._takes_positions = "position_ids" in params
@@ -54,7 +56,7 @@ class SoloDecoder(Decoder):
 
     def admit_many(self, seqs: list[Sequence]) -> None:
         """Run the prompt of the one sequence in `seqs` and pick its first token; it becomes the
-        running row unless that token ended it. All or nothing, as `Decoder.admit_many`: on
+        running row unless that token ended it. All or nothing, as `BatchPasses.admit_many`: on
         failure the sequence is as before the call (captures, scores, sampler state) and nothing
         runs. Refuses a second sequence, in the same call or beside a running one."""
         if len(seqs) != 1 or self.rows:
@@ -111,7 +113,7 @@ class SoloDecoder(Decoder):
     ) -> tuple[torch.Tensor, dict[str, Any]]:
         """One forward pass with the sequence's captures: its last position's logits `[1, V]`
         (float32) and the model kwargs for the next pass. The hooks' rows count once the pass
-        cannot fail any more (`flush` last), as in `Decoder._forward`."""
+        cannot fail any more (`flush` last), as in `BatchPasses._forward`."""
         self.hooks.use([seq.capture], None, decoding=decoding)
         if decoding:
             span, width = (seq.prompt_tokens + len(seq.generated) - 1, 1), 1
@@ -165,15 +167,18 @@ class SoloDecoder(Decoder):
             torch.cuda.empty_cache()
         return [seq]
 
+    def _row_ids(self, index: int) -> torch.Tensor:
+        return self.ids
+
     def reset(self) -> None:
         """Drop the running sequence and its model kwargs (its cache)."""
         super().reset()
-        self.state, self.pads = {}, [0]
+        self.state, self.ids = {}, self.ids[:0]
 
     # -- what this decoder does not do -----------------------------------------------------
 
     def trace(self, seqs: list[Sequence]) -> None:
-        """`Decoder.trace` (one forward pass, no cache), never beside a running generation: a
+        """`BatchPasses.trace` (one forward pass, no cache), never beside a running generation: a
         model that keeps its recurrent state in its own modules (RecurrentGemma) would have it
         wiped by the pass."""
         if self.rows:

@@ -28,8 +28,8 @@ from shared.storage import LocalStore, job_prefix, legacy_nnsight_result_key
 from tests.worker.test_batching import load_engine, prepare
 from worker import runner, runtime
 from worker.artifacts import write_activations
-from worker.decoding import Sequence
 from worker.nnsight_jobs import Outcome
+from worker.sequence import Sequence
 
 pytestmark = pytest.mark.model
 

@@ -279,18 +279,18 @@ def test_long_prompts_fed_in_chunks_beside_a_running_batch_each_get_their_solo_r
     per turn while the short job decodes, then join its batch; every job equals its solo run."""
     import threading
 
-    from worker.decoding import Decoder
+    from worker.batch_passes import BatchPasses
     from worker.engine_core import EngineCore
     from worker.scheduler import Entry
 
     fed: list[tuple[int, int]] = []  # (positions fed before the chunk, rows decoding beside it)
-    feed = Decoder.feed
+    feed = BatchPasses.feed
 
     def counting(self, item, most):
         fed.append((item.fed, len(self.rows)))
         return feed(self, item, most)
 
-    monkeypatch.setattr(Decoder, "feed", counting)
+    monkeypatch.setattr(BatchPasses, "feed", counting)
 
     jobs = [
         job(QUESTIONS[0], 24),

@@ -19,7 +19,9 @@ from shared.schemas import JobRequest
 from shared.tools import ToolFormat
 from worker import decoding
 from worker.constrained import Grammars
-from worker.decoding import Decoder, Sampler, Sequence, TokenScores
+from worker.decoding import Decoder
+from worker.sampling import Sampler
+from worker.sequence import Sequence, TokenScores
 from worker.solo import SoloDecoder
 from worker.tool_calls import parse_tool_calls
 

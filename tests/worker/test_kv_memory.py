@@ -25,9 +25,9 @@ from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.support.reference import hooked_generate, select
 from tests.support.tiny_model import build
-from worker.decoding import Sequence
 from worker.engine_core import EngineCore
 from worker.scheduler import Entry
+from worker.sequence import Sequence
 from worker.slot_sizing import CacheLimits
 
 pytestmark = pytest.mark.model

@@ -24,7 +24,7 @@ from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.support.architectures import BY_KEY, SOLO, Arch, available, build
 from tests.support.reference import encode, hooked_forward, hooked_generate, reference_logprobs, select
-from worker.decoding import Sequence
+from worker.sequence import Sequence
 
 pytestmark = pytest.mark.model  # builds and loads tiny models in this process
 

@@ -329,7 +329,7 @@ def test_a_trace_fed_in_chunks_equals_one_plain_forward_pass(served, chunk):
     activations, the vocabulary projection at the completion's positions, and the
     log-probabilities equal the reference's plain `model(input_ids)` within float rounding
     (attention over a cache adds in another order), and the positions line up across chunks."""
-    from worker.decoding import Feeding
+    from worker.sequence import Feeding
 
     messages = CONVERSATIONS[1]
     jobs = [
