@@ -11,6 +11,7 @@ batch's passes (worker/decoding.py `Decoder`) and the solo decoder's (worker/sol
 from __future__ import annotations
 
 import weakref
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ import torch
 from shared.errors import JobFailure
 from worker.capture import JobCapture
 from worker.failures import failure_of
+from worker.hook_paths import PassRows
 from worker.models import home_device
 from worker.module_rows import first_input, first_tensor, split_rows, step_rows
 from worker.row_identity import remember_all, same_all
@@ -59,6 +61,27 @@ class BatchHooks:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def begin(self, rows: list[JobCapture | None], at: PassRows) -> None:
+        """`CapturePath.begin` (worker/hook_paths.py): `use`, each row's own positions its last ones."""
+        self.use(rows, at.lengths, at.decoding)
+
+    def record(self, at: PassRows) -> AbstractContextManager[object]:
+        """`CapturePath.record`: nothing to add, the hooks stay on their modules from `begin`."""
+        return nullcontext()
+
+    def finish(self) -> dict[int, JobFailure]:
+        """`CapturePath.finish`: `flush`; the rows whose capture failed."""
+        self.flush()
+        return dict(self.failures)
+
+    def hand_over(self) -> None:
+        """`CapturePath.hand_over`: every staged step to its job (`drain`)."""
+        self.drain()
+
+    def close(self) -> None:
+        """`CapturePath.close`: the hooks removed (`release`)."""
         self.release()
 
     def release(self) -> None:

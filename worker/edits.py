@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +28,7 @@ import torch
 
 from shared.errors import JobFailure
 from shared.interventions import EditReport, Intervention, intervals
+from worker.hook_paths import PassRows
 from worker.module_rows import first_input
 from worker.row_identity import remember_all, same_all
 
@@ -252,6 +254,18 @@ class BatchEdits:
         self._plan_for: tuple[weakref.ref | None, ...] = ()
         self._pass = _Pass([], 0)
         self._pending: list[tuple[RowEdit, int, torch.Tensor, int]] = []  # gated: (edit, step, where, row)
+
+    def begin(self, rows: list[JobEdits | None], at: PassRows) -> None:
+        """`EditPath.begin` (worker/hook_paths.py): `use`."""
+        self.use(rows, at.spans, at.width)
+
+    def record(self, at: PassRows) -> AbstractContextManager[object]:
+        """`EditPath.record`: nothing to add, the hooks stay on their modules from `begin`."""
+        return nullcontext()
+
+    def finish(self) -> None:
+        """`EditPath.finish`: `flush`."""
+        self.flush()
 
     def close(self) -> None:
         for handle in self._handles.values():

@@ -28,6 +28,7 @@ import logging
 import queue
 import threading
 import weakref
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -37,6 +38,7 @@ import torch
 from shared.errors import JobFailure
 from worker.capture import Block, JobCapture
 from worker.failures import failure_of
+from worker.hook_paths import PassRows
 from worker.module_rows import first_input, first_tensor, step_rows
 from worker.row_identity import remember, remember_all, same, same_all
 
@@ -156,6 +158,41 @@ class StepRings:
         self._handles: dict[Key, Any] = {}
         self._asked: tuple = ()  # `keys`'s last question (remembered, worker/row_identity.py) and answer
         self._answer: frozenset[Key] = frozenset()
+        self._begun: tuple[frozenset[Key], tuple[weakref.ref | None, ...]] = (frozenset(), ())  # `begin`'s step
+
+    def begin(self, rows: list[JobCapture | None], at: PassRows) -> None:
+        """`CapturePath.begin` (worker/hook_paths.py) of a decoding step over slots [0, n): the
+        recorded steps handed over first when a ring is to be made (from ring step 0) or half the
+        ring is written, and the step's stream waits for a copy still reading its ring row."""
+        assert at.decoding and at.lo == 0, "the rings record a decoding step of the slots from slot 0"
+        keys = self.keys(rows)
+        self._begun = (keys, remember_all(rows))  # weakly: a row that leaves frees its capture
+        if keys and not self.ready(keys):
+            self.hand_over(rewind=True)
+        elif keys and self.due:
+            self.hand_over()
+        if keys:
+            self.before_step()
+
+    @contextmanager
+    def record(self, at: PassRows) -> Iterator[None]:
+        """`CapturePath.record` of an eager step: the rings' hooks write slots [at.lo, at.lo +
+        at.rows)' values at the cursor, which moves on once a pass over every slot of the step
+        returned. (A step run in parts, halves after running out of memory, moves it with
+        `advance` after its parts; a graph's replay moves it inside itself, worker/model_runner.py.)"""
+        keys = self._begun[0]
+        with self.recording(keys, at.lo, at.rows):
+            yield
+        if keys and at.lo == 0 and at.rows >= len(self._begun[1]):
+            self.advance()
+
+    def finish(self) -> dict[int, JobFailure]:
+        """`CapturePath.finish`: the step counts for the rows that recorded it. A row whose rows do
+        not fit fails later, when its window is kept (its capture's `failure`): none fails here."""
+        keys, rows = self._begun
+        if keys:
+            self.stepped([None if ref is None else ref() for ref in rows])
+        return {}
 
     def keys(self, captures: list[JobCapture | None]) -> frozenset[Key]:
         """What the rows' captures want at a decoding step (the last answer again while the rows

@@ -26,13 +26,14 @@ tables: a batch with any of them runs its steps eagerly with worker/edits.py (`f
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 
 from shared.errors import JobFailure
 from worker.edits import JobEdits, RowEdit
+from worker.hook_paths import PassRows
 from worker.input_batch import POSITION
 from worker.module_rows import first_input
 from worker.row_identity import remember, same
@@ -123,6 +124,24 @@ class StepEdits:
         self.positions = positions  # a slot's positions (the gated edits' flags)
         self.tables: dict[Key, list[_Table]] = {}
         self._rows: list[Any] = [None] * self.slots  # weakref to each slot's JobEdits (None: no edits)
+        self._plan: EditPlan = frozenset()  # `begin`'s step
+
+    def begin(self, rows: list[JobEdits | None], at: PassRows) -> None:
+        """`EditPath.begin` (worker/hook_paths.py) of a decoding step over slots [0, n): the tables
+        hold the rows' edits (`sync`), and the step applies the ops they take (`plan`)."""
+        assert at.decoding and at.lo == 0, "the tables edit a decoding step of the slots from slot 0"
+        self.sync(rows)
+        self._plan = self.plan(at.rows)
+
+    def record(self, at: PassRows) -> AbstractContextManager[object]:
+        """`EditPath.record`: the tables' hooks on slots [at.lo, at.lo + at.rows) for the pass."""
+        return self.recording(self._plan, at.lo, at.rows)
+
+    def finish(self) -> None:
+        """`EditPath.finish`: nothing to keep on the host; the gates' flags are in the tables."""
+
+    def close(self) -> None:
+        """`EditPath.close`: nothing to remove, the hooks live inside `record` only."""
 
     def sync(self, rows: list[JobEdits | None]) -> None:
         """The tables hold `rows`' edits (each a running slot's, None: none; slots past them:
