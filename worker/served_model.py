@@ -39,6 +39,8 @@ from worker.slot_decoding import SlotDecoder
 from worker.slot_sizing import CacheLimits
 from worker.slots import unsupported
 from worker.solo import SoloDecoder
+from worker.state_decoding import StateDecoder
+from worker.state_slots import unsupported as state_unsupported
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +56,10 @@ def _required(config: object, name: str) -> int:
 class ServedModel:
     """The loaded model (one copy of the weights), its jobs' preparation and results, and the
     decoder that runs them together (`decoder`). One thread drives the model at a time: the
-    engine core's thread, or `run` for a job alone, holds `lock`. A model whose cache cannot be
-    batched (`solo_reason`) decodes one job at a time (worker/solo.py)."""
+    engine core's thread, or `run` for a job alone, holds `lock`. A model whose cache rows cannot
+    move between batches (`solo_reason`) batches in state slots when its layers are recurrent states
+    and full attention (`state_slots`, worker/state_decoding.py), else decodes one job at a time
+    (worker/solo.py)."""
 
     def __init__(
         self,
@@ -73,12 +77,15 @@ class ServedModel:
         self.gate = Gate()  # shut while trusted code runs on this model (worker/gate.py)
         self.info = self._describe()
         self.module_paths = {m.path for m in self.info.modules}
-        # Why this model's cache rows cannot move between batches (None: they can): it then runs
-        # one job at a time with its own cache (worker/solo.py).
+        # Why this model's cache rows cannot move between batches (None: they can): it then runs in
+        # state slots (below) or one job at a time with its own cache (worker/solo.py).
         self.solo_reason = check_supported(new_cache(self.hf.config))
         # Why its cache cannot live in slots (None: batches decode in slots, worker/slot_decoding.py;
         # else in one compacted timeline, worker/decoding.py).
         self.slot_reason = self.solo_reason or unsupported(self.hf.config)
+        # A recurrent or hybrid model (every cache layer a recurrent state or full attention) batches
+        # all the same: each sequence's state in a slot (worker/state_decoding.py).
+        self.state_slots = self.solo_reason is not None and state_unsupported(self.hf.config) is None
         # A model a device map spreads over several devices (or offloads) runs its steps eagerly:
         # one CUDA graph records one device's stream, and offloading moves weights on the host.
         places = {str(d) for d in (getattr(self.hf, "hf_device_map", None) or {}).values()}
@@ -86,6 +93,7 @@ class ServedModel:
         if places & {"cpu", "disk"}:
             self.graphs_reason = f"a device map offloads it ({sorted(places)})"
         self.cuda_graphs = cuda_graphs and self.graphs_reason is None
+        self.info.decoding = self.describe_decoder()  # published with the model (GET /models)
         # tool_choice and response_format: each such job's grammar, over the model's logits
         self.grammars = Grammars(self.tokenizer, self.info.vocab_size, self.eos_ids)
 
@@ -190,7 +198,7 @@ class ServedModel:
 
     def max_batch(self, wanted: int) -> int:
         """`wanted`, or 1 when this model's cache rows cannot move between batches."""
-        if self.solo_reason is not None and wanted > 1:
+        if self.solo_reason is not None and not self.state_slots and wanted > 1:
             log.warning(
                 "%s runs one job at a time (ACTQ_MAX_BATCH=%d ignored): %s", self.info.name, wanted, self.solo_reason
             )
@@ -213,9 +221,12 @@ class ServedModel:
     def decoder(self, slots: int = 16) -> RunningBatch:
         """The running batch of up to `slots` sequences (the scheduler's ACTQ_MAX_BATCH): in slots
         (worker/slot_decoding.py); for a model whose cache cannot live in slots (`slot_reason`),
-        in one compacted timeline; for one whose cache cannot be batched at all (`solo_reason`),
-        one job at a time with the model's own cache."""
+        in one compacted timeline; for a recurrent or hybrid model (`state_slots`), each sequence's
+        state in a slot (worker/state_decoding.py); for one whose cache cannot be batched at all
+        (`solo_reason`), one job at a time with the model's own cache."""
         pad = self._pad()["pad_token_id"]
+        if self.state_slots:
+            return StateDecoder(self.hf, self.tokenizer, pad, slots)
         if self.solo_reason is not None:
             return SoloDecoder(self.hf, self.tokenizer, pad)
         if self.slot_reason is not None:
@@ -233,6 +244,8 @@ class ServedModel:
 
     def describe_decoder(self) -> str:
         """How this model's batches decode (said at worker start)."""
+        if self.state_slots:
+            return "batched, each job's recurrent state in a slot (every decoding step one pass over all jobs)"
         if self.solo_reason is not None:
             return f"one job at a time ({self.solo_reason})"
         if self.slot_reason is not None:

@@ -100,6 +100,10 @@ class ModelInfo(Strict):
     nnsight_version: str | None = None
     python_version: str | None = None
     attention: str | None = None  # the attention implementation it runs (`sdpa`, `eager`, ...)
+    # How its worker decodes jobs (worker/served_model.py `describe_decoder`): "in slots, ...",
+    # "batched, each job's recurrent state in a slot ...", "in a compacted batch ...", "one job at a
+    # time (...)". None: not published (a worker that predates this field).
+    decoding: str | None = None
     hub_id: str | None = None  # the Hugging Face id of the checkpoint it was made from, when known
     # The files the worker loaded its weights from (a folder, or the Hub's files in its cache),
     # fingerprinted: what an nnsight client's folder must match. None: not known (no safetensors).

@@ -1,7 +1,7 @@
 """The architecture matrix through the whole stack: one representative of each decoding path served
 by a real worker of the session's stack (slots: GPT-2, also a base model; the compacting decoder:
-Mistral's sliding windows; one job at a time: Mamba), every listed module captured through the
-API and compared with plain forward hooks on the same weights (tests/support/reference.py,
+Mistral's sliding windows; state slots: Mamba; one job at a time: RecurrentGemma), every listed
+module captured through the API and compared with plain forward hooks on the same weights (tests/support/reference.py,
 cloning in the hook). Every architecture is checked in process the same way
 (tests/worker/test_architectures.py); these check the way through a worker, its file and the API.
 
@@ -30,7 +30,8 @@ from tests.worker.test_architectures import BASE_MODELS, MESSAGES, NEW_TOKENS, P
 REPRESENTATIVES = {
     "gpt2": "decodes in slots",
     "mistral": "decodes in a compacted batch",
-    "mamba": "decodes one job at a time",
+    "mamba": "decodes batched, each job's recurrent state in a slot",
+    "recurrent_gemma": "decodes one job at a time",
 }
 
 
@@ -57,6 +58,7 @@ def served(request, live: TestStack, tmp_path_factory, smol_dir: Path) -> Iterat
         assert REPRESENTATIVES[arch.key] in live.logs[f"worker-{name}"].read_text(errors="replace")
         with httpx.Client(base_url=live.base_url, timeout=60) as http:
             info = next(m for m in http.get("/models").json() if m["name"] == name)
+        assert REPRESENTATIVES[arch.key].removeprefix("decodes ") in info["decoding"]  # published with the model
         model = AutoModelForCausalLM.from_pretrained(folder, local_files_only=True).eval()
         tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
         yield Served(arch, name, folder, model, tokenizer, info)

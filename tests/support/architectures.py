@@ -525,9 +525,13 @@ ARCHS: list[Arch] = [
     Arch("lfm2", "Lfm2Config", "Lfm2ForCausalLM", "model.layers", _lfm2, presets=("residual", "mlp")),
 ]
 
-# Architectures whose cache rows cannot move between batches (kvcache.check_supported refuses them): the
-# worker generates one job at a time with their own cache (worker/solo.py).
+# Architectures whose cache rows cannot move between batches (kvcache.check_supported refuses them).
 SOLO: tuple[str, ...] = ("mamba", "mamba2", "jamba", "recurrent_gemma", "granitemoehybrid", "qwen3_next", "lfm2")
+# Those of SOLO whose cache layers are recurrent states and full attention: they batch, each job's state
+# in a slot (worker/state_decoding.py); RecurrentGemma (a sliding-window attention layer) generates one job
+# at a time with its own cache (worker/solo.py).
+STATE_SLOTS: tuple[str, ...] = ("mamba", "mamba2", "jamba", "granitemoehybrid", "qwen3_next", "lfm2")
+ONE_AT_A_TIME: tuple[str, ...] = tuple(key for key in SOLO if key not in STATE_SLOTS)
 
 MOE_ARCHS: list[Arch] = [
     Arch("mixtral", "MixtralConfig", "MixtralForCausalLM", "model.layers", _mixtral),

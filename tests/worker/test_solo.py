@@ -1,8 +1,9 @@
-"""Models whose cache cannot be batched (state-space, recurrent, linear-attention and convolution
-layers: Mamba, Mamba-2, Jamba, RecurrentGemma, GraniteMoeHybrid, Qwen3-Next, LFM2), generated one
-job at a time by worker/solo.py through the engine thread (worker/scheduler.py), each against the
-independent reference: plain forward hooks that clone, on a plain `model.generate`
-(tests/support/reference.py), and log_softmax of the logits `generate` returns.
+"""Models whose cache cannot be batched (RecurrentGemma: a sliding-window attention layer beside its
+recurrent one; the other recurrent and hybrid models batch in state slots:
+tests/worker/test_state_decoding.py), generated one job at a time by worker/solo.py through the
+engine thread (worker/scheduler.py), each against the independent reference: plain forward hooks
+that clone, on a plain `model.generate` (tests/support/reference.py), and log_softmax of the
+logits `generate` returns.
 
 Tolerance for activations: equal, or within 1e-5 of the reference tensor's max |value| (float32 on
 the CPU: what `generate` computes, computed again); token ids must be equal."""
@@ -22,7 +23,7 @@ from shared.capture_spec import resolve
 from shared.errors import OutOfMemory
 from shared.schemas import JobRequest
 from shared.settings import Settings
-from tests.support.architectures import BY_KEY, SOLO, Arch, available, build
+from tests.support.architectures import BY_KEY, ONE_AT_A_TIME, Arch, available, build
 from tests.support.reference import encode, hooked_forward, hooked_generate, reference_logprobs, select
 from worker.sequence import Sequence
 
@@ -44,7 +45,7 @@ class Solo:
     served: Any  # worker.served_model.ServedModel (imported lazily: it imports torch models)
 
 
-@pytest.fixture(scope="module", params=SOLO)
+@pytest.fixture(scope="module", params=ONE_AT_A_TIME)
 def solo(request, tmp_path_factory, smol_dir: Path) -> Solo:
     from worker.models import load
     from worker.served_model import ServedModel

@@ -1,0 +1,206 @@
+"""Recurrent and hybrid models (Mamba, Mamba-2, Jamba, GraniteMoeHybrid, Qwen3-Next, LFM2) decode
+batched: each job's recurrent state (and a hybrid's attention keys and values) in a slot of
+worker/state_slots.py, every decoding step one pass over all running jobs (worker/state_decoding.py).
+Each row of a batch (different prompt lengths and max_tokens, rows joining and leaving mid-batch,
+greedy and seeded sampling) is checked against the independent reference (plain forward hooks
+that clone, on a plain `model.generate`: tests/support/reference.py) and against its own solo run
+(`ServedModel.run`, a batch of one).
+
+Tolerance for activations: as tests/worker/test_solo.py (1e-5 of the reference tensor's max
+|value|, float32 on the CPU); token ids must be equal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from shared.schemas import JobRequest
+from shared.settings import Settings
+from tests.support.architectures import BY_KEY, STATE_SLOTS, available, build
+from tests.support.reference import hooked_forward, hooked_generate, select
+from tests.worker.test_solo import (
+    NEW_TOKENS,
+    QUESTIONS,
+    FailAtStep,
+    Solo,
+    assert_close,
+    every_module,
+    job,
+    prepare,
+    reference_scores,
+    through_scheduler,
+)
+
+pytestmark = pytest.mark.model  # builds and loads tiny models in this process
+
+MORE = ["Say something about the sea.", "Count to five, slowly, and explain each number you say."]
+LOGPROB_TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module", params=STATE_SLOTS)
+def state(request, tmp_path_factory, smol_dir: Path) -> Solo:
+    from worker.models import load
+    from worker.served_model import ServedModel
+
+    arch = BY_KEY[request.param]
+    if reason := available(arch):
+        pytest.skip(reason)
+    folder = build(arch, tmp_path_factory.mktemp("state") / arch.key, smol_dir)
+    return Solo(arch, ServedModel(load(Settings(model=str(folder), model_name="m"))))
+
+
+def reference(served, question: str, new_tokens: int, modules: list[str]):
+    messages = [{"role": "user", "content": question}]
+    return hooked_generate(served.hf, served.tokenizer, messages, new_tokens, modules)
+
+
+def test_the_model_says_it_decodes_batched_and_gets_the_state_slots_decoder(state: Solo):
+    from worker.state_decoding import StateDecoder
+
+    served = state.served
+    assert served.solo_reason is not None and served.state_slots
+    assert served.max_batch(8) == 8
+    assert served.describe_decoder().startswith("batched, each job's recurrent state in a slot")
+    assert served.info.decoding == served.describe_decoder()  # what the worker publishes (GET /models)
+    decoder = served.decoder(4)
+    try:
+        assert isinstance(decoder, StateDecoder) and decoder.most_rows is None
+    finally:
+        decoder.close()
+
+
+def test_a_row_that_leaves_frees_its_slot_and_no_other_slot_moves(state: Solo):
+    """Two rows join, a third joins beside them, the shortest leaves, a fourth takes its slot: the
+    slots of the others never change, and every row's tokens equal its solo run."""
+    served = state.served
+    lengths = [6, 3, 5, 4]
+    questions = [QUESTIONS[0], QUESTIONS[2], QUESTIONS[1], MORE[0]]
+    seqs = [prepare(served, job(q), n) for q, n in zip(questions, lengths, strict=True)]
+    decoder = served.decoder(2)
+    ended = []
+    try:
+        with torch.inference_mode():
+            decoder.admit_many(seqs[:2])
+            assert decoder.slot_of == [0, 1]
+            ended += decoder.step()
+            decoder.admit_many([seqs[2]])  # the slots were full: they grow, nobody moves
+            assert decoder.slot_of == [0, 1, 2] and decoder.slots.slots == 4
+            while seqs[1] in decoder.rows:
+                ended += decoder.step()
+            assert decoder.slot_of == [0, 2]  # row 1 left: its slot is free, the others stay
+            decoder.admit_many([seqs[3]])
+            assert decoder.slot_of == [0, 2, 1]  # the lowest free slot
+            while decoder.rows:
+                ended += decoder.step()
+    finally:
+        decoder.close()
+    assert sorted(map(id, ended)) == sorted(map(id, seqs))
+    for seq, question, n in zip(seqs, questions, lengths, strict=True):
+        solo = served.run(job(question), [], n)
+        assert seq.generated == solo.token_ids[solo.prompt_tokens :].tolist(), question
+        ids, _, _ = reference(served, question, n, [])
+        assert torch.equal(solo.token_ids, ids)
+
+
+def test_a_batch_equals_forward_hooks_and_each_job_s_solo_run(state: Solo):
+    """Five jobs through the engine in batches of at most 3: different prompt lengths and
+    max_tokens, so rows leave and the queued ones join mid-batch; one seeded sampled job with
+    log-probabilities. Every greedy row equals `generate` with forward hooks (tokens exactly,
+    every module's activations within the tolerance), the sampled one `generate`'s seeded draws;
+    each equals its own solo run."""
+    served = state.served
+    modules = every_module(served)
+    block = state.arch.block(0)
+    lengths = [NEW_TOKENS, 4, 7, NEW_TOKENS, 6]
+    questions = [*QUESTIONS, *MORE]
+    positions = ["all", "generated", "all", "all", "all"]
+    reqs = [
+        job(questions[0], {"modules": modules, "positions": positions[0]}),
+        job(questions[1], {"modules": [block], "positions": positions[1]}),
+        job(questions[2], {"modules": [block]}, temperature=0.9, top_p=0.9, seed=7, logprobs=True),
+        job(questions[3]),
+        job(questions[4], {"modules": modules, "positions": positions[4]}),
+    ]
+    outcomes, core = through_scheduler(
+        served, [prepare(served, r, n) for r, n in zip(reqs, lengths, strict=True)], max_batch=3
+    )
+    assert core.stats.largest > 1  # they decoded together
+    for index, (req, outcome, n) in enumerate(zip(reqs, outcomes, lengths, strict=True)):
+        gen = served.finish(outcome, req)
+        question = questions[index]
+        assert gen.completion_tokens == n and gen.finish_reason == "length", question
+        captured = [c.point.module for c in gen.captured]
+        if req.seed is not None:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(req.seed)
+                ids, values, _ = reference_scores(served, question, n, 0, do_sample=True, temperature=0.9, top_p=0.9)
+            assert torch.equal(gen.token_ids, ids)
+            assert max(abs(a - b) for a, b in zip(gen.scores.values, values.tolist(), strict=True)) < LOGPROB_TOLERANCE
+        else:
+            ids, rows, prompt_tokens = reference(served, question, n, captured)
+            assert torch.equal(gen.token_ids, ids), question
+            for c in gen.captured:
+                want = select(rows[c.point.module], positions[index], prompt_tokens, n)
+                assert_close(c.tensor, want, c.point.name)
+        points = [c.point for c in gen.captured]
+        solo = served.run(req, points, n)
+        assert torch.equal(gen.token_ids, solo.token_ids), question
+        for got, alone in zip(gen.captured, solo.captured, strict=True):
+            assert_close(got.tensor, alone.tensor, f"{got.point.name} vs its solo run")
+
+
+def test_out_of_memory_in_a_batched_step_runs_it_in_halves_and_keeps_every_state(state: Solo):
+    """The second decoding pass of a batch of two runs out of memory after the first block wrote
+    its state and captures: the pass runs again in halves (one row each), nothing of the failed
+    pass is kept (the slots are written only after a pass that succeeded, the captures are reset
+    to their mark), both jobs still equal `generate` with forward hooks, and the scheduler is told
+    to take batches of one from then on (`most_rows`)."""
+    served = state.served
+    block = state.arch.block(0)
+    questions = QUESTIONS[:2]
+    reqs = [job(q, {"modules": [block]}) for q in questions]
+    seqs = [prepare(served, req) for req in reqs]
+    decoder = served.decoder(2)
+    try:
+        with torch.inference_mode(), FailAtStep(served, state.arch, at=2) as inject:
+            decoder.admit_many(seqs)
+            assert len(decoder.rows) == 2
+            while decoder.rows:
+                decoder.step()
+    finally:
+        decoder.close()
+    assert inject.seen > 3 and decoder.most_rows == 1
+    for question, req, seq in zip(questions, reqs, seqs, strict=True):
+        gen = served.finish(seq, req)
+        ids, rows, prompt_tokens = reference(served, question, NEW_TOKENS, [block])
+        assert torch.equal(gen.token_ids, ids)
+        assert_close(gen.captured[0].tensor, select(rows[block], "all", prompt_tokens, NEW_TOKENS), block)
+
+
+def test_a_trace_runs_beside_the_running_batch(state: Solo):
+    """A trace job (one pass, no cache) queued between generations, with prompts a scheduler
+    would chunk: it runs beside the batch (the state is in the slots, not in the model's
+    modules) and equals `model(input_ids)` with forward hooks; the generations equal `generate`."""
+    served = state.served
+    block = state.arch.block(0)
+    trace = JobRequest.model_validate(
+        {
+            "model": "m",
+            "mode": "trace",
+            "messages": [{"role": "user", "content": QUESTIONS[2]}, {"role": "assistant", "content": "Red."}],
+            "capture": {"modules": [block]},
+        }
+    )
+    questions = [QUESTIONS[0], QUESTIONS[2], QUESTIONS[1]]
+    reqs = [job(questions[0], {"modules": [block]}), trace, job(questions[2], {"modules": [block]})]
+    outcomes, _ = through_scheduler(served, [prepare(served, r) for r in reqs], max_batch=4, chunk_tokens=8)
+    traced = served.finish(outcomes[1], trace)
+    rows, _ = hooked_forward(served.hf, traced.token_ids.unsqueeze(0), [block])
+    assert_close(traced.captured[0].tensor, rows[block], f"trace {block}")
+    for i in (0, 2):
+        gen = served.finish(outcomes[i], reqs[i])
+        ids, kept, prompt_tokens = reference(served, questions[i], NEW_TOKENS, [block])
+        assert torch.equal(gen.token_ids, ids)
+        assert_close(gen.captured[0].tensor, select(kept[block], "all", prompt_tokens, NEW_TOKENS), block)
