@@ -37,6 +37,7 @@ def list_models(services: ServicesDep, include_offline: bool = False) -> list[Mo
                 hooks={m.path: m.hooks() for m in info.modules},
                 last_position_only=[m.path for m in info.modules if not m.all_positions],
                 not_capturable=info.not_capturable,
+                decoding=info.decoding,
             )
         )
     return views

@@ -144,3 +144,4 @@ class ModelView(Strict):
     hooks: dict[str, dict[Hook, int]]
     last_position_only: list[str]
     not_capturable: dict[str, str]  # modules the forward pass runs that cannot be captured, and why
+    decoding: str | None = None  # how its worker decodes jobs (ModelInfo.decoding)
