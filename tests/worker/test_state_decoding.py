@@ -180,9 +180,10 @@ def test_out_of_memory_in_a_batched_step_runs_it_in_halves_and_keeps_every_state
 
 
 def test_a_trace_runs_beside_the_running_batch(state: Solo):
-    """A trace job (one pass, no cache) queued between generations, with prompts a scheduler
-    would chunk: it runs beside the batch (the state is in the slots, not in the model's
-    modules) and equals `model(input_ids)` with forward hooks; the generations equal `generate`."""
+    """A trace job (one pass, no cache) between two decoding steps of a running batch (the state
+    is in the slots, not in the model's modules), then the same jobs through a scheduler that feeds
+    prompts in chunks of 8 (a prompt here still runs whole): each trace equals `model(input_ids)`
+    with forward hooks and each generation equals `generate`."""
     served = state.served
     block = state.arch.block(0)
     trace = JobRequest.model_validate(
@@ -195,12 +196,25 @@ def test_a_trace_runs_beside_the_running_batch(state: Solo):
     )
     questions = [QUESTIONS[0], QUESTIONS[2], QUESTIONS[1]]
     reqs = [job(questions[0], {"modules": [block]}), trace, job(questions[2], {"modules": [block]})]
-    outcomes, _ = through_scheduler(served, [prepare(served, r) for r in reqs], max_batch=4, chunk_tokens=8)
-    traced = served.finish(outcomes[1], trace)
-    rows, _ = hooked_forward(served.hf, traced.token_ids.unsqueeze(0), [block])
-    assert_close(traced.captured[0].tensor, rows[block], f"trace {block}")
-    for i in (0, 2):
-        gen = served.finish(outcomes[i], reqs[i])
-        ids, kept, prompt_tokens = reference(served, questions[i], NEW_TOKENS, [block])
-        assert torch.equal(gen.token_ids, ids)
-        assert_close(gen.captured[0].tensor, select(kept[block], "all", prompt_tokens, NEW_TOKENS), block)
+    direct = [prepare(served, r) for r in reqs]
+    decoder = served.decoder(2)
+    try:
+        with torch.inference_mode():
+            decoder.admit_many([direct[0], direct[2]])
+            decoder.step()
+            decoder.trace([direct[1]])  # beside the two running rows
+            assert direct[1].ended == "trace" and len(decoder.rows) == 2
+            while decoder.rows:
+                decoder.step()
+    finally:
+        decoder.close()
+    queued, _ = through_scheduler(served, [prepare(served, r) for r in reqs], max_batch=4, chunk_tokens=8)
+    for outcomes in (direct, queued):
+        traced = served.finish(outcomes[1], trace)
+        rows, _ = hooked_forward(served.hf, traced.token_ids.unsqueeze(0), [block])
+        assert_close(traced.captured[0].tensor, rows[block], f"trace {block}")
+        for i in (0, 2):
+            gen = served.finish(outcomes[i], reqs[i])
+            ids, kept, prompt_tokens = reference(served, questions[i], NEW_TOKENS, [block])
+            assert torch.equal(gen.token_ids, ids)
+            assert_close(gen.captured[0].tensor, select(kept[block], "all", prompt_tokens, NEW_TOKENS), block)
