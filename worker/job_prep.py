@@ -107,8 +107,8 @@ def prepare(
         )
     if request.prompt_logprobs and served.solo_reason is not None:
         raise JobFailure(
-            f"prompt_logprobs (echo with generation) is not supported for {info.name}, which runs one job at "
-            f"a time ({served.solo_reason}); score the prompt with a trace job (echo with max_tokens 0)"
+            f"prompt_logprobs (echo with generation) is not supported for {info.name}, whose prompts run "
+            f"through its own cache ({served.solo_reason}); score the prompt with a trace job (echo with max_tokens 0)"
         )
     completion = None
     device = served.loaded.device

@@ -85,8 +85,8 @@ def start(
     if settings.allow_special_tokens:
         log.warning("ACTQ_ALLOW_SPECIAL_TOKENS is on: special-token strings in messages become special tokens")
     max_batch = served.max_batch(settings.max_batch) if capture else 1
-    if max_batch > 1:  # the engine core feeds long texts in chunks: what the API's estimate counts
-        served.info.prefill_chunk_tokens = settings.prefill_chunk_tokens
+    if max_batch > 1 and not served.state_slots:  # the engine core feeds long texts in chunks: what the API's
+        served.info.prefill_chunk_tokens = settings.prefill_chunk_tokens  # estimate counts (state slots: whole)
     registry = ModelRegistry(client, settings.heartbeat_ttl)
     if capture:
         registry.publish(served.info)

@@ -80,7 +80,8 @@ class ModelInfo(Strict):
     activation_bytes_per_token: int | None = None
     attention_bytes_per_token_pair: int = 0
     # A text longer than this is fed in chunks of this many positions (ACTQ_PREFILL_CHUNK_TOKENS):
-    # what one forward pass holds at once. None: in one pass (a worker running one job at a time).
+    # what one forward pass holds at once. None: in one pass (a worker running one job at a time, or
+    # a recurrent or hybrid model's in state slots: their prompts run whole).
     prefill_chunk_tokens: int | None = None
     # Whether the model has a chat template (takes `messages`); without one, only `prompt`.
     chat_template: bool = True

@@ -9,7 +9,8 @@ sliding windows of 8 tokens where the architecture has them, float32 weights dra
 per architecture (the same folder contents on every build). Each architecture keeps transformers' default
 attention implementation: sdpa, but eager for Gemma 2 (transformers picks it for its attention softcapping).
 The architectures in SOLO (state-space, recurrent, linear-attention and convolution layers) have a cache
-the worker cannot batch and run one job at a time (worker/solo.py). MOE_ARCHS, mixture-of-experts models,
+whose rows cannot move between batches: those in STATE_SLOTS batch with each job's state in a slot
+(worker/state_decoding.py), the others run one job at a time (worker/solo.py). MOE_ARCHS, mixture-of-experts models,
 are not in ARCHS (the matrix): the preset tests build them.
 
     from tests.support.architectures import ARCHS, available, build
@@ -276,8 +277,8 @@ def _falcon_new(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
 
 
 # Models whose cache is not a plain DynamicCache of attention layers: state-space, recurrent, linear-attention
-# and convolution layers (alone or beside attention layers). The worker runs them one job at a time
-# (worker/solo.py). Two layers each: the hybrids have one layer of each kind.
+# and convolution layers (alone or beside attention layers). The worker batches them in state slots, or
+# runs them one job at a time (see STATE_SLOTS). Two layers each: the hybrids have one layer of each kind.
 
 
 def _mamba(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
