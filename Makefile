@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh Linux machine with Python 3.11+:
 #   make run    the demo: embedded Redis, a worker with the built-in model, the API, one captured job
 #   make test   lint, the manual built strictly (make docs), then the whole test suite (what CI runs)
-# For development: make lint (ruff + mypy), make test-fast (about 2 minutes on 2 cores: no model, no worker or API process),
+# For development: make lint (ruff + mypy), make test-fast (2 min of CPU on 2 cores: no model, no worker or API process, nothing marked slow),
 # make docs (the MkDocs site in docs/ built into site/, --strict: a broken link fails it).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -40,7 +40,7 @@ test-exhaustive: $(STAMP)
 	$(BIN)/python -m pytest -ra --exhaustive -m exhaustive
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -ra -m "not e2e and not model and not slow"
+	$(BIN)/python -m pytest -ra -m "not e2e and not model and not slow" --ignore=tests/e2e --ignore=tests/gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check api worker shared tests bench docs/hooks
