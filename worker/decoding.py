@@ -22,6 +22,7 @@ from worker import kvcache
 from worker.batch_passes import BatchPasses
 from worker.columns import append_column
 from worker.failures import failure_of, is_oom, out_of_memory
+from worker.oom import in_halves, lowered_cap
 from worker.sequence import VACANT, Feeding, Sequence, Undo, Watch, vacancy
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ class Decoder(BatchPasses):
         if not self.rows:
             return []
         timeline = self.ids.shape[1] - 1
-        logits, self.cache, _ = self._run(self.rows, self.ids, self.mask, self.pos, self.cache, timeline, top=True)
+        logits, self.cache = self._run(timeline)
         if logits is not None:
             self._advance(self.rows, logits)
         ending = {i for i, row in enumerate(self.rows) if row.ended is not None and row.ended != VACANT}
@@ -116,55 +117,50 @@ class Decoder(BatchPasses):
         self.ids, self.mask, self.pos = ids, mask, pos
         return self._remove_ended()
 
-    def _run(self, rows, ids, mask, pos, cache, timeline: int, top: bool = False):
-        """One step for `rows`: (their logits `[B, V]`, or None when every row failed; the cache;
-        its timeline). On running out of memory the rows are split in halves run one after the
-        other, down to one row, which then fails alone (its logits row is zeros, unread); batches
-        are capped at the half from then on."""
+    def _run(self, timeline: int) -> tuple[torch.Tensor | None, Any]:
+        """One step of every row: (their logits `[B, V]`, or None when every row failed; the cache
+        after it). Out of memory, worker/oom.py's policy: what the pass wrote is put back (cache
+        and captures), and the rows run in halves (each its rows of the step's cache), down to one
+        row, which then fails alone (its logits row is zeros, unread)."""
+        rows, cache, count = self.rows, self.cache, len(self.rows)
         self.hooks.settle([row.capture for row in rows])  # staged steps of another batch, before the marks
         saved = kvcache.snapshot(cache)
         marks = [row.capture.mark() if row.capture else None for row in rows]
-        pads = self.pads if top else [int(p) for p in (mask == 0).sum(dim=1).tolist()]  # halves: rare
-        try:
-            logits = self._forward(ids, mask, pos, cache, 1, rows, first=False, padded=any(pads))
-            return logits, cache, timeline + 1
-        except Exception as exc:
+
+        def run(lo: int, hi: int) -> tuple[torch.Tensor | None, Any, int, int]:
+            part = cache if hi - lo == count else kvcache.select(cache, list(range(lo, hi)), timeline)
+            ids, mask, pos = self.ids[lo:hi], self.mask[lo:hi], self.pos[lo:hi]
+            logits = self._forward(ids, mask, pos, part, 1, rows[lo:hi], first=False, padded=any(self.pads[lo:hi]))
+            return logits, part, timeline + 1, hi - lo
+
+        def undo(lo: int, hi: int) -> None:
+            if hi - lo == count:  # the step's own cache (the halves write into copies of their rows)
+                kvcache.restore(cache, saved)
+            for row, mark in zip(rows[lo:hi], marks[lo:hi], strict=True):
+                if row.capture is not None and mark is not None:
+                    row.capture.reset(mark)
+
+        def fail(lo: int, hi: int, exc: Exception) -> tuple[torch.Tensor | None, Any, int, int]:
             if not is_oom(exc):
-                raise
-        kvcache.restore(cache, saved)  # undo what the failed pass wrote, cache and captures alike
-        for row, mark in zip(rows, marks, strict=True):
-            if row.capture is not None:
-                row.capture.reset(mark)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        if len(rows) == 1:
-            if rows[0].ended is None:  # not a vacancy (nobody's row)
-                rows[0].failure = out_of_memory()
-                rows[0].ended = "failed"
-            return None, cache, timeline
-        half = len(rows) // 2
-        if top:  # the next batches stay at the half
-            self.most_rows = min(self.most_rows or len(rows), half)
-            log.warning("out of memory at a batch of %d: running it in halves; batches now at most %d", len(rows), half)
-        parts: list[tuple[torch.Tensor | None, int]] = []
-        caches, timelines = [], []
-        for part in (slice(0, half), slice(half, len(rows))):
-            indices = list(range(len(rows)))[part]
-            sub = kvcache.select(cache, indices, timeline)
-            got, sub, after = self._run(rows[part], ids[part], mask[part], pos[part], sub, timeline)
-            parts.append((got, len(indices)))
-            caches.append(sub)
-            timelines.append(after)
-        merged, after = kvcache.concat(caches, timelines)
-        present = [got for got, _ in parts if got is not None]
+                raise exc
+            for row in rows[lo:hi]:
+                if row.ended is None:  # not a vacancy (nobody's row)
+                    row.failure, row.ended = out_of_memory(), "failed"
+            part = cache if hi - lo == count else kvcache.select(cache, list(range(lo, hi)), timeline)
+            return None, part, timeline, hi - lo
+
+        def split(size: int) -> None:
+            self.most_rows = lowered_cap(self.most_rows, size, "batch")
+
+        parts = in_halves(0, count, run, fail, undo, split)
+        if len(parts) == 1:
+            return parts[0][0], parts[0][1]
+        merged, _ = kvcache.concat([part for _, part, _, _ in parts], [after for _, _, after, _ in parts])
+        present = [logits for logits, _, _, _ in parts if logits is not None]
         if not present:
-            return None, merged, after
+            return None, merged
         width = present[0].shape[1]
-        return (
-            torch.cat([got if got is not None else present[0].new_zeros(n, width) for got, n in parts]),
-            merged,
-            after,
-        )
+        return torch.cat([got if got is not None else present[0].new_zeros(n, width) for got, _, _, n in parts]), merged
 
     def _row_ids(self, index: int) -> torch.Tensor:
         """Row `index`'s tokens so far `[1, n]`: a view of the batch's ids, without its padding."""

@@ -33,6 +33,7 @@ import torch
 
 from shared.errors import JobFailure
 from worker.failures import answer_of, is_oom
+from worker.oom import in_halves, release_cached
 from worker.running_batch import RunningBatch
 from worker.scheduler import TRACE_PADDING, Entry, Feed, Scheduler
 from worker.sequence import Feeding, Sequence
@@ -345,8 +346,8 @@ class EngineCore:
         except Exception as exc:  # a chunk's failure is its job's, never the batch's
             if not is_oom(exc):
                 log.error("feeding a prompt failed; failing its job", exc_info=exc)
-            elif torch.cuda.is_available():
-                torch.cuda.empty_cache()
+            else:
+                release_cached()
             self.scheduler.fed(entry)
             self._done(entry, answer_of(exc))
             return
@@ -368,8 +369,8 @@ class EngineCore:
                 log.warning(
                     "a prefill of %d jobs failed (%s: %s): each runs alone", len(group), type(exc).__name__, exc
                 )
-                if is_oom(exc) and torch.cuda.is_available():
-                    torch.cuda.empty_cache()
+                if is_oom(exc):
+                    release_cached()
                 for entry in group:
                     self._admit_group(decoder, [entry])
                 return
@@ -381,38 +382,38 @@ class EngineCore:
                 self._done(entry, entry.seq)
 
     def _trace_pass(self, decoder: RunningBatch, group: list[Entry]) -> None:
-        """One forward pass over `group`; out of memory, it runs in halves, down to one job, which
-        then fails alone. Any other failure fails the jobs of this pass, and only them."""
+        """One forward pass over `group`; out of memory, worker/oom.py's policy (in halves, down to
+        one job, which then fails alone). Any other failure fails the jobs of this pass, and only them."""
         seqs = [entry.seq for entry in group]
-        try:
-            marks = [seq.capture.mark() if seq.capture else None for seq in seqs]
-            decoder.trace(seqs)
-        except Exception as exc:  # a pass's failure is its jobs', never the engine's
-            if is_oom(exc) and len(group) > 1:
-                try:
-                    for seq, mark in zip(seqs, marks, strict=True):
-                        if seq.capture is not None and mark is not None:
-                            seq.capture.reset(mark)
-                        if seq.scores is not None:
-                            seq.scores = type(seq.scores)(seq.scores.k)
-                    if torch.cuda.is_available():
-                        torch.cuda.empty_cache()
-                except Exception as undo:  # noqa: BLE001 - cannot undo: fail the pass's jobs
-                    exc = undo
-                else:
-                    half = len(group) // 2
-                    self._trace_pass(decoder, group[:half])
-                    self._trace_pass(decoder, group[half:])
-                    return
-            failure: Exception = answer_of(exc)
+        marks = [seq.capture.mark() if seq.capture else None for seq in seqs]
+
+        def run(lo: int, hi: int) -> None:
+            try:
+                decoder.trace(seqs[lo:hi])
+            except Exception as exc:  # a pass's failure is its jobs', never the engine's
+                if is_oom(exc):
+                    raise
+                fail(lo, hi, exc)
+                return
+            self.stats.add(hi - lo, 0)
+            for entry in group[lo:hi]:
+                self._done(entry, entry.seq)
+
+        def undo(lo: int, hi: int) -> None:
+            for seq, mark in zip(seqs[lo:hi], marks[lo:hi], strict=True):
+                if seq.capture is not None and mark is not None:
+                    seq.capture.reset(mark)
+                if seq.scores is not None:
+                    seq.scores = type(seq.scores)(seq.scores.k)
+
+        def fail(lo: int, hi: int, exc: Exception) -> None:
             if not is_oom(exc):
-                log.error("a trace pass failed; failing the %d jobs in it", len(group), exc_info=exc)
-            for entry in group:
+                log.error("a trace pass failed; failing the %d jobs in it", hi - lo, exc_info=exc)
+            failure = answer_of(exc)
+            for entry in group[lo:hi]:
                 self._done(entry, failure)
-            return
-        self.stats.add(len(group), 0)
-        for entry in group:
-            self._done(entry, entry.seq)
+
+        in_halves(0, len(group), run, fail, undo)
 
     def _step(self, decoder: RunningBatch) -> None:
         """One decoding step. Rows that end leave with their results (the decoder never loses

@@ -41,10 +41,11 @@ import torch
 from shared.errors import InternalError
 from worker.batch_passes import BatchPasses
 from worker.constrained import fill_bitmask
-from worker.failures import failure_of, is_oom, out_of_memory
+from worker.failures import failure_of
 from worker.input_batch import InputBatch, Reading
 from worker.memory import release_device_memory
 from worker.model_runner import DecodeStep, allowed_tokens
+from worker.oom import in_halves, lowered_cap
 from worker.sampling import Features, RowSampling, SamplingTable, sample, token_counts
 from worker.sequence import Sequence, score_rows
 from worker.slot_sizing import CacheLimits, Shape, SlotSizing
@@ -488,42 +489,52 @@ class SlotDecoder(BatchPasses):
         """The step of slots [lo, hi) (or its `stage`: "forward", the model pass; "sample", the
         sampler over `span` positions): captures to the rings (`keys`), edits from the tables
         (`plan`) or, when a row's edits do not fit them (None), with worker/edits.py's hooks;
-        out of memory, in halves (see the module)."""
+        out of memory, worker/oom.py's policy: in halves (see the module)."""
+        assert self.batch is not None
+        span = self.batch.span_positions() if span is None else span
+
+        def run(lo: int, hi: int) -> None:
+            self._eager_part(lo, hi, owners, constrained, features, keys, plan, stage, span)
+
+        def fail(lo: int, hi: int, exc: Exception) -> None:
+            row = owners[lo]
+            if row is not None and row.ended is None:
+                row.failure, row.ended = failure_of(exc), "failed"
+
+        def split(size: int) -> None:
+            self.most_rows = lowered_cap(self.most_rows, size, "step")
+
+        in_halves(lo, hi, run, fail, split=split if top else None)
+
+    def _eager_part(
+        self,
+        lo: int,
+        hi: int,
+        owners: list[Sequence | None],
+        constrained: bool,
+        features: Features,
+        keys: frozenset,
+        plan: EditPlan | None,
+        stage: str,
+        span: int,
+    ) -> None:
+        """`_eager`'s one run of slots [lo, hi), without the policy."""
         assert self.batch is not None and self.runner is not None
         part = owners[lo:hi]
         if plan is None and stage != "sample":
             spans = [(s.prompt_tokens + len(s.generated) - 1, 1) if s is not None else (0, 1) for s in part]
             self.edits.use([s.edits if s is not None else None for s in part], spans, 1)
-        span = self.batch.span_positions() if span is None else span
         full = all(s is not None and self.batch.host_positions[lo + i] + 1 == span for i, s in enumerate(part))
-        try:
-            if stage == "sample":
-                self.runner.sample(lo, hi, span, constrained, features)
-            else:
-                tables = self.runner.edits.recording(plan or frozenset(), lo, hi - lo)
-                with tables, self.runner.rings.recording(keys, lo, hi - lo):
-                    if stage == "forward":
-                        self.runner.forward(lo, hi, span, full)
-                    else:
-                        self.runner.decode(lo, hi, span, constrained, full, features)
-        except Exception as exc:
-            if not is_oom(exc):
-                raise
+        if stage == "sample":
+            self.runner.sample(lo, hi, span, constrained, features)
         else:
-            self.edits.flush()
-            return
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        if hi - lo == 1:
-            if part[0] is not None and part[0].ended is None:
-                part[0].failure, part[0].ended = out_of_memory(), "failed"
-            return
-        half = (hi - lo) // 2
-        if top:
-            self.most_rows = min(self.most_rows or (hi - lo), half)
-            log.warning("out of memory at a step of %d slots: running it in halves; batches now at most %d", hi, half)
-        self._eager(lo, lo + half, owners, constrained, features, keys, plan, top=False, stage=stage, span=span)
-        self._eager(lo + half, hi, owners, constrained, features, keys, plan, top=False, stage=stage, span=span)
+            tables = self.runner.edits.recording(plan or frozenset(), lo, hi - lo)
+            with tables, self.runner.rings.recording(keys, lo, hi - lo):
+                if stage == "forward":
+                    self.runner.forward(lo, hi, span, full)
+                else:
+                    self.runner.decode(lo, hi, span, constrained, full, features)
+        self.edits.flush()
 
     def _after(self, owners: list[Sequence | None], tokens: list[int]) -> None:
         """Each running row's log-probabilities (from the step's logits, one transfer) and its

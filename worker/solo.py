@@ -30,6 +30,7 @@ from shared.errors import JobFailure
 from worker.batch_passes import BatchPasses
 from worker.columns import append_column
 from worker.failures import failure_of, is_oom, out_of_memory
+from worker.oom import release_cached
 from worker.sequence import Feeding, Sequence, Undo
 
 if TYPE_CHECKING:
@@ -163,8 +164,7 @@ class SoloDecoder(BatchPasses):
         """End the running sequence with `failure` and drop its state (cache, staged captures)."""
         seq.failure, seq.ended = failure, "failed"
         self.reset()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        release_cached()
         return [seq]
 
     def _row_ids(self, index: int) -> torch.Tensor:
