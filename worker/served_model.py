@@ -223,9 +223,10 @@ class ServedModel:
         (worker/slot_decoding.py); for a model whose cache cannot live in slots (`slot_reason`),
         in one compacted timeline; for a recurrent or hybrid model (`state_slots`), each sequence's
         state in a slot (worker/state_decoding.py); for one whose cache cannot be batched at all
-        (`solo_reason`), one job at a time with the model's own cache."""
+        (`solo_reason`), or such a model asked for one slot, one job at a time with the model's own
+        cache (bit for bit `generate`)."""
         pad = self._pad()["pad_token_id"]
-        if self.state_slots:
+        if self.state_slots and slots > 1:  # a batch of one stays exactly `generate`: the solo decoder's
             return StateDecoder(self.hf, self.tokenizer, pad, slots)
         if self.solo_reason is not None:
             return SoloDecoder(self.hf, self.tokenizer, pad)
