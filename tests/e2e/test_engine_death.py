@@ -5,10 +5,12 @@ and the Celery process in front of the engine never loads torch, whatever it has
 from __future__ import annotations
 
 import os
+import subprocess
 from pathlib import Path
 
 import pytest
 
+from shared.cli.local_stack import worker_command
 from tests.e2e.test_faults import FAULT, children
 
 pytestmark = pytest.mark.slow
@@ -53,6 +55,17 @@ def test_the_reason_an_engine_died_reaches_each_of_its_jobs_error_and_the_worker
         assert worker.poll() is None, "the worker itself stays up"
     finally:  # a failure here must not leave a dead worker for the stack's later tests
         live.stop_process("worker-tiny-dead")
+
+
+def test_a_worker_whose_engine_cannot_load_its_model_says_why_in_its_own_line(tmp_path):
+    """An engine process that cannot load its model (an empty folder) says why before it exits 1;
+    the Celery process's own failure (exit 1) carries that reason, not only the exit status."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ACTQ_MODEL": str(tmp_path), "ACTQ_REDIS_URL": "redis://127.0.0.1:1/0"}
+    done = subprocess.run(worker_command(), env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stderr[-3000:]
+    said = [line for line in done.stderr.splitlines() if line.startswith("worker.engine_client.EngineStartFailed:")]
+    assert len(said) == 1, done.stderr[-3000:]
+    assert f"the capture engine process ended (exit status 1: cannot serve model {tmp_path}: " in said[0], said
 
 
 def mapped_torch(pid: int) -> list[str]:
