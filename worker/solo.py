@@ -4,8 +4,11 @@ worker/kvcache.py moves rows of a `DynamicCache` made of attention layers only. 
 recurrent, linear-attention and convolution layers (Mamba, Mamba-2, Jamba, RecurrentGemma,
 GraniteMoeHybrid, Qwen3-Next, LFM2), static and quantized caches keep a state per sequence that it
 cannot pad, split or join, and some models keep that state in their own modules (RecurrentGemma).
-For them the engine runs `SoloDecoder`: the job's prompt, then one decoding step at a time, with
-the model's own cache object built and carried as `generate` does it (`_sample`): the cache from
+Those whose layers are recurrent states and full attention batch in state slots all the same
+(worker/state_decoding.py, which runs a job's prompt here); a job alone (one slot) and the others
+(RecurrentGemma's sliding window, static and quantized caches) run `SoloDecoder`: the job's
+prompt, then one decoding step at a time, with the model's own cache object built and carried as
+`generate` does it (`_sample`): the cache from
 `_prepare_cache_for_generation`, the inputs of every pass from `prepare_inputs_for_generation`, and
 the cache, positions and mask carried to the next pass by `_update_model_kwargs_for_generation`.
 Nothing here reads or rewrites the cache, so whatever state it holds is the model's business, and
