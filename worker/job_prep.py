@@ -6,8 +6,6 @@ job's failure before it reaches the engine core."""
 
 from __future__ import annotations
 
-import dataclasses
-import secrets
 from typing import TYPE_CHECKING
 
 import torch
@@ -19,7 +17,7 @@ from shared.interventions import EditPoint
 from shared.schemas import CapturePoint, CaptureSpec, JobRequest
 from worker.capture import JobCapture
 from worker.edits import JobEdits, build
-from worker.sampling import RowSampling, Sampler
+from worker.sampling import Sampler, row_sampling
 from worker.sequence import Sequence, TokenScores, Watch
 
 if TYPE_CHECKING:
@@ -52,29 +50,6 @@ def unsupported_by_generate(request: JobRequest) -> str | None:
     if request.presence_penalty or request.frequency_penalty:
         return "presence_penalty and frequency_penalty"
     return None
-
-
-def row_sampling(request: JobRequest) -> RowSampling:
-    """The request's settings for the vectorised sampler; a job without a seed gets a random one
-    (its draws are then its own, as with a fresh generator)."""
-    shaping = RowSampling(
-        repetition_penalty=request.repetition_penalty,
-        presence_penalty=request.presence_penalty,
-        frequency_penalty=request.frequency_penalty,
-        logit_bias=dict(request.logit_bias or {}),
-        min_tokens=request.min_tokens,
-    )
-    if not request.samples:
-        return shaping
-    seed = request.seed if request.seed is not None else secrets.randbits(63)
-    return dataclasses.replace(
-        shaping,
-        temperature=request.temperature,
-        seed=seed,
-        top_p=request.top_p,
-        top_k=max(request.top_k, 0),
-        min_p=request.min_p,
-    )
 
 
 def prepare(

@@ -17,17 +17,27 @@ same in any batch, slot or CUDA graph bucket, and nothing in `sample` reads the 
 host, allocates a persistent buffer or branches on data: it can be captured in a CUDA graph and
 compiled with `fullgraph=True`.
 
+A job's settings for the table come from its request (`row_sampling`). Beside the vectorised
+sampler, `Sampler` picks one row's token with the model's own logits processors and a seeded torch
+generator, as `generate` does: the compacting and solo batches use it, so that a job there is bit
+for bit what `generate` computes (the counter-based draws above are not `generate`'s).
+
 Presence and frequency penalties follow OpenAI's definition (vLLM's too), over the generated
 tokens; the repetition penalty follows transformers' (CTRL's), over prompt and generated tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import secrets
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from shared.schemas import JobRequest
 
 MASK32 = 0xFFFFFFFF
 # Odd multipliers of the stream (golden ratio, and murmur3's finaliser constants).
@@ -65,6 +75,29 @@ class RowSampling:
             filters=not self.greedy and (0 < self.top_k or self.top_p < 1.0 or self.min_p > 0),
             sampled=not self.greedy,
         )
+
+
+def row_sampling(request: JobRequest) -> RowSampling:
+    """The request's settings for the vectorised sampler; a job without a seed gets a random one
+    (its draws are then its own, as with a fresh generator)."""
+    shaping = RowSampling(
+        repetition_penalty=request.repetition_penalty,
+        presence_penalty=request.presence_penalty,
+        frequency_penalty=request.frequency_penalty,
+        logit_bias=dict(request.logit_bias or {}),
+        min_tokens=request.min_tokens,
+    )
+    if not request.samples:
+        return shaping
+    seed = request.seed if request.seed is not None else secrets.randbits(63)
+    return dataclasses.replace(
+        shaping,
+        temperature=request.temperature,
+        seed=seed,
+        top_p=request.top_p,
+        top_k=max(request.top_k, 0),
+        min_p=request.min_p,
+    )
 
 
 @dataclass(frozen=True)

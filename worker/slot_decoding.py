@@ -53,15 +53,6 @@ from worker.step_edits import EditPlan, fits
 log = logging.getLogger(__name__)
 
 
-def row_sampling(seq: Sequence) -> RowSampling:
-    """A sequence's sampler settings (greedy when it has none: a sequence built by hand)."""
-    if seq.sampling is not None:
-        return seq.sampling
-    if seq.sampler is not None and seq.sampler.do_sample:
-        raise InternalError("a sampled sequence joined the slots without its sampling settings")
-    return RowSampling()
-
-
 @dataclass
 class Launched:
     """A decoding step launched: who each slot was (None: free) and its tokens on their way to
@@ -130,7 +121,7 @@ class SlotDecoder(SlotResizing, BatchPasses):
         taken: list[int] = []
         try:
             for seq, row, pad in joining:
-                settings = row_sampling(seq)
+                settings = self._settings(seq)
                 generated = torch.tensor(seq.generated, dtype=torch.int64, device=seq.prompt_ids.device)
                 tokens = torch.cat([seq.prompt_ids[0], generated])
                 slot = self.batch.join(seq, tokens, seq.prompt_tokens, settings)
@@ -150,12 +141,12 @@ class SlotDecoder(SlotResizing, BatchPasses):
         of the pass's rows, made for it) and its grammar's mask."""
         features = Features()
         for i in live:
-            features = features | row_sampling(rows[i]).features
+            features = features | self._settings(rows[i]).features
         if features == Features() and not any(rows[i].constraint is not None for i in live):
             return logits.argmax(dim=-1).tolist()  # greedy rows: the batch's one argmax
         table = self._scratch(len(rows), logits)
         for i in live:
-            table.set_row(i, row_sampling(rows[i]))
+            table.set_row(i, self._settings(rows[i]))
         penalties = None
         if features.penalties:  # the prompts' tokens are seen; nothing is generated yet
             width = max(row.prompt_tokens for row in rows)
@@ -178,6 +169,16 @@ class SlotDecoder(SlotResizing, BatchPasses):
                 allowed = None
         generated = torch.zeros(len(rows), dtype=torch.int64, device=logits.device)
         return sample(logits, table, generated, penalties, allowed, features=features).tolist()
+
+    @staticmethod
+    def _settings(seq: Sequence) -> RowSampling:
+        """A sequence's settings for the vectorised sampler (greedy when it has none: a sequence
+        built by hand; `row_sampling` in worker/sampling.py makes a job's)."""
+        if seq.sampling is not None:
+            return seq.sampling
+        if seq.sampler is not None and seq.sampler.do_sample:
+            raise InternalError("a sampled sequence joined the slots without its sampling settings")
+        return RowSampling()
 
     def _scratch(self, rows: int, logits: torch.Tensor) -> SamplingTable:
         """A sampling table for a prefill's rows (kept for the next prefill, grown when too small)."""
