@@ -29,6 +29,7 @@ from worker.capture_hooks import BatchHooks
 from worker.constrained import masked_rows
 from worker.edits import BatchEdits
 from worker.failures import failure_of
+from worker.hook_paths import PassRows
 from worker.sequence import Feeding, Sequence, Undo, score_rows
 from worker.stop_strings import checked_from, stop_cut
 
@@ -90,22 +91,18 @@ class BatchPasses:
         rows: list[Sequence],
         first: bool,
         padded: bool,
-        lengths: list[int] | None = None,  # a left-padded prefill: each row's own prompt length
         echo: bool = False,  # a prefill whose rows that ask for it score their prompts
     ) -> torch.Tensor:
         """The last position's logits `[B, V]` (float32) of feeding `new` positions; each row's
         capture gets its rows. `generate` drops an all-ones mask, and so does this (`padded`
         says whether any row has padding, from the host's count: asking the mask would sync).
         With `echo`, every position's logits are computed and each echo row's prompt scored."""
-        self.hooks.use([row.capture for row in rows], lengths, decoding=not first and new == 1)
-        edits = [row.edits for row in rows]
-        spans: list[tuple[int, int]] = []
-        if any(e is not None for e in edits):
-            if first:  # a prompt pass: every row's prompt, right-aligned in `new` columns
-                spans = [(0, row.prompt_tokens) for row in rows]
-            else:  # a decoding step: each row's newest token
-                spans = [(row.prompt_tokens + len(row.generated) - 1, 1) for row in rows]
-        self.edits.use(edits, spans, new)
+        if first:  # a prompt pass: every row's prompt, right-aligned in `new` columns
+            at = PassRows([(0, row.prompt_tokens) for row in rows], new)
+        else:  # a decoding step: each row's newest token
+            at = PassRows.step([row.prompt_tokens + len(row.generated) - 1 for row in rows])
+        self.hooks.begin([row.capture for row in rows], at)
+        self.edits.begin([row.edits for row in rows], at)
         extra = {"logits_to_keep": 0 if echo else 1} if self.logits_to_keep else {}
         inputs = self.model.prepare_inputs_for_generation(
             ids,
@@ -117,15 +114,16 @@ class BatchPasses:
             is_first_iteration=first,
             **extra,
         )
-        out = self.model(**inputs, return_dict=True)
+        with self.edits.record(at), self.hooks.record(at):
+            out = self.model(**inputs, return_dict=True)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
         if echo:
             for index, row in enumerate(rows):
                 if row.echo and row.scores is not None:
                     self._score_chunk(row, out.logits[index, new - row.prompt_tokens :], 0, row.prompt_tokens)
-        self.hooks.flush()  # last: this pass's staged rows count once the pass cannot fail any more
-        self.edits.flush()
-        for index, failure in self.hooks.failures.items():
+        failures = self.hooks.finish()  # last: this pass's staged rows count once the pass cannot fail any more
+        self.edits.finish()
+        for index, failure in failures.items():
             rows[index].failure = failure
         return logits
 
@@ -160,7 +158,7 @@ class BatchPasses:
         cache = kvcache.new_cache(self.model.config)
         padded = min(lengths) < width
         echo = any(seq.echo for seq in seqs)  # the scheduler groups echo prefills apart
-        logits = self._forward(ids, mask, pos, cache, width, seqs, True, padded, lengths if padded else None, echo)
+        logits = self._forward(ids, mask, pos, cache, width, seqs, True, padded, echo)
         self._advance(seqs, logits, lambda i: seqs[i].prompt_ids)
         return cache, ids, mask, pos, [width - n for n in lengths]
 
@@ -204,15 +202,18 @@ class BatchPasses:
             inputs["position_ids"] = (mask.cumsum(dim=1) - 1).clamp(min=0)
         if self.logits_to_keep and not any(self.wants_logits(s) for s in seqs):
             inputs["logits_to_keep"] = 1  # nobody needs every position's logits: skip the vocabulary projection
-        self.hooks.use([s.capture for s in seqs], lengths)
-        self.edits.use([s.edits for s in seqs], [(0, n) for n in lengths], width)
+        at = PassRows([(0, n) for n in lengths], width)
+        self.hooks.begin([s.capture for s in seqs], at)
+        self.edits.begin([s.edits for s in seqs], at)
         try:
-            out = self.model(**inputs, use_cache=False, return_dict=True)
+            with self.edits.record(at), self.hooks.record(at):
+                out = self.model(**inputs, use_cache=False, return_dict=True)
         finally:
             self.hooks.lengths = None
-        self.edits.flush()
+        failures = self.hooks.finish()
+        self.edits.finish()
         for index, seq in enumerate(seqs):
-            seq.failure = seq.failure or self.hooks.failures.get(index)
+            seq.failure = seq.failure or failures.get(index)
             if seq.failure is None and seq.scores is not None:
                 first = width - lengths[index]
                 seq.scores.unpredicted(int(seq.prompt_ids[0, 0]))
@@ -248,8 +249,9 @@ class BatchPasses:
         extra = {"logits_to_keep": 0 if whole else 1} if self.logits_to_keep else {}
         ids = seq.prompt_ids[:, :end]
         pos = torch.arange(end, device=ids.device).unsqueeze(0)
-        self.hooks.use([seq.capture], None)
-        self.edits.use([seq.edits], [(start, end - start)], end - start)
+        at = PassRows([(start, end - start)], end - start)
+        self.hooks.begin([seq.capture], at)
+        self.edits.begin([seq.edits], at)
         if seq.capture is not None:
             seq.capture.chunk = (start, end - start)
         try:
@@ -263,12 +265,14 @@ class BatchPasses:
                 is_first_iteration=start == 0,
                 **extra,
             )
-            out = self.model(**inputs, return_dict=True)
+            with self.edits.record(at), self.hooks.record(at):
+                out = self.model(**inputs, return_dict=True)
         finally:
             if seq.capture is not None:
                 seq.capture.chunk = None
-        self.edits.flush()
-        if (failure := self.hooks.failures.get(0)) is not None:
+        failures = self.hooks.finish()
+        self.edits.finish()
+        if (failure := failures.get(0)) is not None:
             seq.failure, seq.ended = failure, "failed"
             return True
         item.fed = end

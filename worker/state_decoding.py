@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from worker.failures import is_oom, out_of_memory
+from worker.hook_paths import PassRows
 from worker.sequence import Sequence, Undo
 from worker.slots import causal_mask
 from worker.solo import SoloDecoder
@@ -183,17 +184,17 @@ class StateDecoder(SoloDecoder):
             inputs["position_ids"] = positions.unsqueeze(1)
         if self._takes_mask and self.slots.attends:  # each row sees its own positions of its slot, no further
             inputs["attention_mask"] = causal_mask(positions, max(at) + 1, self.model.dtype)
-        self.hooks.use([row.capture for row in rows], None, decoding=True)
-        edits = [row.edits for row in rows]
-        spans = [(row.prompt_tokens + len(row.generated) - 1, 1) for row in rows]
-        self.edits.use(edits, spans if any(e is not None for e in edits) else [], 1)
-        out = self.model(**inputs, return_dict=True)
+        step = PassRows.step(at)
+        self.hooks.begin([row.capture for row in rows], step)
+        self.edits.begin([row.edits for row in rows], step)
+        with self.edits.record(step), self.hooks.record(step):
+            out = self.model(**inputs, return_dict=True)
         logits = out.logits[:, -1].to(copy=True, dtype=torch.float32)
         del out
         self.slots.keep(slots, cache)
-        self.hooks.flush()  # last: this pass's staged rows count once the pass cannot fail any more
-        self.edits.flush()
-        for index, failure in self.hooks.failures.items():
+        failures = self.hooks.finish()  # last: this pass's staged rows count once the pass cannot fail any more
+        self.edits.finish()
+        for index, failure in failures.items():
             rows[index].failure = failure
         return logits
 
