@@ -6,9 +6,12 @@ A pass goes `begin` (the rows it runs and what each feeds: `PassRows`), `record`
 the model's forward pass: the values are captured and edited inside it), then `finish` once the
 pass succeeded (its captured rows count, its gates' positions are kept). `hand_over` gives the
 captured steps to their jobs (rows leave), `discard` forgets what a failed batch recorded, `close`
-takes every hook off the model. (The decoders still call the implementations by their own names,
-`use` and `flush` of the hooks, `keys`, `hand_over`, `recording`, `advance`, `stepped` of the rings
-and `sync`, `plan`, `recording` of the tables; they move to this interface with their own rework.)
+takes every hook off the model. Every prefill, prompt chunk and trace pass and the compacting and
+recurrent-state batches' steps go through it (worker/batch_passes.py, worker/state_decoding.py).
+Still on the implementations' own names: the solo decoder's pass (`use`, `flush` of the hooks) and
+the slots' step (`keys`, `hand_over`, `recording`, `advance`, `stepped` of the rings; `sync`,
+`plan`, `recording` of the tables), whose graphs are recorded with the rings' and tables' own
+hooks; batch-level moves (`settle`, `drain`, `compact` of the staging rings) are no pass's.
 
 The path: table operations on the step. worker/step_capture.py (`StepRings`) writes every captured
 value of the slots' decoding step into a device ring with one `index_copy_` at a device cursor;
