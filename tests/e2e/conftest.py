@@ -26,6 +26,22 @@ STACK_ENV = {
 }
 
 
+@pytest.fixture(scope="session", autouse=True)
+def engine_threads() -> Iterator[int]:
+    """This process computes its references (forward hooks on a plain model) with the torch threads
+    the stack's engine processes use by default: a float sum split over 2 threads rounds apart from
+    the same sum on 1, so captures equal the reference bit for bit only at equal thread counts."""
+    import torch
+
+    from shared.settings import Settings, torch_threads_for
+
+    before = torch.get_num_threads()
+    threads = torch_threads_for(Settings())
+    torch.set_num_threads(threads)
+    yield threads
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def stack_redis(tmp_path_factory: pytest.TempPathFactory):
     with RedisServer(tmp_path_factory.mktemp("stack-redis")) as server:
