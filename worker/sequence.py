@@ -79,15 +79,28 @@ class TokenScores:
 def score_rows(scores: list[TokenScores], logits: torch.Tensor, tokens: list[int]) -> None:
     """`TokenScores.add` for many rows at once: row i of `logits` `[n, V]` predicted `tokens[i]`
     for `scores[i]`; one log-softmax over the rows and one transfer of the results to the host."""
-    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).clamp_(min=torch.finfo(torch.float32).min)
-    chosen = logprobs.gather(1, torch.tensor(tokens, device=logprobs.device).view(-1, 1))
     k = max(s.k for s in scores)
+    table = score_table(logits, torch.tensor(tokens, device=logits.device), k)
+    record_scores(scores, tokens, table.tolist(), k)
+
+
+def score_table(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """The scores of `tokens` `[n]` (on the logits' device) against `logits` `[n, V]`, on the
+    device, without reading anything to the host: per row (its log-probability, its rank, the
+    `k` likeliest tokens' log-probabilities, their ids) as float64 `[n, 2 + 2k]` (ids < 2**53:
+    exact). A decoding step computes it before the step after overwrites its logits."""
+    logprobs = torch.log_softmax(logits.to(torch.float32), dim=-1).clamp_(min=torch.finfo(torch.float32).min)
+    chosen = logprobs.gather(1, tokens.view(-1, 1).to(logprobs.device, torch.long))
     ranks = (logprobs >= chosen).sum(dim=-1, keepdim=True)
     parts = [chosen.to(torch.float64), ranks.to(torch.float64)]
     if k:
         top = torch.topk(logprobs, k, dim=-1)
-        parts += [top.values.to(torch.float64), top.indices.to(torch.float64)]  # ids < 2**53: exact
-    host = torch.cat(parts, dim=1).tolist()
+        parts += [top.values.to(torch.float64), top.indices.to(torch.float64)]
+    return torch.cat(parts, dim=1)
+
+
+def record_scores(scores: list[TokenScores], tokens: list[int], host: list[list[float]], k: int) -> None:
+    """Rows of a `score_table` of width `k`, read to the host, into each row's `TokenScores`."""
     for row, token, line in zip(scores, tokens, host, strict=True):
         row.tokens.append(token)
         row.values.append(line[0])

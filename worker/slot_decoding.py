@@ -25,7 +25,8 @@ Overlap: with graphs, a step is launched before the tokens of the step before it
 state it feeds is committed inside the step, on the device), so the device runs it while the host
 checks the last step's rows; a row found ended rode one step more, whose token and captured row
 are dropped; where rows have grammars, only the next step's model pass goes ahead, and its sampler
-follows once the masks are filled from the tokens read (`_ahead`).
+follows once the masks are filled from the tokens read (`_ahead`). Log-probabilities are computed
+on the device as a step is launched (worker/step_scores.py), so they never hold the next step back.
 """
 
 from __future__ import annotations
@@ -45,10 +46,11 @@ from worker.input_batch import InputBatch, Reading
 from worker.model_runner import DecodeStep, allowed_tokens
 from worker.oom import in_halves, lowered_cap
 from worker.sampling import Features, RowSampling, SamplingTable, sample, token_counts
-from worker.sequence import Sequence, score_rows
+from worker.sequence import Sequence
 from worker.slot_resizing import SlotResizing
 from worker.slot_sizing import CacheLimits, Shape, SlotSizing
 from worker.step_edits import EditPlan, fits
+from worker.step_scores import Scored, score_step, take_scores
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class Launched:
     reading: Reading | None
     shape: tuple[int, int] = (0, 0)
     tabled: bool = True
+    scored: Scored | None = None  # its log-probabilities, for the rows that asked
 
 
 class SlotDecoder(SlotResizing, BatchPasses):
@@ -234,8 +237,7 @@ class SlotDecoder(SlotResizing, BatchPasses):
         """What of the step after `current` can be launched before `current`'s tokens are read,
         with `overlap` on: the whole step ("step"); its model pass only ("forward"), when a row
         has a grammar (its mask comes from the token being read); or nothing (None), when a row
-        has log-probabilities (the next step overwrites the logits buffer they are read from) or
-        edits the tables cannot hold (the hooks' spans count the tokens taken), or when no row
+        has edits the tables cannot hold (the hooks' spans count the tokens taken), or when no row
         goes on after `current` (the step would be wasted whole)."""
         overlap = self.overlap if self.overlap is not None else self.runner is not None and self.runner.graphs
         if not overlap or self.batch is None:
@@ -243,7 +245,7 @@ class SlotDecoder(SlotResizing, BatchPasses):
         rows = [o for o in self.batch.owners if isinstance(o, Sequence)]  # with any that joined since
         grammar = False
         for row in rows:
-            if row.scores is not None or (row.edits is not None and not fits(row.edits)):
+            if row.edits is not None and not fits(row.edits):
                 return None
             grammar = grammar or row.constraint is not None
         stepped = {id(row) for row in current.owners if row is not None}
@@ -298,7 +300,8 @@ class SlotDecoder(SlotResizing, BatchPasses):
         if forward_only:
             return Launched(owners, None, shape, tabled)
         batch.advanced()
-        return Launched(owners, batch.copy_next(n), shape, tabled)
+        scored = score_step(batch.logits, batch.next, owners)
+        return Launched(owners, batch.copy_next(n), shape, tabled, scored)
 
     def _sample(self, launched: Launched) -> None:
         """The sampler of a step whose model pass alone was launched (`_launch(forward_only=True)`),
@@ -314,6 +317,7 @@ class SlotDecoder(SlotResizing, BatchPasses):
         else:
             runner.replay_sample(rows, span, constrained, features)
         batch.advanced()
+        launched.scored = score_step(batch.logits, batch.next, owners)
         launched.reading = batch.copy_next(len(owners))
 
     def _read(self, current: Launched, tokens: list[int], ahead: Launched | None) -> list[Sequence]:
@@ -321,7 +325,7 @@ class SlotDecoder(SlotResizing, BatchPasses):
         handed over, without the step `ahead` ran for them)."""
         assert self.batch is not None and self.runner is not None
         owners = current.owners
-        self._after(owners, tokens)
+        self._after(owners, tokens, current.scored)
         ending = {slot for slot, s in enumerate(owners) if s is not None and s.ended is not None}
         if not ending:
             return []
@@ -437,9 +441,9 @@ class SlotDecoder(SlotResizing, BatchPasses):
                     self.runner.decode(lo, hi, span, constrained, full, features)
         self.edits.flush()
 
-    def _after(self, owners: list[Sequence | None], tokens: list[int]) -> None:
-        """Each running row's log-probabilities (from the step's logits, one transfer) and its
-        token taken: whether it ended. A failure in one row's own work fails that row."""
+    def _after(self, owners: list[Sequence | None], tokens: list[int], scored: Scored | None) -> None:
+        """Each running row's log-probabilities (`scored`, computed when its step was launched)
+        and its token taken: whether it ended. A failure in one row's own work fails that row."""
         assert self.batch is not None
         for row in owners:
             if row is None:
@@ -448,21 +452,7 @@ class SlotDecoder(SlotResizing, BatchPasses):
                 row.failure = row.capture.failure
             if row.ended is None and row.failure is not None:
                 row.ended = "failed"
-        scored = [slot for slot, s in enumerate(owners) if s is not None and s.ended is None and s.scores is not None]
-        if scored:
-            try:
-                index = torch.tensor(scored, device=self.batch.logits.device)
-                score_rows(
-                    [owners[slot].scores for slot in scored],  # type: ignore[union-attr,misc]
-                    self.batch.logits[index],
-                    [tokens[slot] for slot in scored],
-                )
-            except Exception as exc:  # noqa: BLE001 - scoring failed: the rows that asked for it fail
-                failure = failure_of(exc)
-                for slot in scored:
-                    row = owners[slot]
-                    assert row is not None
-                    row.failure, row.ended = failure, "failed"
+        take_scores(scored, owners, tokens)
         for slot, row in enumerate(owners):
             if row is not None and row.ended is None:
                 try:

@@ -489,6 +489,42 @@ def test_with_each_step_launched_before_the_last_is_read_every_job_gets_its_solo
         assert_same(got, want, f"job {i}")
 
 
+def test_a_batch_with_log_probabilities_keeps_its_overlap_and_each_job_its_solo_scores(served, monkeypatch):
+    """Overlap forced on the CPU, jobs asking for log-probabilities (one with top-3, one sampled)
+    beside one that does not: the scores of a step are computed as it is launched
+    (worker/step_scores.py), so most steps are still launched before the last one's tokens are
+    read, and every job's tokens and log-probabilities equal its solo run."""
+    from worker.slot_decoding import SlotDecoder
+
+    jobs = [
+        job(QUESTIONS[0], 10, None, logprobs=True, top_logprobs=3),
+        job(QUESTIONS[1], 12, None),
+        job(QUESTIONS[2], 9, None, logprobs=True, temperature=0.9, seed=3),
+    ]
+    alone = [solo(served, req, n) for req, n in jobs]
+    ahead = []
+    decide = SlotDecoder._ahead
+
+    def counted(self, current):
+        answer = decide(self, current)
+        ahead.append(answer == "step")
+        return answer
+
+    monkeypatch.setattr(SlotDecoder, "_ahead", counted)
+
+    def overlapped(decoder) -> None:
+        decoder.overlap = True
+
+    batched, largest = run_batched(served, jobs, join_at=[0, 0, 1], wrap=overlapped)
+    assert largest == 3 and sum(ahead) > len(ahead) // 2, ahead  # most steps were launched ahead
+    for i, ((req, _), got, want) in enumerate(zip(jobs, batched, alone, strict=True)):
+        assert_same(got, want, f"job {i}")
+        if req.logprobs:
+            assert got.scores.tokens == want.scores.tokens and got.scores.top_ids == want.scores.top_ids
+            assert got.scores.ranks == want.scores.ranks, f"job {i}"
+            assert max(abs(a - b) for a, b in zip(got.scores.values, want.scores.values, strict=True)) < 1e-4
+
+
 def test_jobs_keeping_different_points_features_and_dtypes_side_by_side_equal_forward_hooks(served, monkeypatch):
     """A window of decoding steps reaches each job in one copy (or one gather) of the rings' rows
     side by side: jobs that keep other modules, a feature subset, another dtype, or the same
