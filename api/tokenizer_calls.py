@@ -1,5 +1,5 @@
 """Calls to a live worker's tokenizer, for an API that holds none: the call is pushed onto the
-model's Redis list and the reply of whichever worker takes it (worker/tokenizer_service.py) is
+model's Redis list and the reply of whichever worker takes it (worker/engine/tokenizer_service.py) is
 awaited, at most WAIT_SECONDS. The tokenizer routes (api/routes/tokenizer.py) answer with it, and
 the OpenAI routes count a long text prompt's tokens with it before queueing (api/context_check.py).
 """

@@ -136,7 +136,7 @@ def ceiling(problems: list, batches: list[int], max_tokens: int) -> dict[int, fl
 
     from shared.cli.gsm8k import data as gsm8k
     from shared.settings import Settings
-    from worker.models import resolve_source
+    from worker.model.loading import resolve_source
 
     source = resolve_source(Settings())
     tokenizer = AutoTokenizer.from_pretrained(source, padding_side="left")

@@ -95,10 +95,11 @@ def main() -> int:
 
     from shared.cli.local_stack import Stack
     from shared.cli.redis_server import RedisServer
-    from shared.settings import Settings, torch_threads_for
+    from shared.settings import Settings
     from tests.support.tiny_model import build
-    from worker.models import ensure_smollm2, load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.engine.runtime import torch_threads_for
+    from worker.model.loading import ensure_smollm2, load
 
     texts = questions(args.jobs, args.gsm8k)
     cores = len(os.sched_getaffinity(0))

@@ -1,4 +1,4 @@
-"""What constrained decoding (worker/constrained.py) costs per decoding step, beside free decoding.
+"""What constrained decoding (worker/rules/constrained.py) costs per decoding step, beside free decoding.
 
 The real `Decoder` on a model whose compute is nearly free (the tiny random Llama, 4 layers,
 hidden 64, SmolLM2's tokenizer: a step's time is the engine's own work, the part a GPU does not
@@ -52,7 +52,7 @@ def load(which: str) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shared.settings import Settings
-    from worker.models import ensure_smollm2
+    from worker.model.loading import ensure_smollm2
 
     folder = ensure_smollm2(Settings().model_cache_dir)
     if which == "tiny":
@@ -82,9 +82,9 @@ def step_times(
     model, tokenizer, grammars, constrained: bool, batch: int, steps: int, device: str = "cpu"
 ) -> list[float]:
     """One run: the batch's prefill, then the time of each step while all rows still run."""
-    from worker.decoding import Decoder
-    from worker.sampling import Sampler
-    from worker.sequence import Sequence
+    from worker.batch.decoding import Decoder
+    from worker.batch.sequence import Sequence
+    from worker.model.sampling import Sampler
 
     greedy = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     seqs = []
@@ -120,7 +120,7 @@ def one_time(tokenizer, vocab: int, eos: set[int], repeats: int) -> dict[str, fl
     from shared.grammars import grammar_problem
     from shared.schemas import JobRequest
     from shared.tools import ToolFormat
-    from worker.constrained import Grammars
+    from worker.rules.constrained import Grammars
 
     build = []
     for _ in range(repeats):
@@ -170,7 +170,7 @@ def main() -> int:
     model = model.to(args.device)
     eos_id = model.generation_config.eos_token_id
     eos = set(eos_id if isinstance(eos_id, list) else [eos_id])
-    from worker.constrained import Grammars
+    from worker.rules.constrained import Grammars
 
     once = one_time(tokenizer, model.config.vocab_size, eos, args.repeats)
     grammars = Grammars(tokenizer, model.config.vocab_size, eos)

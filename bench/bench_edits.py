@@ -43,8 +43,8 @@ QUESTIONS = [
 
 def engine_for(folder: Path, device: str, dtype: str = "auto"):
     from shared.settings import Settings
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     return ServedModel(load(Settings(model=str(folder), model_name="m", device=device, dtype=dtype)))
 
@@ -189,7 +189,7 @@ def main() -> int:
     torch.manual_seed(0)
     from shared.settings import Settings
     from tests.support.tiny_model import build
-    from worker.models import ensure_smollm2
+    from worker.model.loading import ensure_smollm2
 
     smol = ensure_smollm2(Settings().model_cache_dir)
     results = {"command": " ".join([sys.executable, *sys.argv]), "runs": []}

@@ -22,7 +22,7 @@ prompts' submission to the results on the host:
                  without (the cost); a ratio is printed where both its arms ran (--arms)
 
 With --store DIR, then: the capture arm at the largest batch with every job's file written to a
-LocalStore under DIR as its job ends (worker/artifacts.py, by --writers threads, as the worker's task
+LocalStore under DIR as its job ends (worker/results/artifacts.py, by --writers threads, as the worker's task
 threads write them), in MB/s of captured rows reaching files, beside the same bytes written to one
 file under DIR with one fsync: whether the writers keep up with the disk.
 
@@ -81,7 +81,7 @@ def build_model(folder: Path, shape: dict, dtype: str) -> Path:
     from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
 
     from shared.settings import Settings
-    from worker.models import ensure_smollm2
+    from worker.model.loading import ensure_smollm2
 
     tokenizer = AutoTokenizer.from_pretrained(ensure_smollm2(Settings().model_cache_dir), local_files_only=True)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -135,8 +135,8 @@ def core_running(served, seqs: list, sync, each: Callable[[int, object], None]):
     """`seqs` as jobs of an engine core in process (prefilled in one pass, as `generate` does),
     `each(i, outcome)` called as job i ends; yields (the submission time, an event set once every
     job has ended). The core stops on exit (after the caller's timing: stopping waits on its inbox)."""
-    from worker.engine_core import EngineCore
-    from worker.scheduler import Entry
+    from worker.engine.core import EngineCore
+    from worker.engine.scheduler import Entry
 
     ended = [0]
     answered = threading.Event()
@@ -197,7 +197,7 @@ def engine_arm(
 
 
 def storage(served, prompts, max_tokens: int, dtype: str, sync, folder: Path, writers: int) -> dict:
-    """The capture arm with its files: each job's result finished and written (worker/artifacts.py:
+    """The capture arm with its files: each job's result finished and written (worker/results/artifacts.py:
     safetensors, sha256, fsync, atomic rename, manifest) to a LocalStore in `folder` by `writers`
     threads as its job ends, as the worker's task threads do; beside it, the same number of bytes
     written to one file in 8 MiB blocks with one fsync (the disk's own sequential rate)."""
@@ -206,7 +206,7 @@ def storage(served, prompts, max_tokens: int, dtype: str, sync, folder: Path, wr
     from shared.capture_spec import resolve
     from shared.schemas import JobRequest
     from shared.storage import LocalStore
-    from worker.artifacts import write_activations
+    from worker.results.artifacts import write_activations
 
     capture = {"preset": "residual", "positions": "generated", "dtype": dtype}
     requests = [JobRequest.model_validate({"model": "m", "capture": capture, "messages": c}) for c in prompts]
@@ -349,8 +349,8 @@ def main() -> int:
             torch.cuda.synchronize()
 
     from shared.settings import Settings
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     shape = SMOKE if smoke else QWEN2_05B
     with tempfile.TemporaryDirectory(prefix="actq-bench-gpu-") as tmp:

@@ -271,7 +271,7 @@ def load_tokenizer():
 
     try:
         from shared.settings import Settings
-        from worker.models import ensure_smollm2
+        from worker.model.loading import ensure_smollm2
 
         d = ensure_smollm2(Settings().model_cache_dir)
     except Exception as e:

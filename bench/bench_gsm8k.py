@@ -79,7 +79,7 @@ def plain_generate(problems, max_tokens: int) -> dict:
 
     from shared.cli.gsm8k import data as gsm8k
     from shared.settings import Settings
-    from worker.models import load
+    from worker.model.loading import load
 
     loaded = load(Settings())
     tokens, seconds = 0, 0.0

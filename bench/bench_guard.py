@@ -1,4 +1,4 @@
-"""The model guard's cost per nnsight job (worker/model_guard.py): noting the model and the
+"""The model guard's cost per nnsight job (worker/nnsight/guard.py): noting the model and the
 process before the code (`ModelGuard(...)`) and checking and putting back after (`restore()`),
 on a model the code left as it was (the common case: nothing to read again), on the CPU.
 
@@ -35,14 +35,14 @@ from shared.settings import Settings  # noqa: E402
 
 
 def _served(path: Path):
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     return ServedModel(load(Settings(model=str(path), model_name="bench")))
 
 
 def _time(served, repeat: int) -> dict[str, float]:
-    from worker.model_guard import ModelGuard
+    from worker.nnsight.guard import ModelGuard
 
     kwargs = {"tokenizer": served.tokenizer} if "tokenizer" in inspect.signature(ModelGuard).parameters else {}
 
@@ -79,7 +79,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     from tests.support.tiny_model import build
-    from worker.models import ensure_smollm2
+    from worker.model.loading import ensure_smollm2
 
     smol = ensure_smollm2(Settings().model_cache_dir)
     results = {}

@@ -1,10 +1,10 @@
 """Batched decoding of recurrent and hybrid models: 8 jobs together (each job's recurrent state in
-a slot, worker/state_decoding.py) against the same 8 jobs one at a time, on tiny random models
+a slot, worker/batch/state_decoding.py) against the same 8 jobs one at a time, on tiny random models
 (Mamba and Jamba of tests/support/architectures.py, SmolLM2's tokenizer; `--models` takes any of
 its recurrent and hybrid keys), in this process, side by side in one run.
 
 Each arm runs the same `--jobs` greedy jobs (different prompts, `--max-tokens` each) through the
-engine thread (worker/engine_core.py): "together" with ACTQ_MAX_BATCH = the job count, "one at a
+engine thread (worker/engine/core.py): "together" with ACTQ_MAX_BATCH = the job count, "one at a
 time" with ACTQ_MAX_BATCH = 1. Reported per model: generated tokens/s of each arm (medians over
 `--repeats`), their ratio, and each row's exactness against its solo run: tokens identical, and
 max |together - solo| / max |solo| over the captured residual stream of every block (all positions).
@@ -44,8 +44,8 @@ PROMPTS = [
 def run_arm(served, requests, points, max_tokens: int, batch: int) -> tuple[float, list, int]:
     """Every job submitted at once to an engine thread batching up to `batch`: (seconds, the ended
     sequences in request order, the largest batch a step ran)."""
-    from worker.engine_core import EngineCore
-    from worker.scheduler import Entry
+    from worker.engine.core import EngineCore
+    from worker.engine.scheduler import Entry
 
     outcomes: dict[int, object] = {}
     finished = threading.Event()
@@ -76,8 +76,8 @@ def bench_model(key: str, folder: Path, jobs: int, max_tokens: int, repeats: int
     from shared.capture_spec import resolve
     from shared.schemas import JobRequest
     from shared.settings import Settings
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     served = ServedModel(load(Settings(model=str(folder), model_name=key)))
     blocks = served.info.presets["residual"]
@@ -132,7 +132,7 @@ def main() -> int:
     args = parser.parse_args()
     from shared.settings import Settings
     from tests.support.architectures import BY_KEY, build
-    from worker.models import ensure_smollm2
+    from worker.model.loading import ensure_smollm2
 
     smol = ensure_smollm2(Settings().model_cache_dir)
     report: dict = {"command": " ".join([sys.executable, *sys.argv]), "models": []}

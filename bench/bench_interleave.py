@@ -48,8 +48,8 @@ def run_arm(served, chunk: int | None, max_tokens: int, trace_tokens: int | None
     """Start the generation; once it decodes, submit the trace (if any); wait for both."""
     from shared.capture_spec import resolve
     from shared.schemas import JobRequest
-    from worker.engine_core import EngineCore
-    from worker.scheduler import Entry
+    from worker.engine.core import EngineCore
+    from worker.engine.scheduler import Entry
 
     answered: dict[str, float] = {}
     done = threading.Event()
@@ -98,8 +98,8 @@ def main() -> int:
     args = parser.parse_args()
 
     from shared.settings import Settings
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     served = ServedModel(load(Settings(model=args.model, model_name="m")))
     served.hf.generation_config.eos_token_id = None  # every arm generates exactly max_tokens

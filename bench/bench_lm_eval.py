@@ -59,7 +59,7 @@ def main() -> int:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
-    from worker.models import ensure_smollm2
+    from worker.model.loading import ensure_smollm2
 
     settings = Settings()
     folder = ensure_smollm2(settings.model_cache_dir)  # the built-in model, as the worker loads it

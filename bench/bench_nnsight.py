@@ -103,7 +103,7 @@ def main() -> None:
     from shared.cli.local_stack import Stack
     from shared.cli.redis_server import RedisServer
     from shared.settings import Settings
-    from worker.models import ensure_smollm2
+    from worker.model.loading import ensure_smollm2
 
     folder = str(ensure_smollm2(Settings().model_cache_dir))
     huggingface._ID_CACHE[folder] = folder

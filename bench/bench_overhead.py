@@ -71,8 +71,8 @@ def generate_arm(served, texts: list[str], max_tokens: int) -> tuple[float, int]
 
 def engine_arm(served, texts: list[str], max_tokens: int) -> tuple[float, int]:
     from shared.schemas import JobRequest
-    from worker.engine_core import EngineCore
-    from worker.scheduler import Entry
+    from worker.engine.core import EngineCore
+    from worker.engine.scheduler import Entry
 
     seqs = [
         served.prepare(JobRequest(model="m", messages=[{"role": "user", "content": t}]), [], max_tokens) for t in texts
@@ -103,7 +103,7 @@ HEARTBEAT = 0.5  # seconds: how often the worker reports its decoding steps
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     """User + system CPU seconds so far of each process of the stack and its descendants; the
-    worker's engine process (`worker.engine_process`) counted apart from the Celery worker."""
+    worker's engine process (`worker.engine.process`) counted apart from the Celery worker."""
     spent = dict.fromkeys(PROCESSES, 0.0)
     for name, pid in pids.items():
         root = psutil.Process(pid)
@@ -111,7 +111,7 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
         for process in family:
             try:
                 times = process.cpu_times()
-                is_engine = any("worker.engine_process" in part for part in process.cmdline())
+                is_engine = any("worker.engine.process" in part for part in process.cmdline())
             except psutil.NoSuchProcess:
                 continue
             spent["engine" if is_engine else name] += times.user + times.system
@@ -210,8 +210,8 @@ def main() -> int:
     from shared.client import Client
     from shared.settings import Settings
     from tests.support.tiny_model import build
-    from worker.models import ensure_smollm2, load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import ensure_smollm2, load
 
     texts = questions(args.prompts, args.gsm8k)
     rows: dict[str, list[tuple[float, int]]] = {}

@@ -52,9 +52,9 @@ from shared.cli.local_stack import Stack
 from shared.cli.redis_server import RedisServer
 from shared.schemas import CaptureSpec, ChatMessage, JobRequest
 from shared.settings import Settings
-from worker.job_prep import generate_settings
-from worker.models import load
-from worker.served_model import ServedModel
+from worker.batch.job_prep import generate_settings
+from worker.batch.served import ServedModel
+from worker.model.loading import load
 
 LAYERS = (7, 15, 23)
 # A word problem whose greedy completion runs past 32 tokens (every run checks it did).

@@ -3,7 +3,7 @@ settings, against a batch whose every row has every setting (CPU, counted, not t
 
     python bench/bench_sampling.py [--rows 16]
 
-Each row of the table is a job's settings (worker/sampling.py); the parts of `sample` run for
+Each row of the table is a job's settings (worker/model/sampling.py); the parts of `sample` run for
 every row or for none (`Features`), so a batch mixing greedy rows, top_k, min_p, penalties and
 logit_bias dispatches the same operations as one where every row asks for all of them: one kind
 of launch sequence per feature set, and a CUDA graph per feature set in use. Counted with a
@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from worker.sampling import Features, RowSampling, SamplingTable, sample, token_counts
+from worker.model.sampling import Features, RowSampling, SamplingTable, sample, token_counts
 
 VOCAB, CONTEXT, GENERATED = 49152, 64, 32  # SmolLM2's vocabulary; 32 of 64 tokens generated
 

@@ -1,7 +1,7 @@
 """What one decoding step of the engine costs, beside Hugging Face `generate`'s own step.
 
 Arms: `generate`; `compacted`, the decoder of one left-padded timeline that models with sliding
-windows keep (worker/decoding.py); `slots`, the persistent batch in slots (worker/slot_decoding.py).
+windows keep (worker/batch/decoding.py); `slots`, the persistent batch in slots (worker/batch/slot_decoding.py).
 On a model whose compute is nearly free (a random Llama, 4 layers, hidden 64), a step's time is
 the engine's own work: the part a GPU does not speed up. Per step, for batch sizes and numbers of
 capture points, it reports the mean wall time, the host
@@ -39,7 +39,7 @@ COPY = "aten::copy_"
 def build_model(folder: Path, hidden: int, layers: int) -> Path:
     from shared.settings import Settings
     from tests.support.tiny_model import build
-    from worker.models import ensure_smollm2
+    from worker.model.loading import ensure_smollm2
 
     smol = ensure_smollm2(Settings().model_cache_dir)
     if hidden == 64:
@@ -117,7 +117,7 @@ def engine_arm(
         seqs.append(served.prepare(request, points_of, n, None, edit_points))
     with torch.inference_mode():
         if compacted:  # the decoder before slots (still the one of sliding-window models)
-            from worker.decoding import Decoder
+            from worker.batch.decoding import Decoder
 
             decoder = Decoder(served.hf, served.tokenizer, served._pad()["pad_token_id"])
         else:
@@ -215,8 +215,8 @@ def main() -> int:
     torch.set_num_threads(1)
 
     from shared.settings import Settings
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     folder = build_model(Path(tempfile.mkdtemp(prefix="bench-step-")) / "model", args.hidden, args.layers)
     served = ServedModel(load(Settings(model=str(folder), model_name="m", device=args.device, dtype=args.dtype)))

@@ -36,8 +36,8 @@ from shared.storage import LocalStore, attempt_prefix, manifest_key  # noqa: E40
 from shared.storage.s3 import S3Store  # noqa: E402
 from shared.storage.tensors import read_tensor  # noqa: E402
 from tests.support.s3_server import ACCESS_KEY, BUCKET, SECRET_KEY, SeaweedS3  # noqa: E402
-from worker.artifacts import write_activations  # noqa: E402
-from worker.results import CapturedTensor, Generation  # noqa: E402
+from worker.batch.generation import CapturedTensor, Generation  # noqa: E402
+from worker.results.artifacts import write_activations  # noqa: E402
 
 TARGET_THROUGHPUT = 0.8
 TARGET_READ_OVERHEAD = 0.01

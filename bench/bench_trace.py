@@ -245,7 +245,7 @@ def main() -> int:
     from shared.client import Client
     from shared.registry import ModelRegistry
     from shared.settings import Settings
-    from worker.models import resolve_source
+    from worker.model.loading import resolve_source
 
     load_start = os.getloadavg()
     results: dict[str, Any] = {"command": " ".join([sys.executable, *sys.argv]), "loadavg_start": load_start}

@@ -42,10 +42,10 @@ def main() -> int:
     from shared.cli.gsm8k import data as gsm8k
     from shared.schemas import CaptureSpec, JobRequest
     from shared.settings import Settings
-    from worker.engine_core import EngineCore
-    from worker.models import load
-    from worker.scheduler import Entry
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.engine.core import EngineCore
+    from worker.engine.scheduler import Entry
+    from worker.model.loading import load
 
     served = ServedModel(load(Settings(dtype="float32")))
     info = served.info.model_dump()

@@ -2,7 +2,7 @@
 beside each of actq's decoders, on Qwen2-0.5B's shape in bfloat16 (bench/bench_gpu.py's model).
 
 Arms: `generate` (eager, dynamic cache); `compacted`, the decoder of one left-padded timeline
-(worker/decoding.py: the engine before slots, still the one of sliding-window models); `slots`, the
+(worker/batch/decoding.py: the engine before slots, still the one of sliding-window models); `slots`, the
 persistent batch run eagerly; `graphs`, the persistent batch with each step replayed as a CUDA
 graph. Per step it reports the wall time (the device synchronised before and after), the time the
 GPU spent in kernels, kernel launches from the host (`cudaLaunchKernel` and kin; a replayed graph
@@ -148,7 +148,7 @@ def arms(graphs, eager, batch: int, steps: int, gsm8k: Path | None, out: Path | 
     """(arm, figures) for each arm at `batch` rows, the prompts GSM8K questions."""
     from bench.bench_gpu import chats
     from shared.schemas import JobRequest
-    from worker.decoding import Decoder
+    from worker.batch.decoding import Decoder
 
     conversations = chats(gsm8k, batch)
     texts = [graphs.tokenizer.apply_chat_template(c, tokenize=False, add_generation_prompt=True) for c in conversations]
@@ -181,8 +181,8 @@ def main() -> int:
         return 2
     from bench.bench_gpu import QWEN2_05B, SMOKE, build_model
     from shared.settings import Settings
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     steps = args.steps
     with tempfile.TemporaryDirectory(prefix="actq-profile-") as tmp:

@@ -338,7 +338,7 @@ def working_bytes(model: ModelInfo, prompt_tokens: int, max_tokens: int, all_log
     the attention scores against every earlier position where they are materialised, and, when
     the pass computes every position's logits (`all_logits`), those logits (float32) and the
     log-softmax of SCORE_ROWS of them. The API checks a request with this before it is queued and
-    the worker's scheduler budgets a batch with it (worker/served_model.py), with the same figures."""
+    the worker's scheduler budgets a batch with it (worker/batch/served.py), with the same figures."""
     fed = min(prompt_tokens, model.prefill_chunk_tokens or prompt_tokens)  # positions in one pass
     kv = (model.kv_bytes_per_token or 0) * (prompt_tokens + max_tokens)
     activations = (model.activation_bytes_per_token or 0) * fed

@@ -5,13 +5,13 @@ function), asks for JSON (`response_format` json_object / json_schema) or gives 
 `structured_outputs` (shared/structured_outputs.py). The grammar is
 llguidance's (its JSON grammar text, what `llguidance.LLMatcher` takes), built here without a
 tokenizer so the API can check it at submit (`grammar_problem`) and the worker compile the same
-text (worker/constrained.py).
+text (worker/rules/constrained.py).
 
 - JSON output: the schema, as llguidance's JSON compiler reads it.
 - structured_outputs `regex`: llguidance's regex grammar; `choice`: a Lark rule whose
   alternatives are the strings, as literals; `grammar`: the client's Lark text as it is.
 - Forced tool calls: a Lark grammar whose calls are written as the model's tool format writes
-  them (worker/tool_calls.py reads them back): HERMES `<tool_call>\\n{"name": "f", "arguments":
+  them (worker/rules/tool_calls.py reads them back): HERMES `<tool_call>\\n{"name": "f", "arguments":
   {...}}\\n</tool_call>`, several separated by "\\n" under "required" (one when
   parallel_tool_calls is false; at most MAX_CALLS); LLAMA3_JSON `{"name": "f", "parameters":
   {...}}`, several separated by "; ". Once a call is complete the end of the reply is allowed, and

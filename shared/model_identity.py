@@ -1,7 +1,7 @@
 """Which weights a model folder holds, read without torch: its `config.json` (less the keys that
 only say where and by what it was saved) and every tensor of its `*.safetensors` files, each
 tensor's bytes hashed. The worker fingerprints the files it loaded its model from
-(worker/models.py) and publishes that; the API compares the folder an nnsight client names
+(worker/model/loading.py) and publishes that; the API compares the folder an nnsight client names
 with it (api/nnsight_identity.py) and says what differs.
 
 A folder is read only so far: `config.json` and the `*.safetensors` files directly in it, each

@@ -4,10 +4,10 @@ frame into memory at the size its header declares. So the API reads that declare
 and refuses a frame that does not declare one, declares more than ACTQ_NNSIGHT_MAX_REQUEST_BYTES, or
 expands past MAX_RATIO; then it decompresses the first bytes only (never more) and checks they
 start Python's object serialization at the protocol nnsight 0.8 writes (0x80, then 4). The
-worker decompresses the stored payload itself under the same cap (worker/nnsight_io.py) and
+worker decompresses the stored payload itself under the same cap (worker/engine/nnsight_io.py) and
 hands nnsight the result.
 
-Nothing here loads the payload: it is code, loaded only by the worker (worker/nnsight_jobs.py).
+Nothing here loads the payload: it is code, loaded only by the worker (worker/nnsight/jobs.py).
 """
 
 from __future__ import annotations

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from functools import lru_cache
 from pathlib import Path
 from typing import Annotated, Literal
@@ -218,20 +217,12 @@ class Settings(BaseSettings):
         None,
         ge=1,
         description=(
-            "torch CPU threads of each engine process. Default: 1 on a machine of 2 cores or fewer, else the "
-            "cores less one: the API, Redis and the Celery process share the machine, and "
-            "a step whose threads outnumber the free cores waits on the slowest (2 cores, 256 GSM8K jobs at "
-            "batch 32 on a tiny model: 0.26x of `generate` with torch's default of one thread per core, 0.59x "
-            "with 1)."
+            "torch CPU threads of each engine process. Default: 1 on 2 cores or fewer, else the cores less one, "
+            "which leaves room for the API, Redis and the Celery process (figures: docs/benchmarks.md)."
         ),
     )
     torch_interop_threads: int = Field(
-        1,
-        ge=1,
-        description=(
-            "torch inter-op threads of each engine process: 1, since the engine runs one model step at a "
-            "time and an inter-op pool only adds threads that compete for the cores."
-        ),
+        1, ge=1, description="torch inter-op threads of each engine process: it runs one model step at a time."
     )
     max_request_bytes: int = Field(
         4 << 20,
@@ -497,16 +488,6 @@ class Settings(BaseSettings):
             return self.model_name
         path = Path(self.model).expanduser()
         return path.name if path.is_dir() else self.model
-
-
-def torch_threads_for(settings: Settings, cores: int | None = None) -> int:
-    """The torch threads of an engine process: ACTQ_TORCH_THREADS, else 1 on 2 cores or fewer and
-    the cores less one above (`cores`: the cores this process may run on, when not given)."""
-    if settings.torch_threads:
-        return settings.torch_threads
-    if cores is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 1 if cores <= 2 else cores - 1
 
 
 @lru_cache

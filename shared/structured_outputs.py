@@ -1,6 +1,6 @@
 """vLLM's `structured_outputs` in a job request: the reply follows exactly one constraint, enforced
 by constrained decoding with llguidance (shared/grammars.py builds its grammar, the API checks it
-compiles at submit, worker/constrained.py masks the logits by it).
+compiles at submit, worker/rules/constrained.py masks the logits by it).
 
 - `json`: a JSON Schema (an object, or the same written as a JSON string, as vLLM takes both): the
   reply is JSON valid under it, as with `response_format` json_schema (objects that list

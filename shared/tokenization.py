@@ -1,6 +1,6 @@
 """The shapes of `POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info` (vLLM's, at the
 server root), and of the call that carries them from the API, which holds no tokenizer, to a
-worker of the model over Redis (api/routes/tokenizer.py, worker/tokenizer_service.py).
+worker of the model over Redis (api/routes/tokenizer.py, worker/engine/tokenizer_service.py).
 
 Both sides validate the same shapes: the API the client's body, the worker the call it takes from
 Redis (JSON only)."""

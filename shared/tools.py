@@ -35,7 +35,7 @@ CALL_ID_PATTERN = r"^[A-Za-z0-9_.:-]{1,128}$"
 
 
 class ToolFormat(StrEnum):
-    """How a model writes a tool call (worker/tool_calls.py reads both)."""
+    """How a model writes a tool call (worker/rules/tool_calls.py reads both)."""
 
     HERMES = "hermes"  # <tool_call>{"name": ..., "arguments": {...}}</tool_call> (Qwen, Hermes, SmolLM3)
     LLAMA3_JSON = "llama3_json"  # {"name": ..., "parameters": {...}}, optionally after <|python_tag|> (Llama 3.x)

@@ -60,7 +60,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The built-in SmolLM2, converted once into the model cache (about 30 s the first time)."""
-    from worker.models import ensure_smollm2
+    from worker.model.loading import ensure_smollm2
 
     return ensure_smollm2(Settings().model_cache_dir)
 

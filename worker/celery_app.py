@@ -1,12 +1,12 @@
 """The worker's Celery app: `celery -A worker.celery_app worker`.
 
 Shape: the Celery worker process runs a threads pool of ACTQ_MAX_BATCH task threads and starts
-one engine process (engine_process.py) that loads the model once and runs every job in its
+one engine process (worker/engine/process.py) that loads the model once and runs every job in its
 scheduler's batches. A task hands its job id to the engine and waits for that job to end, so each
 message is acknowledged when its own job ends (late ack), and up to ACTQ_MAX_BATCH jobs are taken
 from the queue at once. The worker process itself never imports torch: its main thread stays free
 to answer control commands (`inspect ping`), send heartbeats and task events while the engine
-computes, and a kill -9 of the engine process loses no job (engine_client.py).
+computes, and a kill -9 of the engine process loses no job (worker/engine_client.py).
 
 Its name. Each worker is a Celery node of its own: without `-n`, it is named
 `actq-<model>-<6 hex>@<host>` (`-gpu<N>` after the model when CUDA_VISIBLE_DEVICES names one

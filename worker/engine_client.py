@@ -1,4 +1,4 @@
-"""The Celery worker's side of an engine process (engine_process.py): start it, hand it job ids,
+"""The Celery worker's side of an engine process (worker/engine/process.py): start it, hand it job ids,
 and wait for each job to end. Each task thread waits for its own job, so each message is acked
 when its own job ends; the worker's main thread never computes and stays free for control
 commands, heartbeats and events.
@@ -17,7 +17,7 @@ When an engine process ends, each job it held is answered by who is to blame:
   killer during a batch): back to the queue, the next delivery counts as an attempt.
 A capture engine that died is started again at once; a lazy one at its next job. Why it died
 (its `dead` message, else its exit status) goes to the worker's log and, through `ended`, to each
-job it held: a job lost on its last allowed attempt is failed with that reason (celery_app.py).
+job it held: a job lost on its last allowed attempt is failed with that reason (worker/celery_app.py).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from worker.engine_process import NODE_ENV, REPLY_FD_ENV, ROLE_ENV
+from worker.engine.process import NODE_ENV, REPLY_FD_ENV, ROLE_ENV
 
 EX_FAILURE = 1
 RESTARTS = 3  # tries to replace a dead engine before the worker gives up
@@ -113,7 +113,7 @@ class EngineClient:
         if self.node:
             env[NODE_ENV] = self.node
         proc = subprocess.Popen(
-            [sys.executable, "-m", "worker.engine_process"],
+            [sys.executable, "-m", "worker.engine.process"],
             stdin=subprocess.PIPE,
             pass_fds=(write_fd,),
             env=env,

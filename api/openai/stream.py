@@ -2,7 +2,7 @@
 server-sent events in OpenAI's chunk format, as the worker generates it.
 
 The request becomes the same jobs as without `stream` (one per choice: prompts x `n`, with
-`stream: true` on each, so the worker publishes its text as it grows: worker/progress.py,
+`stream: true` on each, so the worker publishes its text as it grows: worker/engine/progress.py,
 `keys.job_text`), submitted the same way (api/openai/submit.py) and holding one of the process's
 long-poll places for as long as the stream is open. Before the first byte, a bad request, an
 unknown model or a full queue is an ordinary 4xx JSON answer in OpenAI's error shape; after it, an

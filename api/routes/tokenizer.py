@@ -1,7 +1,7 @@
 """`POST /tokenize`, `POST /detokenize` and `GET /tokenizer_info`, in vLLM's shapes at the server
 root (where lm-eval's RemoteTokenizer looks for them), answered by a live worker's own tokenizer:
 the API holds none. Each request becomes a call on the model's Redis list and waits (at most
-WAIT_SECONDS) for the reply of whichever worker takes it (worker/tokenizer_service.py).
+WAIT_SECONDS) for the reply of whichever worker takes it (worker/engine/tokenizer_service.py).
 
 `model` may be left out when live workers serve exactly one model (lm-eval sends none). Errors
 are actq's (`{"error", "detail"}`): 404 for a model no live worker serves (as on /v1/models: a

@@ -86,7 +86,7 @@ def flower(
 def prepare_model() -> None:
     """Convert the built-in model into ACTQ_MODEL_CACHE_DIR now (the worker otherwise does it on first start)."""
     # The worker's own code does it, in a process of its own: the CLI never imports worker/.
-    done = subprocess.run([sys.executable, "-m", "worker.models"], check=False)
+    done = subprocess.run([sys.executable, "-m", "worker.model.loading"], check=False)
     if done.returncode:
         raise typer.Exit(done.returncode)
 

@@ -47,7 +47,7 @@ class JobRequest(Strict):
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] = 0.0
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
     seed: Annotated[int, Field(ge=0, le=2**63 - 1)] | None = None
-    # The rest of the sampler, each a per-row tensor of the decoding step (worker/sampling.py), in
+    # The rest of the sampler, each a per-row tensor of the decoding step (worker/model/sampling.py), in
     # the order transformers' generate applies its processors: `logit_bias` (token id -> -100 to
     # 100, added to its logit), `repetition_penalty` (transformers', over prompt and reply),
     # `presence_penalty` / `frequency_penalty` (OpenAI's, -2 to 2, over the reply), `min_tokens`

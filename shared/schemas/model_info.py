@@ -87,21 +87,21 @@ class ModelInfo(Strict):
     chat_template: bool = True
     # How the model writes tool calls (the format parsed and, under tool_choice, enforced), and
     # whether its chat template renders tools itself; False: actq's fallback prompt does
-    # (worker/tool_prompt.py). None: no chat template, so no tools.
+    # (worker/rules/tool_prompt.py). None: no chat template, so no tools.
     tool_format: ToolFormat | None = None
     tool_template: bool = False
     # The tokenizer's special-token strings (`<|im_start|>`...), which the API refuses in tools and
     # tool calls: a template would render them as its own markup. Empty: the deployment allows
     # them (ACTQ_ALLOW_SPECIAL_TOKENS), or its workers predate this field.
     special_tokens: list[str] = []
-    # Named module sets, one path per decoder block (worker/presets.py): residual, attention, mlp.
+    # Named module sets, one path per decoder block (worker/model/presets.py): residual, attention, mlp.
     presets: dict[str, list[str]] = {}
     # What trusted nnsight code runs under on the worker (docs/nnsight.md): the
     # nnsight and Python versions (`3.11.9`); nnsight None: not installed, no nnsight jobs.
     nnsight_version: str | None = None
     python_version: str | None = None
     attention: str | None = None  # the attention implementation it runs (`sdpa`, `eager`, ...)
-    # How its worker decodes jobs (worker/served_model.py `describe_decoder`): "in slots, ...",
+    # How its worker decodes jobs (worker/batch/served.py `describe_decoder`): "in slots, ...",
     # "batched, each job's recurrent state in a slot ...", "in a compacted batch ...", "one job at a
     # time (...)". None: not published (a worker that predates this field).
     decoding: str | None = None

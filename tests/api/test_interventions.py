@@ -22,8 +22,8 @@ from shared.schemas import CapturePoint, CaptureSpec
 from shared.settings import Settings
 from shared.storage import open_store
 from tests.support.stack import TINY, job_count, queued_messages
-from worker.artifacts import write_activations
-from worker.results import CapturedTensor, Generation
+from worker.batch.generation import CapturedTensor, Generation
+from worker.results.artifacts import write_activations
 
 MESSAGES = [{"role": "user", "content": "What is 2+3?"}]
 WIDTH = 64  # tests/support/models.tiny_llama's hidden size

@@ -33,7 +33,8 @@ def engine_threads() -> Iterator[int]:
     the same sum on 1, so captures equal the reference bit for bit only at equal thread counts."""
     import torch
 
-    from shared.settings import Settings, torch_threads_for
+    from shared.settings import Settings
+    from worker.engine.runtime import torch_threads_for
 
     before = torch.get_num_threads()
     threads = torch_threads_for(Settings())

@@ -1,4 +1,4 @@
-"""An engine process that dies says why (`{"dead": reason}` to its worker, worker/engine_process.py),
+"""An engine process that dies says why (`{"dead": reason}` to its worker, worker/engine/process.py),
 and the reason reaches the worker's log and the error of each job it held on its last attempt;
 and the Celery process in front of the engine never loads torch, whatever it has run."""
 

@@ -546,7 +546,7 @@ def test_an_assistant_prefill_is_continued_in_its_own_turn(http, client, tiny_di
 
 def test_penalties_bias_and_vllms_sampling_extras_reach_the_job(http, client):
     """The SDK's `logit_bias` and penalties, and vLLM's extras in `extra_body`, become the job's
-    own settings (worker/sampling.py applies them: tests/worker/test_engine.py checks the tokens
+    own settings (worker/model/sampling.py applies them: tests/worker/test_engine.py checks the tokens
     against transformers' processors): a banned first token is not the reply's first token, and a
     sampled reply with top_k 1 is the greedy one."""
     greedy = client.completions.create(model=TINY, prompt="Hello there", max_tokens=6, temperature=0, logprobs=0)

@@ -6,7 +6,7 @@ Each test also reads what the client put on the wire (an httpx event hook), so t
 that changes what it sends shows here as such, not as a mystery. Replies are checked against
 independent references: the tool model's round trip against plain transformers with the
 tokenizer's own tool template; constrained JSON against tests/support/constrained_reference.py
-(transformers `generate` masked by llguidance directly, not by worker/constrained.py), one
+(transformers `generate` masked by llguidance directly, not by worker/rules/constrained.py), one
 request alone and several in one batch with free rows among them.
 
 The tiny model is random: its schemas bound every string, number and array and forbid extra

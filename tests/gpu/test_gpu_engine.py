@@ -15,7 +15,7 @@
 - at batch 8 with captures, a decoding step reads tensor values into Python at most twice, counted
   as bench/bench_step.py counts them (tests/support/host_reads.py): on a GPU each read waits for it;
   the decoding loop never waits for the captured rows: their copies run on a side stream and the
-  capture writer thread waits for them (worker/step_capture.py).
+  capture writer thread waits for them (worker/hooks/step_capture.py).
 
 These run the engine eagerly (ACTQ_CUDA_GRAPHS off), whose solo run is bit for bit `generate`'s;
 tests/gpu/test_gpu_graphs.py holds graph replay to this eager run.
@@ -57,8 +57,8 @@ class Reference:
 
 
 def load_engine(folder, cuda_graphs: bool = True, **settings):
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     return ServedModel(load(Settings(model=str(folder), model_name="m", **settings)), cuda_graphs=cuda_graphs)
 

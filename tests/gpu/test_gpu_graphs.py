@@ -1,15 +1,15 @@
-"""The decoding step replayed as CUDA graphs (worker/model_runner.py) against the same engine run
+"""The decoding step replayed as CUDA graphs (worker/model/runner.py) against the same engine run
 eagerly (ACTQ_CUDA_GRAPHS off), on the tiny random Llama, in float32 and bfloat16:
 
 - greedy and seeded sampled jobs, joining at different steps and leaving at others, give the
   eager run's tokens (with graphs each step is launched before the last one's tokens are read,
-  worker/slot_decoding.py's overlap; the eager run waits for every step's tokens): identical in
+  worker/batch/slot_decoding.py's overlap; the eager run waits for every step's tokens): identical in
   float32; in bfloat16 the graph runs the bucket's padded shapes (more rows, a longer masked span)
   whose kernels can round differently, so tokens may part only at a near tie (the check of
   tests/gpu/test_gpu_engine.py, same tolerance);
 - every rows bucket (1, 2, 4, 8) is replayed, and a row's tokens do not depend on its bucket or
   slot: each job batched equals the same job alone (bucket 1, slot 0);
-- jobs that capture ride in the replayed step (worker/step_capture.py: the rings written inside
+- jobs that capture ride in the replayed step (worker/hooks/step_capture.py: the rings written inside
   the graph) beside jobs that do not: their solo eager runs equal forward hooks on the plain model
   bit for bit, and their replayed rows are within the tolerance above of those.
 """
@@ -40,7 +40,7 @@ def dtype(request) -> str:
 
 @pytest.fixture(scope="module")
 def engines(tiny_dir, dtype):
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
 
     graphs = load_engine(tiny_dir, device=DEVICE, dtype=dtype)
     eager = ServedModel(graphs.loaded, cuda_graphs=False)  # the same weights
@@ -138,7 +138,7 @@ def test_capturing_jobs_beside_replayed_batches_equal_forward_hooks(engines, dty
 
 
 def test_editing_jobs_ride_in_the_replayed_step_and_give_the_eager_results(engines, dtype):
-    """Jobs whose edits fit the edit tables (worker/step_edits.py) beside plain jobs: the graphs
+    """Jobs whose edits fit the edit tables (worker/hooks/step_edits.py) beside plain jobs: the graphs
     recorded hold edit ops, and each job's tokens are the eager run's (float32: identical;
     bfloat16: parting only at a near tie)."""
     from shared.intervention_check import resolve as resolve_edits
@@ -187,7 +187,7 @@ def test_editing_jobs_ride_in_the_replayed_step_and_give_the_eager_results(engin
 def test_grammar_jobs_replay_the_sampler_after_their_masks_and_give_the_eager_tokens(engines, dtype):
     """Jobs with a JSON schema beside a free one: with graphs, each step's model pass goes ahead as
     a graph of its own and the sampler's graph follows once the masks are filled from the tokens
-    just read (worker/slot_decoding.py); the replies that end validate against the schema, and in
+    just read (worker/batch/slot_decoding.py); the replies that end validate against the schema, and in
     float32 every job's tokens are the eager run's (bfloat16: within the near-tie check)."""
     import json
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 from shared.grammars import MAX_CALLS, grammar_for, grammar_problem
 from shared.schemas import JobRequest
 from shared.tools import ToolFormat
-from worker.tool_calls import parse_tool_calls
+from worker.rules.tool_calls import parse_tool_calls
 
 BYTES = llguidance.LLTokenizer("byte")
 MESSAGES = [{"role": "user", "content": "hi"}]

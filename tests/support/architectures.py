@@ -10,8 +10,8 @@ per architecture (the same folder contents on every build). Each architecture ke
 attention implementation: sdpa, but eager for Gemma 2 (transformers picks it for its attention softcapping).
 The architectures in SOLO (state-space, recurrent, linear-attention and convolution layers) have a cache
 whose rows cannot move between batches: those in STATE_SLOTS batch with each job's state in a slot
-(worker/state_decoding.py), the others run one job at a time (worker/solo.py). MOE_ARCHS, mixture-of-experts models,
-are not in ARCHS (the matrix): the preset tests build them.
+(worker/batch/state_decoding.py), the others run one job at a time (worker/batch/solo.py).
+MOE_ARCHS, mixture-of-experts models, are not in ARCHS (the matrix): the preset tests build them.
 
     from tests.support.architectures import ARCHS, available, build
 
@@ -81,7 +81,7 @@ class Arch:
     layers: module path of the decoder blocks' ModuleList (block i is f"{layers}.{i}").
     make_config: (config class, the tokenizer's ids) -> the tiny config.
     requires: further class names in transformers the arch needs (the vision config of a multimodal one).
-    presets: the presets the worker publishes for it (worker/presets.py): a block without an attention
+    presets: the presets the worker publishes for it (worker/model/presets.py): a block without an attention
         module (a state-space or convolution layer) gives no `attention` preset, a block whose MLP is two
         modules summed (GraniteMoeHybrid's experts beside a shared MLP) no `mlp` preset.
     embedding_std: standard deviation of the token embeddings. Gemma multiplies them by sqrt(hidden) = 8
@@ -529,8 +529,8 @@ ARCHS: list[Arch] = [
 # Architectures whose cache rows cannot move between batches (kvcache.check_supported refuses them).
 SOLO: tuple[str, ...] = ("mamba", "mamba2", "jamba", "recurrent_gemma", "granitemoehybrid", "qwen3_next", "lfm2")
 # Those of SOLO whose cache layers are recurrent states and full attention: they batch, each job's state
-# in a slot (worker/state_decoding.py); RecurrentGemma (a sliding-window attention layer) generates one job
-# at a time with its own cache (worker/solo.py).
+# in a slot (worker/batch/state_decoding.py); RecurrentGemma (a sliding-window attention layer) generates one job
+# at a time with its own cache (worker/batch/solo.py).
 STATE_SLOTS: tuple[str, ...] = ("mamba", "mamba2", "jamba", "granitemoehybrid", "qwen3_next", "lfm2")
 ONE_AT_A_TIME: tuple[str, ...] = tuple(key for key in SOLO if key not in STATE_SLOTS)
 

@@ -4,7 +4,7 @@ grammar allows next.
 
 What it shares with actq: the grammar TEXT (shared.grammars.grammar_for, llguidance's JSON grammar
 with actq's separators), since which JSON spelling a schema compiles to is a choice, not a
-result. What it does not share: everything that decides tokens from it. worker/constrained.py
+result. What it does not share: everything that decides tokens from it. worker/rules/constrained.py
 fills a packed bitmask per batch row (llguidance.torch, many rows in parallel, unpacked on the
 logits' device) inside actq's own batched decoding loop; here one matcher per sequence is fed
 the tokens `generate` picked, its mask is read one byte per token (`compute_logit_bias`), and

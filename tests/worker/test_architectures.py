@@ -1,5 +1,5 @@
 """The architecture matrix, in process: a tiny random model of each architecture researchers bring
-(tests/support/architectures.py), loaded as a worker loads it (worker.models.load, ServedModel),
+(tests/support/architectures.py), loaded as a worker loads it (worker.model.loading.load, ServedModel),
 every listed module captured and compared with plain forward hooks on the same weights
 (tests/support/reference.py, cloning in the hook). Float32 on the CPU: the values must be identical.
 
@@ -23,7 +23,7 @@ from shared.schemas import JobRequest
 from tests.support.architectures import ARCHS, Arch, available, build
 from tests.support.reference import hooked_generate, select
 from tests.worker.test_batching import load_engine
-from worker.results import Generation
+from worker.batch.generation import Generation
 
 pytestmark = pytest.mark.model  # builds and loads tiny models in this process
 
@@ -37,7 +37,7 @@ BASE_MODELS = {"gpt2", "gpt_neox", "opt", "falcon", "falcon_new"}
 @dataclass
 class Loaded:
     arch: Arch
-    served: object  # worker.served_model.ServedModel
+    served: object  # worker.batch.served.ServedModel
     model: torch.nn.Module
     tokenizer: object
 

@@ -1,4 +1,4 @@
-"""Two attempts of one job through the worker's own finishing path (worker/runner.py `_record`:
+"""Two attempts of one job through the worker's own finishing path (worker/engine/job_flow.py `_record`:
 artifacts, then the fenced outcome), with the tiny model, a local store, a real Redis and the
 real API reading the result. As when a paused worker resumes after another re-ran its jobs: the
 attempt the record names keeps its files, the stale one removes its own, and every reader of the
@@ -26,10 +26,10 @@ from shared.schemas import JobRecord, JobRequest, JobStatus, NnsightCall
 from shared.settings import Settings
 from shared.storage import LocalStore, job_prefix, legacy_nnsight_result_key
 from tests.worker.test_batching import load_engine, prepare
-from worker import runner, runtime
-from worker.artifacts import write_activations
-from worker.nnsight_jobs import Outcome
-from worker.sequence import Sequence
+from worker.batch.sequence import Sequence
+from worker.engine import job_flow, runtime
+from worker.nnsight.jobs import Outcome
+from worker.results.artifacts import write_activations
 
 pytestmark = pytest.mark.model
 
@@ -145,7 +145,7 @@ def test_only_the_attempt_the_record_names_keeps_its_files(served, settings, job
     a, b = worker(served, store, jobs, settings, "host:A"), worker(served, store, jobs, settings, "host:B")
     order = [(a, first, stale), (b, second, current)]
     for rt, record, seq in order if stale_finishes == "first" else order[::-1]:
-        runner._record(rt, record, time.perf_counter(), seq)
+        job_flow._record(rt, record, time.perf_counter(), seq)
         if rt is a:  # A lost: nothing of it is left, whatever the record says now
             assert Attempt.of(first).prefix(first.id) not in store.folders(job_prefix(first.id))
     assert_readers_get_the_record(settings, jobs, store, first.id, served)
@@ -162,7 +162,7 @@ def test_the_winner_removes_what_an_earlier_attempt_left(served, settings, jobs,
     died = served.finish(decoded(served, request), request)
     write_activations(store, first.id, "m", request.capture, died, prefix=Attempt.of(first).prefix(first.id))
     assert store.folders(job_prefix(first.id)) == [Attempt.of(first).prefix(first.id)]
-    runner._record(
+    job_flow._record(
         worker(served, store, jobs, settings, "host:B"), second, time.perf_counter(), decoded(served, request)
     )
     assert_readers_get_the_record(settings, jobs, store, first.id, served)
@@ -178,8 +178,8 @@ def test_an_nnsight_result_is_fenced_the_same_way(served, settings, jobs, store)
     first, second = nnsight_job(jobs, settings)
     saves = {a: Outcome(saves={"hs": torch.full((3,), float(n))}, restored=[], held_s=0.0) for n, a in enumerate("AB")}
     b = worker(served, store, jobs, settings, "host:B")
-    runner._record(b, second, time.perf_counter(), saves["B"])  # type: ignore[arg-type]
-    runner._record(worker(served, store, jobs, settings, "host:A"), first, time.perf_counter(), saves["A"])  # type: ignore[arg-type]
+    job_flow._record(b, second, time.perf_counter(), saves["B"])  # type: ignore[arg-type]
+    job_flow._record(worker(served, store, jobs, settings, "host:A"), first, time.perf_counter(), saves["A"])  # type: ignore[arg-type]
     record = jobs.get(first.id)
     assert record.result.nnsight.key == Attempt.of(second).prefix(first.id) + "/nnsight-result.pt"
     assert store.folders(job_prefix(first.id)) == [Attempt.of(second).prefix(first.id)]

@@ -15,7 +15,7 @@ from shared.errors import OutOfMemory
 from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.support.architectures import BY_KEY, available, build
-from worker.sequence import Sequence
+from worker.batch.sequence import Sequence
 
 pytestmark = pytest.mark.model
 
@@ -32,8 +32,8 @@ CAPTURE = {"modules": ["model.layers.{0,2}", "model.layers.1.mlp", "model.norm"]
 
 
 def load_engine(folder):
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     return ServedModel(load(Settings(model=str(folder), model_name="m")))
 
@@ -186,8 +186,8 @@ def test_the_scheduler_fails_only_the_job_whose_prefill_runs_out_of_memory(serve
     an injected allocation failure; the other two run together and equal their solo runs."""
     import threading
 
-    from worker.engine_core import EngineCore
-    from worker.scheduler import Entry
+    from worker.engine.core import EngineCore
+    from worker.engine.scheduler import Entry
 
     jobs = [job(QUESTIONS[0], 10), job(QUESTIONS[1], 10), job(QUESTIONS[2], 10)]
     layer = served.hf.model.layers[1]
@@ -279,9 +279,9 @@ def test_long_prompts_fed_in_chunks_beside_a_running_batch_each_get_their_solo_r
     per turn while the short job decodes, then join its batch; every job equals its solo run."""
     import threading
 
-    from worker.batch_passes import BatchPasses
-    from worker.engine_core import EngineCore
-    from worker.scheduler import Entry
+    from worker.batch.batch_passes import BatchPasses
+    from worker.engine.core import EngineCore
+    from worker.engine.scheduler import Entry
 
     fed: list[tuple[int, int]] = []  # (positions fed before the chunk, rows decoding beside it)
     feed = BatchPasses.feed
@@ -334,7 +334,7 @@ def test_rings_that_fill_many_times_hand_every_step_to_its_job(served, monkeypat
     """Rings of 3 steps (the slots' device rings, and the compacted decoder's staging rings): a
     full ring goes to its jobs before the next step needs its slot, across joins and leaves, so
     each job still gets exactly its solo rows."""
-    import worker.step_capture
+    import worker.hooks.step_capture
 
     generated = {**CAPTURE, "positions": "generated"}
     jobs = [
@@ -344,7 +344,7 @@ def test_rings_that_fill_many_times_hand_every_step_to_its_job(served, monkeypat
         job(QUESTIONS[3], 9, generated),
     ]
     alone = [solo(served, req, n) for req, n in jobs]  # default rings (32 steps): none fills
-    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 3)
+    monkeypatch.setattr(worker.hooks.step_capture, "RING_STEPS", 3)
     batched, largest = run_batched(served, jobs, join_at=[0, 1, 1, 4])
     assert largest == 4
     for i, (got, want) in enumerate(zip(batched, alone, strict=True)):
@@ -358,13 +358,13 @@ def test_the_decoding_loop_goes_on_while_the_capture_writer_is_held(served, monk
     thread running them is given two minutes)."""
     import threading
 
-    import worker.step_capture
-    from worker.capture import JobCapture
+    import worker.hooks.step_capture
+    from worker.hooks.capture import JobCapture
 
     generated = {**CAPTURE, "positions": "generated"}
     jobs = [job(QUESTIONS[1], 12, generated), job(QUESTIONS[4], 12, generated)]
     alone = [solo(served, req, n) for req, n in jobs]
-    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)  # a hand-over every 2 steps: 5 before the end
+    monkeypatch.setattr(worker.hooks.step_capture, "RING_STEPS", 4)  # a hand-over every 2 steps: 5 before the end
     gate, kept = threading.Event(), []
     keep_block = JobCapture.keep_block
 
@@ -403,7 +403,7 @@ def test_the_decoding_loop_goes_on_while_the_capture_writer_is_held(served, monk
 def test_a_failure_on_the_capture_writer_fails_that_job_alone_and_the_writer_goes_on(served, monkeypatch):
     """`keep_block` raises for one job's rows on the writer thread: that job fails with a readable
     error, the job beside it gets its solo result, and a later batch's captures are kept."""
-    from worker.capture import JobCapture
+    from worker.hooks.capture import JobCapture
 
     generated = {**CAPTURE, "positions": "generated"}
     jobs = [job(QUESTIONS[0], 9, generated), job(QUESTIONS[3], 9, generated)]
@@ -439,10 +439,10 @@ def test_with_each_step_launched_before_the_last_is_read_every_job_gets_its_solo
     at different steps; one is cancelled and one hits a stop string, so each ends while the step
     after its last already ran for it (that step's token and captured row are not its); one is
     sampled with a seed; rings of 4 steps hand over every 2 steps. Each job equals its solo run."""
-    import worker.step_capture
-    from worker.slot_decoding import SlotDecoder
+    import worker.hooks.step_capture
+    from worker.batch.slot_decoding import SlotDecoder
 
-    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)
+    monkeypatch.setattr(worker.hooks.step_capture, "RING_STEPS", 4)
     generated = {**CAPTURE, "positions": "generated"}
     jobs = [
         job(QUESTIONS[0], 12, generated),
@@ -492,9 +492,9 @@ def test_with_each_step_launched_before_the_last_is_read_every_job_gets_its_solo
 def test_a_batch_with_log_probabilities_keeps_its_overlap_and_each_job_its_solo_scores(served, monkeypatch):
     """Overlap forced on the CPU, jobs asking for log-probabilities (one with top-3, one sampled)
     beside one that does not: the scores of a step are computed as it is launched
-    (worker/step_scores.py), so most steps are still launched before the last one's tokens are
+    (worker/batch/step_scores.py), so most steps are still launched before the last one's tokens are
     read, and every job's tokens and log-probabilities equal its solo run."""
-    from worker.slot_decoding import SlotDecoder
+    from worker.batch.slot_decoding import SlotDecoder
 
     jobs = [
         job(QUESTIONS[0], 10, None, logprobs=True, top_logprobs=3),
@@ -530,10 +530,10 @@ def test_jobs_keeping_different_points_features_and_dtypes_side_by_side_equal_fo
     side by side: jobs that keep other modules, a feature subset, another dtype, or the same
     modules in another order, in one batch across several windows, each against forward hooks on
     the plain model running `generate` alone."""
-    import worker.step_capture
+    import worker.hooks.step_capture
     from tests.support.reference import hooked_generate, select
 
-    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)  # a window every 2 steps
+    monkeypatch.setattr(worker.hooks.step_capture, "RING_STEPS", 4)  # a window every 2 steps
     specs = [
         {"modules": ["model.layers.{0,2}", "model.layers.1.mlp"], "positions": "generated"},
         {"modules": ["model.layers.1.mlp", "model.layers.0"], "positions": "generated", "features": [1, 5, 9]},

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from shared.schemas import CapturePoint
-from worker.capturable import describe_modules
-from worker.capture import JobCapture
-from worker.capture_hooks import BatchHooks
+from worker.hooks.capturable import describe_modules
+from worker.hooks.capture import JobCapture
+from worker.hooks.capture_hooks import BatchHooks
 
 
 class EditsInPlace(torch.nn.Module):

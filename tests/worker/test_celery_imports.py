@@ -10,7 +10,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent.parent
 CHECK = """
 import sys
-import worker.celery_app, worker.engine_client, worker.engine_process, worker.lost_messages, worker.broker_transport
+import worker.celery_app, worker.engine_client, worker.engine.process, worker.lost_messages, worker.broker_transport
 heavy = sorted(name for name in ("torch", "transformers") if name in sys.modules)
 print(",".join(heavy) or "none")
 """

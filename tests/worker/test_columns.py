@@ -1,11 +1,11 @@
 """The running batch's ids, mask and positions grow by one column per decoding step without
-copying what they hold (worker/columns.py `append_column`)."""
+copying what they hold (worker/batch/columns.py `append_column`)."""
 
 from __future__ import annotations
 
 import torch
 
-from worker.columns import COLUMN_ROOM, append_column
+from worker.batch.columns import COLUMN_ROOM, append_column
 
 
 def test_a_column_goes_into_spare_room_and_what_a_view_showed_never_changes() -> None:

@@ -1,4 +1,4 @@
-"""Constrained decoding in the batched decoder (worker/constrained.py, worker/decoding.py): rows
+"""Constrained decoding in the batched decoder (worker/rules/constrained.py, worker/batch/decoding.py): rows
 under a grammar and free rows share one batch of the tiny random Llama (SmolLM2's tokenizer).
 A random model writes nonsense, so every constrained reply is checked by independent readers
 (json.loads + jsonschema, worker/tool_calls.parse_tool_calls); the free rows must be untouched
@@ -17,13 +17,13 @@ import torch
 from shared.errors import InternalError
 from shared.schemas import JobRequest
 from shared.tools import ToolFormat
-from worker import decoding
-from worker.constrained import Grammars
-from worker.decoding import Decoder
-from worker.sampling import Sampler
-from worker.sequence import Sequence, TokenScores
-from worker.solo import SoloDecoder
-from worker.tool_calls import parse_tool_calls
+from worker.batch import decoding
+from worker.batch.decoding import Decoder
+from worker.batch.sequence import Sequence, TokenScores
+from worker.batch.solo import SoloDecoder
+from worker.model.sampling import Sampler
+from worker.rules.constrained import Grammars
+from worker.rules.tool_calls import parse_tool_calls
 
 pytestmark = pytest.mark.model
 
@@ -274,8 +274,8 @@ def test_with_the_step_after_launched_early_grammars_hold_and_each_row_is_its_ow
     the model pass of the step after is launched before the last tokens are read, and its sampler
     follows with the masks those tokens lead to. The constrained replies parse and validate, and
     every row's tokens (a seeded sampled JSON row among them) equal its run alone, in turn."""
-    from worker.sampling import RowSampling
-    from worker.slot_decoding import SlotDecoder
+    from worker.batch.slot_decoding import SlotDecoder
+    from worker.model.sampling import RowSampling
 
     model, tokenizer = lm
     tools = {"tools": [CALC, UNITS]}

@@ -22,7 +22,7 @@ from shared.schemas import JobRequest
 from tests.support.hostile import nested
 from tests.support.schema_strategies import schemas
 from tests.worker.test_constrained import MAX_TOKENS, decode, grammars, lm, pad_id, reply, request, sequence
-from worker.decoding import Decoder
+from worker.batch.decoding import Decoder
 
 pytestmark = pytest.mark.model
 __all__ = ["grammars", "lm"]  # the fixtures, shared with test_constrained

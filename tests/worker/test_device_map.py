@@ -49,7 +49,7 @@ def write_map(path, placed) -> str:
     ],
 )
 def test_a_bad_device_map_is_refused_with_what_to_change(tmp_path, content, says):
-    from worker.models import read_device_map
+    from worker.model.loading import read_device_map
 
     path = tmp_path / "map.json"
     if content is not None:
@@ -60,7 +60,7 @@ def test_a_bad_device_map_is_refused_with_what_to_change(tmp_path, content, says
 
 
 def test_a_strategy_or_a_map_file_is_read_as_accelerate_takes_it(tmp_path):
-    from worker.models import read_device_map
+    from worker.model.loading import read_device_map
 
     assert read_device_map("balanced") == "balanced"
     assert read_device_map(write_map(tmp_path / "map.json", {"model": 0, "lm_head": "cpu"})) == {
@@ -77,8 +77,8 @@ def test_a_device_and_a_device_map_together_are_refused():
 @pytest.fixture(scope="module")
 def placed(tiny_dir, tmp_path_factory):
     """The engine on the tiny model as the map places it, and a plain HF copy for the reference."""
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     folder = tmp_path_factory.mktemp("device-map")
     settings = Settings(

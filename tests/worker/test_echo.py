@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM
 
 from shared.schemas import JobRequest
 from tests.worker.test_batching import load_engine
-from worker.sequence import Feeding
+from worker.batch.sequence import Feeding
 
 pytestmark = pytest.mark.model
 

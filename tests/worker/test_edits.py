@@ -24,8 +24,8 @@ OTHER = [{"role": "user", "content": "What is 2+3? Answer in one word, then expl
 
 
 def load_engine(folder):
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     return ServedModel(load(Settings(model=str(folder), model_name="m")))
 
@@ -235,9 +235,9 @@ def test_a_patch_of_prompt_positions_leaves_the_decoding_steps_to_the_tables(ser
     """A patch applies at prompt positions only, so no decoding step has it: the steps run from the
     edit tables (replayable), none with the eager hooks, and the job equals the reference hooks'
     run. A patch that reaches a decoding position cannot be in the tables."""
-    from worker.edits import JobEdits, RowEdit
-    from worker.slot_decoding import SlotDecoder
-    from worker.step_edits import fits
+    from worker.batch.slot_decoding import SlotDecoder
+    from worker.hooks.edits import JobEdits, RowEdit
+    from worker.hooks.step_edits import fits
 
     plans: list[object] = []
     eager = SlotDecoder._eager
@@ -337,10 +337,10 @@ def test_a_batch_mixing_steered_gated_and_plain_jobs_gives_each_its_solo_result(
 
 
 def test_a_batch_of_table_edits_gives_each_job_its_solo_result(served, monkeypatch):
-    """Edits that fit the slots' edit tables (worker/step_edits.py: every op but patch, ungated),
+    """Edits that fit the slots' edit tables (worker/hooks/step_edits.py: every op but patch, ungated),
     jobs joining at different steps: the decoding steps apply them from the tables (seen), and
     each job gets its solo result and counts."""
-    from worker.step_edits import StepEdits
+    from worker.hooks.step_edits import StepEdits
 
     plans: list[frozenset] = []
     recording = StepEdits.recording
@@ -573,8 +573,8 @@ def test_prompts_fed_in_chunks_take_their_edits_at_the_right_positions(served):
     (tokens, captures, per-step counts)."""
     import threading
 
-    from worker.engine_core import EngineCore
-    from worker.scheduler import Entry
+    from worker.engine.core import EngineCore
+    from worker.engine.scheduler import Entry
 
     width = served.info.hidden_size
     capture = {"modules": ["model.layers.{1,2}"], "positions": "all"}
@@ -653,11 +653,11 @@ def test_a_plain_job_in_the_place_a_steered_job_left_is_not_steered(served, monk
     `tables`; the hooks, remembered the same way, are rebuilt by the joining job's prefill.)"""
     import gc
 
-    import worker.slot_decoding
-    from worker.decoding import Decoder
+    import worker.batch.slot_decoding
+    from worker.batch.decoding import Decoder
 
     if path == "hooks":
-        monkeypatch.setattr(worker.slot_decoding, "fits", lambda edits: False)
+        monkeypatch.setattr(worker.batch.slot_decoding, "fits", lambda edits: False)
     width = served.info.hidden_size
     capture = {"modules": ["model.layers.{1,2}"], "positions": "all"}
     steer = [{"module": "model.layers.1", "op": "add", "vector": vector(width, 31), "coeff": 6.0}]

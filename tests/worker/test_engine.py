@@ -14,7 +14,7 @@ from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.support.reference import hooked_generate, select
 from tests.support.tiny_model import TINY_CONTEXT
-from worker.prompts import PromptEncoder
+from worker.rules.prompts import PromptEncoder
 
 pytestmark = pytest.mark.model  # builds and loads the tiny model in this process
 
@@ -29,8 +29,8 @@ LAYER_POINTS = [
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     return ServedModel(load(Settings(model=str(tiny_dir), model_name="tiny")))
 
@@ -398,8 +398,8 @@ def test_bias_penalties_and_min_tokens_pick_the_tokens_transformers_processors_p
     job: its tokens are transformers' greedy `generate` with its own processors. The same settings
     (but the two penalties transformers lacks, which are refused there) through a model that
     decodes in a compacted batch instead of slots."""
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     plain = run(served, request(), 12)
     prompt = plain.token_ids[: plain.prompt_tokens]

@@ -26,8 +26,8 @@ from torch.overrides import TorchFunctionMode
 
 from shared.errors import JobFailure, OutOfMemory
 from tests.worker.test_batching import assert_same, job, load_engine, prepare, solo
-from worker.engine_core import EngineCore
-from worker.scheduler import Entry
+from worker.engine.core import EngineCore
+from worker.engine.scheduler import Entry
 
 pytestmark = [pytest.mark.model, pytest.mark.slow, pytest.mark.exhaustive]
 WORKER = str(Path(__file__).resolve().parents[2] / "worker")
@@ -128,7 +128,7 @@ def decoder_kind(request, served, monkeypatch):
     if request.param == "compacted":
         monkeypatch.setattr(served, "slot_reason", "forced by the test: the compacting decoder")
     if request.param == "overlapped":
-        from worker.slot_decoding import SlotDecoder
+        from worker.batch.slot_decoding import SlotDecoder
 
         monkeypatch.setattr(SlotDecoder, "overlap", True, raising=False)
     return request.param
@@ -163,11 +163,11 @@ def steady_clock(monkeypatch):
     failed in a run of its own): 4 and 10 tokens instead of 8 and 18 halve the test's time."""
     import itertools
 
-    import worker.engine_core
-    import worker.step_capture
+    import worker.engine.core
+    import worker.hooks.step_capture
 
-    monkeypatch.setattr(worker.engine_core, "clock", itertools.count().__next__)
-    monkeypatch.setattr(worker.step_capture, "RING_STEPS", 4)  # so that the scenario fills the rings
+    monkeypatch.setattr(worker.engine.core, "clock", itertools.count().__next__)
+    monkeypatch.setattr(worker.hooks.step_capture, "RING_STEPS", 4)  # so that the scenario fills the rings
 
 
 def run(served, requests, mode: FailAt | None) -> tuple[Answers, EngineCore, object]:

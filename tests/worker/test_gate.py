@@ -1,4 +1,4 @@
-"""The served model's gate (worker/gate.py): while trusted code runs, no other thread reads the
+"""The served model's gate (worker/batch/gate.py): while trusted code runs, no other thread reads the
 tokenizer for a job (an outside round's code replaced the chat template, and another key's chat
 rendered with it); readers share the gate; a waiting exclusive run is not starved."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import threading
 
 from tests.worker.test_scheduler import FakeBatch, FakeServed
-from worker.engine_core import Alone, EngineCore
-from worker.gate import Gate
+from worker.batch.gate import Gate
+from worker.engine.core import Alone, EngineCore
 
 
 def _reader(gate: Gate, entered: threading.Event) -> threading.Thread:

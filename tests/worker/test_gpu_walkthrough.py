@@ -1,5 +1,5 @@
 """docs/gpu.md's figures are actq's own: the memory per token that the worker publishes for
-Qwen2.5-7B-Instruct and Llama-3.1-8B-Instruct (worker/footprint.py on their configurations), their
+Qwen2.5-7B-Instruct and Llama-3.1-8B-Instruct (worker/model/footprint.py on their configurations), their
 parameter counts (the models built on the meta device: no weights), and the throughput ceilings
 recomputed from the page's own formula."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-from worker.footprint import footprint
+from worker.model.footprint import footprint
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "gpu.md"
 # The Hub's config.json of each (the sizes that matter here), and the page's name for it.

@@ -1,4 +1,4 @@
-"""The one capture interface and the one edit interface (worker/hook_paths.py): the step-table
+"""The one capture interface and the one edit interface (worker/hooks/paths.py): the step-table
 path (device rings, edit tables) and the hook fallback both serve it, and a batch in slots run
 through either gives each row what plain PyTorch forward hooks on plain `generate` give it alone
 (tests/support/edit_reference.py): its tokens, and its captured rows with its edits applied."""
@@ -11,16 +11,16 @@ import torch
 from shared.schemas import CapturePoint
 from tests.support import edit_reference as ref
 from tests.worker.test_slots import SLOT_TOKENS, Row, load, prefill, rows_of
-from worker.capture import JobCapture
-from worker.capture_hooks import BatchHooks
-from worker.edits import BatchEdits, JobEdits, RowEdit
-from worker.hook_paths import CapturePath, EditPath, PassRows
-from worker.input_batch import InputBatch
-from worker.model_runner import DecodeStep
-from worker.sampling import RowSampling
-from worker.slots import SlotCache
-from worker.step_capture import StepRings
-from worker.step_edits import StepEdits
+from worker.hooks.capture import JobCapture
+from worker.hooks.capture_hooks import BatchHooks
+from worker.hooks.edits import BatchEdits, JobEdits, RowEdit
+from worker.hooks.paths import CapturePath, EditPath, PassRows
+from worker.hooks.step_capture import StepRings
+from worker.hooks.step_edits import StepEdits
+from worker.model.input_batch import POSITION, InputBatch
+from worker.model.runner import DecodeStep
+from worker.model.sampling import RowSampling
+from worker.model.slots import SlotCache
 
 pytestmark = pytest.mark.model
 
@@ -39,7 +39,7 @@ def test_the_step_tables_and_the_hooks_serve_one_interface(tiny) -> None:
     batch = InputBatch(2, SLOT_TOKENS, model.config.vocab_size, set(), "cpu", pad_id=0)
     for capture in (StepRings(model, 2, batch.device), BatchHooks(model)):
         assert isinstance(capture, CapturePath), type(capture)
-    for edits in (StepEdits(model, batch.state, SLOT_TOKENS), BatchEdits(model)):
+    for edits in (StepEdits(model, batch.state[:, POSITION], SLOT_TOKENS), BatchEdits(model)):
         assert isinstance(edits, EditPath), type(edits)
 
 

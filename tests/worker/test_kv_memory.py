@@ -1,4 +1,4 @@
-"""The slots' KV cache follows the work (worker/slot_sizing.py): a long job grows it, and once the
+"""The slots' KV cache follows the work (worker/model/slot_sizing.py): a long job grows it, and once the
 long rows have left it shrinks and the process gives the memory back; rows that run across a
 shrink or a grow decode exactly as in a cache that never changed size (and as forward hooks on
 plain `generate`); ACTQ_KV_CACHE_MAX_BYTES holds a join back or refuses it naming the setting;
@@ -25,10 +25,10 @@ from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.support.reference import hooked_generate, select
 from tests.support.tiny_model import build
-from worker.engine_core import EngineCore
-from worker.scheduler import Entry
-from worker.sequence import Sequence
-from worker.slot_sizing import CacheLimits
+from worker.batch.sequence import Sequence
+from worker.engine.core import EngineCore
+from worker.engine.scheduler import Entry
+from worker.model.slot_sizing import CacheLimits
 
 pytestmark = pytest.mark.model
 
@@ -48,8 +48,8 @@ FRESH = "TESTS_FRESH_PROCESS"  # set in the process a test runs itself again in 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory, smol_dir):
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     folder = build(tmp_path_factory.mktemp("models") / "tiny-long", smol_dir, max_position_embeddings=32_768)
     return ServedModel(load(Settings(model=str(folder), model_name="m")))

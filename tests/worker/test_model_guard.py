@@ -1,5 +1,5 @@
-"""The model guard under an nnsight job's trusted code (worker/model_guard.py, through
-worker/nnsight_jobs.py, nnsight 0.8.1 real): each change an outside round found left other keys'
+"""The model guard under an nnsight job's trusted code (worker/nnsight/guard.py, through
+worker/nnsight/jobs.py, nnsight 0.8.1 real): each change an outside round found left other keys'
 results silently wrong is either put back exactly, or named in `unproven` (the engine is then
 replaced). "Exactly" is checked after the job on the same model object, on the thread that ran
 it (as the engine's would): a greedy generate with plain forward hooks (tests/support/reference.py)
@@ -92,7 +92,7 @@ def settings_now() -> dict[str, object]:
 def run_job(served, client_model, code) -> Ran:
     """`code`'s payload through nnsight_jobs.run, on a thread of its own as the engine runs it (a
     shallow stack), then the hooked generate on that thread."""
-    from worker import nnsight_jobs
+    from worker.nnsight import jobs as nnsight_jobs
 
     blob = payload(client_model, code)
     ran: dict[str, object] = {}
@@ -468,7 +468,7 @@ def test_threads_the_process_starts_meanwhile_are_not_the_codes(served, client_m
     still running when the guard looks, is not the code's: a clean job stays proven (before, the
     guard called it the code's, and the engine was replaced after every such job). A thread the
     code starts is still named (the `a leftover thread` case)."""
-    from worker import model_guard
+    from worker.nnsight import guard as model_guard
 
     noted, spawned, release = threading.Event(), threading.Event(), threading.Event()
     children: list[threading.Thread] = []

@@ -1,4 +1,4 @@
-"""The model guard (worker/model_guard.py) against random sequences of changes inside a guarded
+"""The model guard (worker/nnsight/guard.py) against random sequences of changes inside a guarded
 block: attribute writes and monkeypatches over the model (modules, hooks, parameters, buffers,
 config, generation config), torch (functions, classes, settings, global hooks), the interpreter
 (stdout, switch interval, threads) and the tokenizer (template, special tokens, sides, backend).
@@ -314,7 +314,7 @@ def reference(tiny_dir):
 def test_when_nothing_is_unproven_the_model_and_tokenizer_are_as_loaded(tiny_dir, reference, changes):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from worker.model_guard import ModelGuard
+    from worker.nnsight.guard import ModelGuard
 
     (ids, rows, prompt_tokens), config, generation, fresh = reference
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()

@@ -1,4 +1,4 @@
-"""An nnsight job's way into the engine (worker/nnsight_io.py) with a real served model, store and
+"""An nnsight job's way into the engine (worker/engine/nnsight_io.py) with a real served model, store and
 Redis: a stored payload reaches nnsight only decompressed under the API's cap (a zstd bomb that
 got into storage past an older API fails its job, without the engine allocating what its frame
 declares; a payload nnsight's client compressed runs as before), and the job's first LOG line
@@ -26,16 +26,16 @@ from shared.schemas import JobRecord, JobRequest, NnsightCall
 from shared.settings import Settings
 from shared.storage import nnsight_request_key, open_store
 from tests.api.test_nnsight_requests import zstd_bomb
-from worker import nnsight_io
-from worker.runtime import Runtime
+from worker.engine import nnsight_io
+from worker.engine.runtime import Runtime
 
 pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     return ServedModel(load(Settings(model=str(tiny_dir), model_name="m")))
 

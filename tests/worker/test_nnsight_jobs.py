@@ -12,8 +12,8 @@ import torch
 
 from shared.errors import NnsightCodeFailed, WeightsWritten
 from tests.worker.test_batching import assert_same, job, prepare, solo
-from worker.engine_core import Alone, EngineCore
-from worker.scheduler import Entry
+from worker.engine.core import Alone, EngineCore
+from worker.engine.scheduler import Entry
 
 pytestmark = pytest.mark.model
 
@@ -21,8 +21,8 @@ pytestmark = pytest.mark.model
 @pytest.fixture(scope="module")
 def served(tiny_dir):
     from shared.settings import Settings
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     return ServedModel(load(Settings(model=str(tiny_dir), model_name="m")))
 
@@ -78,7 +78,7 @@ def run_core(served, jobs, blob: bytes | None = None, at_token: int = 4):
     """`jobs` in one EngineCore batch; with `blob`, that nnsight payload runs as the first job
     reaches `at_token` tokens (the batch decoding). Returns (outcomes by index and "alone", core,
     the decoding steps run before the payload)."""
-    from worker import nnsight_jobs
+    from worker.nnsight import jobs as nnsight_jobs
 
     outcomes: dict[object, object] = {}
     steps_before: list[int] = []
@@ -144,7 +144,7 @@ def test_exclusive_work_runs_with_nothing_decoding(served):
 
 
 def test_what_a_job_leaves_is_reported_and_its_failures_are_its_own(served, client_model):
-    from worker import nnsight_jobs
+    from worker.nnsight import jobs as nnsight_jobs
 
     lines: list[str] = []
     before = solo(served, *job("What is 12 times 7?", 6))

@@ -1,4 +1,4 @@
-"""What trusted nnsight code prints (worker/nnsight_jobs.py): its lines reach its job as LOG
+"""What trusted nnsight code prints (worker/nnsight/jobs.py): its lines reach its job as LOG
 statuses, from its own thread and from threads it starts, bounded in number and length; printing
 without newlines keeps at most one cut line in memory; threads left printing after their job
 ended reach the worker's log only up to a bound. Real threads, the real stdout router."""
@@ -11,8 +11,8 @@ import sys
 import threading
 from collections.abc import Iterator
 
-from worker import nnsight_jobs
-from worker.nnsight_jobs import MAX_LOG_LINE, MAX_LOG_LINES, STRAY_BYTES, _printed_to
+from worker.nnsight import jobs as nnsight_jobs
+from worker.nnsight.jobs import MAX_LOG_LINE, MAX_LOG_LINES, STRAY_BYTES, _printed_to
 
 
 @contextlib.contextmanager

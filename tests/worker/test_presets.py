@@ -1,4 +1,4 @@
-"""Presets resolved from the loaded model (worker/presets.py) for mixture-of-experts models and for
+"""Presets resolved from the loaded model (worker/model/presets.py) for mixture-of-experts models and for
 models whose blocks are not all attention + MLP: which presets each publishes, each one module
 inside its block, and an `mlp` capture of an experts block equal to forward hooks on `generate`."""
 
@@ -24,8 +24,8 @@ EXPERTS_AT = {"granitemoe": "block_sparse_moe"}
 
 def engine_for(arch: Arch, tmp_path: Path, smol_dir: Path):
     """The capture engine of `arch`'s tiny model (skipped where transformers lacks it)."""
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     if reason := available(arch):
         pytest.skip(reason)

@@ -1,4 +1,4 @@
-"""worker/progress.py on a real Redis: a round writes every running job's progress and reads its
+"""worker/engine/progress.py on a real Redis: a round writes every running job's progress and reads its
 cancel flag; a streamed job's new text goes to its Redis Stream with its offset, and an `end` entry
 follows once the job has left; an unedited twin's count is not the job's."""
 
@@ -15,8 +15,8 @@ from transformers import PreTrainedTokenizerFast
 from shared import keys
 from shared.jobs import JobStore
 from shared.outages import REDIS, outage
-from worker.progress import TEXT_TTL_SECONDS, ProgressWatch
-from worker.text_stream import TextStream
+from worker.engine.progress import TEXT_TTL_SECONDS, ProgressWatch
+from worker.engine.text_stream import TextStream
 
 VOCAB = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "!": 3}
 

@@ -1,4 +1,4 @@
-"""The runner's claim path (worker/runner.py) with a real engine in this process (the tiny model)
+"""The runner's claim path (worker/engine/job_flow.py) with a real engine in this process (the tiny model)
 over a real Redis: jobs delivered together are claimed in one transaction; a record a newer
 version wrote, which this worker cannot read, is ended once with a readable error, and the jobs
 claimed with it run as usual; a claim that raises is logged with its cause (never as KeyError
@@ -18,7 +18,7 @@ from shared.broker import make_celery
 from shared.jobs import now
 from shared.schemas import JobRecord, JobRequest, JobStatus
 from shared.settings import Settings
-from worker import runner, runtime
+from worker.engine import job_flow, runtime
 
 pytestmark = pytest.mark.model
 
@@ -62,7 +62,7 @@ def test_an_unreadable_record_delivered_with_good_jobs_ends_once_and_they_run(rt
             all_answered.set()
 
     with caplog.at_level(logging.INFO):
-        runner._prepare_many(rt, [(job.id, reply, lambda *_: None) for job in jobs])  # delivered together
+        job_flow._prepare_many(rt, [(job.id, reply, lambda *_: None) for job in jobs])  # delivered together
         assert all_answered.wait(120), answers
     assert answers == {job.id: "done" for job in jobs}
     for job in jobs:
@@ -103,7 +103,7 @@ def test_a_claim_that_raises_names_its_cause_ends_that_job_once_and_the_others_r
             all_answered.set()
 
     with caplog.at_level(logging.INFO):
-        runner._prepare_many(rt, [(job.id, reply, lambda *_: None) for job in jobs])
+        job_flow._prepare_many(rt, [(job.id, reply, lambda *_: None) for job in jobs])
         assert all_answered.wait(120), answers
     assert answers == {job.id: "done" for job in jobs}
     assert [rt.jobs.get(job.id).status for job in jobs] == [JobStatus.succeeded, JobStatus.failed, JobStatus.succeeded]

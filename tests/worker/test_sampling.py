@@ -1,4 +1,4 @@
-"""The vectorised sampler (worker/sampling.py) against transformers' own logits processors, run
+"""The vectorised sampler (worker/model/sampling.py) against transformers' own logits processors, run
 row by row on the same logits with each row's own settings; presence and frequency penalties
 (which transformers does not have) against OpenAI's formula written out here; the draws against
 the softmax they sample from; and a row's token independent of its batch-mates and its row."""
@@ -21,7 +21,7 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from worker.sampling import (
+from worker.model.sampling import (
     MASK32,
     Features,
     RowSampling,

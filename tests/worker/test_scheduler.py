@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from shared.errors import OutOfMemory
-from worker.engine_core import ENGINE_THREAD_DIED, EngineCore
-from worker.scheduler import Entry
+from worker.engine.core import ENGINE_THREAD_DIED, EngineCore
+from worker.engine.scheduler import Entry
 
 
 @dataclass(eq=False)
@@ -130,7 +130,7 @@ class FakeBatch:
 
 class FakeServed:
     def __init__(self, batch: FakeBatch) -> None:
-        from worker.gate import Gate
+        from worker.batch.gate import Gate
 
         self.lock = threading.Lock()
         self.gate = Gate()
@@ -249,7 +249,7 @@ def test_over_the_memory_budget_a_job_waits_for_room_and_a_job_alone_always_runs
 
 
 def test_a_job_the_batchs_kv_cache_cannot_hold_yet_waits_at_the_head_and_a_job_alone_always_runs() -> None:
-    """The batch says a join must wait (its KV cache's cap, worker/slot_sizing.py): the job goes
+    """The batch says a join must wait (its KV cache's cap, worker/model/slot_sizing.py): the job goes
     back to the head of the queue, no later job passes it, and it joins once rows have left.
     With nothing running, a job is taken in whatever the batch says (it is refused at its join
     if it cannot fit alone)."""
@@ -320,7 +320,7 @@ def test_by_default_a_dead_engine_thread_ends_the_process_with_the_reason_logged
         import logging, sys, threading, time
         sys.path.insert(0, ".")
         from tests.worker.test_scheduler import FakeBatch, FakeServed
-        from worker.engine_core import EngineCore
+        from worker.engine.core import EngineCore
 
         class Broken(FakeBatch):
             def close(self):
@@ -350,8 +350,8 @@ def test_the_way_out_of_a_dead_engine_thread_cannot_hang_or_raise() -> None:
         import logging, sys, threading, time
         sys.path.insert(0, ".")
         from tests.worker.test_scheduler import FakeBatch, FakeServed
-        from worker import engine_core
-        from worker.engine_core import EngineCore
+        from worker.engine import core as engine_core
+        from worker.engine.core import EngineCore
 
         class Unprintable(Exception):
             def __str__(self):
@@ -390,8 +390,8 @@ def test_exclusive_runs_take_turns_by_owner_and_the_batch_advances_between_them(
     a, a, b), and after each run the batch is served as long as the run held the model before the
     next one (issue 46: one trusted key held everyone's jobs for minutes, back to back). The
     clock is the engine core's own, advanced by the fake work (no timing here)."""
-    from worker import engine_core
-    from worker.engine_core import Alone
+    from worker.engine import core as engine_core
+    from worker.engine.core import Alone
 
     now = [0.0]
     monkeypatch.setattr(engine_core, "clock", lambda: now[0])
@@ -433,10 +433,10 @@ def test_exclusive_runs_take_turns_by_owner_and_the_batch_advances_between_them(
 
 
 def test_an_exclusive_run_that_cannot_prove_the_model_whole_stops_the_engine_before_anyone_else_runs() -> None:
-    """An answer with `unproven` (worker/model_guard.py) stops the loop: `on_replace` is told
+    """An answer with `unproven` (worker/nnsight/guard.py) stops the loop: `on_replace` is told
     before the answer is handed back, and no prefill, step or other run happens after it."""
     from shared.errors import NnsightCodeFailed
-    from worker.engine_core import Alone
+    from worker.engine.core import Alone
 
     batch = FakeBatch()
     told: list[tuple[str, list[str]]] = []
@@ -552,7 +552,7 @@ def test_traces_that_need_every_logit_never_share_a_pass_with_those_that_do_not(
 def test_beside_decoding_jobs_prefill_work_gets_about_half_the_time(monkeypatch) -> None:
     """A chunk that takes as long as ten decoding steps is followed by ten steps: the running
     batch is owed the time the chunk took (timed with a fake clock the fake batch advances)."""
-    import worker.engine_core as engine_core
+    import worker.engine.core as engine_core
 
     now = [0.0]
     monkeypatch.setattr(engine_core, "clock", lambda: now[0])

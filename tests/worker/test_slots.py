@@ -1,4 +1,4 @@
-"""The persistent batch in slots (worker/slots.py, worker/input_batch.py, worker/model_runner.py)
+"""The persistent batch in slots (worker/model/slots.py, worker/model/input_batch.py, worker/model/runner.py)
 against plain `generate`: sequences prefilled eagerly, their keys and values written into free
 slots, decoded together with rows joining and leaving at any step and slots reused; every
 sequence's greedy tokens equal `generate`'s for it alone, in float32, on each architecture the
@@ -13,10 +13,10 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from tests.support.architectures import BY_KEY, available, build
-from worker.input_batch import InputBatch
-from worker.model_runner import DecodeStep
-from worker.sampling import RowSampling
-from worker.slots import SlotCache, unsupported
+from worker.model.input_batch import InputBatch
+from worker.model.runner import DecodeStep
+from worker.model.sampling import RowSampling
+from worker.model.slots import SlotCache, unsupported
 
 pytestmark = pytest.mark.model
 

@@ -1,7 +1,7 @@
 """Models whose cache cannot be batched (RecurrentGemma: a sliding-window attention layer beside its
 recurrent one; the other recurrent and hybrid models batch in state slots:
-tests/worker/test_state_decoding.py), generated one job at a time by worker/solo.py through the
-engine thread (worker/scheduler.py), each against the independent reference: plain forward hooks
+tests/worker/test_state_decoding.py), generated one job at a time by worker/batch/solo.py through the
+engine thread (worker/engine/scheduler.py), each against the independent reference: plain forward hooks
 that clone, on a plain `model.generate` (tests/support/reference.py), and log_softmax of the
 logits `generate` returns.
 
@@ -25,7 +25,7 @@ from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.support.architectures import BY_KEY, ONE_AT_A_TIME, Arch, available, build
 from tests.support.reference import encode, hooked_forward, hooked_generate, reference_logprobs, select
-from worker.sequence import Sequence
+from worker.batch.sequence import Sequence
 
 pytestmark = pytest.mark.model  # builds and loads tiny models in this process
 
@@ -42,13 +42,13 @@ QUESTIONS = [
 @dataclass
 class Solo:
     arch: Arch
-    served: Any  # worker.served_model.ServedModel (imported lazily: it imports torch models)
+    served: Any  # worker.batch.served.ServedModel (imported lazily: it imports torch models)
 
 
 @pytest.fixture(scope="module", params=ONE_AT_A_TIME)
 def solo(request, tmp_path_factory, smol_dir: Path) -> Solo:
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     arch = BY_KEY[request.param]
     if reason := available(arch):
@@ -71,8 +71,8 @@ def through_scheduler(served, seqs: list[Sequence], **options) -> tuple[list[obj
     """Every sequence submitted at once to an engine thread (an `EngineCore` asked for batches of
     4 unless told otherwise); returns each one's outcome (its ended sequence or its failure) and
     the scheduler (its step statistics)."""
-    from worker.engine_core import EngineCore
-    from worker.scheduler import Entry
+    from worker.engine.core import EngineCore
+    from worker.engine.scheduler import Entry
 
     outcomes: dict[int, object] = {}
     finished = threading.Event()
@@ -137,7 +137,7 @@ def reference_scores(served, question: str, new_tokens: int, k: int, **generate_
 
 
 def test_the_engine_runs_one_job_at_a_time_with_the_model_s_own_cache(solo: Solo):
-    from worker.solo import SoloDecoder
+    from worker.batch.solo import SoloDecoder
 
     served = solo.served
     assert served.solo_reason is not None and "cache layers" in served.solo_reason

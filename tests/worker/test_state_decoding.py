@@ -1,6 +1,6 @@
 """Recurrent and hybrid models (Mamba, Mamba-2, Jamba, GraniteMoeHybrid, Qwen3-Next, LFM2) decode
 batched: each job's recurrent state (and a hybrid's attention keys and values) in a slot of
-worker/state_slots.py, every decoding step one pass over all running jobs (worker/state_decoding.py).
+worker/model/state_slots.py, every decoding step one pass over all running jobs (worker/batch/state_decoding.py).
 Each row of a batch (different prompt lengths and max_tokens, rows joining and leaving mid-batch,
 greedy and seeded sampling) is checked against the independent reference (plain forward hooks
 that clone, on a plain `model.generate`: tests/support/reference.py) and against its own solo run
@@ -41,8 +41,8 @@ LOGPROB_TOLERANCE = 1e-5
 
 @pytest.fixture(scope="module", params=STATE_SLOTS)
 def state(request, tmp_path_factory, smol_dir: Path) -> Solo:
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     arch = BY_KEY[request.param]
     if reason := available(arch):
@@ -57,7 +57,7 @@ def reference(served, question: str, new_tokens: int, modules: list[str]):
 
 
 def test_the_model_says_it_decodes_batched_and_gets_the_state_slots_decoder(state: Solo):
-    from worker.state_decoding import StateDecoder
+    from worker.batch.state_decoding import StateDecoder
 
     served = state.served
     assert served.solo_reason is not None and served.state_slots

@@ -1,4 +1,4 @@
-"""The decoding step (worker/model_runner.py) is what a CUDA graph can hold, shown on the CPU:
+"""The decoding step (worker/model/runner.py) is what a CUDA graph can hold, shown on the CPU:
 run under a dispatch mode that fails on every host synchronisation, every persistent tensor at
 the address it had before the first join, and `torch.compile(fullgraph=True)` with no graph
 break."""
@@ -10,11 +10,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.worker.test_slots import PROMPTS, SLOT_TOKENS, Row, load, prefill, rows_of
-from worker.input_batch import InputBatch
-from worker.model_runner import DecodeStep
-from worker.sampling import RowSampling
-from worker.slots import SlotCache
-from worker.step_edits import GATED
+from worker.hooks.step_edits import GATED
+from worker.model.input_batch import InputBatch
+from worker.model.runner import DecodeStep
+from worker.model.sampling import RowSampling
+from worker.model.slots import SlotCache
 
 pytestmark = pytest.mark.model
 
@@ -152,7 +152,7 @@ CAPTURED = frozenset(
 def values_at_step(model, step: DecodeStep, keys) -> dict:
     """Forward hooks that clone each key's value on a plain call of the model with the step's
     inputs (the reference for what the rings hold)."""
-    from worker.module_rows import first_input, first_tensor
+    from worker.hooks.module_rows import first_input, first_tensor
 
     seen: dict = {}
     handles = []
@@ -253,7 +253,7 @@ def row_edits(width: int, start: int = 45, skip: int = 43):
     add from position `start` at one block; a scale of some features (not at position `skip`)
     and a zero; a project_out at an attention's input; an add gated on a probe's score at the
     first block (row 2 takes none)."""
-    from worker.edits import JobEdits, RowEdit
+    from worker.hooks.edits import JobEdits, RowEdit
 
     generator = torch.Generator().manual_seed(0)
 
@@ -309,11 +309,11 @@ def test_a_step_that_edits_and_captures_compiles_whole_and_reads_nothing_back(ti
 
 
 def test_the_edit_tables_give_each_row_what_the_edit_hooks_give(tiny) -> None:
-    """The same step with the tables (worker/step_edits.py) and with worker/edits.py's hooks (the
+    """The same step with the tables (worker/hooks/step_edits.py) and with worker/hooks/edits.py's hooks (the
     eager path of gated edits and patches): every captured value and every token identical, the
     positions each edit selects (a normalized add that starts, a scale that skips a position, both
     inside the steps run) included."""
-    from worker.edits import BatchEdits
+    from worker.hooks.edits import BatchEdits
 
     model, tokenizer = tiny
     keys = frozenset({("model.layers.1", "output"), ("model.layers.2", "output"), ("model.norm", "output")})
@@ -362,8 +362,8 @@ def test_a_running_batch_that_captures_and_edits_reads_one_value_per_step(tiny_d
     from shared.schemas import JobRequest
     from shared.settings import Settings
     from tests.support.host_reads import HostReads
-    from worker.models import load as load_model
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load as load_model
 
     served = ServedModel(load_model(Settings(model=str(tiny_dir), model_name="m")))
     width = served.info.hidden_size

@@ -9,7 +9,7 @@ import pytest
 
 from shared.schemas import JobRequest
 from shared.settings import Settings
-from worker.stop_strings import stop_cut
+from worker.rules.stop_strings import stop_cut
 
 pytestmark = pytest.mark.model  # loads the tiny model in this process
 
@@ -18,8 +18,8 @@ MESSAGES = [{"role": "user", "content": "Tell me a story about a red fox."}]
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     return ServedModel(load(Settings(model=str(tiny_dir), model_name="tiny")))
 

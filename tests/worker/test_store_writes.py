@@ -1,4 +1,4 @@
-"""worker/store_writes.py: jobs that write to the store finish on a pool of their own, and capture
+"""worker/results/store_writes.py: jobs that write to the store finish on a pool of their own, and capture
 jobs wait to join a batch while too many jobs' files wait to be stored. Real threads; a store
 write that cannot finish is an event the test holds shut."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import threading
 
-from worker.store_writes import StoreWrites
+from worker.results.store_writes import StoreWrites
 
 
 def test_a_write_held_up_delays_neither_another_write_nor_a_capture_job_under_the_limit():

@@ -1,4 +1,4 @@
-"""worker/text_stream.py: the pieces of a streamed job's text join into a prefix of its final text,
+"""worker/engine/text_stream.py: the pieces of a streamed job's text join into a prefix of its final text,
 whatever the tokens (multi-byte characters split across them, a word's leading space) and however
 many come per round, and never show what the final text cuts at a stop string."""
 
@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from worker.text_stream import TextStream
+from worker.engine.text_stream import TextStream
 
 TEXTS = [
     "Plain ASCII, with punctuation: done.",
@@ -27,7 +27,7 @@ def tokenizer(smol_dir: Path):
 
 
 def final_text(tokenizer, ids: list[int], stops: list[str]) -> str:
-    """What worker/results.py answers: the whole decode, cut before the first stop string."""
+    """What worker/batch/generation.py answers: the whole decode, cut before the first stop string."""
     text = tokenizer.decode(ids, skip_special_tokens=True)
     cuts = [text.find(s) for s in stops if s in text]
     return text[: min(cuts)] if cuts else text

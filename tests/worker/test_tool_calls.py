@@ -1,4 +1,4 @@
-"""worker/tool_calls.py: the format picked from real chat templates, calls read back from what
+"""worker/rules/tool_calls.py: the format picked from real chat templates, calls read back from what
 those templates render (transformers' own `apply_chat_template`, the way the worker renders
 prompts), and malformed calls reported, never guessed.
 
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
-from worker.tool_calls import (
+from worker.rules.tool_calls import (
     Parsed,
     Problem,
     ToolCall,

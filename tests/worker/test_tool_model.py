@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from shared.calculator import TOOL, TOOL_NAME, calculate
 from shared.cli.gsm8k.scoring import is_correct, strict_match
 from tests.support.tool_model import POOL, call, problems
-from worker.tool_calls import ToolFormat, parse_tool_calls, template_family
+from worker.rules.tool_calls import ToolFormat, parse_tool_calls, template_family
 
 pytestmark = pytest.mark.model  # trains (or takes from the cache) and loads the tool model
 

@@ -15,7 +15,7 @@ from shared.calculator import TOOL
 from shared.errors import JobFailure
 from shared.schemas import JobRequest
 from shared.tools import ToolFormat
-from worker.prompts import PromptEncoder
+from worker.rules.prompts import PromptEncoder
 
 pytestmark = pytest.mark.model  # SmolLM2's tokenizer (converted once into the model cache)
 

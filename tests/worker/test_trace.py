@@ -33,8 +33,8 @@ CONVERSATIONS = [
 
 @pytest.fixture(scope="module")
 def served(tiny_dir):
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     return ServedModel(load(Settings(model=str(tiny_dir), model_name="tiny")))
 
@@ -201,8 +201,8 @@ def test_a_reduced_capture_equals_the_reduction_of_the_full_capture(served, redu
 def through_scheduler(served, jobs: list[tuple[JobRequest, int]]):
     """Queue every (request, max_tokens) at once on an engine thread (batches of up to 8); returns
     each job's outcome (its ended sequence, or its failure) by index, and the scheduler."""
-    from worker.engine_core import EngineCore
-    from worker.scheduler import Entry
+    from worker.engine.core import EngineCore
+    from worker.engine.scheduler import Entry
 
     outcomes: dict[int, object] = {}
     finished = threading.Event()
@@ -292,8 +292,8 @@ def test_trace_passes_of_other_layouts_equal_their_solo_runs(key, tmp_path, smol
     """Left padding in one trace pass on sliding-window attention (Gemma 2, Mistral: windows of 8,
     shorter than these texts), OPT's flattened [B * S, H] modules and GPT-2's learned positions."""
     from tests.support.architectures import BY_KEY, available, build
-    from worker.models import load
-    from worker.served_model import ServedModel
+    from worker.batch.served import ServedModel
+    from worker.model.loading import load
 
     arch = BY_KEY[key]
     if reason := available(arch):
@@ -329,7 +329,7 @@ def test_a_trace_fed_in_chunks_equals_one_plain_forward_pass(served, chunk):
     activations, the vocabulary projection at the completion's positions, and the
     log-probabilities equal the reference's plain `model(input_ids)` within float rounding
     (attention over a cache adds in another order), and the positions line up across chunks."""
-    from worker.sequence import Feeding
+    from worker.batch.sequence import Feeding
 
     messages = CONVERSATIONS[1]
     jobs = [

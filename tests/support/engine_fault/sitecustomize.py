@@ -1,6 +1,6 @@
 """Test-only fault (tests/e2e/test_faults.py): put this folder on a worker's PYTHONPATH with
 ENGINE_FAULT_ONCE=<a path that does not exist>, and the first engine process to load
-worker.engine_core creates that file and has its engine thread raise from outside every guarded
+worker.engine.core creates that file and has its engine thread raise from outside every guarded
 call at the fifth turn of its loop with a batch running: the bug the watchdog exists for. Engine
 processes started later find the file and run normally. Nothing outside the tests imports this."""
 
@@ -36,7 +36,7 @@ def _arm(module: object) -> None:
 
 class _ArmOnImport(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):  # type: ignore[no-untyped-def]
-        if name != "worker.engine_core":
+        if name != "worker.engine.core":
             return None
         spec = importlib.machinery.PathFinder.find_spec(name, path)
         if spec is None or spec.loader is None:

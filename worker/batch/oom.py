@@ -1,0 +1,65 @@
+"""The one out-of-memory policy for a pass or step over rows: when it runs out of memory, what it
+wrote is put back, the device's cached memory is given back, and the rows run again in two
+halves, each under the same policy, down to one row, which then fails alone (`OutOfMemory`); the
+first split lowers the batch's cap (later batches stay at the half). Every runner of rows uses it:
+the compacting batch's steps (worker/batch/decoding.py), the slots' eager steps (worker/batch/slot_decoding.py)
+and the engine core's trace passes (worker/engine/core.py). Any other exception propagates.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TypeVar
+
+import torch
+
+from worker.rules.failures import is_oom
+
+log = logging.getLogger(__name__)
+R = TypeVar("R")
+
+
+def release_cached() -> None:
+    """After running out of memory: the device's cached blocks back, so that what runs next finds room."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def lowered_cap(most_rows: int | None, rows: int, what: str) -> int:
+    """A batch's cap once a `what` of `rows` rows ran out of memory: the half, said in the log."""
+    half = rows // 2
+    log.warning("out of memory at a %s of %d: running it in halves; batches now at most %d", what, rows, half)
+    return min(most_rows or rows, half)
+
+
+def in_halves(
+    lo: int,
+    hi: int,
+    run: Callable[[int, int], R],
+    fail: Callable[[int, int, Exception], R],
+    undo: Callable[[int, int], None] | None = None,
+    split: Callable[[int], None] | None = None,
+) -> list[R]:
+    """`run(lo, hi)` over rows [lo, hi) under the policy (see the module): the answers of the parts
+    that ran, in row order. `undo(lo, hi)` puts back what a run that ran out of memory wrote (when
+    it fails, those rows fail with its error: `fail(lo, hi, exc)`); a lone row out of memory is
+    `fail(i, i + 1, exc)`; `split(rows)` is told at the first split only (the batch's cap)."""
+    try:
+        return [run(lo, hi)]
+    except Exception as exc:
+        if not is_oom(exc):
+            raise
+        oom = exc
+    if undo is not None:
+        try:
+            undo(lo, hi)
+        except Exception as exc:  # noqa: BLE001 - what the pass wrote cannot be put back: its rows fail
+            return [fail(lo, hi, exc)]
+    release_cached()
+    if hi - lo == 1:
+        return [fail(lo, hi, oom)]
+    half = lo + (hi - lo) // 2
+    if split is not None:
+        split(hi - lo)
+    return in_halves(lo, half, run, fail, undo) + in_halves(half, hi, run, fail, undo)

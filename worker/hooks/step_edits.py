@@ -1,0 +1,286 @@
+"""Edits at the slots' decoding steps as tensor operations on persistent tables, so a step that
+edits is graph-safe and replays as a CUDA graph like one that does not.
+
+Each edited (module, hook) has, per depth (a row's first, second... edit there, applied in the
+request's order, as worker/hooks/edits.py does), tables indexed by slot: the op's kind (0: none, the
+row keeps its value exactly), its vector (`add`, normalized `add`, `project_out`'s unit
+direction), factor (`scale`), features (`zero`), `project_out`'s value, and up to SPANS
+intervals of token positions it applies to. The step's hook computes, for the whole batch, the
+rows an op of each kind present selects at the position each row feeds (read from the batch's
+state on the device) and applies it with `torch.where`: the arithmetic of worker/hooks/edits.py's
+groups, in the same order and dtype, so a row's values are what its eager step gives. A row that
+joins writes its rows of the tables in place (`sync`); one that leaves sets its kind back to 0.
+Tables have a row per slot of the batch (its most slots) and are never rebuilt.
+
+A gated edit (`when`) is in the tables too: its probe and its bias and threshold (signed, so
+that "below" is "above" of the negated score) per slot, and its op's code has the GATED bit; the
+step computes each gated row's score from the incoming value and applies the op where it passes,
+as worker/hooks/edits.py does. Where it fired is written, per slot, at the position the row fed (a
+`[slots, positions]` flag table), and read once when the row leaves (`collect`): the counts its
+report gives per step.
+
+An edit that applies only to prompt positions is no decoding step's: it is not in the tables. A
+patch that reaches decoding positions, or an edit over more than SPANS intervals, is not in
+tables: a batch with any of them runs its steps eagerly with worker/hooks/edits.py (`fits`).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any
+
+import torch
+
+from shared.errors import JobFailure
+from worker.hooks.edits import JobEdits, RowEdit
+from worker.hooks.module_rows import first_input
+from worker.hooks.paths import PassRows
+from worker.hooks.row_identity import remember, same
+
+Key = tuple[str, str]  # (module path, hook)
+SPANS = 4  # position intervals an edit in a table may have
+KINDS = {"add": 1, "add_norm": 2, "scale": 3, "zero": 4, "project_out": 5}
+GATED = 8  # added to a gated edit's kind code
+NEVER = (0, 0)  # an empty interval
+EditPlan = frozenset[tuple[Key, int, int]]  # (key, depth, kind code) of each op a step applies
+
+
+def fits(edits: JobEdits) -> bool:
+    """Whether a job's edits can live in the tables (see the module): those that reach a decoding
+    step can (a patch of prompt positions, the usual one, never does)."""
+    return all(e.kind in KINDS and len(e.spans) <= SPANS for e in edits.edits if decodes(e, edits.prompt_tokens))
+
+
+def decodes(edit: RowEdit, prompt_tokens: int) -> bool:
+    """Whether an edit applies at any decoding step (they feed positions from `prompt_tokens` on)."""
+    return any(hi > prompt_tokens for _, hi in edit.spans)
+
+
+def code(edit: RowEdit) -> int:
+    """The table's code of an edit's op: its kind, plus GATED for a gated one."""
+    return KINDS[edit.kind] + (GATED if edit.gate is not None else 0)
+
+
+class _Table:
+    """One depth of one (module, hook): per slot, its op and parameters."""
+
+    def __init__(self, slots: int, width: int, positions: int, device: torch.device) -> None:
+        self.width = width
+        self.kind = torch.zeros(slots, dtype=torch.int64, device=device)
+        self.spans = torch.zeros((slots, SPANS, 2), dtype=torch.int64, device=device)
+        # float32, as the jobs' edits are: cast to the value's dtype where applied, as worker/hooks/edits.py does
+        self.vector = torch.zeros((slots, width), dtype=torch.float32, device=device)
+        self.factor = torch.ones((slots, width), dtype=torch.float32, device=device)
+        self.zeroed = torch.zeros((slots, width), dtype=torch.bool, device=device)
+        self.value = torch.zeros((slots, 1), dtype=torch.float32, device=device)
+        self.probe = torch.zeros((slots, width), dtype=torch.float32, device=device)  # gated: signed probe
+        self.gate = torch.zeros((slots, 2), dtype=torch.float32, device=device)  # gated: signed bias, threshold
+        self.fired = torch.zeros((slots, positions), dtype=torch.bool, device=device)  # gated: by fed position
+        self.kinds = [0] * slots  # the host's copy of `kind`
+
+    def set_row(self, slot: int, edit: RowEdit) -> None:
+        kind = edit.kind
+        spans = (list(edit.spans) + [NEVER] * SPANS)[:SPANS]
+        self.spans[slot].copy_(torch.tensor(spans, dtype=torch.int64))
+        if kind in ("add", "add_norm", "project_out"):
+            assert edit.vector is not None
+            self.vector[slot].copy_(edit.vector)
+        if kind == "project_out":
+            self.value[slot, 0] = edit.value
+        if kind == "scale":
+            assert edit.factor is not None
+            self.factor[slot].copy_(edit.factor)
+        if kind == "zero":
+            assert edit.zeroed is not None
+            self.zeroed[slot].copy_(edit.zeroed)
+        if edit.gate is not None:
+            probe, bias, threshold, sign = edit.gate
+            self.probe[slot].copy_(probe * sign)
+            self.gate[slot].copy_(torch.tensor([bias * sign, threshold * sign], dtype=torch.float32))
+        self.fired[slot].zero_()  # a step run with the eager hooks writes no flag: it counts 0 here
+        self.kind[slot] = code(edit)
+        self.kinds[slot] = code(edit)
+
+    def grown(self, positions: int) -> None:
+        """Longer slots: a longer flag table (a new tensor, the old flags kept)."""
+        if positions > self.fired.shape[1]:
+            fired = self.fired.new_zeros(self.fired.shape[0], positions)
+            fired[:, : self.fired.shape[1]].copy_(self.fired)
+            self.fired = fired
+
+    def clear_row(self, slot: int) -> None:
+        if self.kinds[slot]:
+            self.kind[slot] = 0
+            self.kinds[slot] = 0
+
+
+class StepEdits:
+    """The edit tables of one persistent batch of `slots` slots (see the module)."""
+
+    def __init__(self, model: torch.nn.Module, feeding: torch.Tensor, positions: int) -> None:
+        self.model, self.slots = model, int(feeding.shape[0])
+        self.feeding = feeding  # [slots], a view of the persistent batch's state: the position each slot feeds next
+        self.positions = positions  # a slot's positions (the gated edits' flags)
+        self.tables: dict[Key, list[_Table]] = {}
+        self._rows: list[Any] = [None] * self.slots  # weakref to each slot's JobEdits (None: no edits)
+        self._plan: EditPlan = frozenset()  # `begin`'s step
+
+    def begin(self, rows: list[JobEdits | None], at: PassRows) -> None:
+        """`EditPath.begin` (worker/hooks/paths.py) of a decoding step over slots [0, n): the tables
+        hold the rows' edits (`sync`), and the step applies the ops they take (`plan`)."""
+        assert at.decoding and at.lo == 0, "the tables edit a decoding step of the slots from slot 0"
+        self.sync(rows)
+        self._plan = self.plan(at.rows)
+
+    def record(self, at: PassRows) -> AbstractContextManager[object]:
+        """`EditPath.record`: the tables' hooks on slots [at.lo, at.lo + at.rows) for the pass."""
+        return self.recording(self._plan, at.lo, at.rows)
+
+    def finish(self) -> None:
+        """`EditPath.finish`: nothing to keep on the host; the gates' flags are in the tables."""
+
+    def close(self) -> None:
+        """`EditPath.close`: nothing to remove, the hooks live inside `record` only."""
+
+    def sync(self, rows: list[JobEdits | None]) -> None:
+        """The tables hold `rows`' edits (each a running slot's, None: none; slots past them:
+        none): rows that changed since the last step are written, in place."""
+        for slot in range(self.slots):
+            edits = rows[slot] if slot < len(rows) else None
+            if same(self._rows[slot], edits):
+                continue
+            for layers in self.tables.values():
+                for table in layers:
+                    table.clear_row(slot)
+            self._rows[slot] = remember(edits)
+            if edits is not None:
+                for key, key_edits in edits.by_key.items():
+                    for depth, edit in enumerate(key_edits):
+                        if decodes(edit, edits.prompt_tokens):
+                            self._table(key, depth, edit).set_row(slot, edit)
+
+    def _table(self, key: Key, depth: int, edit: RowEdit) -> _Table:
+        layers = self.tables.setdefault(key, [])
+        while len(layers) <= depth:
+            like = edit.vector if edit.vector is not None else edit.factor if edit.factor is not None else edit.zeroed
+            assert like is not None
+            layers.append(_Table(self.slots, int(like.shape[0]), self.positions, self.feeding.device))
+        return layers[depth]
+
+    def grown(self, positions: int) -> None:
+        """Longer slots (the graphs, which read the old flag tables, are dropped with them)."""
+        self.positions = max(self.positions, positions)
+        for layers in self.tables.values():
+            for table in layers:
+                table.grown(self.positions)
+
+    def collect(self, slot: int, edits: JobEdits, prompt_tokens: int, steps: int) -> None:
+        """A leaving row's gated edits: where each fired at its decoding steps 1..steps-1 (step k
+        fed position prompt_tokens - 1 + k), read once, into the edit's `fired` (its report)."""
+        for key, key_edits in edits.by_key.items():
+            for depth, edit in enumerate(key_edits):
+                if edit.gate is None or steps < 2 or not decodes(edit, edits.prompt_tokens):
+                    continue
+                flags = self.tables[key][depth].fired[slot, prompt_tokens : prompt_tokens + steps - 1].cpu()
+                edit.fired.extend((k, flags, k - 1) for k in range(1, steps))
+
+    def plan(self, rows: int) -> EditPlan:
+        """(key, depth, kind) of every op a slot in [0, rows) takes: what a step's graph holds."""
+        return frozenset(
+            (key, depth, kind)
+            for key, layers in self.tables.items()
+            for depth, table in enumerate(layers)
+            for kind in set(table.kinds[:rows])
+            if kind
+        )
+
+    @contextmanager
+    def recording(self, plan: EditPlan, lo: int, rows: int):
+        """Hooks (in front of any other on the module) that apply `plan` to slots [lo, lo + rows)
+        for one forward pass of a decoding step."""
+        handles = []
+        by_key: dict[Key, list[tuple[int, int]]] = {}
+        for key, depth, kind in sorted(plan):
+            by_key.setdefault(key, []).append((depth, kind))
+        try:
+            for key, ops in by_key.items():
+                module = self.model.get_submodule(key[0])
+                if key[1] == "output":
+
+                    def on_output(_module, _args, output, key=key, ops=ops):
+                        return self._edit_output(key, ops, output, lo, rows)
+
+                    handles.append(module.register_forward_hook(on_output, prepend=True))
+                else:
+
+                    def on_input(_module, args, kwargs, key=key, ops=ops):
+                        return self._edit_input(key, ops, args, kwargs, lo, rows)
+
+                    handles.append(module.register_forward_pre_hook(on_input, prepend=True, with_kwargs=True))
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+    def _edit_output(self, key: Key, ops, output: Any, lo: int, rows: int) -> Any:
+        if isinstance(output, torch.Tensor):
+            return self._apply(key, ops, output, lo, rows)
+        if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+            return type(output)([self._apply(key, ops, output[0], lo, rows), *output[1:]])
+        raise JobFailure(f"{key[0]}: its output is not a tensor this edit can change")
+
+    def _edit_input(self, key: Key, ops, args: tuple, kwargs: dict, lo: int, rows: int) -> tuple[tuple, dict]:
+        value = first_input(args, kwargs)
+        if not isinstance(value, torch.Tensor):
+            raise JobFailure(f"{key[0]}: its input is not a tensor this edit can change")
+        edited = self._apply(key, ops, value, lo, rows)
+        if args:
+            return (edited, *args[1:]), kwargs
+        name = next(iter(kwargs))
+        return args, {**kwargs, name: edited}
+
+    def _apply(self, key: Key, ops, value: torch.Tensor, lo: int, rows: int) -> torch.Tensor:
+        """`value` of a decoding step (`[B, 1, ...]` or `[B, W]`) with the ops applied, depth by
+        depth and kind by kind, each to the rows it selects."""
+        if value.shape[0] != rows or (value.dim() > 2 and value.shape[1] != 1):
+            raise JobFailure(f"{key[0]}: a decoding step's value of shape {list(value.shape)} for {rows} rows")
+        x = value.reshape(rows, 1, -1)
+        part = slice(lo, lo + rows)
+        position = self.feeding[part].reshape(rows, 1)
+        by_depth: dict[int, list[int]] = {}
+        for depth, kind in ops:
+            by_depth.setdefault(depth, []).append(kind)
+        for depth, kinds in sorted(by_depth.items()):
+            table = self.tables[key][depth]
+            if x.shape[2] != table.width:
+                raise JobFailure(f"{key[0]}: {x.shape[2]} features, the edit has {table.width}")
+            spans = table.spans[part]
+            inside = ((spans[:, :, 0] <= position) & (position < spans[:, :, 1])).any(-1)
+            fired = None
+            for kind in kinds:
+                where = (inside & (table.kind[part] == kind)).reshape(rows, 1, 1)
+                if kind & GATED:  # worker/hooks/edits.py's gate: signed score against signed threshold
+                    gate = table.gate[part].unsqueeze(1)
+                    score = (x.to(torch.float32) * table.probe[part].unsqueeze(1)).sum(-1, keepdim=True)
+                    where = where & (score + gate[..., 0:1] > gate[..., 1:2])
+                    fired = where if fired is None else fired | where
+                x = torch.where(where, self._edited(table, kind & ~GATED, x, part), x)
+            if fired is not None:  # each row's flag at the position it fed (a row's own op wrote it)
+                table.fired[part].scatter_(1, position, fired.reshape(rows, 1))
+        return x.reshape(value.shape)
+
+    @staticmethod
+    def _edited(table: _Table, kind: int, x: torch.Tensor, part: slice) -> torch.Tensor:
+        """`x` under the op `kind` with every row's parameters (the rows that take it are chosen
+        by the caller): worker/hooks/edits.py's arithmetic."""
+        if kind == KINDS["zero"]:
+            return x.masked_fill(table.zeroed[part].unsqueeze(1), 0)
+        if kind == KINDS["scale"]:
+            return x * table.factor[part].unsqueeze(1).to(x.dtype)
+        vector = table.vector[part].unsqueeze(1).to(x.dtype)
+        if kind == KINDS["add"]:
+            return x + vector
+        if kind == KINDS["add_norm"]:
+            return x + vector * torch.linalg.vector_norm(x, dim=-1, keepdim=True)
+        along = (x * vector).sum(-1, keepdim=True)  # project_out
+        return x - (along - table.value[part].unsqueeze(1).to(x.dtype)) * vector

@@ -1,0 +1,200 @@
+"""The KV cache of the persistent batch: preallocated, one slot per running sequence.
+
+Each attention layer has keys and values `[slots, kv_heads, slot_tokens, head_dim]` allocated
+once. A sequence owns a slot from its join to its end: its prompt's keys and values are copied
+into positions [0, P) of the slot after its prefill (`write`), and every decoding step writes
+each row's new key and value at that row's own position (`update`, a `scatter_` with the
+step's position buffer) and attends over the first `span` positions of the rows [0, B) it runs
+(`SlotCache.prepare`; views, never a copy). Position i of a slot is token i of its sequence:
+no padding, nothing is ever moved, compacted or concatenated, and every tensor keeps its address
+from one resize to the next (what a CUDA graph needs). A resize (`resized`: more slots or longer
+ones when a sequence joins, fewer or shorter when the long rows have left; worker/batch/slot_decoding.py
+decides) makes new tensors with every kept slot's kept positions copied exactly, and the graphs
+that read the old ones are dropped (worker/model/runner.py `use_cache`).
+
+The model sees this object as its `past_key_values`: transformers' attention layers call
+`update(key, value, layer_idx)` and attend over what it returns, with the 4-D mask the model
+runner passes (a 4-D mask is used as given). Whether a model works this way is not read from
+its class but measured (`check`): a few decoding steps through the slots must give the logits of
+the same steps through transformers' own `DynamicCache`. Caches with sliding windows, state-space
+or linear-attention layers are refused by name first (`unsupported`): those models keep the
+compacting decoder (worker/batch/decoding.py) or the solo decoder.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
+
+from worker.model import kvcache
+
+
+def unsupported(config: object) -> str | None:
+    """Why this model's cache cannot live in slots, read from its cache's layer kinds (None: it
+    may; `check` then measures it)."""
+    cache = kvcache.new_cache(config)
+    if type(cache) is not DynamicCache:
+        return f"its cache is a {type(cache).__name__}"
+    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    if kinds:
+        return "its cache has " + ", ".join(sorted(kinds)) + " layers (slots hold full-attention layers only)"
+    return None
+
+
+class SlotCache:
+    """Keys and values of every slot, per layer (None for a layer that keeps no cache: KV sharing).
+    `prepare(part, span, positions)` sets what the next forward pass writes and reads."""
+
+    is_compileable = False  # transformers asks; nothing here is its static cache
+
+    def __init__(
+        self,
+        shapes: list[tuple[tuple[int, int], tuple[int, int], torch.device] | None],
+        slots: int,
+        slot_tokens: int,
+        dtype,
+    ) -> None:
+        self.slots, self.slot_tokens = slots, slot_tokens
+        self.keys: list[torch.Tensor | None] = []
+        self.values: list[torch.Tensor | None] = []
+        for shape in shapes:
+            if shape is None:
+                self.keys.append(None)
+                self.values.append(None)
+                continue
+            (key_heads, key_dim), (value_heads, value_dim), device = shape  # MLA: values narrower than keys
+            self.keys.append(torch.zeros(slots, key_heads, slot_tokens, key_dim, dtype=dtype, device=device))
+            self.values.append(torch.zeros(slots, value_heads, slot_tokens, value_dim, dtype=dtype, device=device))
+        self.part, self.span = slice(0, 0), 0
+        self.positions: torch.Tensor | None = None
+
+    @classmethod
+    def like(cls, prefilled: DynamicCache, slots: int, slot_tokens: int) -> SlotCache:
+        """Slots shaped as the layers of a cache a forward pass filled (heads, head size, dtype,
+        device: a model spread over devices keeps each layer's slots beside it)."""
+        shapes, dtype = _layer_shapes(prefilled)
+        return cls(shapes, slots, slot_tokens, dtype)
+
+    def resized(self, slots: int, slot_tokens: int) -> SlotCache:
+        """This cache with `slots` slots of `slot_tokens` positions, more or fewer of either: new
+        tensors, new addresses. What the first min(slots) slots hold at their first min(slot_tokens)
+        positions is copied exactly; a smaller cache drops the rest (the caller keeps every live
+        row's positions inside it)."""
+        out = SlotCache.__new__(SlotCache)
+        out.slots, out.slot_tokens = slots, slot_tokens
+        out.keys, out.values = [], []
+        kept_slots, kept_tokens = min(slots, self.slots), min(slot_tokens, self.slot_tokens)
+        for old_list, new_list in ((self.keys, out.keys), (self.values, out.values)):
+            for old in old_list:
+                if old is None:
+                    new_list.append(None)
+                    continue
+                new = old.new_zeros(slots, old.shape[1], slot_tokens, old.shape[3])
+                new[:kept_slots, :, :kept_tokens].copy_(old[:kept_slots, :, :kept_tokens])
+                new_list.append(new)
+        out.part, out.span, out.positions = slice(0, 0), 0, None
+        return out
+
+    @property
+    def device(self) -> torch.device:
+        return next(t for t in self.keys if t is not None).device
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values if t is not None)
+
+    @property
+    def position_bytes(self) -> int:
+        """Bytes one position of one slot takes, over every layer's keys and values."""
+        return self.nbytes // max(1, self.slots * self.slot_tokens)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in self.keys + self.values if t is not None]
+
+    # -- what a decoding step does ---------------------------------------------------------
+
+    def prepare(self, part: slice, span: int, positions: torch.Tensor) -> None:
+        """The next pass runs the slots `part` (a range), each writing at `positions[b]` (`[rows]`
+        int64 on the cache's device) and attending over positions [0, span)."""
+        lo, hi = part.start, part.stop
+        if not 0 < span <= self.slot_tokens or not 0 <= lo < hi <= self.slots:
+            fits = f"{self.slots} slots of {self.slot_tokens}"
+            raise ValueError(f"a pass of slots [{lo}, {hi}) over {span} positions does not fit {fits}")
+        self.part, self.span, self.positions = part, span, positions
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *_: Any, **__: Any):
+        """transformers' cache interface: store one new position per row, return what to attend."""
+        keys, values = self.keys[layer_idx], self.values[layer_idx]
+        assert keys is not None and values is not None and self.positions is not None
+        rows, new = key.shape[0], key.shape[2]
+        if new != 1 or rows != self.part.stop - self.part.start:
+            raise ValueError(f"slots take one position per row of the prepared {self.part}, got {list(key.shape)}")
+        at = self.positions.reshape(rows, 1, 1, 1)
+        keys[self.part].scatter_(2, at.expand(key.shape), key.to(keys.dtype))
+        values[self.part].scatter_(2, at.expand(value.shape), value.to(values.dtype))
+        return keys[self.part, :, : self.span], values[self.part, :, : self.span]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.span - 1  # before this pass's position
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """transformers' mask helpers ask (when the runner passes no mask: every row sees its whole
+        span): the query is the span's last position."""
+        return self.span - 1
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.span, 0
+
+    # -- joining ---------------------------------------------------------------------------
+
+    def write(self, slot: int, prefilled: DynamicCache, row: int, first: int, length: int) -> None:
+        """Positions [first, first + length) of row `row` of a prefill's cache (a left-padded pass:
+        `first` is the row's padding) into positions [0, length) of `slot`."""
+        if length > self.slot_tokens:
+            raise ValueError(f"{length} positions do not fit a slot of {self.slot_tokens}")
+        layer: Any
+        for index, layer in enumerate(prefilled.layers):
+            keys, values = self.keys[index], self.values[index]
+            if keys is None or values is None or not getattr(layer, "is_initialized", False):
+                continue
+            keys[slot, :, :length].copy_(layer.keys[row, :, first : first + length])
+            values[slot, :, :length].copy_(layer.values[row, :, first : first + length])
+
+
+def position_bytes(prefilled: DynamicCache) -> int:
+    """Bytes one position of one slot would take in slots shaped as `prefilled`'s layers."""
+    shapes, dtype = _layer_shapes(prefilled)
+    item = torch.empty((), dtype=dtype).element_size()
+    return sum((kh * kd + vh * vd) * item for (kh, kd), (vh, vd), _ in filter(None, shapes))
+
+
+def _layer_shapes(
+    prefilled: DynamicCache,
+) -> tuple[list[tuple[tuple[int, int], tuple[int, int], torch.device] | None], torch.dtype]:
+    """Per layer of a filled cache: (key heads, key size), (value heads, value size), device (None:
+    a layer that keeps no cache); and their dtype."""
+    shapes: list[tuple[tuple[int, int], tuple[int, int], torch.device] | None] = []
+    dtype = None
+    layer: Any
+    for layer in prefilled.layers:
+        if not getattr(layer, "is_initialized", False):
+            shapes.append(None)
+            continue
+        keys, values = layer.keys.shape, layer.values.shape
+        shapes.append(((int(keys[1]), int(keys[3])), (int(values[1]), int(values[3])), layer.keys.device))
+        dtype = layer.keys.dtype
+    if dtype is None:
+        raise ValueError("the model's forward pass filled no cache layer")
+    return shapes, dtype
+
+
+def causal_mask(positions: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask `[B, 1, 1, span]` of a decoding step: row b sees positions [0, positions[b]]
+    (its own tokens, the new one included) and nothing after."""
+    rows = positions.shape[0]
+    columns = torch.arange(span, device=positions.device)
+    blocked = columns.view(1, span) > positions.reshape(rows, 1)
+    return (blocked.to(dtype) * torch.finfo(dtype).min).view(rows, 1, 1, span)

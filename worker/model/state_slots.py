@@ -1,0 +1,266 @@
+"""The per-sequence state of the persistent batch for recurrent and hybrid models: one slot per
+running sequence, as vLLM v1 keeps it.
+
+State-space, convolution and linear-attention layers (Mamba, Mamba-2, and beside attention in
+Jamba, LFM2, GraniteMoeHybrid, Qwen3-Next) keep no keys and values that grow with the text: each
+sequence has a fixed-size state per layer (transformers' `LinearAttentionLayer`: a convolution
+window `conv_states[i]` and a recurrent state `recurrent_states[i]`, for each of the layer's
+`number_of_states`). Here each such tensor is allocated once as `[slots, ...]`; the attention
+layers of a hybrid keep keys and values `[slots, heads, slot_tokens, head_dim]` as
+worker/model/slots.py does (position i of a slot is token i of its sequence). A sequence owns one slot
+from its join to its end:
+
+- joining (`take`, `write`): its prompt ran alone through the model's own cache (as `generate`
+  runs it); that cache's row 0 is copied into the slot (a layer's state; an attention layer's
+  positions [0, P));
+- a decoding step (`batch` then `keep`): the running rows' states are gathered from their slots
+  into a cache of the model's own class (`kvcache.new_cache`, the layers' flags set as after a
+  prefill, so they take their one-token decode path), and each attention layer is a
+  `_SlotAttention` that writes the row's new key and value at the row's own position of its slot
+  and returns the row's first `span` positions (the pass's 4-D mask, worker/model/slots.py
+  `causal_mask`, hides what lies past each row's position). After the pass, the states it left
+  go back into the same slots (`keep`). A pass that raises keeps no state (an attention write
+  at the row's own position is rewritten by the retry: nothing reads past it);
+- leaving (`release`): the slot is free for the next join. Nothing is moved or compacted.
+
+The gathered state is a copy (the rows of a step are the running batch's, the slots are not
+contiguous): one state per row per step, far less than the layer's own work.
+
+Which models fit (`unsupported`): every cache layer a plain `LinearAttentionLayer` or a plain
+full-attention `DynamicLayer`. RecurrentGemma's local attention is a sliding window
+(`DynamicSlidingWindowLayer`: its positions wrap around a window, which these slots do not
+model): it keeps worker/batch/solo.py, one job at a time behind the same interface.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+
+from worker.model import kvcache
+
+
+def unsupported(config: object) -> str | None:
+    """Why this model's per-sequence state cannot live in state slots (None: it can)."""
+    cache = kvcache.new_cache(config)
+    if type(cache) is not DynamicCache:
+        return f"its cache is a {type(cache).__name__}"
+    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) not in (LinearAttentionLayer, DynamicLayer)}
+    if kinds:
+        held = "state-space and full-attention layers only"
+        return "its cache has " + ", ".join(sorted(kinds)) + f" layers (state slots hold {held})"
+    return None
+
+
+class _LayerSlots:
+    """One state-space layer's states by slot: `conv[i]`, `recurrent[i]` `[slots, ...]` (absent: the
+    layer keeps no such state, e.g. a convolution-only layer has no recurrent state)."""
+
+    def __init__(self, layer: LinearAttentionLayer, slots: int) -> None:
+        self.states = layer.number_of_states
+        self.kernel = dict(layer.conv_kernel_size)
+        self.conv: dict[int, torch.Tensor] = {}
+        self.recurrent: dict[int, torch.Tensor] = {}
+        for i in range(self.states):
+            conv, recurrent = layer.conv_states[i], layer.recurrent_states[i]
+            if layer.is_conv_states_initialized[i] and conv is not None:
+                self.conv[i] = conv.new_zeros(slots, *conv.shape[1:])
+            if layer.is_recurrent_states_initialized[i] and recurrent is not None:
+                self.recurrent[i] = recurrent.new_zeros(slots, *recurrent.shape[1:])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.conv.values(), *self.recurrent.values()]
+
+    def write(self, slot: int, layer: Any) -> None:
+        for i, tensor in self.conv.items():
+            tensor[slot].copy_(layer.conv_states[i][0])
+        for i, tensor in self.recurrent.items():
+            tensor[slot].copy_(layer.recurrent_states[i][0])
+
+    def resized(self, slots: int, tokens: int) -> None:
+        """More slots (all or nothing: the new tensors are made before any is swapped in)."""
+        conv = {i: _grown(t, slots) for i, t in self.conv.items()}
+        recurrent = {i: _grown(t, slots) for i, t in self.recurrent.items()}
+        self.conv, self.recurrent = conv, recurrent
+
+    def gathered(self, layer: Any, index: torch.Tensor) -> None:
+        """`layer` (a fresh `LinearAttentionLayer`) holding the states of the slots `index`, as
+        after a prefill."""
+        for i, tensor in self.conv.items():
+            layer.conv_states[i] = tensor.index_select(0, index.to(tensor.device))
+            layer.is_conv_states_initialized[i] = True
+            layer.conv_kernel_size[i] = self.kernel[i]
+            layer.dtype, layer.device = tensor.dtype, tensor.device
+        for i, tensor in self.recurrent.items():
+            layer.recurrent_states[i] = tensor.index_select(0, index.to(tensor.device))
+            layer.is_recurrent_states_initialized[i] = True
+        for i in range(self.states):
+            layer.has_previous_state[i] = True
+
+    def keep(self, layer: Any, index: torch.Tensor) -> None:
+        for i, tensor in self.conv.items():
+            tensor.index_copy_(0, index.to(tensor.device), layer.conv_states[i])
+        for i, tensor in self.recurrent.items():
+            tensor.index_copy_(0, index.to(tensor.device), layer.recurrent_states[i])
+
+
+class _AttentionSlots:
+    """One full-attention layer's keys and values by slot `[slots, heads, tokens, head_dim]`."""
+
+    def __init__(self, layer: DynamicLayer, slots: int, tokens: int) -> None:
+        keys, values = layer.keys, layer.values
+        assert keys is not None and values is not None
+        self.keys = keys.new_zeros(slots, keys.shape[1], tokens, keys.shape[3])
+        self.values = values.new_zeros(slots, values.shape[1], tokens, values.shape[3])
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.keys, self.values]
+
+    def write(self, slot: int, layer: Any) -> None:
+        length = layer.keys.shape[2]
+        self.keys[slot, :, :length].copy_(layer.keys[0])
+        self.values[slot, :, :length].copy_(layer.values[0])
+
+    def resized(self, slots: int, tokens: int) -> None:
+        keys, values = _grown(self.keys, slots, tokens), _grown(self.values, slots, tokens)
+        self.keys, self.values = keys, values
+
+
+class _SlotAttention:
+    """A full-attention layer of one decoding pass, as transformers' cache calls it: `update` writes
+    each row's new key and value at the row's position of its slot and returns every row's first
+    `span` positions (a gathered copy; the mask hides each row's positions past its own)."""
+
+    is_sliding = False
+    is_compileable = False
+    is_initialized = True
+
+    def __init__(self, held: _AttentionSlots, index: torch.Tensor, positions: torch.Tensor, span: int) -> None:
+        self.held, self.span = held, span
+        self.index, self.positions = index.to(held.keys.device), positions.to(held.keys.device)
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, *_: Any, **__: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if key.shape[2] != 1 or key.shape[0] != self.index.shape[0]:
+            raise ValueError(f"state slots take one position per running row, got keys {list(key.shape)}")
+        keys, values = self.held.keys, self.held.values
+        keys[self.index, :, self.positions] = key[:, :, 0].to(keys.dtype)
+        values[self.index, :, self.positions] = value[:, :, 0].to(values.dtype)
+        return keys[self.index, :, : self.span], values[self.index, :, : self.span]
+
+    def get_seq_length(self) -> int:
+        return self.span - 1  # before this pass's position
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.span, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None: ...
+
+
+class StateSlots:
+    """Every layer's per-sequence state, in `slots` slots (an attention layer's of `tokens`
+    positions each). Built from the first prefilled cache (its layers' shapes, dtypes and devices);
+    grows when more sequences run at once or a longer one joins (`ensure`: new tensors, every
+    slot's state copied)."""
+
+    def __init__(self, config: object, prefilled: DynamicCache, slots: int, tokens: int) -> None:
+        self.config = config
+        self.slots, self.tokens = slots, tokens
+        self.layers: list[_LayerSlots | _AttentionSlots] = []
+        for layer in prefilled.layers:
+            if type(layer) is LinearAttentionLayer:
+                self.layers.append(_LayerSlots(layer, slots))
+            elif type(layer) is DynamicLayer:
+                self.layers.append(_AttentionSlots(layer, slots, tokens))
+            else:
+                raise ValueError(f"state slots hold state-space and full-attention layers, not {type(layer).__name__}")
+        self.free: list[int] = list(range(slots))
+
+    @property
+    def attends(self) -> bool:
+        """Whether any layer is an attention layer (a pass then needs each row's mask)."""
+        return any(isinstance(held, _AttentionSlots) for held in self.layers)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
+
+    # -- joining and leaving ---------------------------------------------------------------
+
+    def take(self, tokens: int) -> int:
+        """A free slot (the lowest) of at least `tokens` positions: more slots, or longer ones,
+        when needed."""
+        self.ensure(self.slots * 2 if not self.free else self.slots, max(self.tokens, tokens))
+        return self.free.pop(0)
+
+    def release(self, slot: int) -> None:
+        """`slot` is free again; its tensors are left as they are (the next `write` overwrites them)."""
+        if slot in self.free or not 0 <= slot < self.slots:
+            raise ValueError(f"slot {slot} is not taken")
+        self.free.append(slot)
+        self.free.sort()
+
+    def release_all(self) -> None:
+        self.free = list(range(self.slots))
+
+    def write(self, slot: int, prefilled: DynamicCache) -> None:
+        """Row 0 of a prefill's cache (a batch of one) into `slot`."""
+        for layer, held in zip(prefilled.layers, self.layers, strict=True):
+            held.write(slot, layer)
+
+    def ensure(self, slots: int, tokens: int) -> None:
+        """At least `slots` slots of `tokens` positions: new tensors with every slot's state copied;
+        the new slots are free. All or nothing: every new tensor is made before any is swapped in."""
+        slots, tokens = max(slots, self.slots), max(tokens, self.tokens)
+        if (slots, tokens) == (self.slots, self.tokens):
+            return
+        grown = []
+        for held in self.layers:
+            copy = object.__new__(type(held))
+            copy.__dict__.update(held.__dict__)
+            copy.resized(slots, tokens)
+            grown.append(copy)
+        self.layers = grown
+        self.free = self.free + list(range(self.slots, slots))
+        self.slots, self.tokens = slots, tokens
+
+    # -- a decoding step -------------------------------------------------------------------
+
+    def batch(self, slots: list[int], positions: torch.Tensor, span: int) -> DynamicCache:
+        """A cache of the model's own class for a pass over the sequences in `slots` (that order),
+        each feeding the token at `positions[b]` (`[rows]` int64, all below `span`)."""
+        cache = kvcache.new_cache(self.config)
+        index = torch.tensor(slots, dtype=torch.long, device=positions.device)
+        for at, held in enumerate(self.layers):
+            if isinstance(held, _LayerSlots):
+                held.gathered(cache.layers[at], index)
+            else:
+                cache.layers[at] = _SlotAttention(held, index, positions, span)  # type: ignore[call-overload]
+        return cache
+
+    def keep(self, slots: list[int], cache: DynamicCache) -> None:
+        """What a pass left in `cache` (from `batch(slots, ...)`) back into those slots (an attention
+        layer wrote its rows during the pass)."""
+        index = torch.tensor(slots, dtype=torch.long)
+        for layer, held in zip(cache.layers, self.layers, strict=True):
+            if isinstance(held, _LayerSlots):
+                held.keep(layer, index)
+
+
+def _grown(tensor: torch.Tensor, slots: int, tokens: int | None = None) -> torch.Tensor:
+    """`tensor` `[slots', ...]` with `slots` rows (and `tokens` positions on dim 2), zeros beyond."""
+    shape = list(tensor.shape)
+    shape[0] = slots
+    if tokens is not None:
+        shape[2] = tokens
+    new = tensor.new_zeros(shape)
+    if tokens is None:
+        new[: tensor.shape[0]].copy_(tensor)
+    else:
+        new[: tensor.shape[0], :, : tensor.shape[2]].copy_(tensor)
+    return new

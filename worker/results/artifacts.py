@@ -1,0 +1,131 @@
+"""Writing a job's activations: one safetensors file and a manifest.json beside it, in the
+folder of the attempt that ran it (shared/storage/base.py: `jobs/<id>/attempt-<n>-<worker>/`)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+
+import torch
+
+from shared.errors import StorageError
+from shared.schemas import ActivationsManifest, CaptureSpec, TensorInfo
+from shared.storage import ArtifactStore, activations_key, manifest_key
+from shared.storage.tensors import write_file
+from worker.batch.generation import Generation
+from worker.batch.sequence import TokenScores
+
+FORMAT = "actq/1"
+log = logging.getLogger(__name__)
+
+
+def score_tensors(scores: TokenScores) -> dict[str, torch.Tensor]:
+    """Log-probabilities as tensors: `logprobs` [N] float32 (NaN where nothing predicted the token:
+    a trace's first), `logprob_token_ids` [N] int64 (the scored tokens) and, with top_logprobs k,
+    `top_logprobs` [N, k] float32 and `top_logprob_ids` [N, k] int64 (a trace's first row: NaN and -1),
+    `logprob_ranks` [N] int64 (each scored token's rank; 0 where nothing predicted it)."""
+    values = [float("nan") if v is None else v for v in scores.values]
+    out = {
+        "logprobs": torch.tensor(values, dtype=torch.float32),
+        "logprob_token_ids": torch.tensor(scores.tokens, dtype=torch.int64),
+        "logprob_ranks": torch.tensor([r or 0 for r in scores.ranks], dtype=torch.int64),
+    }
+    if scores.k:
+        out["top_logprobs"] = torch.tensor(
+            [v or [float("nan")] * scores.k for v in scores.top_values], dtype=torch.float32
+        )
+        out["top_logprob_ids"] = torch.tensor([i or [-1] * scores.k for i in scores.top_ids], dtype=torch.int64)
+    return out
+
+
+BASELINE = "baseline/"  # the prefix of the unedited run's tensors (`baseline: true`)
+
+
+def write_activations(
+    store: ArtifactStore,
+    job_id: str,
+    model: str,
+    capture: CaptureSpec | None,
+    generation: Generation,
+    baseline: Generation | None = None,
+    *,
+    prefix: str,
+) -> ActivationsManifest:
+    """Write the file, then the manifest, under `prefix` (the attempt's folder: attempt_prefix);
+    both are whole before this returns (the job is marked succeeded only afterwards). Another
+    attempt of the same job writes under another prefix, never over these keys. `baseline`: the
+    same job run without its interventions, whose tensors are named `baseline/<name>`."""
+    positions = capture.positions if capture is not None else "all"
+    captured = [(c.point.name, c, False) for c in generation.captured]
+    tensors = {c.point.name: c.tensor for c in generation.captured}
+    tensors["token_ids"] = generation.token_ids.contiguous()
+    extra = score_tensors(generation.scores) if generation.scores is not None else {}
+    if baseline is not None:
+        captured += [(BASELINE + c.point.name, c, True) for c in baseline.captured]
+        tensors.update({BASELINE + c.point.name: c.tensor for c in baseline.captured})
+        extra[BASELINE + "token_ids"] = baseline.token_ids.contiguous()
+        if baseline.scores is not None:
+            extra.update({BASELINE + name: t for name, t in score_tensors(baseline.scores).items()})
+    tensors.update(extra)
+    metadata = {
+        "format": FORMAT,
+        "job_id": job_id,
+        "model": model,
+        "prompt_tokens": str(generation.prompt_tokens),
+        "completion_tokens": str(generation.completion_tokens),
+        "positions": positions,
+        "reduce": capture.reduce if capture is not None else "none",
+    }
+    if generation.completion is not None:
+        metadata["completion_span"] = f"{generation.completion[0]}:{generation.completion[1]}"
+    checksums: dict[str, str] = {}  # each tensor's sha256, filled while the file is written
+    try:
+        fd, name = tempfile.mkstemp(dir=store.scratch_dir(), suffix=".safetensors")
+        os.close(fd)
+        tmp = Path(name)
+    except OSError as exc:
+        raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
+    try:
+        try:
+            size, sha = write_file(tmp, tensors, metadata, fsync=store.durable_scratch, tensor_sha256=checksums)
+        except OSError as exc:
+            raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
+        key = activations_key(prefix)
+        uri = store.put_file(key, tmp)
+    finally:
+        tmp.unlink(missing_ok=True)
+    infos = [
+        TensorInfo(
+            name=name,
+            module=c.point.module,
+            hook=c.point.hook,
+            shape=list(c.tensor.shape),
+            dtype=str(c.tensor.dtype).removeprefix("torch."),
+            positions=positions,
+            start=c.start,
+            stop=c.stop,
+            bytes=c.tensor.numel() * c.tensor.element_size(),
+            reduce=capture.reduce if capture is not None else "none",
+            features=c.features,
+            baseline=unedited,
+            sha256=checksums[name],
+        )
+        for name, c, unedited in captured
+    ]
+    others = {name: checksums[name] for name in ("token_ids", *extra)}
+    manifest = ActivationsManifest(
+        uri=uri, key=key, sha256=sha, bytes=size, tensors=infos, extra=list(extra), extra_sha256=others
+    )
+    document = {"job_id": job_id, "model": model, "metadata": metadata, **manifest.model_dump(exclude_none=True)}
+    try:
+        store.put_bytes(manifest_key(prefix), json.dumps(document).encode())  # indent would be the slow encoder
+    except StorageError:  # remove the file that has no manifest (the job fails with the first error)
+        try:
+            store.delete_prefix(prefix)  # this attempt's alone: never another attempt's files
+        except StorageError as exc:
+            log.warning("job %s: activations without a manifest left at %s: %s", job_id, uri, exc.message)
+        raise
+    return manifest
