@@ -39,7 +39,7 @@ def test_the_step_tables_and_the_hooks_serve_one_interface(tiny) -> None:
     batch = InputBatch(2, SLOT_TOKENS, model.config.vocab_size, set(), "cpu", pad_id=0)
     for capture in (StepRings(model, 2, batch.device), BatchHooks(model)):
         assert isinstance(capture, CapturePath), type(capture)
-    for edits in (StepEdits(model, batch.state[:, POSITION], SLOT_TOKENS), BatchEdits(model)):
+    for edits in (StepEdits(model, batch.state, POSITION, SLOT_TOKENS), BatchEdits(model)):
         assert isinstance(edits, EditPath), type(edits)
 
 

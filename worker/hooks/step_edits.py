@@ -117,9 +117,9 @@ class _Table:
 class StepEdits:
     """The edit tables of one persistent batch of `slots` slots (see the module)."""
 
-    def __init__(self, model: torch.nn.Module, feeding: torch.Tensor, positions: int) -> None:
-        self.model, self.slots = model, int(feeding.shape[0])
-        self.feeding = feeding  # [slots], a view of the persistent batch's state: the position each slot feeds next
+    def __init__(self, model: torch.nn.Module, state: torch.Tensor, column: int, positions: int) -> None:
+        self.model, self.slots = model, int(state.shape[0])
+        self.state, self.column = state, column  # the batch's [slots, k] state; `column`: what each slot feeds next
         self.positions = positions  # a slot's positions (the gated edits' flags)
         self.tables: dict[Key, list[_Table]] = {}
         self._rows: list[Any] = [None] * self.slots  # weakref to each slot's JobEdits (None: no edits)
@@ -164,7 +164,7 @@ class StepEdits:
         while len(layers) <= depth:
             like = edit.vector if edit.vector is not None else edit.factor if edit.factor is not None else edit.zeroed
             assert like is not None
-            layers.append(_Table(self.slots, int(like.shape[0]), self.positions, self.feeding.device))
+            layers.append(_Table(self.slots, int(like.shape[0]), self.positions, self.state.device))
         return layers[depth]
 
     def grown(self, positions: int) -> None:
@@ -246,7 +246,7 @@ class StepEdits:
             raise JobFailure(f"{key[0]}: a decoding step's value of shape {list(value.shape)} for {rows} rows")
         x = value.reshape(rows, 1, -1)
         part = slice(lo, lo + rows)
-        position = self.feeding[part].reshape(rows, 1)
+        position = self.state[part, self.column].reshape(rows, 1)
         by_depth: dict[int, list[int]] = {}
         for depth, kind in ops:
             by_depth.setdefault(depth, []).append(kind)

@@ -50,7 +50,7 @@ class DecodeStep:
         self.dtype = next(model.parameters()).dtype
         self.graphs = graphs and batch.device.type == "cuda"
         self.rings = StepRings(model, cache.slots, batch.device)  # captures recorded inside the step
-        self.edits = StepEdits(model, batch.state[:, POSITION], batch.history.shape[1])  # edits applied inside the step
+        self.edits = StepEdits(model, batch.state, POSITION, batch.history.shape[1])  # edits applied inside the step
         self._graphs: dict[GraphKey, torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 
