@@ -14,9 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
+import redis
 
 from shared.cli.processes import free_port, spawn, stop
 from shared.cli.redis_server import RedisServer
+from shared.registry import ModelRegistry
 from shared.settings import Settings
 
 
@@ -56,9 +58,15 @@ def wait_http(base_url: str, process: subprocess.Popen[bytes] | None = None, tim
 
 
 def wait_ready(
-    base_url: str, model: str, processes: list[subprocess.Popen[bytes]], timeout: float, logs: list[Path]
+    base_url: str,
+    model: str,
+    processes: list[subprocess.Popen[bytes]],
+    timeout: float,
+    logs: list[Path],
+    started: Callable[[], bool] | None = None,
 ) -> None:
-    """Until GET /health lists a live worker for `model`; fail fast when a process dies."""
+    """Until GET /health lists a live worker for `model` (and `started()` says the one just started
+    is among them); fail fast when a process dies."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for process, log in zip(processes, logs, strict=True):
@@ -67,7 +75,7 @@ def wait_ready(
                 raise RuntimeError(f"{' '.join(map(str, process.args[:4]))} exited with {process.returncode}:\n{tail}")  # type: ignore[index]
         try:
             health = httpx.get(f"{base_url}/health", timeout=2).json()
-            if health.get("workers", {}).get(model, 0) > 0:
+            if health.get("workers", {}).get(model, 0) > 0 and (started is None or started()):
                 return
         except (httpx.HTTPError, ValueError):
             pass
@@ -119,8 +127,25 @@ class Stack:
         settings = {k.removeprefix("ACTQ_").lower(): v for k, v in {**self.env, **env}.items() if k.startswith("ACTQ_")}
         model = self.models[f"worker-{name}"] = Settings.model_validate(settings).served_model_name
         names = [f"worker-{name}", *(["api"] if "api" in self.processes else [])]
-        wait_ready(self.base_url, model, [self.processes[n] for n in names], timeout, [self.logs[n] for n in names])
+        ttl = Settings.model_validate(settings).heartbeat_ttl
+        before = self.live_workers(model, ttl)  # a Redis kept from a stopped stack lists its workers a while
+
+        def started() -> bool:
+            return bool(self.live_workers(model, ttl) - before)
+
+        processes, logs = [self.processes[n] for n in names], [self.logs[n] for n in names]
+        wait_ready(self.base_url, model, processes, timeout, logs, started)
         return process
+
+    def live_workers(self, model: str, ttl: float) -> set[str]:
+        """The workers Redis lists live for `model` now (none when it cannot say)."""
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
+        try:
+            return set(ModelRegistry(client, heartbeat_ttl=ttl).live_workers(model))
+        except redis.RedisError:
+            return set()
+        finally:
+            client.close()
 
     def stop_process(self, name: str) -> None:
         self.models.pop(name, None)

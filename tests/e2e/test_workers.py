@@ -89,3 +89,25 @@ def test_a_stopped_worker_leaves_the_live_count_at_once_and_a_killed_one_within_
     until(lambda: live_count(s.base_url) == 0, timeout=15)
     gone_in = time.monotonic() - killed
     assert gone_in <= Settings().heartbeat_ttl + 1.0 and gone_in < 6.0, gone_in  # the TTL (4 s), not 20
+
+
+def test_a_started_worker_is_waited_for_even_when_redis_still_lists_a_gone_one(live, tiny_dir, tmp_path_factory):
+    """A Redis kept from a stopped stack (actq serve on its data directory again) lists the old
+    worker until its heartbeat expires: starting a worker waits for that worker to be live, not for
+    any live worker of its model. Before, `actq serve` said it was serving at once, and GET /health
+    showed no worker seconds later (a clean-clone run caught it in test_serve's full-disk test)."""
+    import redis
+
+    from shared import keys
+    from shared.cli.redis_server import RedisServer
+    from shared.registry import ModelRegistry
+
+    root = tmp_path_factory.mktemp("gone-worker")
+    model = "tiny-gone"
+    with RedisServer(root / "redis") as server, own_stack(root / "stack", live.env, ACTQ_REDIS_URL=server.url) as s:
+        client = redis.Redis.from_url(server.url)
+        client.sadd(keys.MODELS, model)
+        client.zadd(keys.workers(model), {"gone@nowhere": time.time() + 600})  # its last beat, still fresh
+        s.start_worker("fresh", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": model})
+        live_now = set(ModelRegistry(client, heartbeat_ttl=4).live_workers(model))
+        assert live_now - {"gone@nowhere"}, "start_worker returned before its worker was live"
