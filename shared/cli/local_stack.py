@@ -123,29 +123,24 @@ class Stack:
         """A worker (`worker-<name>`) with `env` over the stack's; waits until the API lists it live
         (failing at once, with the log's tail, if it or the API dies meanwhile)."""
         env = dict(env or {})
-        process = self._start(f"worker-{name}", worker_command(), env)
         settings = {k.removeprefix("ACTQ_").lower(): v for k, v in {**self.env, **env}.items() if k.startswith("ACTQ_")}
-        model = self.models[f"worker-{name}"] = Settings.model_validate(settings).served_model_name
-        names = [f"worker-{name}", *(["api"] if "api" in self.processes else [])]
-        ttl = Settings.model_validate(settings).heartbeat_ttl
-        before = self.live_workers(model, ttl)  # a Redis kept from a stopped stack lists its workers a while
+        parsed = Settings.model_validate(settings)
+        model = self.models[f"worker-{name}"] = parsed.served_model_name
+        with redis.Redis.from_url(self.redis_url, socket_timeout=2) as client:
+            registry = ModelRegistry(client, heartbeat_ttl=parsed.heartbeat_ttl)
 
-        def started() -> bool:
-            return bool(self.live_workers(model, ttl) - before)
+            def live() -> set[str]:
+                try:
+                    return set(registry.live_workers(model))
+                except redis.RedisError:
+                    return set()
 
-        processes, logs = [self.processes[n] for n in names], [self.logs[n] for n in names]
-        wait_ready(self.base_url, model, processes, timeout, logs, started)
+            before = live()  # read before the start: a Redis kept from a stopped stack lists its workers a while
+            process = self._start(f"worker-{name}", worker_command(), env)
+            names = [f"worker-{name}", *(["api"] if "api" in self.processes else [])]
+            processes, logs = [self.processes[n] for n in names], [self.logs[n] for n in names]
+            wait_ready(self.base_url, model, processes, timeout, logs, lambda: bool(live() - before))
         return process
-
-    def live_workers(self, model: str, ttl: float) -> set[str]:
-        """The workers Redis lists live for `model` now (none when it cannot say)."""
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=2)
-        try:
-            return set(ModelRegistry(client, heartbeat_ttl=ttl).live_workers(model))
-        except redis.RedisError:
-            return set()
-        finally:
-            client.close()
 
     def stop_process(self, name: str) -> None:
         self.models.pop(name, None)
