@@ -29,7 +29,6 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,7 +39,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # bench.bench_overhead and tests.support, from a checkout
 
-from bench.bench_overhead import HEARTBEAT, Profile, print_profile, questions, stack_arm  # noqa: E402
+from bench.bench_overhead import HEARTBEAT, Profile, print_profile, questions, stack_arm, tiny_stack  # noqa: E402
 
 GSM8K = ROOT.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
@@ -93,13 +92,8 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from shared.cli.local_stack import Stack
-    from shared.cli.redis_server import RedisServer
     from shared.settings import Settings
-    from tests.support.tiny_model import build
-    from worker.batch.served import ServedModel
     from worker.engine.runtime import torch_threads_for
-    from worker.model.loading import ensure_smollm2, load
 
     texts = questions(args.jobs, args.gsm8k)
     cores = len(os.sched_getaffinity(0))
@@ -108,46 +102,37 @@ def main() -> int:
         workers["actq torch's"] = ("tiny-torch", {"ACTQ_TORCH_THREADS": str(cores)})
     rows: dict[str, list[tuple[float, int]]] = {}
     loads: list[float] = []
-    with tempfile.TemporaryDirectory(prefix="actq-bench-bulk-") as tmp:
-        folder = build(Path(tmp) / "tiny", ensure_smollm2(Settings().model_cache_dir), max_position_embeddings=4096)
-        served = ServedModel(load(Settings(model=str(folder), model_name="m")))
-        served.hf.generation_config.eos_token_id = None  # a random model: every arm generates max_tokens
-        with RedisServer(Path(tmp) / "redis") as redis:
-            env = {"ACTQ_REDIS_URL": redis.url, "ACTQ_STORAGE_URL": Path(tmp, "data").as_uri()}
-            with Stack(Path(tmp), env) as stack:
-                stack.start_api()
-                for name, extra in workers.values():
-                    worker_env = {
-                        "ACTQ_MODEL": str(folder),
-                        "ACTQ_MODEL_NAME": name,
-                        "ACTQ_MAX_BATCH": str(args.batch),
-                        "ACTQ_HEARTBEAT_INTERVAL": str(HEARTBEAT),
-                        **extra,
-                    }
-                    stack.start_worker(name, worker_env, timeout=300)
-                    stack_arm(stack, name, texts[:2], 4, None)  # warm
-                profiles: dict[str, Profile] = {"generate": WorkerProfile({})}  # this process's CPU
-                for arm, (name, _) in workers.items():
-                    pids = {
-                        "api": stack.processes["api"].pid,
-                        "redis": redis.process.pid,
-                        "celery": stack.processes[f"worker-{name}"].pid,
-                        "client": psutil.Process().pid,
-                    }
-                    profiles[arm] = WorkerProfile(pids, redis.url, model=name)
-                generate_batches(served, texts[: args.batch], args.batch, 4)  # warm
-                for _ in range(args.runs):
-                    loads.append(os.getloadavg()[0])
-                    cpu = sum(psutil.Process().cpu_times()[:2])
-                    rows.setdefault("generate", []).append(generate_batches(served, texts, args.batch, args.max_tokens))
-                    profiles["generate"].add("ran", rows["generate"][-1][0])
-                    profiles["generate"].add("cpu client", sum(psutil.Process().cpu_times()[:2]) - cpu)
-                    profiles["generate"].add("steps", -(-args.jobs // args.batch) * args.max_tokens)
-                    profiles["generate"].add("rows/step", min(args.batch, args.jobs))
-                    for arm, (name, _) in workers.items():
-                        rows.setdefault(arm, []).append(
-                            stack_arm(stack, name, texts, args.max_tokens, None, profiles[arm])
-                        )
+    with tiny_stack("actq-bench-bulk-") as (folder, served, redis, stack):
+        for name, extra in workers.values():
+            worker_env = {
+                "ACTQ_MODEL": str(folder),
+                "ACTQ_MODEL_NAME": name,
+                "ACTQ_MAX_BATCH": str(args.batch),
+                "ACTQ_HEARTBEAT_INTERVAL": str(HEARTBEAT),
+                **extra,
+            }
+            stack.start_worker(name, worker_env, timeout=300)
+            stack_arm(stack, name, texts[:2], 4, None)  # warm
+        profiles: dict[str, Profile] = {"generate": WorkerProfile({})}  # this process's CPU
+        for arm, (name, _) in workers.items():
+            pids = {
+                "api": stack.processes["api"].pid,
+                "redis": redis.process.pid,
+                "celery": stack.processes[f"worker-{name}"].pid,
+                "client": psutil.Process().pid,
+            }
+            profiles[arm] = WorkerProfile(pids, redis.url, model=name)
+        generate_batches(served, texts[: args.batch], args.batch, 4)  # warm
+        for _ in range(args.runs):
+            loads.append(os.getloadavg()[0])
+            cpu = sum(psutil.Process().cpu_times()[:2])
+            rows.setdefault("generate", []).append(generate_batches(served, texts, args.batch, args.max_tokens))
+            profiles["generate"].add("ran", rows["generate"][-1][0])
+            profiles["generate"].add("cpu client", sum(psutil.Process().cpu_times()[:2]) - cpu)
+            profiles["generate"].add("steps", -(-args.jobs // args.batch) * args.max_tokens)
+            profiles["generate"].add("rows/step", min(args.batch, args.jobs))
+            for arm, (name, _) in workers.items():
+                rows.setdefault(arm, []).append(stack_arm(stack, name, texts, args.max_tokens, None, profiles[arm]))
     rate = {name: statistics.median(tokens / seconds for seconds, tokens in runs) for name, runs in rows.items()}
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
     print(

@@ -29,9 +29,12 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
@@ -195,6 +198,29 @@ def print_profile(profiles: dict[str, Profile]) -> None:
         print(f"{arm:<14}{cells}{cpu / wall:>10.2f}")
 
 
+@contextmanager
+def tiny_stack(prefix: str) -> Iterator[tuple[Path, Any, Any, Any]]:
+    """The benches' bed: the random tiny Llama built in a temporary folder (no EOS: every arm
+    generates max_tokens), loaded here as a served model for the in-process arms, and a Redis with
+    an API on it for the worker arms. Yields (model folder, served model, Redis server, stack)."""
+    from shared.cli.local_stack import Stack
+    from shared.cli.redis_server import RedisServer
+    from shared.settings import Settings
+    from tests.support.tiny_model import build
+    from worker.batch.served import ServedModel
+    from worker.model.loading import ensure_smollm2, load
+
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
+        folder = build(Path(tmp) / "tiny", ensure_smollm2(Settings().model_cache_dir), max_position_embeddings=4096)
+        served = ServedModel(load(Settings(model=str(folder), model_name="m")))
+        served.hf.generation_config.eos_token_id = None  # a random model: every arm generates max_tokens
+        with RedisServer(Path(tmp) / "redis") as redis:
+            env = {"ACTQ_REDIS_URL": redis.url, "ACTQ_STORAGE_URL": Path(tmp, "data").as_uri()}
+            with Stack(Path(tmp), env) as stack:
+                stack.start_api()
+                yield folder, served, redis, stack
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=32)
@@ -205,61 +231,48 @@ def main() -> int:
     args = parser.parse_args()
     torch.set_num_threads(1)
 
-    from shared.cli.local_stack import Stack
-    from shared.cli.redis_server import RedisServer
     from shared.client import Client
-    from shared.settings import Settings
-    from tests.support.tiny_model import build
-    from worker.batch.served import ServedModel
-    from worker.model.loading import ensure_smollm2, load
 
     texts = questions(args.prompts, args.gsm8k)
     rows: dict[str, list[tuple[float, int]]] = {}
-    with tempfile.TemporaryDirectory(prefix="actq-bench-overhead-") as tmp:
-        folder = build(Path(tmp) / "tiny", ensure_smollm2(Settings().model_cache_dir), max_position_embeddings=4096)
-        served = ServedModel(load(Settings(model=str(folder), model_name="m")))
-        served.hf.generation_config.eos_token_id = None  # a random model: every arm generates max_tokens
-        with RedisServer(Path(tmp) / "redis") as redis:
-            env = {"ACTQ_REDIS_URL": redis.url, "ACTQ_STORAGE_URL": Path(tmp, "data").as_uri()}
-            with Stack(Path(tmp), env) as stack:
-                stack.start_api()
-                worker_env = {
-                    "ACTQ_MODEL": str(folder),
-                    "ACTQ_MODEL_NAME": "tiny",
-                    "ACTQ_MAX_BATCH": str(args.prompts),
-                    "ACTQ_TORCH_THREADS": "1",
-                    "ACTQ_HEARTBEAT_INTERVAL": str(HEARTBEAT),
-                }
-                stack.start_worker("tiny", worker_env, timeout=300)
-                with Client(stack.base_url) as client:
-                    info = next(m for m in client.models() if m["name"] == "tiny")
-                every = [path for path in info["modules"] if "output" in info["hooks"].get(path, {})]
-                capture = {"modules": every, "positions": "generated"}
-                # without the vocabulary-wide lm_head: the other modules' rows are 64-256 wide
-                narrow = {
-                    "modules": [p for p in every if p not in info["last_position_only"]],
-                    "positions": "generated",
-                }
-                pids = {
-                    "api": stack.processes["api"].pid,
-                    "redis": redis.process.pid,
-                    "celery": stack.processes["worker-tiny"].pid,
-                    "client": psutil.Process().pid,
-                }
-                profiles = {arm: Profile(pids, redis.url) for arm in ("engine", "actq", "actq+capture", "actq+narrow")}
-                captures = {"actq": None, "actq+capture": capture, "actq+narrow": narrow}
-                stack_arm(stack, "tiny", texts[:2], 4, None)  # warm
-                for _ in range(args.repeats):
-                    rows.setdefault("generate", []).append(generate_arm(served, texts, args.max_tokens))
-                    cpu = sum(psutil.Process().cpu_times()[:2])
-                    rows.setdefault("engine", []).append(engine_arm(served, texts, args.max_tokens))
-                    profiles["engine"].add("ran", rows["engine"][-1][0])
-                    profiles["engine"].add("cpu client", sum(psutil.Process().cpu_times()[:2]) - cpu)
-                    profiles["engine"].add("steps", args.max_tokens - 1)  # all join at once; prefill gives the first
-                    profiles["engine"].add("rows/step", len(texts))
-                    for arm, spec in captures.items():
-                        run = stack_arm(stack, "tiny", texts, args.max_tokens, spec, profiles[arm])
-                        rows.setdefault(arm, []).append(run)
+    with tiny_stack("actq-bench-overhead-") as (folder, served, redis, stack):
+        worker_env = {
+            "ACTQ_MODEL": str(folder),
+            "ACTQ_MODEL_NAME": "tiny",
+            "ACTQ_MAX_BATCH": str(args.prompts),
+            "ACTQ_TORCH_THREADS": "1",
+            "ACTQ_HEARTBEAT_INTERVAL": str(HEARTBEAT),
+        }
+        stack.start_worker("tiny", worker_env, timeout=300)
+        with Client(stack.base_url) as client:
+            info = next(m for m in client.models() if m["name"] == "tiny")
+        every = [path for path in info["modules"] if "output" in info["hooks"].get(path, {})]
+        capture = {"modules": every, "positions": "generated"}
+        # without the vocabulary-wide lm_head: the other modules' rows are 64-256 wide
+        narrow = {
+            "modules": [p for p in every if p not in info["last_position_only"]],
+            "positions": "generated",
+        }
+        pids = {
+            "api": stack.processes["api"].pid,
+            "redis": redis.process.pid,
+            "celery": stack.processes["worker-tiny"].pid,
+            "client": psutil.Process().pid,
+        }
+        profiles = {arm: Profile(pids, redis.url) for arm in ("engine", "actq", "actq+capture", "actq+narrow")}
+        captures = {"actq": None, "actq+capture": capture, "actq+narrow": narrow}
+        stack_arm(stack, "tiny", texts[:2], 4, None)  # warm
+        for _ in range(args.repeats):
+            rows.setdefault("generate", []).append(generate_arm(served, texts, args.max_tokens))
+            cpu = sum(psutil.Process().cpu_times()[:2])
+            rows.setdefault("engine", []).append(engine_arm(served, texts, args.max_tokens))
+            profiles["engine"].add("ran", rows["engine"][-1][0])
+            profiles["engine"].add("cpu client", sum(psutil.Process().cpu_times()[:2]) - cpu)
+            profiles["engine"].add("steps", args.max_tokens - 1)  # all join at once; prefill gives the first
+            profiles["engine"].add("rows/step", len(texts))
+            for arm, spec in captures.items():
+                run = stack_arm(stack, "tiny", texts, args.max_tokens, spec, profiles[arm])
+                rows.setdefault(arm, []).append(run)
     rate = {name: statistics.median(tokens / seconds for seconds, tokens in runs) for name, runs in rows.items()}
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
     print(f"{'arm':<14}{'tokens/s':>10}{'x generate':>12}")
