@@ -5,7 +5,8 @@ cached) on GSM8K-style word problems.
 `build_tool_model(folder, tokenizer_dir)` makes a 2-layer Llama (hidden 128) with SmolLM2's
 tokenizer and the Hermes 2 Pro tool chat template (tests/data/chat_templates, Apache-2.0) as its
 chat template, trains it (AdamW, float32, CPU, seeded, 1200 steps of 16 conversations, the first
-60% without the long tools prompt: see `_train`) on synthetic two-number problems (`problems`),
+60% without the long tools prompt: see `_train`; only the embedding rows of the tokens the
+conversations use are trained, see `_train_compact`) on synthetic two-number problems (`problems`),
 and saves model and tokenizer in `folder`. Each training conversation is rendered
 by the template itself, with the calculator's `TOOL`:
 
@@ -175,7 +176,9 @@ def build_tool_model(
         torch.manual_seed(seed)
         model = LlamaForCausalLM(config).float()
         pool = [_encode(tokenizer, template, p) for p in problems(POOL, seed)]
-        _train(model, pool, pad, steps=steps, batch_size=batch_size, lr=lr, seed=seed, short_fraction=short_fraction)
+        _train_compact(
+            model, pool, pad, steps=steps, batch_size=batch_size, lr=lr, seed=seed, short_fraction=short_fraction
+        )
     finally:
         torch.set_num_threads(previous_threads)
     model.generation_config.pad_token_id = pad
@@ -184,6 +187,38 @@ def build_tool_model(
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def _train_compact(model, pool, pad: int, **training) -> list[float]:
+    """Train `model` on the tokens the conversations use only (a few hundred of the 49152): a
+    copy of it whose embedding (tied to its output layer) holds just their rows is trained, and
+    its weights written back. The full vocabulary's embedding would cost most of a step (its
+    dense gradient and AdamW's update of 6.3M weights), and the output layer's softmax over it
+    more. The other tokens' embeddings keep their small random initial values, so their logits
+    stay far below the trained ones (generation, over the whole vocabulary, shows it)."""
+    vocabulary = torch.tensor(sorted({token for ids, _ in pool for token in ids}))
+    index = torch.full((model.config.vocab_size,), -1, dtype=torch.long)
+    index[vocabulary] = torch.arange(len(vocabulary))
+    # The pad token (the embedding's padding_idx: kept at zero, never trained) and the special ids
+    # are renumbered with the rest.
+    special = {k: int(index[model.config.to_dict()[k]]) for k in ("pad_token_id", "bos_token_id", "eos_token_id")}
+    config = LlamaConfig(**{**model.config.to_dict(), **special, "vocab_size": len(vocabulary)})
+    compact = LlamaForCausalLM(config).float()
+    state = {k: v for k, v in model.state_dict().items() if not k.endswith(("embed_tokens.weight", "lm_head.weight"))}
+    state["model.embed_tokens.weight"] = model.model.embed_tokens.weight.detach()[vocabulary].clone()
+    compact.load_state_dict(state, strict=False)
+    compact.tie_weights()
+    renumbered = [(index[torch.tensor(ids)].tolist(), targets) for ids, targets in pool]
+    losses = _train(compact, renumbered, int(index[pad]), **training)
+    with torch.no_grad():
+        trained = compact.state_dict()
+        model.load_state_dict(
+            {k: v for k, v in trained.items() if not k.endswith(("embed_tokens.weight", "lm_head.weight"))},
+            strict=False,
+        )
+        model.model.embed_tokens.weight[vocabulary] = trained["model.embed_tokens.weight"]
+    model.eval()
+    return losses
 
 
 def _train(
@@ -195,13 +230,6 @@ def _train(
     rng = random.Random(seed)
     shared = _common_prefix([ids for ids, _ in pool])
     prefix = torch.tensor([pool[0][0][:shared]])
-    # The softmax runs over the tokens the conversations use (a few hundred of the 49152): the full
-    # vocabulary's output layer would cost most of a step. The other tokens' embeddings keep their
-    # small random initial values, so their logits stay far below the trained ones (generation,
-    # over the whole vocabulary, shows it).
-    vocabulary = torch.tensor(sorted({token for ids, _ in pool for token in ids}))
-    index = torch.zeros(model.config.vocab_size, dtype=torch.long)
-    index[vocabulary] = torch.arange(len(vocabulary))
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
     warmup = max(1, steps // 10)
     schedule = torch.optim.lr_scheduler.LambdaLR(
@@ -233,8 +261,8 @@ def _train(
             cache.batch_repeat_interleave(batch_size)
             hidden = model.model(input_ids=ids, attention_mask=mask, past_key_values=cache).last_hidden_state
         predicting = target[:, 1:]  # position t predicts token t + 1: logits only where the loss is
-        logits = hidden[:, :-1][predicting] @ model.lm_head.weight[vocabulary].T
-        loss = torch.nn.functional.cross_entropy(logits, index[ids[:, 1:][predicting]])
+        logits = model.lm_head(hidden[:, :-1][predicting])
+        loss = torch.nn.functional.cross_entropy(logits, ids[:, 1:][predicting])
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
