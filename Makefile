@@ -31,16 +31,24 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(BIN)/actq run
 
+# Test runs write bytecode even where the environment says not to (PYTHONDONTWRITEBYTECODE=1 on
+# these machines): without it every pytest process rewrote its 600 test and plugin modules again
+# (8 s a start) and every worker, API and CLI process the tests start compiled the project anew.
+# Test files run in TEST_WORKERS processes (pytest-xdist), each file whole in one of them, so its
+# module fixtures are made once; most of an end-to-end test is waiting on other processes.
+TEST_WORKERS ?= 2
+PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
+
 test: lint docs browser
-	$(BIN)/python -m pytest -ra --durations=40
+	$(PYTEST) -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile
 
 # The fault-injection sweep in full: every operation of the scenario fails in a run of its own
 # (make test fails each distinct operation and call site once).
 test-exhaustive: $(STAMP)
-	$(BIN)/python -m pytest -ra --exhaustive -m exhaustive
+	$(PYTEST) -ra --exhaustive -m exhaustive
 
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -ra -m "not e2e and not model and not slow" --ignore=tests/e2e --ignore=tests/gpu
+	$(PYTEST) -ra -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not model and not slow" --ignore=tests/e2e --ignore=tests/gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check api worker shared tests bench docs/hooks
