@@ -108,7 +108,15 @@ async def result(services: Services, job: Queued, wait_seconds: float, idempoten
         log.warning("waiting for job %s failed: %r", job.job_id, exc)
         raise after_queued(job.job_id, exc) from exc
     if record is None:
-        raise OpenAIError(500, f"job {job.job_id} is no longer stored", "job_not_found", job_id=job.job_id, retry=False)
+        # Deleted, expired or flushed while this request waited: not the server's fault, and not
+        # worth a retry (the job is gone); GET /jobs/{id} answers the same 404.
+        raise OpenAIError(
+            404,
+            f"job {job.job_id} was deleted or expired while this request waited for it",
+            "job_not_found",
+            job_id=job.job_id,
+            retry=False,
+        )
     if record.status is not JobStatus.succeeded:
         raise unfinished(record, wait_seconds, idempotency_key)
     return await whole_result(services.jobs, record)

@@ -95,3 +95,29 @@ def test_at_capacity_a_streamed_request_is_refused_as_an_answered_one_before_its
         assert refused.status_code == 400, refused.text
         assert "ACTQ_DEFAULT_CAPTURE_BY_MODEL" in refused.json()["error"]["message"]
         assert job_count(redis_client) == before
+
+
+def test_a_job_deleted_while_its_answered_request_waits_is_a_404_naming_it(defaulted, redis_client):
+    """The job's record goes (an operator's delete, an expiry, a flush) while an answered request
+    waits for it: a 404 `job_not_found` that names the job and says what happened, as GET /jobs/{id}
+    answers, not a 500 (it was answered 500, a server error to retry)."""
+    body = {"model": TINY, "prompt": "2 + 2 =", "max_tokens": 2, "actq_wait_seconds": 60}
+    answers: list = []
+    with TestClient(create_app(defaulted)) as http:
+        waiting = threading.Thread(target=lambda: answers.append(http.post("/v1/completions", json=body)))
+        waiting.start()
+        deadline = time.monotonic() + 30
+        while not (made := job_ids(redis_client)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(made) == 1, made
+        (job_id,) = made
+        redis_client.delete(f"actq:job:{job_id}")
+        waiting.join(timeout=60)
+        assert not waiting.is_alive()
+        gone = http.get(f"/jobs/{job_id}")
+    (answer,) = answers
+    assert answer.status_code == 404, answer.text
+    error = answer.json()["error"]
+    assert error["code"] == "job_not_found" and job_id in error["message"], error
+    assert "deleted or expired" in error["message"], error
+    assert gone.status_code == 404 and gone.json()["error"] == "job_not_found", gone.text
