@@ -1,22 +1,50 @@
 """What goes wrong reaching the API, or in what a command is given, is one line on stderr naming
 what to change, exit 2, never a traceback, and nothing is left on disk (the `actq` command as a
-user runs it: a subprocess, against a port nobody listens on or a real HTTP server refusing the key)."""
+user runs it, against a port nobody listens on or a real HTTP server refusing the key): one test runs
+the command as a process of its own, the rest through the same entry point in this process."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import os
 import socket
 import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from unittest import mock
 
 import pytest
 
+from shared.cli import main
+
 
 def actq(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    import os
+    """`actq ARGS` through its console entry point (`shared.cli.main`: the one-line errors and exit
+    code 2 are made there), run in this process with its stdout and stderr captured: a Python
+    start per refusal was most of these tests' time. `actq_process` runs the command itself."""
+    stdout, stderr = io.StringIO(), io.StringIO()
+    environ = {"ACTQ_API_URL": "http://127.0.0.1:9", **(env or {})}
+    code = 0
+    with (
+        mock.patch.dict(os.environ, environ),
+        mock.patch.object(sys, "argv", ["actq", *args]),
+        contextlib.redirect_stdout(stdout),
+        contextlib.redirect_stderr(stderr),
+    ):
+        try:
+            main()
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else (0 if exit_.code is None else 1)
+            if isinstance(exit_.code, str):
+                stderr.write(exit_.code + "\n")
+    return subprocess.CompletedProcess(["actq", *args], code, stdout.getvalue(), stderr.getvalue())
 
+
+def actq_process(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`actq ARGS` as a user runs it: a process of its own."""
     return subprocess.run(
         [sys.executable, "-m", "shared.cli", *args],
         capture_output=True,
@@ -79,7 +107,7 @@ def test_an_unreachable_api_is_one_line_naming_the_url_and_how_to_change_it(
         ["export", str(unreached_results), "--out", str(out / "nested" / "x.parquet"), "--api", url],
         ["probe", str(unreached_results), "--label", "topic", "--api", url],
     ):
-        line = one_line_error(actq(*args))
+        line = one_line_error(actq_process(*args))
         assert url in line and "--api URL or ACTQ_API_URL" in line, line
         assert not out.exists(), args
     assert not (unreached_results / "export.parquet").exists() and not (unreached_results / "probes.json").exists()
