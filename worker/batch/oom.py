@@ -2,8 +2,9 @@
 wrote is put back, the device's cached memory is given back, and the rows run again in two
 halves, each under the same policy, down to one row, which then fails alone (`OutOfMemory`); the
 first split lowers the batch's cap (later batches stay at the half). Every runner of rows uses it:
-the compacting batch's steps (worker/batch/decoding.py), the slots' eager steps (worker/batch/slot_decoding.py)
-and the engine core's trace passes (worker/engine/core.py). Any other exception propagates.
+the compacting batch's steps (worker/batch/decoding.py), the slots' eager steps
+(worker/batch/slot_decoding.py), the state slots' steps (worker/batch/state_decoding.py) and the
+engine core's trace passes (worker/engine/core.py). Any other exception propagates.
 """
 
 from __future__ import annotations

@@ -13,19 +13,19 @@ computes alone (tested against its solo run and against forward hooks on `genera
 Everything per row is the batch's (worker/batch/batch_passes.py): the sampler and its
 generator, grammars, stop strings, EOS and max_tokens, the watch, log-probabilities, the capture
 hooks (`BatchHooks`: rows that join become more targets of the staging rings; rows that leave
-take their staged steps, `drain` then `compact`) and the edits. Out of memory in a step, the rows
-are run in halves, down to one row that fails alone (its slot keeps nothing of the failed pass:
-state is written back only after a pass that succeeded).
+take their staged steps, `drain` then `compact`) and the edits. Out of memory in a step,
+worker/batch/oom.py's policy: the rows run in halves, down to one row that fails alone (its slot
+keeps nothing of the failed pass: state is written back only after a pass that succeeded).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers import DynamicCache
 
+from worker.batch.oom import in_halves, lowered_cap
 from worker.batch.sequence import Sequence, Undo
 from worker.batch.solo import SoloDecoder
 from worker.hooks.paths import PassRows
@@ -35,8 +35,6 @@ from worker.rules.failures import is_oom, out_of_memory
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-log = logging.getLogger(__name__)
 
 
 class StateDecoder(SoloDecoder):
@@ -112,7 +110,7 @@ class StateDecoder(SoloDecoder):
             return []
         rows = self.rows
         self.hooks.settle([row.capture for row in rows])  # staged steps of another batch, before the marks
-        logits = self._run(rows, list(self.slot_of), top=True)
+        logits = self._run(rows, list(self.slot_of))
         if logits is not None:
             self._advance(rows, logits, lambda i: rows[i].all_ids())
         ending = {i for i, row in enumerate(rows) if row.ended is not None}
@@ -139,32 +137,37 @@ class StateDecoder(SoloDecoder):
         self.slot_of = [self.slot_of[i] for i in keep]
         return ended
 
-    def _run(self, rows: list[Sequence], slots: list[int], top: bool = False) -> torch.Tensor | None:
+    def _run(self, rows: list[Sequence], slots: list[int]) -> torch.Tensor | None:
         """One decoding pass over `rows` (their state in `slots`): their logits `[B, V]`, or None
-        when every row failed. Out of memory, the rows run in halves, down to one row that fails
-        alone (its logits row is zeros, unread); batches are capped at the half from then on."""
+        when every row failed. Out of memory, worker/batch/oom.py's policy: the failed pass's
+        captures are put back (its state was never kept) and the rows run in halves, down to one
+        row that fails alone (its logits row is zeros, unread); batches are capped at the half."""
         marks = [row.capture.mark() if row.capture else None for row in rows]
-        try:
-            return self._forward_slots(rows, slots)
-        except Exception as exc:
+
+        def run(lo: int, hi: int) -> tuple[torch.Tensor | None, int]:
+            return self._forward_slots(rows[lo:hi], slots[lo:hi]), hi - lo
+
+        def undo(lo: int, hi: int) -> None:
+            for row, mark in zip(rows[lo:hi], marks[lo:hi], strict=True):
+                if row.capture is not None and mark is not None:
+                    row.capture.reset(mark)
+
+        def fail(lo: int, hi: int, exc: Exception) -> tuple[torch.Tensor | None, int]:
             if not is_oom(exc):
-                raise
-        for row, mark in zip(rows, marks, strict=True):  # the failed pass's captures go; its state was never kept
-            if row.capture is not None and mark is not None:
-                row.capture.reset(mark)
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
-        if len(rows) == 1:
-            rows[0].failure, rows[0].ended = out_of_memory(), "failed"
-            return None
-        half = len(rows) // 2
-        if top:
-            self.most_rows = min(self.most_rows or len(rows), half)
-            log.warning("out of memory at a batch of %d: running it in halves; batches now at most %d", len(rows), half)
-        parts = [(self._run(rows[:half], slots[:half]), half), (self._run(rows[half:], slots[half:]), len(rows) - half)]
+                raise exc
+            for row in rows[lo:hi]:
+                row.failure, row.ended = out_of_memory(), "failed"
+            return None, hi - lo
+
+        def split(size: int) -> None:
+            self.most_rows = lowered_cap(self.most_rows, size, "batch")
+
+        parts = in_halves(0, len(rows), run, fail, undo, split)
         present = [got for got, _ in parts if got is not None]
         if not present:
             return None
+        if len(parts) == 1:
+            return present[0]
         width = present[0].shape[1]
         return torch.cat([got if got is not None else present[0].new_zeros(n, width) for got, n in parts])
 
