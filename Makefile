@@ -35,8 +35,9 @@ run: $(STAMP)
 # these machines): without it every pytest process rewrote its 600 test and plugin modules again
 # (8 s a start) and every worker, API and CLI process the tests start compiled the project anew.
 # Test files run in TEST_WORKERS processes (pytest-xdist), each file whole in one of them, so its
-# module fixtures are made once; most of an end-to-end test is waiting on other processes.
-TEST_WORKERS ?= 2
+# module fixtures are made once; most of an end-to-end test is waiting on other processes. Three
+# on two cores: with two, a clean-clone run beside a busy process got 122% of the CPU (35 min).
+TEST_WORKERS ?= 3
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 test: lint docs browser
