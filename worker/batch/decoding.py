@@ -20,7 +20,7 @@ import torch
 
 from worker.batch.batch_passes import BatchPasses
 from worker.batch.columns import append_column
-from worker.batch.oom import in_halves, lowered_cap
+from worker.batch.oom import in_halves, lowered_cap, stitched
 from worker.batch.sequence import VACANT, Feeding, Sequence, Undo, Watch, vacancy
 from worker.model import kvcache
 from worker.rules.failures import failure_of, is_oom, out_of_memory
@@ -156,11 +156,7 @@ class Decoder(BatchPasses):
         if len(parts) == 1:
             return parts[0][0], parts[0][1]
         merged, _ = kvcache.concat([part for _, part, _, _ in parts], [after for _, _, after, _ in parts])
-        present = [logits for logits, _, _, _ in parts if logits is not None]
-        if not present:
-            return None, merged
-        width = present[0].shape[1]
-        return torch.cat([got if got is not None else present[0].new_zeros(n, width) for got, _, _, n in parts]), merged
+        return stitched([(logits, n) for logits, _, _, n in parts]), merged
 
     def _row_ids(self, index: int) -> torch.Tensor:
         """Row `index`'s tokens so far `[1, n]`: a view of the batch's ids, without its padding."""

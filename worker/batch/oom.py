@@ -64,3 +64,15 @@ def in_halves(
     if split is not None:
         split(hi - lo)
     return in_halves(lo, half, run, fail, undo) + in_halves(half, hi, run, fail, undo)
+
+
+def stitched(parts: list[tuple[torch.Tensor | None, int]]) -> torch.Tensor | None:
+    """The logits of rows run in parts (`in_halves`), in row order: each part's `[n, V]`, zeros for
+    a part that failed (its rows are ended, never read); None when every part failed."""
+    present = [logits for logits, _ in parts if logits is not None]
+    if not present:
+        return None
+    if len(parts) == 1:
+        return present[0]
+    width = present[0].shape[1]
+    return torch.cat([got if got is not None else present[0].new_zeros(n, width) for got, n in parts])

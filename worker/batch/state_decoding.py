@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from transformers import DynamicCache
 
-from worker.batch.oom import in_halves, lowered_cap
+from worker.batch.oom import in_halves, lowered_cap, stitched
 from worker.batch.sequence import Sequence, Undo
 from worker.batch.solo import SoloDecoder
 from worker.hooks.paths import PassRows
@@ -162,14 +162,7 @@ class StateDecoder(SoloDecoder):
         def split(size: int) -> None:
             self.most_rows = lowered_cap(self.most_rows, size, "batch")
 
-        parts = in_halves(0, len(rows), run, fail, undo, split)
-        present = [got for got, _ in parts if got is not None]
-        if not present:
-            return None
-        if len(parts) == 1:
-            return present[0]
-        width = present[0].shape[1]
-        return torch.cat([got if got is not None else present[0].new_zeros(n, width) for got, n in parts])
+        return stitched(in_halves(0, len(rows), run, fail, undo, split))
 
     def _forward_slots(self, rows: list[Sequence], slots: list[int]) -> torch.Tensor:
         """One pass feeding each row's newest token over the state of its slot; the state it
