@@ -8,6 +8,8 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import redis
+
 from shared import keys
 from shared.attempts import Attempt, StaleAttempt
 from shared.errors import JobCancelled, JobFailure, UnreadableRecord, UnsupportedByWorker, WorkerLost
@@ -16,6 +18,15 @@ from shared.job_transactions import JobStoreCore, Unreadable
 from shared.listing import tag_indexes
 from shared.newer_records import RecordCore, ended_as_stored, newer_fields_message, unsupported
 from shared.schemas import JobRecord, JobStatus
+
+
+def _status(raw: bytes | str) -> object:
+    """A stored record's state as written (any version's record: only this field is read)."""
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data.get("status") if isinstance(data, dict) else None
 
 
 class JobLifecycle(JobStoreCore):
@@ -130,7 +141,8 @@ class JobLifecycle(JobStoreCore):
         """A running job's result (and manifest). A terminal job is left alone. A result larger
         than `inline_bytes` is stored apart from the record (split_result). `attempt` (a worker's
         call): recorded only while the record is still that attempt's and running, otherwise
-        StaleAttempt and nothing changed (`_end`)."""
+        StaleAttempt and nothing changed (`_end`). A cancel asked before this transaction (the API
+        answered 202) wins: CancelAsked, nothing changed, and the caller ends the job cancelled."""
         shown, whole = split_result(result, inline_bytes)
 
         def ending(record: JobRecord) -> JobRecord:
@@ -138,7 +150,7 @@ class JobLifecycle(JobStoreCore):
             data.update(status=JobStatus.succeeded, result=shown, activations=activations, finished_at=now())
             return JobRecord.model_validate(data)
 
-        return self._end(job_id, ending, whole, attempt)
+        return self._end(job_id, ending, whole, attempt, cancel_wins=True)
 
     def fail(
         self,
@@ -170,6 +182,7 @@ class JobLifecycle(JobStoreCore):
         stored_result: bytes | None,
         attempt: Attempt | None,
         unreadable: Unreadable | None = None,
+        cancel_wins: bool = False,
     ) -> JobRecord | None:
         """Write `ending(record)` through an outage, in one transaction with the check (a
         compare-and-set): the job is running and, given `attempt`, still that attempt's. Returns
@@ -187,7 +200,7 @@ class JobLifecycle(JobStoreCore):
 
         def write() -> JobRecord | None:
             seen.clear()
-            return self.update(job_id, change, stored_result, unreadable if attempt is None else None)
+            return self.update(job_id, change, stored_result, unreadable if attempt is None else None, cancel_wins)
 
         written = self._through_outage(write)
         if written is not None or attempt is None:
@@ -202,9 +215,26 @@ class JobLifecycle(JobStoreCore):
         """A queued job becomes `cancelled` (the worker skips it); None when it is no longer queued."""
         return self.update(job_id, lambda r: ended(r, failure, None) if r.status is JobStatus.queued else None)
 
-    def request_cancel(self, job_id: str) -> None:
-        """Ask the worker running this job to stop it (it reads the flag while generating)."""
-        self.redis.set(keys.cancel(job_id), 1, ex=self.retention)
+    def request_cancel(self, job_id: str) -> bool:
+        """Ask the worker running this job to stop it (it reads the flag while generating, and
+        `succeed` reads it in the transaction that would end the job). The flag is set in one
+        transaction with the check that the job is still running, so a job whose outcome was
+        recorded first is never told it will be cancelled: False then (and for an unknown job)."""
+        key, flag = keys.job(job_id), keys.cancel(job_id)
+        with self.redis.pipeline() as pipe:
+            while True:
+                try:
+                    pipe.watch(key)
+                    raw = pipe.get(key)
+                    if raw is None or _status(raw) != JobStatus.running.value:
+                        pipe.unwatch()
+                        return False
+                    pipe.multi()
+                    pipe.set(flag, 1, ex=self.retention)
+                    pipe.execute()
+                    return True
+                except redis.WatchError:
+                    continue
 
     def report_progress(self, job_id: str, generated_tokens: int) -> bool:
         """The worker's word while it generates: store the progress; True when a cancel was asked."""

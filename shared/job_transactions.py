@@ -39,6 +39,15 @@ return b
 """
 
 
+class CancelAsked(Exception):
+    """A running job's cancel was asked before the outcome being written was recorded: the cancel
+    wins (POST /jobs/{id}/cancel answered 202), and nothing was written."""
+
+    def __init__(self, job_id: str) -> None:
+        super().__init__(f"job {job_id}: its cancel was asked before its outcome was recorded")
+        self.job_id = job_id
+
+
 def _outage_or_refusal(exc: Exception) -> bool:
     """What the worker's store waits out: Redis away, or Redis refusing writes (MISCONF, OOM,
     READONLY); any other error reply is a bug and surfaces at once."""
@@ -91,21 +100,25 @@ class JobStoreCore:
         change: Callable[[JobRecord], JobRecord | None],
         stored_result: bytes | None = None,
         unreadable: Unreadable | None = None,
+        cancel_wins: bool = False,
     ) -> JobRecord | None:
         """Apply `change` atomically. It returns the new record, or None to leave the job as it is.
         `stored_result` (a result kept apart, see split_result) is written in the same transaction,
         with the record's TTL, only when the change is. `unreadable`, if given, is called instead of
         `change` for a record this version cannot read (else UnreadableRecord is raised).
+        `cancel_wins`: the job's cancel flag is read in the same transaction, and a running job
+        whose cancel was asked raises CancelAsked with nothing written.
 
         Returns what was written, or None when nothing was (unknown job, `change` declined, or an
         unreadable record, changed or not).
         """
         key = keys.job(job_id)
+        watched = [key, keys.cancel(job_id)] if cancel_wins else [key]
         with self.redis.pipeline() as pipe:
             while True:
                 try:
-                    pipe.watch(key)
-                    raw = pipe.get(key)
+                    pipe.watch(*watched)
+                    raw, *flag = pipe.mget(watched)
                     if raw is None:
                         pipe.unwatch()
                         return None
@@ -122,6 +135,9 @@ class JobStoreCore:
                         self._write_state(pipe, exc.core, *state)
                         pipe.execute()
                         return None
+                    if flag and flag[0] is not None and old.status is JobStatus.running:
+                        pipe.unwatch()
+                        raise CancelAsked(job_id)
                     new = change(old)
                     if new is None:
                         pipe.unwatch()

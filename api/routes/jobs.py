@@ -223,18 +223,22 @@ def _cancel(
     by: str,
 ) -> tuple[JobRecord, JobView | None]:
     """Cancel `job_id` if it has not ended: a queued job's view (it is `cancelled`), or a running
-    job's (202: it stops within one decoding step). Otherwise its record and None."""
-    record = load(services, job_id, caller)
-    if record.status is JobStatus.queued:
-        cancelled = services.jobs.cancel_queued(job_id, JobCancelled(f"cancelled by {by} before it ran"))
-        if cancelled is not None:
-            return cancelled, view(cancelled, request)
+    job's (202: it stops within one decoding step, and its outcome, if recorded after this, is
+    `cancelled`). Otherwise its record and None. Each step is a transaction with its check, so a
+    job that moved on meanwhile (queued -> running -> ended) is looked at again as it is now."""
+    for _ in range(5):
         record = load(services, job_id, caller)
-    if record.status is JobStatus.running:
-        services.jobs.request_cancel(job_id)
-        response.status_code = 202
-        return record, view(record, request, _shown(services.jobs.live_fields(record), operator))
-    return record, None
+        if record.status is JobStatus.queued:
+            cancelled = services.jobs.cancel_queued(job_id, JobCancelled(f"cancelled by {by} before it ran"))
+            if cancelled is not None:
+                return cancelled, view(cancelled, request)
+        elif record.status is JobStatus.running:
+            if services.jobs.request_cancel(job_id):
+                response.status_code = 202
+                return record, view(record, request, _shown(services.jobs.live_fields(record), operator))
+        else:
+            return record, None
+    raise Conflict(f"job {job_id} kept changing state while it was being cancelled: try again")
 
 
 def _shown(live: dict[str, int | None], operator: bool) -> dict[str, int | None]:

@@ -8,10 +8,12 @@ import threading
 import uuid
 
 import pytest
+import redis
 
 from shared import keys
 from shared.broker import make_celery
 from shared.errors import JobCancelled, JobTimeout
+from shared.job_transactions import CancelAsked
 from shared.jobs import JobStore, now
 from shared.schemas import JobRecord, JobRequest, JobStatus
 from shared.settings import Settings
@@ -190,8 +192,30 @@ def test_the_cancel_flag_reaches_the_worker_through_progress_reports(store, cele
     job_id = new_job(store, celery)
     store.claim(job_id, "w", 3)
     assert store.report_progress(job_id, 1) is False
-    store.request_cancel(job_id)
+    assert store.request_cancel(job_id) is True
     assert store.report_progress(job_id, 2) is True
+
+
+def test_a_cancel_set_while_the_success_is_being_written_wins(store, celery, redis_client, redis_server):
+    """The cancel flag is watched with the record: a cancel set by another client between the
+    success transaction's read and its EXEC (injected from inside the change) aborts the EXEC, and
+    the retry raises CancelAsked with the job still running and nothing written."""
+    job_id = new_job(store, celery)
+    store.claim(job_id, "w", 3)
+    other = JobStore(redis.Redis.from_url(redis_server.url), 60)
+
+    def ending(record: JobRecord) -> JobRecord:
+        assert other.request_cancel(job_id)  # the API's cancel lands mid-transaction
+        return record.model_copy(update={"status": JobStatus.succeeded})
+
+    with pytest.raises(CancelAsked):
+        store.update(job_id, ending, cancel_wins=True)
+    assert store.get(job_id).status is JobStatus.running
+    with pytest.raises(CancelAsked):
+        store.succeed(job_id, RESULT, None)
+    store.fail(job_id, JobCancelled("cancelled while running"))
+    assert store.get(job_id).status is JobStatus.cancelled
+    assert store.request_cancel(job_id) is False  # ended: nothing to ask
 
 
 def test_list_is_per_owner_newest_first_and_filters_by_status(store, celery, redis_client):
@@ -232,7 +256,8 @@ def test_a_status_filter_reads_only_that_states_index(store, celery, redis_clien
 
 def test_delete_removes_record_flags_and_index_entry(store, celery, redis_client):
     job_id = new_job(store, celery, owner="k1")
-    store.request_cancel(job_id)
+    store.claim(job_id, "w", 3)
+    assert store.request_cancel(job_id)
     store.report_progress(job_id, 3)
     store.delete(store.get(job_id))
     assert store.get(job_id) is None

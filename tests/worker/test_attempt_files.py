@@ -18,6 +18,7 @@ from fastapi.testclient import TestClient
 from safetensors.torch import load
 
 from api.main import create_app
+from shared import keys
 from shared.attempts import Attempt
 from shared.broker import make_celery
 from shared.capture_spec import resolve
@@ -200,3 +201,55 @@ def test_an_nnsight_result_recorded_before_attempt_folders_is_still_read(served,
     with TestClient(create_app(settings)) as http:
         got = http.get(f"/jobs/{first.id}/nnsight-result")
     assert got.status_code == 200 and got.content == data
+
+
+def claimed_once(jobs: JobStore, settings: Settings, request: JobRequest, points) -> JobRecord:
+    record = JobRecord(
+        id=str(uuid.uuid4()),
+        status=JobStatus.queued,
+        model="m",
+        request=request,
+        max_tokens=24,
+        capture_points=points,
+        created_at=now(),
+    )
+    jobs.enqueue([record], make_celery(settings))
+    claimed, _ = jobs.claim(record.id, "host:A", 3)
+    assert claimed is not None
+    return claimed
+
+
+def test_a_cancel_accepted_while_the_last_step_ran_wins_over_the_success(served, settings, jobs, store):
+    """The API answered 202 to a cancel while the job ran; the job's last step came before the
+    progress thread's next round, so the engine never saw the flag. The transaction that would
+    record its success reads the flag: the job ends `cancelled` with its text, and the file it had
+    written is removed (CI's `actq cancel` test saw such jobs end `succeeded`)."""
+    request = JobRequest.model_validate({**SAMPLED, "temperature": 0.0, "capture": CAPTURE})
+    record = claimed_once(jobs, settings, request, resolve(request.capture, served.info))
+    seq = decoded(served, request)
+    with TestClient(create_app(settings)) as http:
+        asked = http.post(f"/jobs/{record.id}/cancel")
+        assert asked.status_code == 202, asked.text
+        job_flow._record(worker(served, store, jobs, settings, "host:A"), record, time.perf_counter(), seq)
+        ended = http.get(f"/jobs/{record.id}").json()
+        assert ended["status"] == "cancelled" and ended["error"]["type"] == "cancelled", ended
+        assert ended["result"]["text"] == generated_text(served, seq)
+        assert ended["result"]["finish_reason"] == "cancelled" and ended["activations"] is None
+        assert store.folders(job_prefix(record.id)) == []  # its file was written, then removed
+        again = http.post(f"/jobs/{record.id}/cancel")
+        assert again.status_code == 409 and "already ended cancelled" in again.text
+
+
+def test_a_job_that_succeeded_first_is_not_told_it_will_be_cancelled(served, settings, jobs, store, redis_client):
+    """The other order: the success is recorded, then the cancel arrives: 409 naming `succeeded`
+    (never a 202 for a job that will not be cancelled), no flag set, the result kept."""
+    request = JobRequest.model_validate({**SAMPLED, "temperature": 0.0, "capture": CAPTURE})
+    record = claimed_once(jobs, settings, request, resolve(request.capture, served.info))
+    job_flow._record(
+        worker(served, store, jobs, settings, "host:A"), record, time.perf_counter(), decoded(served, request)
+    )
+    with TestClient(create_app(settings)) as http:
+        late = http.post(f"/jobs/{record.id}/cancel")
+        assert late.status_code == 409 and "already ended succeeded" in late.text, late.text
+    assert not redis_client.exists(keys.cancel(record.id))
+    assert_readers_get_the_record(settings, jobs, store, record.id, served)

@@ -11,6 +11,7 @@ store: it decodes the batch."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -26,6 +27,7 @@ from celery.utils.log import get_task_logger
 from shared.attempts import Attempt, StaleAttempt
 from shared.edit_refs import References
 from shared.errors import InternalError, JobCancelled, JobFailure, JobTimeout
+from shared.job_transactions import CancelAsked
 from shared.schemas import BaselineResult, JobRecord, JobRequest, JobResult, Logprobs, TokenLogprob, TopLogprob, Usage
 from shared.tools import ToolCall
 from worker.engine import runtime
@@ -297,6 +299,7 @@ def _record(
     job_id = record.id
     holder = holder or {}
     attempt = Attempt.of(record)
+    generation: Generation | None = None
     try:
         if record.request.nnsight is not None:
             from worker.engine import nnsight_io
@@ -365,6 +368,8 @@ def _record(
         attempt_files.tidy(rt.store, job_id, attempt, succeeded=True)
     except StaleAttempt as lost:
         attempt_files.discard(rt.store, record.id, lost)
+    except CancelAsked:  # asked after its last step, before its success was recorded: the cancel wins
+        _cancelled_at_its_end(rt, record, generation)
     except JobFailure as exc:
         _fail(rt, record, exc)
     except redis.RedisError:
@@ -455,12 +460,27 @@ def _watch(rt: runtime.Runtime, record: JobRecord, holder: dict[str, Any], count
     return watch
 
 
+def _cancelled_at_its_end(rt: runtime.Runtime, record: JobRecord, generation: Generation | None) -> None:
+    """A cancel the API accepted (202) while the job ran, first seen by the transaction that would
+    have recorded its success (the job ended within the progress thread's round): it ends
+    `cancelled` as a watched cancel does, with its text; the files it wrote are removed."""
+    attempt = Attempt.of(record)
+    attempt_files.withdraw(rt.store, record.id, attempt)
+    try:
+        if generation is None:  # an nnsight job: its saves go with its files
+            rt.jobs.fail(record.id, JobCancelled("cancelled while running, as its code ended"), attempt=attempt)
+        else:
+            _stopped(rt, record, dataclasses.replace(generation, stopped_by="cancelled"))
+    except StaleAttempt as lost:
+        attempt_files.discard(rt.store, record.id, lost)
+
+
 def _stopped(rt: runtime.Runtime, record: JobRecord, generation: Generation) -> None:
     """A generation the watch ended: cancelled (with what it had written) or out of time."""
     tokens = generation.completion_tokens
     failure: JobFailure
     if generation.stopped_by == "cancelled":
-        failure = JobCancelled(f"cancelled by DELETE /jobs/{{id}} while running, after {tokens} tokens")
+        failure = JobCancelled(f"cancelled while running, after {tokens} tokens")
     else:
         limit = time_limit(rt.settings.job_soft_time_limit, record)
         failure = JobTimeout(f"the job ran past its time limit of {limit:g}s (after {tokens} tokens)")

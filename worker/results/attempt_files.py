@@ -45,3 +45,13 @@ def tidy(store: ArtifactStore, job_id: str, attempt: Attempt, succeeded: bool) -
                 log.info("job %s: removed %s, left by an attempt whose outcome was not recorded", job_id, folder)
     except (StorageError, OSError) as exc:
         log.warning("job %s: the folders of its earlier attempts were not removed: %s", job_id, exc)
+
+
+def withdraw(store: ArtifactStore, job_id: str, attempt: Attempt) -> None:
+    """This attempt wrote its files, then its job ended otherwise (a cancel that won over its
+    success): remove its own folder, which no record names."""
+    prefix = attempt.prefix(job_id)
+    try:
+        store.delete_prefix(prefix)
+    except (StorageError, OSError) as exc:
+        log.warning("job %s: the files of its %s are left at %s: %s", job_id, attempt, prefix, exc)
