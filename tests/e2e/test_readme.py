@@ -60,12 +60,17 @@ def serve(tmp_path, smol_dir):
         process.wait(90)
 
 
+@pytest.mark.slow  # every example of the manual on the built-in SmolLM2: 82 s on 2 quiet cores, 125 s in CI
 def test_the_readme_examples_run_as_written(serve, tmp_path):
     port, env = serve
     work = tmp_path / "reader"
     work.mkdir()
     found = _examples()
     results = readme.run_all(found, port, work, env)
+    slowest = sorted(zip(found, results, strict=True), key=lambda pair: -pair[1]["seconds"])[:8]
+    spent = sum(r["seconds"] for r in results)
+    shown = [f"{r['seconds']:6.1f} s {readme.where(e, ROOT)}" for e, r in slowest]
+    print(f"{len(found)} examples: {spent:.1f} s; slowest:", *shown, sep="\n  ")  # pytest -s shows it
     problems = []
     for example, result in zip(found, results, strict=True):
         if not result["ok"]:

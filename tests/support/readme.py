@@ -19,6 +19,7 @@ import json
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -165,15 +166,17 @@ def run_all(found: list[Example], port: int, cwd: Path, env: dict[str, str], tim
     results: list[dict] = []
     try:
         for example in found:
+            started = time.monotonic()
             code = ADDRESS.sub(lambda m: f"{m.group(1)}:{port}", example.code)
             if example.lang == "sh":
                 results.append(_shell(code, cwd, env, state, timeout))
-                continue
-            assert python.stdin is not None and python.stdout is not None
-            python.stdin.write(json.dumps(code) + "\n")
-            python.stdin.flush()
-            answer = python.stdout.readline()
-            results.append(json.loads(answer) if answer else {"ok": False, "stdout": "", "error": "Python exited"})
+            else:
+                assert python.stdin is not None and python.stdout is not None
+                python.stdin.write(json.dumps(code) + "\n")
+                python.stdin.flush()
+                answer = python.stdout.readline()
+                results.append(json.loads(answer) if answer else {"ok": False, "stdout": "", "error": "Python exited"})
+            results[-1]["seconds"] = time.monotonic() - started
         for result in results:  # what the reader sees: the API names itself by the address asked
             result["stdout"] = re.sub(rf"\b(localhost|127\.0\.0\.1):{port}\b", rf"\1:{PORT}", result["stdout"])
     finally:
