@@ -10,6 +10,7 @@ before each test that uses it), real models built at test time. Tiers, by folder
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -49,6 +50,25 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]):
                 f"{item.nodeid} ran {report.duration:.0f} s, past {SLOW_CALL_SECONDS} s: make it cheaper "
                 "or mark it `slow` (tests/conftest.py)"
             )
+
+
+TIMELINE = os.environ.get("TEST_TIMELINE")  # a path prefix: each test process notes when each test starts and ends
+
+
+def _note(what: str, nodeid: str) -> None:
+    """With TEST_TIMELINE set: `<time> <start|end> <test>` appended to `<prefix>.<process>`, to see
+    which files hold a parallel run's tail (make test's files are spread by xdist's loadfile)."""
+    if TIMELINE:
+        with open(f"{TIMELINE}.{os.environ.get('PYTEST_XDIST_WORKER', 'main')}", "a") as out:
+            out.write(f"{time.time():.3f} {what} {nodeid}\n")
+
+
+def pytest_runtest_logstart(nodeid: str, location: object) -> None:
+    _note("start", nodeid)
+
+
+def pytest_runtest_logfinish(nodeid: str, location: object) -> None:
+    _note("end", nodeid)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
