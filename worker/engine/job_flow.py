@@ -28,20 +28,19 @@ from shared.attempts import Attempt, StaleAttempt
 from shared.edit_refs import References
 from shared.errors import InternalError, JobCancelled, JobFailure, JobTimeout
 from shared.job_transactions import CancelAsked
-from shared.schemas import BaselineResult, JobRecord, JobRequest, JobResult, Logprobs, TokenLogprob, TopLogprob, Usage
-from shared.tools import ToolCall
+from shared.schemas import BaselineResult, JobRecord, JobRequest
 from worker.engine import runtime
 from worker.engine.scheduler import Entry
 from worker.engine.text_stream import TextStream
 from worker.model.memory import release_memory
 from worker.results import attempt_files
+from worker.results.job_result import job_result
 from worker.results.store_writes import StoreWrites
 from worker.rules.failures import failure_of
-from worker.rules.tool_calls import call_id
 
 if TYPE_CHECKING:
     from worker.batch.generation import Generation
-    from worker.batch.sequence import Sequence, TokenScores, Watch
+    from worker.batch.sequence import Sequence, Watch
 
 log = get_task_logger(__name__)
 # One INFO line per job even when the worker runs at Celery's default WARNING (`celery worker`
@@ -339,8 +338,8 @@ def _record(
                 prefix=attempt.prefix(record.id),
             )
         with rt.served.gate.reading():  # its tokens decoded: never while trusted code runs on this model
-            result = _result(generation, tokenizer=rt.served.tokenizer, inline=inline)
-            unedited = _result(baseline, tokenizer=rt.served.tokenizer, inline=inline) if baseline else None
+            result = job_result(generation, tokenizer=rt.served.tokenizer, inline=inline)
+            unedited = job_result(baseline, tokenizer=rt.served.tokenizer, inline=inline) if baseline else None
         if baseline is not None:
             assert unedited is not None
             result.baseline = BaselineResult(
@@ -380,63 +379,6 @@ def _record(
 
 def _ms(since: float) -> float:
     return (time.perf_counter() - since) * 1e3
-
-
-def _result(
-    generation: Generation, finish_reason: str | None = None, tokenizer: object = None, inline: bool = True
-) -> JobResult:
-    usage = Usage(
-        prompt_tokens=generation.prompt_tokens,
-        completion_tokens=generation.completion_tokens,
-        total_tokens=generation.prompt_tokens + generation.completion_tokens,
-    )
-    logprobs = None
-    if generation.scores is not None and tokenizer is not None:
-        logprobs = logprobs_result(generation.scores, tokenizer, inline, generation.completion)
-        logprobs.prompt_entries = generation.prompt_entries
-    parsed = generation.parsed
-    return JobResult(
-        text=generation.text,
-        tool_calls=[ToolCall.model_validate(call.openai(call_id())) for call in parsed.calls]
-        if parsed is not None and parsed.calls
-        else None,
-        content=parsed.content if parsed is not None else None,
-        tool_call_problems=[str(p) for p in parsed.problems] if parsed is not None and parsed.problems else None,
-        finish_reason=finish_reason or generation.finish_reason,
-        usage=usage,
-        logprobs=logprobs,
-        interventions=generation.interventions,
-        completion_span=list(generation.completion) if generation.completion is not None else None,
-    )
-
-
-def logprobs_result(
-    scores: TokenScores, tokenizer: Any, inline: bool, completion: tuple[int, int] | None = None
-) -> Logprobs:
-    """The result's `logprobs`: an entry per scored token with its text (each token decoded
-    alone), or, past the inline limit, only the totals (the values are in the activations file)."""
-    values = scores.values
-    total = float(sum(v for v in values if v is not None))
-    turn = None
-    if completion is not None:  # trace entries are indexed like token_ids
-        turn = float(sum(v for v in values[completion[0] : completion[1]] if v is not None))
-    if not inline:
-        return Logprobs(content=None, in_file=True, total=total, completion_total=turn)
-    wanted = set(scores.tokens) | {i for ids in scores.top_ids for i in ids}
-    text = dict(zip(wanted, tokenizer.batch_decode([[i] for i in wanted]), strict=True))
-    content = [
-        TokenLogprob(
-            token_id=token,
-            token=text[token],
-            logprob=value,
-            top_logprobs=[TopLogprob(token_id=i, token=text[i], logprob=v) for i, v in zip(ids, vals, strict=True)],
-            rank=rank,
-        )
-        for token, value, ids, vals, rank in zip(
-            scores.tokens, values, scores.top_ids, scores.top_values, scores.ranks, strict=True
-        )
-    ]
-    return Logprobs(content=content, total=total, completion_total=turn)
 
 
 def time_limit(settings_limit: float, record: JobRecord) -> float:
@@ -484,7 +426,7 @@ def _stopped(rt: runtime.Runtime, record: JobRecord, generation: Generation) -> 
     else:
         limit = time_limit(rt.settings.job_soft_time_limit, record)
         failure = JobTimeout(f"the job ran past its time limit of {limit:g}s (after {tokens} tokens)")
-    partial = _result(generation, failure.error_type).model_dump()
+    partial = job_result(generation, failure.error_type).model_dump()
     rt.jobs.fail(
         record.id, failure, result=partial, inline_bytes=rt.settings.result_inline_bytes, attempt=Attempt.of(record)
     )
