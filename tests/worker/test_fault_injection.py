@@ -116,8 +116,12 @@ class Answers:
 
 
 @pytest.fixture(scope="module")
-def served(tiny_dir):
-    return load_engine(tiny_dir)
+def served(smol_dir, tmp_path_factory):
+    """The tiny model with 2 layers, not 4: every run of the sweep is mostly forward passes, and
+    the scenario captures no deeper than layer 1."""
+    from tests.support.tiny_model import build
+
+    return load_engine(build(tmp_path_factory.mktemp("two-layers") / "tiny", smol_dir, num_hidden_layers=2))
 
 
 @pytest.fixture(params=["slots", "overlapped", "compacted"])
