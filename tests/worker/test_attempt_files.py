@@ -74,9 +74,7 @@ def worker(served, store, jobs, settings, name: str) -> runtime.Runtime:
     )
 
 
-def claimed_twice(jobs: JobStore, settings: Settings, request: JobRequest, points) -> tuple[JobRecord, JobRecord]:
-    """A job claimed by worker A, then again by worker B (A paused past its heartbeat TTL and the
-    lost-message check sent the job again): the record as each claim left it."""
+def enqueued(jobs: JobStore, settings: Settings, request: JobRequest, points) -> JobRecord:
     record = JobRecord(
         id=str(uuid.uuid4()),
         status=JobStatus.queued,
@@ -87,6 +85,13 @@ def claimed_twice(jobs: JobStore, settings: Settings, request: JobRequest, point
         created_at=now(),
     )
     jobs.enqueue([record], make_celery(settings))
+    return record
+
+
+def claimed_twice(jobs: JobStore, settings: Settings, request: JobRequest, points) -> tuple[JobRecord, JobRecord]:
+    """A job claimed by worker A, then again by worker B (A paused past its heartbeat TTL and the
+    lost-message check sent the job again): the record as each claim left it."""
+    record = enqueued(jobs, settings, request, points)
     first, _ = jobs.claim(record.id, "host:A", 3)
     second, _ = jobs.claim(record.id, "host:B", 3)
     assert first is not None and second is not None and second.attempts == 2
@@ -204,17 +209,7 @@ def test_an_nnsight_result_recorded_before_attempt_folders_is_still_read(served,
 
 
 def claimed_once(jobs: JobStore, settings: Settings, request: JobRequest, points) -> JobRecord:
-    record = JobRecord(
-        id=str(uuid.uuid4()),
-        status=JobStatus.queued,
-        model="m",
-        request=request,
-        max_tokens=24,
-        capture_points=points,
-        created_at=now(),
-    )
-    jobs.enqueue([record], make_celery(settings))
-    claimed, _ = jobs.claim(record.id, "host:A", 3)
+    claimed, _ = jobs.claim(enqueued(jobs, settings, request, points).id, "host:A", 3)
     assert claimed is not None
     return claimed
 
