@@ -35,11 +35,9 @@ run: $(STAMP)
 # these machines): without it every pytest process rewrote its 600 test and plugin modules again
 # (8 s a start) and every worker, API and CLI process the tests start compiled the project anew.
 # Test files run in TEST_WORKERS processes (pytest-xdist), each file whole in one of them, so its
-# module fixtures are made once; most of an end-to-end test is waiting on other processes. Four
-# on two cores: beside a busy process, a clean-clone run got 122% of the CPU with two (35 min) and
-# 144% with three (29 min). make test-fast's unit tests keep the cores busy with three.
-TEST_WORKERS ?= 4
-FAST_WORKERS ?= 3
+# module fixtures are made once; most of an end-to-end test is waiting on other processes. Three
+# on two cores: with two, a clean-clone run beside a busy process got 122% of the CPU (35 min).
+TEST_WORKERS ?= 3
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
 test: lint docs browser
@@ -51,7 +49,7 @@ test-exhaustive: $(STAMP)
 	$(PYTEST) -ra --exhaustive -m exhaustive
 
 test-fast: $(STAMP)
-	$(PYTEST) -ra -n $(FAST_WORKERS) --dist loadfile -m "not e2e and not model and not slow" --ignore=tests/e2e --ignore=tests/gpu
+	$(PYTEST) -ra -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not model and not slow" --ignore=tests/e2e --ignore=tests/gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check api worker shared tests bench docs/hooks
