@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh Linux machine with Python 3.11+:
 #   make run    the demo: embedded Redis, a worker with the built-in model, the API, one captured job
 #   make test   lint, the manual built strictly (make docs), then the whole test suite (what CI runs)
-# For development: make lint (ruff + mypy), make test-fast (under 2 min on 2 cores: no model, no worker or API process, nothing marked slow),
+# For development: make lint (ruff + mypy), make test-fast (about a minute on 2 quiet cores: no model, no worker or API process, nothing marked slow),
 # make docs (the MkDocs site in docs/ built into site/, --strict: a broken link fails it).
 PYTHON ?= python3
 VENV   ?= .venv
@@ -36,7 +36,8 @@ run: $(STAMP)
 # (8 s a start) and every worker, API and CLI process the tests start compiled the project anew.
 # Test files run in TEST_WORKERS processes (pytest-xdist), each file whole in one of them, so its
 # module fixtures are made once; most of an end-to-end test is waiting on other processes. Three
-# on two cores: with two, a clean-clone run beside a busy process got 122% of the CPU (35 min).
+# on two cores: with two, a clean-clone run beside a busy process got 122% of the CPU (35 min);
+# three got 144% (29.4 min), four 150% and no sooner (29.5 min), with two timing checks failing.
 TEST_WORKERS ?= 3
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
 
