@@ -4,7 +4,6 @@ holds it, its progress reported and its cancel flag read, deleted with its keys.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,17 +15,8 @@ from shared.errors import JobCancelled, JobFailure, UnreadableRecord, Unsupporte
 from shared.job_records import RESULT_INLINE_BYTES, ended, now, same_outcome, split_result
 from shared.job_transactions import JobStoreCore, Unreadable
 from shared.listing import tag_indexes
-from shared.newer_records import RecordCore, ended_as_stored, newer_fields_message, unsupported
+from shared.newer_records import RecordCore, ended_as_stored, newer_fields_message, stored_fields, unsupported
 from shared.schemas import JobRecord, JobStatus
-
-
-def _status(raw: bytes | str) -> object:
-    """A stored record's state as written (any version's record: only this field is read)."""
-    try:
-        data = json.loads(raw)
-    except ValueError:
-        return None
-    return data.get("status") if isinstance(data, dict) else None
 
 
 class JobLifecycle(JobStoreCore):
@@ -109,10 +99,7 @@ class JobLifecycle(JobStoreCore):
         raw = self._through_outage(lambda: self.redis.get(keys.job(job_id)))
         if raw is None:
             return False
-        try:
-            request = json.loads(raw).get("request")
-        except ValueError:
-            return False
+        request = stored_fields(raw).get("request")
         return isinstance(request, dict) and request.get("nnsight") is not None
 
     def forgive(self, job_id: str, attempt: Attempt | None = None) -> JobRecord | None:
@@ -226,7 +213,7 @@ class JobLifecycle(JobStoreCore):
                 try:
                     pipe.watch(key)
                     raw = pipe.get(key)
-                    if raw is None or _status(raw) != JobStatus.running.value:
+                    if raw is None or stored_fields(raw).get("status") != JobStatus.running.value:
                         pipe.unwatch()
                         return False
                     pipe.multi()

@@ -79,7 +79,7 @@ def checked(raw: str | bytes) -> tuple[JobRecord, list[str]]:
 
 def unreadable(raw: str | bytes, exc: ValidationError) -> UnreadableRecord:
     """The UnreadableRecord for `raw`, whose parse failed with `exc`."""
-    data = _object(raw)
+    data = stored_fields(raw)
     problems = [
         {
             "field": ".".join(str(p) for p in error["loc"]) or "(the record)",
@@ -139,13 +139,14 @@ def ended_as_stored(raw: str | bytes, failure: JobFailure, now: datetime) -> str
     """An unreadable record ended with `failure` (`failed`, or `cancelled` for a JobCancelled):
     its state, error and end time changed, everything else kept as stored, unknown values too
     (so the version that wrote them still reads them)."""
-    data = _object(raw)
+    data = stored_fields(raw)
     status = JobStatus.cancelled if isinstance(failure, JobCancelled) else JobStatus.failed
     data.update(status=status.value, error=failure.as_error(), finished_at=now.isoformat())
     return json.dumps(data)
 
 
-def _object(raw: str | bytes) -> dict[str, Any]:
+def stored_fields(raw: str | bytes) -> dict[str, Any]:
+    """A stored record's JSON object as written, whatever version wrote it ({} if it is none)."""
     try:
         data = json.loads(raw)
     except ValueError:
