@@ -640,3 +640,35 @@ def test_short_jobs_arriving_at_every_chunk_never_starve_the_long_prompt() -> No
     assert units.count("chunk") == 10 and last_chunk < 20  # the long prompt: every second unit at least
     assert "chunk,chunk" not in ",".join(units)  # whoever arrived during a chunk went next
     assert all(job.answers == [job.seq] for job in [long, *every_short])
+
+
+def test_each_turn_is_one_plan_a_unit_of_prefill_then_a_step_when_rows_decode() -> None:
+    """The scheduler's plan (vLLM v1's SchedulerOutput) says what a turn runs before it runs: a
+    trace joins no row (no step after it), a long text's chunks join none until its last, a pass
+    of generations joins its rows; while the running batch is owed time, no prefill at all."""
+    from worker.engine.scheduler import Feed, Pass, Scheduler, StepOutcome
+
+    batch = FakeBatch(chunk_tokens=100)
+    scheduler = Scheduler(lambda seq, padded: padded, max_batch=8)
+    trace, long, short = (Entry(seq=s, done=lambda _: None) for s in (FakeSeq(10, 0), FakeSeq(250, 5), FakeSeq(10, 5)))
+    for entry in (trace, long, short):
+        scheduler.submit(entry)
+    scheduler.take_in(batch, wait=False)  # type: ignore[arg-type]
+
+    plans = [scheduler.schedule(batch) for _ in range(3)]  # type: ignore[arg-type]
+    assert [type(p.prefill) for p in plans] == [Pass, Pass, Feed]  # the oldest, the fewest positions left, the oldest
+    assert plans[0].prefill.entries == [trace] and plans[0].prefill.trace and not plans[0].decode  # type: ignore[union-attr]
+    assert plans[1].prefill.entries == [short] and plans[1].decode  # type: ignore[union-attr]  # it joins
+    assert plans[2].prefill.entry is long and not plans[2].decode  # type: ignore[union-attr]  # 100 of 250 fed
+    assert not scheduler.schedule(batch).decode  # type: ignore[arg-type]  # 200 of 250: still none
+    batch.rows.append(short.seq)  # the short job decodes now
+    last = scheduler.schedule(batch)  # type: ignore[arg-type]
+    assert isinstance(last.prefill, Feed) and last.decode  # its last chunk
+    scheduler.update_from_output(last, StepOutcome(prefill_s=10.0, decode_s=1.0))
+    assert scheduler.owed == 9.0
+    owed = scheduler.schedule(batch)  # type: ignore[arg-type]
+    assert owed.prefill is None and owed.decode  # the batch is owed: it decodes, nothing else runs
+    scheduler.update_from_output(owed, StepOutcome(decode_s=4.0))
+    assert scheduler.owed == 5.0
+    scheduler.update_from_output(owed, StepOutcome())  # no row decoded: nothing is owed
+    assert scheduler.owed == 0.0

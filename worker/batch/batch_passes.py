@@ -11,19 +11,20 @@ own logits processors (`Sampler`, worker/model/sampling.py), as `generate` does;
 therefore computes exactly what `generate` computes for that sequence (tested bit for bit). The
 slots override `_choose` with the vectorised sampler.
 
-A row's end (`_take`): EOS, max_tokens, a complete grammar, a stop string (after `min_tokens`),
-the watch callback (cancel, time limit). Sampling draws from a generator per sequence (seeded by
-the job's `seed`), so a seeded job gets the same draws whatever else shares its batch.
+Each row's rules once its token is picked (EOS, max_tokens, a complete grammar, a stop string
+after `min_tokens`, cancel and time limits) are the output stage's: worker/batch/row_rules.py.
+Sampling draws from a generator per sequence (seeded by the job's `seed`), so a seeded job gets
+the same draws whatever else shares its batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shared.errors import InternalError
+from worker.batch.row_rules import RowRules
 from worker.batch.sequence import Feeding, Sequence, Undo, score_rows
 from worker.hooks.capture_hooks import BatchHooks
 from worker.hooks.edits import BatchEdits
@@ -31,16 +32,9 @@ from worker.hooks.paths import PassRows
 from worker.model import kvcache
 from worker.rules.constrained import masked_rows
 from worker.rules.failures import failure_of
-from worker.rules.stop_strings import checked_from, stop_cut
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-
-def stop_window(stops: list[str]) -> int:
-    """Tokens that always cover the longest stop string: a token decodes to at least one character
-    except for pieces of a multi-byte character (at most 4 bytes each)."""
-    return 4 * max(len(stop) for stop in stops) + 4 if stops else 0
 
 
 class BatchPasses:
@@ -50,7 +44,7 @@ class BatchPasses:
     def __init__(self, model: Any, tokenizer: PreTrainedTokenizerBase, pad_id: int) -> None:
         self.model, self.tokenizer, self.pad_id = model, tokenizer, pad_id
         eos = model.generation_config.eos_token_id
-        self.eos_ids = set(eos if isinstance(eos, list) else [eos]) if eos is not None else set()
+        self.rules = RowRules(tokenizer, set(eos if isinstance(eos, list) else [eos]) if eos is not None else set())
         self.logits_to_keep = model._supports_logits_to_keep()
         self.hooks = BatchHooks(model)
         self.edits = BatchEdits(model)
@@ -61,6 +55,15 @@ class BatchPasses:
         self.chunk_tokens: int | None = None
         out = model.get_output_embeddings()
         self.lm_head = next((path for path, module in model.named_modules() if module is out), None)
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """The model's end-of-sequence ids (`rules` ends a row on one)."""
+        return self.rules.eos_ids
+
+    @eos_ids.setter
+    def eos_ids(self, ids: set[int]) -> None:
+        self.rules.eos_ids = ids
 
     def close(self) -> None:
         self.hooks.__exit__()
@@ -316,11 +319,7 @@ class BatchPasses:
         """Each running row's next token from `logits` `[B, V]`, its log-probabilities when asked,
         and whether it ended. One transfer to the host for the tokens and one for the scores,
         whatever the batch size; a failure in one row's own sampling or scoring fails that row."""
-        for row in rows:
-            if row.failure is None and row.capture is not None:
-                row.failure = row.capture.failure  # rows handed over late that did not fit
-            if row.ended is None and row.failure is not None:
-                row.ended = "failed"
+        self.rules.settle(rows)
         live = [i for i, row in enumerate(rows) if row.ended is None]
         if not live:
             return
@@ -341,12 +340,7 @@ class BatchPasses:
                 failure = failure_of(exc)
                 for i in scored:
                     rows[i].failure, rows[i].ended = failure, "failed"
-        for i in live:
-            if rows[i].ended is None:
-                try:
-                    self._take(rows[i], tokens[i])
-                except Exception as exc:  # noqa: BLE001 - one row's stop check or watch fails that row only
-                    rows[i].failure, rows[i].ended = failure_of(exc), "failed"
+        self.rules.take_all([rows[i] for i in live], [tokens[i] for i in live])
 
     def _row_ids(self, index: int) -> torch.Tensor:
         """Row `index`'s tokens so far `[1, n]`, for its logits processors."""
@@ -392,35 +386,3 @@ class BatchPasses:
                 rows[i].failure, rows[i].ended = failure, "failed"
             return {}
         return {i: masked[j : j + 1] for j, i in enumerate(constrained)}
-
-    def _take(self, row: Sequence, token: int) -> None:
-        """Add `row`'s next token and decide whether it ended. A row with a constraint takes the
-        token into its matcher too, and ends ("stop") once its grammar is complete: the mask
-        would allow nothing but EOS, so the step that would pick it is saved."""
-        row.generated.append(token)
-        count = len(row.generated)
-        constraint = row.constraint
-        if constraint is not None and not constraint.consume(token):
-            row.failure, row.ended = InternalError(constraint.error or "the grammar refused a token"), "failed"
-        elif token in self.eos_ids:
-            row.ended = "eos"
-        elif count >= row.max_tokens:
-            row.ended = "length"
-        elif constraint is not None and constraint.done:
-            row.ended = "stop"
-        elif row.stops and count > row.min_tokens and self._hit_stop(row):
-            row.ended = "stop"
-        elif row.watch is not None and (why := row.watch(count)) is not None:
-            row.ended, row.stopped_by = "watch", why
-
-    def _hit_stop(self, row: Sequence) -> bool:
-        """transformers' own `stop_strings` criterion walks the whole vocabulary per set of stop
-        strings (seconds per job); this decodes only the tail that could hold one. A stop string
-        must end beyond the text of the first `min_tokens` tokens (worker/rules/stop_strings.py)."""
-        lo = max(len(row.generated) - stop_window(row.stops), 0)
-
-        def decode(ids: list[int]) -> str:
-            return cast(str, self.tokenizer.decode(ids))  # one sequence: one str
-
-        held = checked_from(decode, row.generated[lo:], row.min_tokens - lo)
-        return stop_cut(decode(row.generated[lo:]), row.stops, held) is not None

@@ -445,20 +445,9 @@ class SlotDecoder(SlotResizing, BatchPasses):
         """Each running row's log-probabilities (`scored`, computed when its step was launched)
         and its token taken: whether it ended. A failure in one row's own work fails that row."""
         assert self.batch is not None
-        for row in owners:
-            if row is None:
-                continue
-            if row.failure is None and row.capture is not None:
-                row.failure = row.capture.failure
-            if row.ended is None and row.failure is not None:
-                row.ended = "failed"
+        self.rules.settle(owners)
         take_scores(scored, owners, tokens)
-        for slot, row in enumerate(owners):
-            if row is not None and row.ended is None:
-                try:
-                    self._take(row, tokens[slot])
-                except Exception as exc:  # noqa: BLE001 - one row's stop check or watch fails that row only
-                    row.failure, row.ended = failure_of(exc), "failed"
+        self.rules.take_all(owners, tokens)
 
     def close(self) -> None:
         """Hooks removed, and the slots and tables let go (a frame kept alive by a logged

@@ -1,7 +1,8 @@
 """The engine core: the one thread of the engine process that runs the model. It keeps one
 running batch (a decoder) and turns the loop: the scheduler (worker/engine/scheduler.py) takes queued
-jobs in and picks the prefill work that runs next; the core runs it on the decoder (a prefill
-pass, a trace pass, a chunk of a long text), then one decoding step of the running batch.
+jobs in and plans the turn (`StepPlan`); the core runs the plan on the decoder (a prefill pass, a
+trace pass or a chunk of a long text, then one decoding step of the running batch) and hands back
+what it took (`StepOutcome`).
 
 Jobs arrive prepared (claimed and tokenized on another thread: nothing here waits on Redis or a
 tokenizer), and every job taken in gets exactly one answer (`done`): its ended sequence or its
@@ -35,7 +36,7 @@ from shared.errors import JobFailure
 from worker.batch.oom import in_halves, release_cached
 from worker.batch.running_batch import RunningBatch
 from worker.batch.sequence import Feeding, Sequence
-from worker.engine.scheduler import TRACE_PADDING, Entry, Feed, Scheduler
+from worker.engine.scheduler import TRACE_PADDING, Entry, Feed, Scheduler, StepOutcome, StepPlan
 from worker.rules.failures import answer_of, is_oom
 
 if TYPE_CHECKING:
@@ -229,15 +230,24 @@ class EngineCore:
             self.on_death(exc)
 
     def tick(self, decoder: RunningBatch) -> None:
-        """One turn of the loop: jobs taken in (waiting up to half a second for one when nothing
-        runs), the prefill work the scheduler picks while the running batch is not owed time,
-        then one decoding step."""
+        """One turn of the loop, in vLLM v1's three stages: the scheduler takes queued jobs in
+        (waiting up to half a second for one when nothing runs) and plans the turn (`schedule`);
+        the core runs the plan on the running batch (`execute`); the scheduler reads back what it
+        took (`update_from_output`). Each row's rules are applied inside the batch's step
+        (worker/batch/row_rules.py)."""
         scheduler = self.scheduler
         scheduler.take_in(decoder)
         self._run_alone(decoder)
         if self.replaced is not None:
             return
-        while (work := scheduler.next_work(decoder)) is not None:
+        plan = scheduler.schedule(decoder)
+        scheduler.update_from_output(plan, self.execute(decoder, plan))
+
+    def execute(self, decoder: RunningBatch, plan: StepPlan) -> StepOutcome:
+        """Run `plan`: its unit of prefill work, then one decoding step when rows decode by then;
+        every job the turn ends gets its answer. Returns what each part took."""
+        outcome = StepOutcome()
+        if (work := plan.prefill) is not None:
             began = clock()
             if isinstance(work, Feed):
                 self._feed(decoder, work.entry)
@@ -248,19 +258,19 @@ class EngineCore:
                     self._trace_pass(decoder, work.entries)
                 else:
                     self._admit_group(decoder, work.entries)
-            self._served(clock() - began)
-            scheduler.prefilled(clock() - began, decoder)
-            scheduler.take_in(decoder, wait=False)  # what arrived meanwhile competes for the next unit
+            outcome.prefill_s = clock() - began
+            self._served(outcome.prefill_s)
         if not decoder.rows:
-            scheduler.idle()
             decoder.idle()  # the KV cache may give its memory back
+        if not (plan.decode and decoder.rows):
             self.stats.cache = decoder.cache_size()
-            return
+            return outcome
         began = clock()
         self._step(decoder)
-        self._served(clock() - began)
+        outcome.decode_s = clock() - began
+        self._served(outcome.decode_s)
         self.stats.cache = decoder.cache_size()
-        scheduler.decoded(clock() - began)
+        return outcome
 
     def _busy(self, decoder: RunningBatch) -> bool:
         """Other jobs are running or waiting for their first pass: an exclusive run pauses them."""

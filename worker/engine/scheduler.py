@@ -1,6 +1,8 @@
-"""The scheduler: which jobs join the running batch and what prefill work runs next. It holds no
-tensor and runs no model (vLLM v1's split): the engine core (worker/engine/core.py) asks it, runs
-what it picks on the decoder, and reports back.
+"""The scheduler: which jobs join the running batch and what each turn of the engine runs. It
+holds no tensor and runs no model (vLLM v1's split): each turn it hands the engine core
+(worker/engine/core.py) one `StepPlan` (a unit of prefill work or none, then a decoding step when
+rows decode), the core runs it on the running batch, and `update_from_output` reads back what it
+took (`StepOutcome`).
 
 Admission: queued jobs join while there is room, at most `max_batch` sequences and, together, at
 most `budget_bytes` of estimated KV cache and capture buffers (a job alone always runs, whatever
@@ -19,8 +21,8 @@ take turns: a unit that served the work that arrived first is followed by one fo
 the fewest positions left (a new short prompt, or the long text nearest its end), and that by one
 for the oldest again. So a short job that
 arrives while a long prompt is fed waits for at most one chunk, not the whole prompt, and the
-oldest work still gets every second unit (nothing starves). The engine core asks again after each
-unit, taking in what arrived meanwhile (worker/engine/core.py's `tick`).
+oldest work still gets every second unit (nothing starves). A plan holds one unit, and each turn
+takes in what arrived meanwhile before it is planned (worker/engine/core.py's `tick`).
 
 Fair share: while jobs decode, prefill work gets at most about half of the engine's time: the time
 a prefill pass or chunk took is owed to the running batch, which decodes until it has had as much;
@@ -83,6 +85,27 @@ class Pass:
 
     entries: list[Entry]
     trace: bool
+
+
+@dataclass
+class StepPlan:
+    """One turn of the engine as the scheduler decides it, with no tensor (vLLM v1's
+    `SchedulerOutput`): `prefill`, the unit of prefill work that runs first (None: none this
+    turn), then, when `decode`, one decoding step of every row the running batch holds by then
+    (those the unit joined included)."""
+
+    prefill: Feed | Pass | None
+    decode: bool
+
+
+@dataclass
+class StepOutcome:
+    """What running a plan took, as the scheduler reads it back (`update_from_output`; vLLM v1's
+    model runner output): the seconds of its prefill unit, and of its decoding step (None: none
+    ran, the batch held no row after the unit)."""
+
+    prefill_s: float = 0.0
+    decode_s: float | None = None
 
 
 class Scheduler:
@@ -193,6 +216,32 @@ class Scheduler:
         found = self.active.get(id(seq))
         return found[0] if found is not None else None
 
+    # -- the step plan -----------------------------------------------------------------------
+
+    def schedule(self, batch: Batch) -> StepPlan:
+        """This turn's plan: the next unit of prefill work, unless the running batch is owed time
+        (`next_work`), then a decoding step when there are rows to decode: rows running now, or
+        a pass or a long text's last chunk that joins rows (a trace joins none)."""
+        work = self.next_work(batch)
+        if isinstance(work, Pass):
+            joins = not work.trace
+        elif isinstance(work, Feed):
+            joins = not work.entry.seq.trace and self._left(work.entry) <= 0  # its last chunk
+        else:
+            joins = False
+        return StepPlan(prefill=work, decode=bool(batch.rows) or joins)
+
+    def update_from_output(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """The fair share after a turn (see the module): the time its prefill unit took is owed to
+        the running batch when rows decoded after it, and its decoding step paid that much back;
+        a turn where no row decoded leaves nothing owed."""
+        if outcome.decode_s is None:
+            self.owed = 0.0
+            return
+        if plan.prefill is not None:
+            self.owed += max(outcome.prefill_s, 1e-9)
+        self.owed = max(0.0, self.owed - outcome.decode_s)
+
     # -- prefill work ------------------------------------------------------------------------
 
     def next_work(self, batch: Batch) -> Feed | Pass | None:
@@ -252,18 +301,3 @@ class Scheduler:
         if group:
             passes.append(group)
         return passes
-
-    # -- the fair share ----------------------------------------------------------------------
-
-    def prefilled(self, seconds: float, batch: Batch) -> None:
-        """Prefill work took `seconds`: owed to the running batch, if any decodes."""
-        if batch.rows:
-            self.owed += max(seconds, 1e-9)
-
-    def decoded(self, seconds: float) -> None:
-        """A decoding step took `seconds` of what was owed."""
-        self.owed = max(0.0, self.owed - seconds)
-
-    def idle(self) -> None:
-        """Nothing decodes: nothing is owed."""
-        self.owed = 0.0

@@ -6,7 +6,7 @@ cut before it. The first to end wins (ties: the order given), as checking after 
 it. EOS is held off for those tokens too, by the sampler (worker/model/sampling.py, transformers'
 `min_new_tokens`), as vLLM's min-tokens logits processor holds off its stop tokens.
 
-The decoder checks after each token (`Decoder._take`, on the tail that can hold a new stop
+The output stage checks after each token (`RowRules.take`, on the tail that can hold a new stop
 string) and the result cuts the whole text (worker/batch/generation.py): both ask `stop_cut`."""
 
 from __future__ import annotations
