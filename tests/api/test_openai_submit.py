@@ -12,6 +12,7 @@ import pytest
 import redis
 from fastapi.testclient import TestClient
 
+from api import waiters
 from api.main import create_app
 from shared.registry import ModelRegistry
 from shared.settings import Settings
@@ -97,10 +98,12 @@ def test_at_capacity_a_streamed_request_is_refused_as_an_answered_one_before_its
         assert job_count(redis_client) == before
 
 
-def test_a_job_deleted_while_its_answered_request_waits_is_a_404_naming_it(defaulted, redis_client):
+def test_a_job_deleted_while_its_answered_request_waits_is_a_404_naming_it(defaulted, redis_client, monkeypatch):
     """The job's record goes (an operator's delete, an expiry, a flush) while an answered request
     waits for it: a 404 `job_not_found` that names the job and says what happened, as GET /jobs/{id}
-    answers, not a 500 (it was answered 500, a server error to retry)."""
+    answers, not a 500 (it was answered 500, a server error to retry). A delete sends no event: the
+    waiter sees it at its next read, every RECHECK_SECONDS (5 s shipped; 0.5 s here)."""
+    monkeypatch.setattr(waiters, "RECHECK_SECONDS", 0.5)
     body = {"model": TINY, "prompt": "2 + 2 =", "max_tokens": 2, "actq_wait_seconds": 60}
     answers: list = []
     with TestClient(create_app(defaulted)) as http:
