@@ -478,16 +478,28 @@ def test_jobs_taken_in_together_prefill_in_passes_of_similar_lengths() -> None:
     assert all(job.answers == [job.seq] for job in jobs)
 
 
-def test_a_failed_prefill_of_several_runs_each_alone_and_only_the_one_that_fails_alone_fails() -> None:
-    batch = FakeBatch({1: torch.OutOfMemoryError("the pass of three (fake)"), 3: Injected("the second alone")})
-    jobs = [Job(FakeSeq(10, 3)) for _ in range(3)]
+@pytest.mark.parametrize("first", [torch.OutOfMemoryError("the pass of four (fake)"), None])
+def test_a_failed_prefill_runs_in_halves_and_only_the_job_that_fails_alone_fails(first) -> None:
+    """One job's own failure (or the pass out of memory first) fails only that job: the pass runs
+    again in halves (worker/batch/oom.py's one policy), the other jobs join in two passes."""
+    batch = FakeBatch({1: first} if first is not None else {})
+    jobs = [Job(FakeSeq(10, 3)) for _ in range(4)]
+    admit = batch.admit_many
+
+    def poisoned(seqs: list[FakeSeq]) -> None:
+        if jobs[2].seq in seqs:
+            batch._maybe_fail()  # out of memory first, when `first` is
+            raise Injected("the third job's own prefill fails")
+        admit(seqs)
+
+    batch.admit_many = poisoned  # type: ignore[method-assign]
     core = EngineCore(FakeServed(batch), max_batch=8, wait_s=0.05)  # type: ignore[arg-type]
     for entry in entries(jobs):
         core.submit(entry)
     run(core, batch, jobs)
-    assert batch.prefills == [1, 1]  # the pass of three failed; then each alone, the second failing
-    assert jobs[0].answers == [jobs[0].seq] and jobs[2].answers == [jobs[2].seq]
-    assert isinstance(jobs[1].answers[0], Injected)
+    assert batch.prefills == [2, 1]  # the first half whole; of the second, the fourth alone
+    assert [job.answers == [job.seq] for job in jobs] == [True, True, False, True]
+    assert isinstance(jobs[2].answers[0], Injected) and len(jobs[2].answers) == 1
     assert all(job.starts == 1 for job in jobs)
 
 

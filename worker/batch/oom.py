@@ -3,8 +3,9 @@ wrote is put back, the device's cached memory is given back, and the rows run ag
 halves, each under the same policy, down to one row, which then fails alone (`OutOfMemory`); the
 first split lowers the batch's cap (later batches stay at the half). Every runner of rows uses it:
 the compacting batch's steps (worker/batch/decoding.py), the slots' eager steps
-(worker/batch/slot_decoding.py), the state slots' steps (worker/batch/state_decoding.py) and the
-engine core's trace passes (worker/engine/core.py). Any other exception propagates.
+(worker/batch/slot_decoding.py), the state slots' steps (worker/batch/state_decoding.py), and the
+engine core's trace passes and prefill passes (worker/engine/core.py; a prefill splits on any
+failure, not only out of memory). Any other exception propagates.
 """
 
 from __future__ import annotations
@@ -41,15 +42,18 @@ def in_halves(
     fail: Callable[[int, int, Exception], R],
     undo: Callable[[int, int], None] | None = None,
     split: Callable[[int], None] | None = None,
+    splits: Callable[[Exception], bool] = is_oom,
 ) -> list[R]:
     """`run(lo, hi)` over rows [lo, hi) under the policy (see the module): the answers of the parts
     that ran, in row order. `undo(lo, hi)` puts back what a run that ran out of memory wrote (when
     it fails, those rows fail with its error: `fail(lo, hi, exc)`); a lone row out of memory is
-    `fail(i, i + 1, exc)`; `split(rows)` is told at the first split only (the batch's cap)."""
+    `fail(i, i + 1, exc)`; `split(rows)` is told at the first split only (the batch's cap).
+    `splits`: which failures run the rows again in halves (out of memory; a prefill also splits on
+    any failure, so that one job's own failure is found in a few passes and fails that job alone)."""
     try:
         return [run(lo, hi)]
     except Exception as exc:
-        if not is_oom(exc):
+        if not splits(exc):
             raise
         oom = exc
     if undo is not None:
@@ -63,7 +67,7 @@ def in_halves(
     half = lo + (hi - lo) // 2
     if split is not None:
         split(hi - lo)
-    return in_halves(lo, half, run, fail, undo) + in_halves(half, hi, run, fail, undo)
+    return in_halves(lo, half, run, fail, undo, splits=splits) + in_halves(half, hi, run, fail, undo, splits=splits)
 
 
 def stitched(parts: list[tuple[torch.Tensor | None, int]]) -> torch.Tensor | None:

@@ -370,26 +370,29 @@ class EngineCore:
             self._done(entry, item.seq)
 
     def _admit_group(self, decoder: RunningBatch, group: list[Entry]) -> None:
-        """Prefill `group` in one pass and let its jobs join the running batch; if the pass
-        fails, each job runs alone, so that only a job that fails alone fails."""
-        try:
-            decoder.admit_many([entry.seq for entry in group])  # all or nothing, jobs included
-        except Exception as exc:  # noqa: BLE001 - a prefill's failure is its jobs', never the engine's
-            if len(group) > 1:
-                log.warning(
-                    "a prefill of %d jobs failed (%s: %s): each runs alone", len(group), type(exc).__name__, exc
-                )
-                if is_oom(exc):
-                    release_cached()
-                for entry in group:
-                    self._admit_group(decoder, [entry])
-                return
-            self._done(group[0], answer_of(exc))
-            return
-        self.stats.add(0, len(group))  # each one's first token came from the prefill
-        for entry in group:
-            if entry.seq.ended is not None:
-                self._done(entry, entry.seq)
+        """Prefill `group` in one pass and let its jobs join the running batch. A pass that fails
+        (out of memory, or one job's own failure) runs again in halves, worker/batch/oom.py's policy
+        on any failure: only a job that fails alone fails, found in a few passes."""
+        seqs = [entry.seq for entry in group]
+
+        def run(lo: int, hi: int) -> None:
+            try:
+                decoder.admit_many(seqs[lo:hi])  # all or nothing: a failed pass left every job as before
+            except Exception as exc:
+                if hi - lo > 1 and not is_oom(exc):
+                    log.warning("a prefill of %d jobs failed (%s: %s): in halves", hi - lo, type(exc).__name__, exc)
+                raise
+            self.stats.add(0, hi - lo)  # each one's first token came from the prefill
+            for entry in group[lo:hi]:
+                if entry.seq.ended is not None:
+                    self._done(entry, entry.seq)
+
+        def fail(lo: int, hi: int, exc: Exception) -> None:
+            failure = answer_of(exc)
+            for entry in group[lo:hi]:
+                self._done(entry, failure)
+
+        in_halves(0, len(group), run, fail, splits=lambda exc: True)
 
     def _trace_pass(self, decoder: RunningBatch, group: list[Entry]) -> None:
         """One forward pass over `group`; out of memory, worker/batch/oom.py's policy (in halves, down to
