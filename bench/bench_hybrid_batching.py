@@ -141,15 +141,17 @@ def main() -> int:
             folder = build(BY_KEY[key], Path(tmp) / key, smol)
             report["models"].append(bench_model(key, folder, args.jobs, args.max_tokens, args.repeats))
     print(f"{args.jobs} jobs x {args.max_tokens} tokens, medians of {args.repeats}")
-    print(f"{'model':<8} {'together tok/s':>15} {'one at a time tok/s':>20} {'together/one':>13} {'largest batch':>14}")
+    print(
+        f"{'model':<16} {'together tok/s':>15} {'one at a time tok/s':>20} {'together/one':>13} {'largest batch':>14}"
+    )
     for entry in report["models"]:
         t = entry["tokens_per_s"]
         figures = f"{t['together']:>15.1f} {t['one at a time']:>20.1f} {entry['ratio']:>13.2f}"
-        print(f"{entry['model']:<8} {figures} {entry['largest_batch']:>14}")
+        print(f"{entry['model']:<16} {figures} {entry['largest_batch']:>14}")
     print("exactness of each row together vs its solo run (tokens identical; max |diff| / max |solo|):")
     for entry in report["models"]:
         cells = [f"{'=' if r['tokens_equal'] else 'DIFF'} {r['max_rel_diff']:.1e}" for r in entry["rows"]]
-        print(f"{entry['model']:<8} " + "  ".join(cells))
+        print(f"{entry['model']:<16} " + "  ".join(cells))
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     exact = all(r["tokens_equal"] and r["max_rel_diff"] <= 1e-5 for e in report["models"] for r in e["rows"])

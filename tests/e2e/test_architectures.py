@@ -1,6 +1,9 @@
 """The architecture matrix through the whole stack: one representative of each decoding path served
 by a real worker of the session's stack (slots: GPT-2, also a base model; the compacting decoder:
-Mistral's sliding windows; state slots: Mamba; one job at a time: RecurrentGemma), every listed
+Mistral's sliding windows; state slots: Mamba, whose batch of one computes bit for bit what
+`generate` does; the one-job-at-a-time decoder and the other state-slot models, RecurrentGemma and
+the hybrids, whose attention over a gathered slot sums in another order, are checked in process
+within the tolerance: tests/worker/test_solo.py, test_state_decoding.py), every listed
 module captured through the API and compared with plain forward hooks on the same weights (tests/support/reference.py,
 cloning in the hook). Every architecture is checked in process the same way
 (tests/worker/test_architectures.py); these check the way through a worker, its file and the API.
@@ -31,7 +34,6 @@ REPRESENTATIVES = {
     "gpt2": "decodes in slots",
     "mistral": "decodes in a compacted batch",
     "mamba": "decodes batched, each job's recurrent state in a slot",
-    "recurrent_gemma": "decodes one job at a time",
 }
 
 

@@ -9,8 +9,8 @@ sliding windows of 8 tokens where the architecture has them, float32 weights dra
 per architecture (the same folder contents on every build). Each architecture keeps transformers' default
 attention implementation: sdpa, but eager for Gemma 2 (transformers picks it for its attention softcapping).
 The architectures in SOLO (state-space, recurrent, linear-attention and convolution layers) have a cache
-whose rows cannot move between batches: those in STATE_SLOTS batch with each job's state in a slot
-(worker/batch/state_decoding.py), the others run one job at a time (worker/batch/solo.py).
+whose rows cannot move between batches: all of them (STATE_SLOTS) batch with each job's state in a slot
+(worker/batch/state_decoding.py); ONE_AT_A_TIME names those the one-job-at-a-time decoder is tested on.
 MOE_ARCHS, mixture-of-experts models, are not in ARCHS (the matrix): the preset tests build them.
 
     from tests.support.architectures import ARCHS, available, build
@@ -528,11 +528,13 @@ ARCHS: list[Arch] = [
 
 # Architectures whose cache rows cannot move between batches (kvcache.check_supported refuses them).
 SOLO: tuple[str, ...] = ("mamba", "mamba2", "jamba", "recurrent_gemma", "granitemoehybrid", "qwen3_next", "lfm2")
-# Those of SOLO whose cache layers are recurrent states and full attention: they batch, each job's state
-# in a slot (worker/batch/state_decoding.py); RecurrentGemma (a sliding-window attention layer) generates one job
-# at a time with its own cache (worker/batch/solo.py).
-STATE_SLOTS: tuple[str, ...] = ("mamba", "mamba2", "jamba", "granitemoehybrid", "qwen3_next", "lfm2")
-ONE_AT_A_TIME: tuple[str, ...] = tuple(key for key in SOLO if key not in STATE_SLOTS)
+# Those of SOLO that batch, each job's state in a slot (worker/batch/state_decoding.py): all of them (their
+# cache layers are recurrent states, full and sliding-window attention; RecurrentGemma's recurrent state
+# lives in its modules).
+STATE_SLOTS: tuple[str, ...] = SOLO
+# The one-job-at-a-time decoder (worker/batch/solo.py: a cache that cannot be batched, or any of SOLO at
+# ACTQ_MAX_BATCH=1) is tested on RecurrentGemma made to take it: its state in its modules is the hardest case.
+ONE_AT_A_TIME: tuple[str, ...] = ("recurrent_gemma",)
 
 MOE_ARCHS: list[Arch] = [
     Arch("mixtral", "MixtralConfig", "MixtralForCausalLM", "model.layers", _mixtral),

@@ -1,7 +1,8 @@
-"""Models whose cache cannot be batched (RecurrentGemma: a sliding-window attention layer beside its
-recurrent one; the other recurrent and hybrid models batch in state slots:
-tests/worker/test_state_decoding.py), generated one job at a time by worker/batch/solo.py through the
-engine thread (worker/engine/scheduler.py), each against the independent reference: plain forward hooks
+"""The one-job-at-a-time decoder (worker/batch/solo.py: a model whose cache cannot be batched, or a
+recurrent model at ACTQ_MAX_BATCH=1), on RecurrentGemma made to take it (it batches in state slots,
+tests/worker/test_state_decoding.py; its recurrent state lives in its modules, the hardest case for
+a decoder that carries the model's own cache), through the engine thread
+(worker/engine/scheduler.py), each against the independent reference: plain forward hooks
 that clone, on a plain `model.generate` (tests/support/reference.py), and log_softmax of the
 logits `generate` returns.
 
@@ -54,7 +55,10 @@ def solo(request, tmp_path_factory, smol_dir: Path) -> Solo:
     if reason := available(arch):
         pytest.skip(reason)
     folder = build(arch, tmp_path_factory.mktemp("solo") / arch.key, smol_dir)
-    return Solo(arch, ServedModel(load(Settings(model=str(folder), model_name="m"))))
+    served = ServedModel(load(Settings(model=str(folder), model_name="m")))
+    assert served.solo_reason is not None and served.state_slots  # it batches in state slots...
+    served.state_slots = False  # ...and takes the one-job-at-a-time decoder, as a cache that cannot batch does
+    return Solo(arch, served)
 
 
 def job(question: str, capture: dict | None = None, **fields) -> JobRequest:

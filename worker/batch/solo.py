@@ -4,9 +4,9 @@ worker/model/kvcache.py moves rows of a `DynamicCache` made of attention layers 
 recurrent, linear-attention and convolution layers (Mamba, Mamba-2, Jamba, RecurrentGemma,
 GraniteMoeHybrid, Qwen3-Next, LFM2), static and quantized caches keep a state per sequence that it
 cannot pad, split or join, and some models keep that state in their own modules (RecurrentGemma).
-Those whose layers are recurrent states and full attention batch in state slots all the same
-(worker/batch/state_decoding.py, which runs a job's prompt here); a job alone (one slot) and the others
-(RecurrentGemma's sliding window, static and quantized caches) run `SoloDecoder`: the job's
+Those whose layers are recurrent states, full and sliding-window attention batch in state slots all
+the same (worker/batch/state_decoding.py, which runs a job's prompt here); a job alone (one slot) and
+the others (static and quantized caches) run `SoloDecoder`: the job's
 prompt, then one decoding step at a time, with the model's own cache object built and carried as
 `generate` does it (`_sample`): the cache from
 `_prepare_cache_for_generation`, the inputs of every pass from `prepare_inputs_for_generation`, and

@@ -1,16 +1,18 @@
-"""Batched decoding for state-space models (Mamba, Mamba-2): each running sequence's recurrent
-state in a slot of worker/model/state_slots.py, every decoding step one forward pass over all of them.
+"""Batched decoding for recurrent and hybrid models (Mamba, Mamba-2, Jamba, GraniteMoeHybrid,
+Qwen3-Next, LFM2, RecurrentGemma): each running sequence's recurrent state in a slot of
+worker/model/state_slots.py, every decoding step one forward pass over all of them.
 
 A sequence joins as on the solo decoder (worker/batch/solo.py): its prompt runs alone through the
 model's own cache, built and carried as `generate` does it, and picks its first token; that
-cache's state is then copied into a free slot and the sequence becomes the last row of the
-running batch. A decoding step feeds every row's newest token in one pass over a cache gathered
-from the rows' slots (`StateSlots.batch`), and the state the pass left is written back into those
-slots (`StateSlots.keep`). A row that ends leaves the batch and frees its slot; no other slot
+cache's state (and what the model keeps on its modules, snapshotted right after the pass) is
+then copied into a free slot and the sequence becomes the last row of the running batch. A
+decoding step feeds every row's newest token in one pass over a cache gathered from the rows'
+slots (`StateSlots.batch`), and the state the pass left is written back into those slots
+(`StateSlots.keep`). A row that ends leaves the batch and frees its slot; no other slot
 moves. A state-space layer's decode path mixes nothing across rows, so each row computes what it
 computes alone (tested against its solo run and against forward hooks on `generate`).
 
-Everything per row is the batch's (worker/batch/batch_passes.py): the sampler and its
+Everything per row is the batch's (worker/batch/batch_passes.py, worker/batch/row_rules.py): the sampler and its
 generator, grammars, stop strings, EOS and max_tokens, the watch, log-probabilities, the capture
 hooks (`BatchHooks`: rows that join become more targets of the staging rings; rows that leave
 take their staged steps, `drain` then `compact`) and the edits. Out of memory in a step,
@@ -30,7 +32,7 @@ from worker.batch.sequence import Sequence, Undo
 from worker.batch.solo import SoloDecoder
 from worker.hooks.paths import PassRows
 from worker.model.slots import causal_mask
-from worker.model.state_slots import StateSlots
+from worker.model.state_slots import ModuleStates, StateSlots
 from worker.rules.failures import is_oom, out_of_memory
 
 if TYPE_CHECKING:
@@ -50,6 +52,7 @@ class StateDecoder(SoloDecoder):
         self.slots: StateSlots | None = None  # made at the first join, shaped as its prefill's cache
         self.slot_of: list[int] = []
         self._cache_key: str | None = None  # the model's name for its cache argument
+        self.module_states = ModuleStates(model)  # state the model keeps on its modules (RecurrentGemma's)
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -58,22 +61,23 @@ class StateDecoder(SoloDecoder):
         by it join the running batch, each in a free slot. All or nothing: on failure the batch is
         as it was and each sequence as before the call."""
         saved = [Undo.of(seq) for seq in seqs]
-        joining: list[tuple[Sequence, DynamicCache]] = []
+        joining: list[tuple[Sequence, DynamicCache, list[torch.Tensor]]] = []
         try:
             for seq in seqs:
                 cache = self._prefill_alone(seq)
-                if cache is not None:
-                    joining.append((seq, cache))
+                if cache is not None:  # the modules' state is this sequence's until the next pass
+                    joining.append((seq, cache, self.module_states.snapshot()))
             if joining and self.slots is None:
-                tokens = max(seq.prompt_tokens + seq.max_tokens for seq, _ in joining)
-                self.slots = StateSlots(self.model.config, joining[0][1], self.first_slots, tokens)
+                tokens = max(seq.prompt_tokens + seq.max_tokens for seq, _, _ in joining)
+                _, cache, held = joining[0]
+                self.slots = StateSlots(self.model.config, cache, self.first_slots, tokens, self.module_states, held)
             taken: list[int] = []
             try:
-                for seq, cache in joining:
+                for seq, cache, held in joining:
                     assert self.slots is not None
                     slot = self.slots.take(seq.prompt_tokens + seq.max_tokens)
                     taken.append(slot)
-                    self.slots.write(slot, cache)
+                    self.slots.write(slot, cache, held)
             except BaseException:
                 for slot in taken:
                     self.slots.release(slot)  # type: ignore[union-attr]  # made above
@@ -82,7 +86,7 @@ class StateDecoder(SoloDecoder):
             for undo in saved:
                 undo.apply()
             raise
-        self.rows = self.rows + [seq for seq, _ in joining]
+        self.rows = self.rows + [seq for seq, _, _ in joining]
         self.slot_of = self.slot_of + taken
 
     def _prefill_alone(self, seq: Sequence) -> DynamicCache | None:
@@ -179,7 +183,13 @@ class StateDecoder(SoloDecoder):
         if self._takes_positions:
             inputs["position_ids"] = positions.unsqueeze(1)
         if self._takes_mask and self.slots.attends:  # each row sees its own positions of its slot, no further
-            inputs["attention_mask"] = causal_mask(positions, max(at) + 1, self.model.dtype)
+            mask = causal_mask(positions, max(at) + 1, self.model.dtype)
+            window = self.slots.window
+            if window is not None:  # and a local attention layer only its last `window` (RecurrentGemma's)
+                local = causal_mask(positions, max(at) + 1, self.model.dtype, window)
+                inputs["attention_mask"] = {"full_attention": mask, "sliding_attention": local}
+            else:
+                inputs["attention_mask"] = mask
         step = PassRows.step(at)
         self.hooks.begin([row.capture for row in rows], step)
         self.edits.begin([row.edits for row in rows], step)
@@ -205,8 +215,9 @@ class StateDecoder(SoloDecoder):
             self.slots.release_all()
 
     def trace(self, seqs: list[Sequence]) -> None:
-        """The batch's trace (one forward pass, no cache): the state lives in the slots, not in the
-        model's modules, so a trace may run beside a running batch."""
+        """The batch's trace (one forward pass, no cache): the state lives in the slots, so a trace
+        may run beside a running batch (what it leaves on a model's modules, RecurrentGemma's, is
+        set from the slots again before the next step)."""
         super(SoloDecoder, self).trace(seqs)  # the batch's own trace, without the solo decoder's refusal
 
     def cache_size(self) -> tuple[int, int, int]:

@@ -191,10 +191,14 @@ def _layer_shapes(
     return shapes, dtype
 
 
-def causal_mask(positions: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
+def causal_mask(positions: torch.Tensor, span: int, dtype: torch.dtype, window: int | None = None) -> torch.Tensor:
     """The additive mask `[B, 1, 1, span]` of a decoding step: row b sees positions [0, positions[b]]
-    (its own tokens, the new one included) and nothing after."""
+    (its own tokens, the new one included) and nothing after; with a `window` (a local attention
+    layer's), only the last `window` of them, as transformers' sliding-window mask has it."""
     rows = positions.shape[0]
-    columns = torch.arange(span, device=positions.device)
-    blocked = columns.view(1, span) > positions.reshape(rows, 1)
+    columns = torch.arange(span, device=positions.device).view(1, span)
+    at = positions.reshape(rows, 1)
+    blocked = columns > at
+    if window is not None:
+        blocked = blocked | (columns <= at - window)
     return (blocked.to(dtype) * torch.finfo(dtype).min).view(rows, 1, 1, span)

@@ -26,10 +26,19 @@ from its join to its end:
 The gathered state is a copy (the rows of a step are the running batch's, the slots are not
 contiguous): one state per row per step, far less than the layer's own work.
 
-Which models fit (`unsupported`): every cache layer a plain `LinearAttentionLayer` or a plain
-full-attention `DynamicLayer`. RecurrentGemma's local attention is a sliding window
-(`DynamicSlidingWindowLayer`: its positions wrap around a window, which these slots do not
-model): it keeps worker/batch/solo.py, one job at a time behind the same interface.
+A local (sliding-window) attention layer (`DynamicSlidingWindowLayer`, RecurrentGemma's) keeps
+its slot's positions unwrapped, as a full one does: its prefill's last `window - 1` positions are
+written at their own positions, and the step's mask hides, for each row, what
+lies past its position and what lies a window or more behind it (worker/model/slots.py
+`causal_mask` with the window), as the model's own sliding-window mask does.
+
+State a model keeps on its own modules rather than in its cache (RecurrentGemma's recurrent
+blocks: their convolution window `conv1d_state` and the RG-LRU's `recurrent_states`,
+`MODULE_STATES`) is held by slot too: snapshotted right after a sequence's prefill, set on the
+modules as the running rows' states before each step, and read back after it.
+
+Which models fit (`unsupported`): every cache layer a plain `LinearAttentionLayer`, a plain
+full-attention `DynamicLayer` or a `DynamicSlidingWindowLayer`.
 """
 
 from __future__ import annotations
@@ -38,9 +47,13 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer, LinearAttentionLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer, LinearAttentionLayer
 
 from worker.model import kvcache
+
+ATTENTION = (DynamicLayer, DynamicSlidingWindowLayer)  # the attention cache layers slots hold
+# State kept on a model's modules, not in its cache: module class name -> its tensors' attribute paths.
+MODULE_STATES = {"RecurrentGemmaRecurrentBlock": ("conv1d_state", "rg_lru.recurrent_states")}
 
 
 def unsupported(config: object) -> str | None:
@@ -48,11 +61,37 @@ def unsupported(config: object) -> str | None:
     cache = kvcache.new_cache(config)
     if type(cache) is not DynamicCache:
         return f"its cache is a {type(cache).__name__}"
-    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) not in (LinearAttentionLayer, DynamicLayer)}
+    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) not in (LinearAttentionLayer, *ATTENTION)}
     if kinds:
-        held = "state-space and full-attention layers only"
+        held = "state-space, full and sliding-window attention layers only"
         return "its cache has " + ", ".join(sorted(kinds)) + f" layers (state slots hold {held})"
     return None
+
+
+class ModuleStates:
+    """The state `model` keeps on its modules (`MODULE_STATES`): each (module, attribute) pair in
+    module order. Empty for a model that keeps all its state in its cache."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.owners: list[tuple[Any, str]] = []
+        for module in model.modules():
+            for path in MODULE_STATES.get(type(module).__name__, ()):
+                *parents, name = path.split(".")
+                owner = module
+                for parent in parents:
+                    owner = getattr(owner, parent)
+                self.owners.append((owner, name))
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Row 0 of each state as it stands (after a prefill of one sequence), copied."""
+        return [getattr(owner, name)[:1].clone() for owner, name in self.owners]
+
+    def set(self, tensors: list[torch.Tensor]) -> None:
+        for (owner, name), tensor in zip(self.owners, tensors, strict=True):
+            setattr(owner, name, tensor)
+
+    def current(self) -> list[torch.Tensor]:
+        return [getattr(owner, name) for owner, name in self.owners]
 
 
 class _LayerSlots:
@@ -108,11 +147,13 @@ class _LayerSlots:
 
 
 class _AttentionSlots:
-    """One full-attention layer's keys and values by slot `[slots, heads, tokens, head_dim]`."""
+    """One attention layer's keys and values by slot `[slots, heads, tokens, head_dim]`, position i
+    of a slot token i of its sequence; `window`: a sliding-window layer's window (None: full)."""
 
-    def __init__(self, layer: DynamicLayer, slots: int, tokens: int) -> None:
+    def __init__(self, layer: DynamicLayer | DynamicSlidingWindowLayer, slots: int, tokens: int) -> None:
         keys, values = layer.keys, layer.values
         assert keys is not None and values is not None
+        self.window: int | None = layer.sliding_window if isinstance(layer, DynamicSlidingWindowLayer) else None
         self.keys = keys.new_zeros(slots, keys.shape[1], tokens, keys.shape[3])
         self.values = values.new_zeros(slots, values.shape[1], tokens, values.shape[3])
 
@@ -120,9 +161,12 @@ class _AttentionSlots:
         return [self.keys, self.values]
 
     def write(self, slot: int, layer: Any) -> None:
+        """A prefill's positions at their own positions of the slot (a sliding-window layer keeps
+        only its text's last ones: those older are never seen again)."""
         length = layer.keys.shape[2]
-        self.keys[slot, :, :length].copy_(layer.keys[0])
-        self.values[slot, :, :length].copy_(layer.values[0])
+        first = layer.cumulative_length - length if self.window is not None else 0
+        self.keys[slot, :, first : first + length].copy_(layer.keys[0])
+        self.values[slot, :, first : first + length].copy_(layer.values[0])
 
     def resized(self, slots: int, tokens: int) -> None:
         keys, values = _grown(self.keys, slots, tokens), _grown(self.values, slots, tokens)
@@ -168,17 +212,28 @@ class StateSlots:
     grows when more sequences run at once or a longer one joins (`ensure`: new tensors, every
     slot's state copied)."""
 
-    def __init__(self, config: object, prefilled: DynamicCache, slots: int, tokens: int) -> None:
+    def __init__(
+        self,
+        config: object,
+        prefilled: DynamicCache,
+        slots: int,
+        tokens: int,
+        modules: ModuleStates | None = None,
+        snapshot: list[torch.Tensor] | None = None,
+    ) -> None:
+        """`modules` and a first `snapshot` of theirs: the state the model keeps on its modules."""
         self.config = config
         self.slots, self.tokens = slots, tokens
         self.layers: list[_LayerSlots | _AttentionSlots] = []
         for layer in prefilled.layers:
             if type(layer) is LinearAttentionLayer:
                 self.layers.append(_LayerSlots(layer, slots))
-            elif type(layer) is DynamicLayer:
+            elif isinstance(layer, ATTENTION) and type(layer) in ATTENTION:
                 self.layers.append(_AttentionSlots(layer, slots, tokens))
             else:
-                raise ValueError(f"state slots hold state-space and full-attention layers, not {type(layer).__name__}")
+                raise ValueError(f"state slots hold state-space and attention layers, not {type(layer).__name__}")
+        self.modules = modules if modules is not None else ModuleStates(torch.nn.Module())
+        self.held = [t.new_zeros(slots, *t.shape[1:]) for t in snapshot or []]  # the modules' states by slot
         self.free: list[int] = list(range(slots))
 
     @property
@@ -187,8 +242,17 @@ class StateSlots:
         return any(isinstance(held, _AttentionSlots) for held in self.layers)
 
     @property
+    def window(self) -> int | None:
+        """The sliding window of the model's local attention layers (None: none is local)."""
+        windows = {held.window for held in self.layers if isinstance(held, _AttentionSlots)} - {None}
+        if len(windows) > 1:
+            raise ValueError(f"local attention layers of different windows: {sorted(windows)}")  # type: ignore[type-var]
+        return next(iter(windows), None)
+
+    @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
+        held = sum(t.numel() * t.element_size() for t in self.held)
+        return held + sum(t.numel() * t.element_size() for layer in self.layers for t in layer.tensors())
 
     # -- joining and leaving ---------------------------------------------------------------
 
@@ -208,10 +272,13 @@ class StateSlots:
     def release_all(self) -> None:
         self.free = list(range(self.slots))
 
-    def write(self, slot: int, prefilled: DynamicCache) -> None:
-        """Row 0 of a prefill's cache (a batch of one) into `slot`."""
+    def write(self, slot: int, prefilled: DynamicCache, snapshot: list[torch.Tensor] | None = None) -> None:
+        """Row 0 of a prefill's cache (a batch of one) into `slot`, with the modules' `snapshot`
+        taken right after that prefill."""
         for layer, held in zip(prefilled.layers, self.layers, strict=True):
             held.write(slot, layer)
+        for tensor, state in zip(self.held, snapshot or [], strict=True):
+            tensor[slot].copy_(state[0])
 
     def ensure(self, slots: int, tokens: int) -> None:
         """At least `slots` slots of `tokens` positions: new tensors with every slot's state copied;
@@ -225,7 +292,8 @@ class StateSlots:
             copy.__dict__.update(held.__dict__)
             copy.resized(slots, tokens)
             grown.append(copy)
-        self.layers = grown
+        modules = [_grown(t, slots) for t in self.held]
+        self.layers, self.held = grown, modules
         self.free = self.free + list(range(self.slots, slots))
         self.slots, self.tokens = slots, tokens
 
@@ -241,6 +309,7 @@ class StateSlots:
                 held.gathered(cache.layers[at], index)
             else:
                 cache.layers[at] = _SlotAttention(held, index, positions, span)  # type: ignore[call-overload]
+        self.modules.set([tensor.index_select(0, index.to(tensor.device)) for tensor in self.held])
         return cache
 
     def keep(self, slots: list[int], cache: DynamicCache) -> None:
@@ -250,6 +319,8 @@ class StateSlots:
         for layer, held in zip(cache.layers, self.layers, strict=True):
             if isinstance(held, _LayerSlots):
                 held.keep(layer, index)
+        for tensor, state in zip(self.held, self.modules.current(), strict=True):
+            tensor.index_copy_(0, index.to(tensor.device), state)
 
 
 def _grown(tensor: torch.Tensor, slots: int, tokens: int | None = None) -> torch.Tensor:
