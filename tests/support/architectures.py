@@ -278,7 +278,8 @@ def _falcon_new(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
 
 # Models whose cache is not a plain DynamicCache of attention layers: state-space, recurrent, linear-attention
 # and convolution layers (alone or beside attention layers). The worker batches them in state slots, or
-# runs them one job at a time (see STATE_SLOTS). Two layers each: the hybrids have one layer of each kind.
+# runs them one job at a time at ACTQ_MAX_BATCH=1 (see STATE_SLOTS). Two layers each: the hybrids have one
+# layer of each kind.
 
 
 def _mamba(cls: ConfigClass, tokens: Tokens) -> PreTrainedConfig:
