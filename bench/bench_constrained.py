@@ -84,9 +84,7 @@ def step_times(
     """One run: the batch's prefill, then the time of each step while all rows still run."""
     from worker.batch.decoding import Decoder
     from worker.batch.sequence import Sequence
-    from worker.model.sampling import Sampler
 
-    greedy = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
     seqs = []
     for req in requests(constrained, batch):
         messages = [m.model_dump(exclude_none=True) for m in req.messages]
@@ -97,7 +95,6 @@ def step_times(
             Sequence(
                 prompt_ids=ids,
                 max_tokens=steps + 2,
-                sampler=Sampler(model, greedy, int(ids.shape[1]), None, device),
                 constraint=grammars.constraint(req, None) if constrained else None,
             )
         )

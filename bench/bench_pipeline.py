@@ -52,7 +52,6 @@ from shared.cli.local_stack import Stack
 from shared.cli.redis_server import RedisServer
 from shared.schemas import CaptureSpec, ChatMessage, JobRequest
 from shared.settings import Settings
-from worker.batch.job_prep import generate_settings
 from worker.batch.served import ServedModel
 from worker.model.loading import load
 
@@ -88,6 +87,26 @@ class Setup:
 
 
 # -- the request ----------------------------------------------------------------------------
+
+
+def generate_settings(request: JobRequest) -> dict:
+    """The `generate` settings that pick tokens for this request: transformers' own processors for
+    what it has (the reference arm; OpenAI's presence and frequency penalties it has not)."""
+    if request.samples:
+        settings: dict = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
+        if request.top_k > 0:  # otherwise the model's generation config's own, as `generate` has it
+            settings["top_k"] = request.top_k
+        if request.min_p:
+            settings["min_p"] = request.min_p
+    else:
+        settings = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    if request.repetition_penalty != 1.0:
+        settings["repetition_penalty"] = request.repetition_penalty
+    if request.min_tokens:
+        settings["min_new_tokens"] = request.min_tokens
+    if request.logit_bias:
+        settings["sequence_bias"] = {(token,): bias for token, bias in request.logit_bias.items()}
+    return settings
 
 
 def capture_modules(layers: tuple[int, ...]) -> list[str]:

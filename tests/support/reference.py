@@ -100,3 +100,28 @@ def reference_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, first: int
     chosen = logprobs.gather(1, token_ids[first:].view(-1, 1))[:, 0]
     top = torch.topk(logprobs, k, dim=-1) if k else None
     return chosen, (top.values if top else None), (top.indices if top else None)
+
+
+def sampled_reference(model, token_ids: torch.Tensor, prompt_tokens: int, sampling, eos_ids: set[int]) -> list[int]:
+    """The tokens a sampled job must have drawn: the one sampler (worker/model/sampling.py, whose
+    draws are tested against the softmax they sample from in tests/worker/test_sampling.py) applied,
+    at each generated position, to plain `model(token_ids)`'s logits over the job's own tokens
+    (teacher-forced, no cache) with the row's settings `sampling` (a RowSampling) and its count of
+    generated tokens. A decoder that handed the sampler other logits, another seed or another count
+    draws otherwise."""
+    from worker.model.sampling import SamplingTable, sample, token_counts
+
+    with torch.inference_mode():
+        logits = model(input_ids=token_ids[None]).logits[0].float()
+    vocab = logits.shape[-1]
+    table = SamplingTable(1, vocab, eos_ids, logits.device)
+    table.set_row(0, sampling)
+    drawn = []
+    for generated in range(len(token_ids) - prompt_tokens):
+        at = prompt_tokens - 1 + generated  # the position whose logits pick the next token
+        seen = token_ids[None, : at + 1]
+        zero, last = torch.zeros(1, dtype=torch.long), torch.full((1,), at)
+        penalties = token_counts(seen, zero, last, torch.full((1,), prompt_tokens), vocab)
+        count = torch.full((1,), generated)
+        drawn.append(int(sample(logits[at : at + 1], table, count, penalties, features=sampling.features)[0]))
+    return drawn

@@ -21,7 +21,7 @@ from worker.batch import decoding
 from worker.batch.decoding import Decoder
 from worker.batch.sequence import Sequence, TokenScores
 from worker.batch.solo import SoloDecoder
-from worker.model.sampling import Sampler
+from worker.model.sampling import row_sampling
 from worker.rules.constrained import Grammars
 from worker.rules.tool_calls import parse_tool_calls
 
@@ -99,15 +99,10 @@ def sequence(lm, grammars, req: JobRequest, fmt: ToolFormat | None = None, logpr
     messages = [m.model_dump(exclude_none=True) for m in req.messages or []]
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True, return_tensors="pt")
     ids = prompt["input_ids"]
-    settings = (
-        {"do_sample": True, "temperature": req.temperature, "top_p": req.top_p}
-        if req.samples
-        else {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    )
     return Sequence(
         prompt_ids=ids,
         max_tokens=MAX_TOKENS,
-        sampler=Sampler(model, settings, int(ids.shape[1]), req.seed, "cpu"),
+        sampling=row_sampling(req),
         scores=TokenScores(2) if logprobs else None,
         constraint=grammars.constraint(req, fmt),
     )

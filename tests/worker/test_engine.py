@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from shared.capture_spec import resolve
-from shared.errors import ContextLengthExceeded, JobFailure
+from shared.errors import ContextLengthExceeded
 from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.support.reference import hooked_generate, select
@@ -395,9 +395,9 @@ def shaped_reference(served, prompt: torch.Tensor, bias: dict, presence: float, 
 
 def test_bias_penalties_and_min_tokens_pick_the_tokens_transformers_processors_pick(served, tiny_dir):
     """logit_bias, repetition_penalty, presence/frequency penalties and min_tokens in one greedy
-    job: its tokens are transformers' greedy `generate` with its own processors. The same settings
-    (but the two penalties transformers lacks, which are refused there) through a model that
-    decodes in a compacted batch instead of slots."""
+    job: its tokens are transformers' greedy `generate` with its own processors (the presence and
+    frequency penalties it lacks added as one processor of OpenAI's definition). The same through a
+    model that decodes in a compacted batch instead of slots: one sampler serves every batch kind."""
     from worker.batch.served import ServedModel
     from worker.model.loading import load
 
@@ -413,10 +413,10 @@ def test_bias_penalties_and_min_tokens_pick_the_tokens_transformers_processors_p
     compacted = ServedModel(load(Settings(model=str(tiny_dir), model_name="tiny")))
     compacted.slot_reason = "this test's"
     assert "compacted" in compacted.describe_decoder()
+    got = run(compacted, request(presence_penalty=0.7, frequency_penalty=0.4, **common), 12)
+    assert got.token_ids[len(prompt) :].tolist() == shaped_reference(served, prompt, bias, 0.7, 0.4)
     got = run(compacted, request(**common), 12)
     assert got.token_ids[len(prompt) :].tolist() == shaped_reference(served, prompt, bias, 0.0, 0.0)
-    with pytest.raises(JobFailure, match="presence_penalty and frequency_penalty are applied by the slots"):
-        run(compacted, request(presence_penalty=0.7, **common), 12)
 
 
 def test_top_k_1_and_min_p_1_sample_only_the_likeliest_token(served):

@@ -25,7 +25,14 @@ from shared.errors import OutOfMemory
 from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.support.architectures import BY_KEY, ONE_AT_A_TIME, Arch, available, build
-from tests.support.reference import encode, hooked_forward, hooked_generate, reference_logprobs, select
+from tests.support.reference import (
+    encode,
+    hooked_forward,
+    hooked_generate,
+    reference_logprobs,
+    sampled_reference,
+    select,
+)
 from worker.batch.sequence import Sequence
 
 pytestmark = pytest.mark.model  # builds and loads tiny models in this process
@@ -190,22 +197,33 @@ def test_greedy_jobs_equal_generate_with_forward_hooks(solo: Solo):
             assert max(abs(a - b) for a, b in zip(gen.scores.values, values.tolist(), strict=True)) < LOGPROB_TOLERANCE
 
 
-def test_a_seeded_sampled_job_draws_what_generate_draws(solo: Solo):
-    """Sampling (temperature, top-p, the model's own logits processors) from the job's generator
-    seeded with its seed: the draws of `generate` after `torch.manual_seed(seed)`."""
+def test_a_seeded_sampled_job_draws_what_the_sampler_draws_from_the_model_s_own_logits(solo: Solo):
+    """Sampling (temperature, top-p) with the one sampler: each token is the draw of the job's seed
+    and step from the plain model's logits over the job's tokens (tests/support/reference.py
+    `sampled_reference`), its log-probabilities those logits' log_softmax; another seed draws
+    otherwise, and the same job batched in state slots draws the same tokens."""
+    from worker.model.sampling import row_sampling
+
     served = solo.served
     req = job(QUESTIONS[0], temperature=0.9, top_p=0.9, seed=7, logprobs=True, top_logprobs=2)
     (outcome,), _ = through_scheduler(served, [prepare(served, req, 12)])
     gen = served.finish(outcome, req)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(7)
-        ids, values, top_ids = reference_scores(served, QUESTIONS[0], 12, 2, do_sample=True, temperature=0.9, top_p=0.9)
-    assert torch.equal(gen.token_ids, ids)
+    drawn = sampled_reference(served.hf, gen.token_ids, gen.prompt_tokens, row_sampling(req), served.eos_ids)
+    assert gen.token_ids[gen.prompt_tokens :].tolist() == drawn
+    with torch.inference_mode():
+        logits = served.hf(input_ids=gen.token_ids[None]).logits[0].float()
+    values, _, top_ids = reference_logprobs(logits, gen.token_ids, gen.prompt_tokens, 2)
     assert gen.scores.top_ids == top_ids.tolist()
     assert max(abs(a - b) for a, b in zip(gen.scores.values, values.tolist(), strict=True)) < LOGPROB_TOLERANCE
     reseeded = job(QUESTIONS[0], temperature=0.9, top_p=0.9, seed=8)
     (outcome,), _ = through_scheduler(served, [prepare(served, reseeded, 12)])
     assert not torch.equal(served.finish(outcome, reseeded).token_ids, gen.token_ids)
+    served.state_slots = True  # the same job in a batch of state slots, beside another
+    try:
+        (batched, _), _ = through_scheduler(served, [prepare(served, req, 12), prepare(served, job(QUESTIONS[1]), 5)])
+    finally:
+        served.state_slots = False
+    assert torch.equal(served.finish(batched, req).token_ids, gen.token_ids)
 
 
 def test_a_stop_string_and_a_watch_end_a_job_early(solo: Solo):

@@ -1,10 +1,10 @@
-"""Recurrent and hybrid models (Mamba, Mamba-2, Jamba, GraniteMoeHybrid, Qwen3-Next, LFM2) decode
+"""Recurrent and hybrid models (Mamba, Mamba-2, Jamba, GraniteMoeHybrid, Qwen3-Next, LFM2, RecurrentGemma) decode
 batched: each job's recurrent state (and a hybrid's attention keys and values) in a slot of
 worker/model/state_slots.py, every decoding step one pass over all running jobs (worker/batch/state_decoding.py).
 Each row of a batch (different prompt lengths and max_tokens, rows joining and leaving mid-batch,
 greedy and seeded sampling) is checked against the independent reference (plain forward hooks
-that clone, on a plain `model.generate`: tests/support/reference.py) and against its own solo run
-(`ServedModel.run`, a batch of one).
+that clone, on a plain `model.generate`; a sampled row, the sampler's draws from the plain model's
+logits: tests/support/reference.py) and against its own solo run (`ServedModel.run`, a batch of one).
 
 Tolerance for activations: as tests/worker/test_solo.py (1e-5 of the reference tensor's max
 |value|, float32 on the CPU); token ids must be equal."""
@@ -19,7 +19,7 @@ import torch
 from shared.schemas import JobRequest
 from shared.settings import Settings
 from tests.support.architectures import BY_KEY, STATE_SLOTS, available, build
-from tests.support.reference import hooked_forward, hooked_generate, select
+from tests.support.reference import hooked_forward, hooked_generate, reference_logprobs, sampled_reference, select
 from tests.worker.test_solo import (
     NEW_TOKENS,
     QUESTIONS,
@@ -29,7 +29,6 @@ from tests.worker.test_solo import (
     every_module,
     job,
     prepare,
-    reference_scores,
     through_scheduler,
 )
 
@@ -108,8 +107,10 @@ def test_a_batch_equals_forward_hooks_and_each_job_s_solo_run(state: Solo):
     """Five jobs through the engine in batches of at most 3: different prompt lengths and
     max_tokens, so rows leave and the queued ones join mid-batch; one seeded sampled job with
     log-probabilities. Every greedy row equals `generate` with forward hooks (tokens exactly,
-    every module's activations within the tolerance), the sampled one `generate`'s seeded draws;
-    each equals its own solo run."""
+    every module's activations within the tolerance), the sampled one the sampler's draws from the
+    plain model's logits (`sampled_reference`); each equals its own solo run."""
+    from worker.model.sampling import row_sampling
+
     served = state.served
     modules = every_module(served)
     block = state.arch.block(0)
@@ -133,10 +134,11 @@ def test_a_batch_equals_forward_hooks_and_each_job_s_solo_run(state: Solo):
         assert gen.completion_tokens == n and gen.finish_reason == "length", question
         captured = [c.point.module for c in gen.captured]
         if req.seed is not None:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(req.seed)
-                ids, values, _ = reference_scores(served, question, n, 0, do_sample=True, temperature=0.9, top_p=0.9)
-            assert torch.equal(gen.token_ids, ids)
+            drawn = sampled_reference(served.hf, gen.token_ids, gen.prompt_tokens, row_sampling(req), served.eos_ids)
+            assert gen.token_ids[gen.prompt_tokens :].tolist() == drawn
+            with torch.inference_mode():
+                logits = served.hf(input_ids=gen.token_ids[None]).logits[0].float()
+            values, _, _ = reference_logprobs(logits, gen.token_ids, gen.prompt_tokens)
             assert max(abs(a - b) for a, b in zip(gen.scores.values, values.tolist(), strict=True)) < LOGPROB_TOLERANCE
         else:
             ids, rows, prompt_tokens = reference(served, question, n, captured)

@@ -6,15 +6,15 @@ A prefill runs the prompts of its sequences in one left-padded pass (`admit_many
 is exactly a solo job's), or, when longer than `chunk_tokens`, in chunks with a cache of their
 own between decoding steps (`feed`); then each decoder's `_join` takes the prefilled rows into its
 batch. A trace runs one forward pass over each text, no cache, nothing generated. Model inputs
-are built by the model's own `prepare_inputs_for_generation`, and the next token by the model's
-own logits processors (`Sampler`, worker/model/sampling.py), as `generate` does; a batch of one
-therefore computes exactly what `generate` computes for that sequence (tested bit for bit). The
-slots override `_choose` with the vectorised sampler.
+are built by the model's own `prepare_inputs_for_generation`, as `generate` does, and the next
+token by the one sampler (worker/model/sampling.py, `_choose`: every row's settings in a table of
+the pass's rows); a greedy batch of one therefore computes exactly what `generate` computes for
+that sequence (tested bit for bit). A sampled row's draw is a function of its seed and how many
+tokens it has generated, so a seeded job gets the same draws whatever else shares its batch and
+whichever kind of batch runs it (the slots draw inside their own step, with the same sampler).
 
 Each row's rules once its token is picked (EOS, max_tokens, a complete grammar, a stop string
 after `min_tokens`, cancel and time limits) are the output stage's: worker/batch/row_rules.py.
-Sampling draws from a generator per sequence (seeded by the job's `seed`), so a seeded job gets
-the same draws whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ from worker.hooks.capture_hooks import BatchHooks
 from worker.hooks.edits import BatchEdits
 from worker.hooks.paths import PassRows
 from worker.model import kvcache
-from worker.rules.constrained import masked_rows
+from worker.model.runner import allowed_tokens
+from worker.model.sampling import Features, RowSampling, SamplingTable, sample, token_counts
+from worker.rules.constrained import fill_bitmask
 from worker.rules.failures import failure_of
 
 if TYPE_CHECKING:
@@ -55,6 +57,7 @@ class BatchPasses:
         self.chunk_tokens: int | None = None
         out = model.get_output_embeddings()
         self.lm_head = next((path for path, module in model.named_modules() if module is out), None)
+        self._table: SamplingTable | None = None  # the sampler's table of a pass's rows (`_choose`)
 
     @property
     def eos_ids(self) -> set[int]:
@@ -349,40 +352,56 @@ class BatchPasses:
     def _choose(
         self, rows: list[Sequence], logits: torch.Tensor, live: list[int], ids_of: Callable[[int], torch.Tensor]
     ) -> list[int]:
-        """The next token of every row (garbage for rows not in `live`): one argmax over the batch
-        for greedy rows, each sampled row's own processors and generator on its row of logits,
-        the rows with a constraint from a masked copy of theirs (`_constrain`), then a single
-        transfer to the host."""
-        picks = torch.argmax(logits, dim=-1)
-        constrained = [i for i in live if rows[i].constraint is not None]
-        masked = self._constrain(rows, logits, picks, constrained) if constrained else {}
+        """The next token of every row (garbage for rows not in `live`), from the one sampler
+        (worker/model/sampling.py) over a table of the pass's rows: each row's settings, its
+        tokens so far (`ids_of(i)`, `[1, n]`: penalties and `min_tokens` read them; its draw is a
+        function of its seed and how many tokens it has generated) and its grammar's mask (a mask
+        that fails fails the rows it served); one argmax when every row is greedy and free, then
+        a single transfer to the host."""
+        features = Features()
         for i in live:
-            sampler = rows[i].sampler
-            assert sampler is not None  # only trace sequences have none, and they never decode
-            if sampler.plain or rows[i].ended is not None:  # greedy: picked above; or its mask failed
-                continue
+            features = features | self._settings(rows[i]).features
+        constrained = [i for i in live if rows[i].constraint is not None]
+        if features == Features() and not constrained:
+            return logits.argmax(dim=-1).tolist()  # greedy rows: the batch's one argmax
+        table = self._table_for(len(rows), logits)
+        for i in live:
+            table.set_row(i, self._settings(rows[i]))
+        device = logits.device
+        generated = torch.tensor([len(row.generated) for row in rows], dtype=torch.int64, device=device)
+        penalties = None
+        if features.penalties:  # each live row's tokens so far, left-padded: prompt seen, generated counted
+            held = {i: ids_of(i)[0] for i in live}
+            width = max(len(ids) for ids in held.values())
+            ids = torch.zeros(len(rows), width, dtype=torch.int64, device=device)
+            seen_from = torch.full((len(rows),), width, dtype=torch.int64, device=device)  # none: a row not live
+            for i, tokens in held.items():
+                ids[i, width - len(tokens) :] = tokens.to(device)
+                seen_from[i] = width - len(tokens)
+            last = torch.full_like(seen_from, width - 1)
+            penalties = token_counts(ids, seen_from, last, width - generated, logits.shape[1])
+        allowed = None
+        if constrained:
             try:
-                picks[i] = sampler.pick(ids_of(i), masked[i] if i in masked else logits[i : i + 1])
-            except Exception as exc:  # noqa: BLE001 - this row's sampling fails this row only
-                rows[i].failure = failure_of(exc)
-                rows[i].ended = "failed"
-        return picks.tolist()
+                bits = fill_bitmask([rows[i].constraint for i in constrained])  # type: ignore[misc]
+                allowed = torch.ones_like(logits, dtype=torch.bool)
+                index = torch.tensor(constrained, device=device)
+                allowed[index] = allowed_tokens(bits.to(device), logits.shape[1])
+            except Exception as exc:  # noqa: BLE001 - the mask failed: the rows it served fail
+                failure = failure_of(exc)
+                for i in constrained:
+                    rows[i].failure, rows[i].ended = failure, "failed"
+                allowed = None
+        return sample(logits, table, generated, penalties, allowed, features=features).tolist()
 
     @staticmethod
-    def _constrain(
-        rows: list[Sequence], logits: torch.Tensor, picks: torch.Tensor, constrained: list[int]
-    ) -> dict[int, torch.Tensor]:
-        """Rows `constrained` with every token their grammar forbids masked out: a masked copy of
-        those rows (one bitmask fill for all of them), whose argmax is the greedy ones' pick;
-        returns each row's masked logits `[1, V]` for its sampler. `logits` itself stays the
-        model's (log-probabilities score it). If the mask fails, the rows it served fail."""
-        try:
-            index = torch.tensor(constrained, device=logits.device)
-            masked = masked_rows(logits, index, [rows[i].constraint for i in constrained])  # type: ignore[misc]
-            picks[index] = torch.argmax(masked, dim=-1)
-        except Exception as exc:  # noqa: BLE001 - the mask failed: the rows it served fail
-            failure = failure_of(exc)
-            for i in constrained:
-                rows[i].failure, rows[i].ended = failure, "failed"
-            return {}
-        return {i: masked[j : j + 1] for j, i in enumerate(constrained)}
+    def _settings(seq: Sequence) -> RowSampling:
+        """A sequence's sampling settings (greedy when it has none: a sequence built by hand;
+        `row_sampling` in worker/model/sampling.py makes a job's)."""
+        return seq.sampling if seq.sampling is not None else RowSampling()
+
+    def _table_for(self, rows: int, logits: torch.Tensor) -> SamplingTable:
+        """A sampling table for a pass's rows (kept for the next pass, grown when too small)."""
+        if self._table is None or self._table.slots < rows or self._table.vocab != logits.shape[1]:
+            self._table = SamplingTable(rows, logits.shape[1], self.eos_ids, logits.device)
+        return self._table

@@ -18,38 +18,10 @@ from shared.schemas import CapturePoint, CaptureSpec, JobRequest
 from worker.batch.sequence import Sequence, TokenScores, Watch
 from worker.hooks.capture import JobCapture
 from worker.hooks.edits import JobEdits, build
-from worker.model.sampling import Sampler, row_sampling
+from worker.model.sampling import row_sampling
 
 if TYPE_CHECKING:
     from worker.batch.served import ServedModel
-
-
-def generate_settings(request: JobRequest) -> dict:
-    """The `generate` settings that pick tokens for this request (shared with benchmarks):
-    transformers' own processors for what it has (OpenAI's presence and frequency penalties it has
-    not: `unsupported_by_generate`)."""
-    if request.samples:
-        settings: dict = {"do_sample": True, "temperature": request.temperature, "top_p": request.top_p}
-        if request.top_k > 0:  # otherwise the model's generation config's own, as `generate` has it
-            settings["top_k"] = request.top_k
-        if request.min_p:
-            settings["min_p"] = request.min_p
-    else:
-        settings = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    if request.repetition_penalty != 1.0:
-        settings["repetition_penalty"] = request.repetition_penalty
-    if request.min_tokens:
-        settings["min_new_tokens"] = request.min_tokens
-    if request.logit_bias:
-        settings["sequence_bias"] = {(token,): bias for token, bias in request.logit_bias.items()}
-    return settings
-
-
-def unsupported_by_generate(request: JobRequest) -> str | None:
-    """Which of the request's settings only the slots' sampler applies (None: all are generate's)."""
-    if request.presence_penalty or request.frequency_penalty:
-        return "presence_penalty and frequency_penalty"
-    return None
 
 
 def prepare(
@@ -75,11 +47,6 @@ def prepare(
         raise JobFailure(problem)
     if (problem := logit_bias_problem(request, info.vocab_size)) is not None:
         raise JobFailure(problem)
-    if served.slot_reason is not None and not request.trace and (what := unsupported_by_generate(request)):
-        raise JobFailure(
-            f"{what} are applied by the slots' sampler, and {info.name} decodes {served.describe_decoder()}; "
-            "leave them out for this model"
-        )
     if request.prompt_logprobs and served.solo_reason is not None:
         raise JobFailure(
             f"prompt_logprobs (echo with generation) is not supported for {info.name}, whose prompts run "
@@ -118,9 +85,6 @@ def prepare(
         prompt_ids=prompt,
         edits=edits,
         max_tokens=max_tokens,
-        sampler=None
-        if request.trace
-        else Sampler(served.hf, generate_settings(request), prompt_tokens, request.seed, device),
         capture=capture,
         stops=list(request.stop),
         min_tokens=request.min_tokens,

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from shared.errors import JobFailure
     from worker.hooks.capture import JobCapture, Mark
     from worker.hooks.edits import JobEdits
-    from worker.model.sampling import RowSampling, Sampler
+    from worker.model.sampling import RowSampling
     from worker.rules.constrained import Constraint
 
 # Asked after each decoding step with the number of new tokens so far; a reason string stops.
@@ -117,7 +117,6 @@ class Sequence:
 
     prompt_ids: torch.Tensor  # [1, P] on the model's device
     max_tokens: int  # 0 for a trace job
-    sampler: Sampler | None  # None for a trace job
     capture: JobCapture | None = None
     stops: list[str] = field(default_factory=list)
     min_tokens: int = 0  # no stop string counts before this many tokens (worker/rules/stop_strings.py)
@@ -128,7 +127,7 @@ class Sequence:
     edits: JobEdits | None = None  # its interventions (worker/hooks/edits.py)
     echo: bool = False  # a generation that also scores its prompt (its prefill keeps every position's logits)
     constraint: Constraint | None = None  # the grammar its reply follows (worker/rules/constrained.py)
-    sampling: RowSampling | None = None  # its settings for the vectorised sampler (the slots' decoder)
+    sampling: RowSampling | None = None  # its sampling settings (None: greedy; worker/model/sampling.py)
     generated: list[int] = field(default_factory=list)
     ended: str | None = None
     stopped_by: str | None = None  # what the watch answered
@@ -154,18 +153,15 @@ class Undo:
     seq: Sequence
     mark: Mark | None
     scores: int
-    generator: torch.Tensor | None
     edits: list[int] | None = None
     constrained: int = 0  # tokens its constraint had taken
 
     @classmethod
     def of(cls, seq: Sequence) -> Undo:
-        generator = seq.sampler.generator if seq.sampler is not None else None
         return cls(
             seq,
             seq.capture.mark() if seq.capture is not None else None,
             len(seq.scores.values) if seq.scores is not None else 0,
-            generator.get_state() if generator is not None else None,
             seq.edits.saved() if seq.edits is not None else None,
             seq.constraint.consumed if seq.constraint is not None else 0,
         )
@@ -177,8 +173,6 @@ class Undo:
             seq.capture.failure = None
         if seq.scores is not None:
             seq.scores.truncate(self.scores)
-        if self.generator is not None and seq.sampler is not None and seq.sampler.generator is not None:
-            seq.sampler.generator.set_state(self.generator)
         if seq.edits is not None and self.edits is not None:
             seq.edits.restore(self.edits)
         if seq.constraint is not None:
@@ -203,6 +197,4 @@ VACANT = "vacant"  # `Sequence.ended` of a vacancy
 def vacancy(pad_id: int) -> Sequence:
     """A batch row that belongs to no job: it feeds `pad_id`, nothing reads its logits, and it
     leaves with the next rows that end."""
-    return Sequence(
-        prompt_ids=torch.empty(1, 0, dtype=torch.long), max_tokens=1, sampler=None, generated=[pad_id], ended=VACANT
-    )
+    return Sequence(prompt_ids=torch.empty(1, 0, dtype=torch.long), max_tokens=1, generated=[pad_id], ended=VACANT)

@@ -32,13 +32,11 @@ on the device as a step is launched (worker/batch/step_scores.py), so they never
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from shared.errors import InternalError
 from worker.batch.batch_passes import BatchPasses
 from worker.batch.oom import in_halves, lowered_cap
 from worker.batch.sequence import Sequence
@@ -46,8 +44,8 @@ from worker.batch.slot_resizing import SlotResizing
 from worker.batch.step_scores import Scored, score_step, take_scores
 from worker.hooks.step_edits import EditPlan, fits
 from worker.model.input_batch import InputBatch, Reading
-from worker.model.runner import DecodeStep, allowed_tokens
-from worker.model.sampling import Features, RowSampling, SamplingTable, sample, token_counts
+from worker.model.runner import DecodeStep
+from worker.model.sampling import Features
 from worker.model.slot_sizing import CacheLimits, Shape, SlotSizing
 from worker.rules.constrained import fill_bitmask
 from worker.rules.failures import failure_of
@@ -102,7 +100,6 @@ class SlotDecoder(SlotResizing, BatchPasses):
         self._launched: Launched | None = None
         self.batch: InputBatch | None = None
         self.runner: DecodeStep | None = None
-        self._prefill_table: SamplingTable | None = None
 
     # -- joining ---------------------------------------------------------------------------
 
@@ -136,58 +133,6 @@ class SlotDecoder(SlotResizing, BatchPasses):
             raise
         self.rows += [seq for seq, _, _ in joining]
         self._resizable = True
-
-    def _choose(
-        self, rows: list[Sequence], logits: torch.Tensor, live: list[int], ids_of: Callable[[int], torch.Tensor]
-    ) -> list[int]:
-        """A prefill's first tokens, from the vectorised sampler with each row's settings (a table
-        of the pass's rows, made for it) and its grammar's mask."""
-        features = Features()
-        for i in live:
-            features = features | self._settings(rows[i]).features
-        if features == Features() and not any(rows[i].constraint is not None for i in live):
-            return logits.argmax(dim=-1).tolist()  # greedy rows: the batch's one argmax
-        table = self._scratch(len(rows), logits)
-        for i in live:
-            table.set_row(i, self._settings(rows[i]))
-        penalties = None
-        if features.penalties:  # the prompts' tokens are seen; nothing is generated yet
-            width = max(row.prompt_tokens for row in rows)
-            ids = torch.cat([self._pad(row.prompt_ids, width, 0) for row in rows]).to(logits.device)
-            first = torch.tensor([width - row.prompt_tokens for row in rows], device=logits.device)
-            last = torch.full_like(first, width - 1)
-            penalties = token_counts(ids, first, last, last + 1, logits.shape[1])
-        allowed = None
-        constrained = [i for i in live if rows[i].constraint is not None]
-        if constrained:
-            try:
-                bits = fill_bitmask([rows[i].constraint for i in constrained])  # type: ignore[misc]
-                allowed = torch.ones_like(logits, dtype=torch.bool)
-                index = torch.tensor(constrained, device=logits.device)
-                allowed[index] = allowed_tokens(bits.to(logits.device), logits.shape[1])
-            except Exception as exc:  # noqa: BLE001 - the mask failed: the rows it served fail
-                failure = failure_of(exc)
-                for i in constrained:
-                    rows[i].failure, rows[i].ended = failure, "failed"
-                allowed = None
-        generated = torch.zeros(len(rows), dtype=torch.int64, device=logits.device)
-        return sample(logits, table, generated, penalties, allowed, features=features).tolist()
-
-    @staticmethod
-    def _settings(seq: Sequence) -> RowSampling:
-        """A sequence's settings for the vectorised sampler (greedy when it has none: a sequence
-        built by hand; `row_sampling` in worker/model/sampling.py makes a job's)."""
-        if seq.sampling is not None:
-            return seq.sampling
-        if seq.sampler is not None and seq.sampler.do_sample:
-            raise InternalError("a sampled sequence joined the slots without its sampling settings")
-        return RowSampling()
-
-    def _scratch(self, rows: int, logits: torch.Tensor) -> SamplingTable:
-        """A sampling table for a prefill's rows (kept for the next prefill, grown when too small)."""
-        if self._prefill_table is None or self._prefill_table.slots < rows:
-            self._prefill_table = SamplingTable(rows, logits.shape[1], self.eos_ids, logits.device)
-        return self._prefill_table
 
     # -- one decoding step -----------------------------------------------------------------
 
@@ -456,7 +401,7 @@ class SlotDecoder(SlotResizing, BatchPasses):
         self._launched = None
         if self.runner is not None:
             self.runner.rings.close()
-        self.batch = self.runner = self._prefill_table = None
+        self.batch = self.runner = self._table = None
         self.rows = []
 
     def reset(self) -> None:

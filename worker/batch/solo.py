@@ -12,14 +12,14 @@ prompt, then one decoding step at a time, with the model's own cache object buil
 `_prepare_cache_for_generation`, the inputs of every pass from `prepare_inputs_for_generation`, and
 the cache, positions and mask carried to the next pass by `_update_model_kwargs_for_generation`.
 Nothing here reads or rewrites the cache, so whatever state it holds is the model's business, and
-a job computes exactly what `generate` computes for it (tested against `generate` with forward
-hooks on each such architecture).
+a greedy job computes exactly what `generate` computes for it (tested against `generate` with
+forward hooks).
 
-Everything else is every batch's (worker/batch/batch_passes.py): the next token from `Sampler` (the model's own logits
-processors, the job's seeded generator), under the job's grammar when it has one (`BatchPasses._choose`
-masks its row, `Undo` rolls its matcher back: worker/rules/constrained.py), the end of a sequence (EOS,
-max_tokens, stop strings, a complete grammar, the watch callback), log-probabilities and the
-capture hooks (`BatchHooks`, a batch of one).
+Everything else is every batch's (worker/batch/batch_passes.py, worker/batch/row_rules.py): the
+next token from the one sampler (worker/model/sampling.py), under the job's grammar when it has
+one (`Undo` rolls its matcher back after a failed prefill: worker/rules/constrained.py), the end of
+a sequence (EOS, max_tokens, stop strings, a complete grammar, the watch callback),
+log-probabilities and the capture hooks (`BatchHooks`, a batch of one).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ slots (`StateSlots.batch`), and the state the pass left is written back into tho
 moves. A state-space layer's decode path mixes nothing across rows, so each row computes what it
 computes alone (tested against its solo run and against forward hooks on `generate`).
 
-Everything per row is the batch's (worker/batch/batch_passes.py, worker/batch/row_rules.py): the sampler and its
-generator, grammars, stop strings, EOS and max_tokens, the watch, log-probabilities, the capture
+Everything per row is the batch's (worker/batch/batch_passes.py, worker/batch/row_rules.py): the sampler,
+grammars, stop strings, EOS and max_tokens, the watch, log-probabilities, the capture
 hooks (`BatchHooks`: rows that join become more targets of the staging rings; rows that leave
 take their staged steps, `drain` then `compact`) and the edits. Out of memory in a step,
 worker/batch/oom.py's policy: the rows run in halves, down to one row that fails alone (its slot

@@ -17,10 +17,12 @@ same in any batch, slot or CUDA graph bucket, and nothing in `sample` reads the 
 host, allocates a persistent buffer or branches on data: it can be captured in a CUDA graph and
 compiled with `fullgraph=True`.
 
-A job's settings for the table come from its request (`row_sampling`). Beside the vectorised
-sampler, `Sampler` picks one row's token with the model's own logits processors and a seeded torch
-generator, as `generate` does: the compacting and solo batches use it, so that a job there is bit
-for bit what `generate` computes (the counter-based draws above are not `generate`'s).
+A job's settings for the table come from its request (`row_sampling`). It is the one sampler:
+every kind of running batch picks its rows' tokens with it (the slots inside their step, the
+others through worker/batch/batch_passes.py's `_choose`, with a table of the pass's rows), so a
+seeded job draws the same tokens whichever batch runs it. A greedy job's processing is
+transformers' arithmetic, so its tokens are `generate`'s (tested against the processors); a
+sampled job's draws are not `generate`'s, whose multinomial reads a torch generator's state.
 
 Presence and frequency penalties follow OpenAI's definition (vLLM's too), over the generated
 tokens; the repetition penalty follows transformers' (CTRL's), over prompt and generated tokens.
@@ -32,7 +34,7 @@ import dataclasses
 import math
 import secrets
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -343,38 +345,3 @@ class _Rows:
         value = getattr(self._table, name)[self._part]
         setattr(self, name, value)
         return value
-
-
-class Sampler:
-    """The next token of one sequence from its logits: the model's own logits processors (as
-    `generate` builds them for these settings), then argmax or a draw from this sequence's own
-    generator."""
-
-    def __init__(self, model: Any, settings: dict, prompt_tokens: int, seed: int | None, device: str) -> None:
-        config, _ = model._prepare_generation_config(None, **settings)  # what generate would use
-        self.processors = model._get_logits_processor(
-            generation_config=config, input_ids_seq_length=prompt_tokens, device=device, model_kwargs={}
-        )
-        self.do_sample = bool(config.do_sample)
-        self.generator: torch.Generator | None = None
-        if self.do_sample:
-            self.generator = torch.Generator(device=device)
-            if seed is not None:
-                self.generator.manual_seed(seed)
-            else:
-                self.generator.seed()
-
-    @property
-    def plain(self) -> bool:
-        """Greedy with no logits processor: the batch's one argmax picks this row's token."""
-        return not self.do_sample and not len(self.processors)
-
-    def pick(self, ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """The next token as a 0-d tensor on the logits' device (no host synchronisation).
-        `ids` is the sequence's tokens so far `[1, n]` (a view: never rebuilt), `logits` `[1, V]`
-        float32."""
-        scores = self.processors(ids, logits) if len(self.processors) else logits
-        if self.do_sample:
-            probs = torch.nn.functional.softmax(scores, dim=-1)
-            return torch.multinomial(probs, num_samples=1, generator=self.generator)[0, 0]
-        return torch.argmax(scores, dim=-1)[0]

@@ -5,11 +5,10 @@ says, before each token, which tokens keep the reply inside the grammar.
   the whole vocabulary, see bench/bench_constrained.py for what that costs) and one executor
   that fills many rows' masks in parallel. `constraint(request, fmt)` compiles a job's grammar.
 - `Constraint`, one per job: its matcher, and how many tokens it consumed (so a failed prefill
-  can put it back, `Undo` in worker/batch/decoding.py).
-- `masked_rows(logits, index, constraints)`: the rows of a step's logits that have a
-  constraint, as a masked copy (`-inf` where the grammar forbids), for the decoder to pick
-  from; the step's logits themselves are untouched, so log-probabilities keep the model's own
-  distribution.
+  can put it back, `Undo` in worker/batch/sequence.py).
+- `fill_bitmask(constraints)`: the rows' masks as one bitmask, which the sampler unpacks
+  (worker/model/runner.py `allowed_tokens`) and applies to the scores it picks from; the step's
+  logits themselves are untouched, so log-probabilities keep the model's own distribution.
 
 The mask is a bitmask (one bit per token, int32 words) filled on the host by llguidance, moved
 to the logits' device and unpacked there; nothing waits for the device. The matcher's EOS is
@@ -171,24 +170,3 @@ def fill_bitmask(constraints: list[Constraint]) -> torch.Tensor:
 
         fill_next_token_bitmask_par(grammars.executor, [(c.matcher, i) for i, c in enumerate(constraints)], bitmask)
     return bitmask
-
-
-def masked_rows(logits: torch.Tensor, index: torch.Tensor, constraints: list[Constraint]) -> torch.Tensor:
-    """Rows `index` (a tensor of row numbers on the logits' device) of `logits` `[B, V]` as a new
-    `[n, V]` tensor with every token that row's constraint forbids at `-inf`, row i for
-    `constraints[i]`; `logits` itself is unchanged."""
-    bitmask = fill_bitmask(constraints)
-    if logits.device.type != "cpu":
-        bitmask = bitmask.pin_memory().to(logits.device, non_blocking=True)
-    return apply_bitmask(logits[index], bitmask)
-
-
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> torch.Tensor:
-    """`logits` `[n, V]` with the tokens whose bit is 0 in `bitmask` `[n, words]` (same device)
-    set to `-inf`, in place; returned. Done as one addition of a bias that is 0 or `-inf`
-    (`(bit - 1) * inf`, its NaNs from `0 * inf` set to 0): `masked_fill_` with the `[n, V]`
-    boolean mask measured ten times slower on the CPU at 16 rows."""
-    shifts = torch.arange(BITS, dtype=torch.int32, device=bitmask.device)
-    allowed = ((bitmask.unsqueeze(-1) >> shifts) & 1).flatten(1)[:, : logits.shape[1]]
-    bias = allowed.to(logits.dtype).sub_(1).mul_(float("inf")).nan_to_num_(nan=0.0, neginf=float("-inf"))
-    return logits.add_(bias)
