@@ -105,6 +105,10 @@ class SeaweedS3:
         while True:
             try:
                 client.head_bucket(Bucket=BUCKET)
+                # Restarted: up once it serves what it held (its volumes register with its master a
+                # moment after the S3 endpoint answers; reads meanwhile fail with InternalError).
+                for item in client.list_objects_v2(Bucket=BUCKET, MaxKeys=1).get("Contents", []):
+                    client.get_object(Bucket=BUCKET, Key=item["Key"])["Body"].read()
                 return self
             except Exception:  # noqa: BLE001 - any error means "not up yet" until the deadline
                 if self.process.poll() is not None or time.monotonic() > deadline:
