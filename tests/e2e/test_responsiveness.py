@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import httpx
+import redis
 
 from shared.registry import ModelRegistry
 from shared.tools import ToolFormat
@@ -22,9 +23,14 @@ from tests.support.models import tiny_llama
 # The target is 50 ms: with two senders at full speed (niced), p99 38.8 and 40.0 ms here while
 # other work ran on the same 2 cores. In the full suite the machine also runs the session's
 # workers, Flower and SeaweedFS, and the p99 with one sender ranged 18-66 ms over CI runs, so the
-# test's bound is 75 ms: what it guards against, one request holding the event loop (a capture
-# list expanded path by path cost 8-20 ms a request and pushed the p99 past 110 ms), shows far
-# above it.
+# test's bound is 75 ms beyond what the machine itself costs any process's answer at the same
+# moments: each /health probe is followed by a PING to the session's Redis (another process, no
+# Python, no work to speak of), and the bound is 75 ms plus that canary's p99 (about 2 ms on a
+# quiet machine; a machine too busy to give any process the CPU in time shows in both; with a
+# second process busy beside the whole suite, /health's p99 once reached 113 ms). What it guards
+# against, one request holding the event loop (a capture list expanded path by path cost 8-20 ms
+# a request and pushed the p99 past 110 ms on a quiet machine; a 20 ms sleep injected on the loop
+# for each POST: 121 ms against a canary of 1.7 ms), shows far above it.
 P99_LIMIT_S = 0.075
 ROUNDS = 150  # per sender; about 320 probes: the p99 is the 4th-largest sample, not the 2nd (one scheduler hiccup)
 PARSE_FLOOR_BYTES = 1 << 20
@@ -48,13 +54,17 @@ print(json.dumps(wrong))
 """
 
 
-def probe_health(base_url: str, folder: Path, cases: list, bodies: list[bytes], rounds: int) -> list[float]:
-    """/health latencies while two niced senders post `cases` back to back, `rounds` times each."""
+def probe_health(
+    base_url: str, canary: redis.Redis, folder: Path, cases: list, bodies: list[bytes], rounds: int
+) -> tuple[list[float], list[float]]:
+    """/health latencies while two niced senders post `cases` back to back, `rounds` times each,
+    and beside each probe the `canary`'s (a Redis PING: what the machine costs any answer then)."""
     for i, body in enumerate(bodies):
         (folder / f"{i}.json").write_bytes(body)
     (folder / "cases.json").write_text(json.dumps(cases))
     cmd = [sys.executable, "-c", SENDER, base_url, str(folder), str(rounds)]
     latencies: list[float] = []
+    pings: list[float] = []
     with httpx.Client(base_url=base_url, timeout=10) as http:
         http.get("/health")  # warm the connection
         # The senders run at a lower priority: on 2 cores, two senders at full speed would otherwise
@@ -63,31 +73,41 @@ def probe_health(base_url: str, folder: Path, cases: list, bodies: list[bytes], 
         while any(sender.poll() is None for sender in senders):
             started = time.perf_counter()
             assert http.get("/health").status_code == 200
-            latencies.append(time.perf_counter() - started)
+            answered = time.perf_counter()
+            assert canary.ping()
+            latencies.append(answered - started)
+            pings.append(time.perf_counter() - answered)
             time.sleep(0.01)
     for sender in senders:
         out, _ = sender.communicate()
         assert sender.returncode == 0 and json.loads(out) == []
     assert len(latencies) >= 50, "the hostile requests were answered too fast to measure anything"
-    return latencies
+    return latencies, pings
+
+
+def assert_fast(probed: tuple[list[float], list[float]], what: str) -> None:
+    """/health's p99 under `what` within P99_LIMIT_S of the canary's p99 (see P99_LIMIT_S)."""
+    latencies, pings = probed
+    p99 = p99_of(latencies, f"/health during {what}")
+    canary = p99_of(pings, f"Redis PING beside each /health probe during {what}")
+    assert p99 < P99_LIMIT_S + canary, f"p99 {p99 * 1e3:.1f} ms (the canary's {canary * 1e3:.1f} ms)"
 
 
 def p99_of(latencies: list[float], what: str) -> float:
     p99 = statistics.quantiles(latencies, n=100, method="inclusive")[98]
     print(
-        f"\n/health during {what}: {len(latencies)} probes, p50 {statistics.median(latencies) * 1e3:.1f} ms, "
+        f"\n{what}: {len(latencies)} probes, p50 {statistics.median(latencies) * 1e3:.1f} ms, "
         f"p99 {p99 * 1e3:.1f} ms, max {max(latencies) * 1e3:.1f} ms"
     )
     return p99
 
 
-def test_health_stays_fast_while_hostile_requests_arrive(live, tmp_path: Path):
+def test_health_stays_fast_while_hostile_requests_arrive(live, redis_client, tmp_path: Path):
     cases, bodies = [], []
     for case, payload, raw, statuses in HOSTILE:
         bodies.append(raw or json.dumps(payload).encode())
         cases.append((case, "/jobs/batch" if payload and "jobs" in payload else "/jobs", list(statuses), {}))
-    p99 = p99_of(probe_health(live.base_url, tmp_path, cases, bodies, ROUNDS), "hostile requests")
-    assert p99 < P99_LIMIT_S, f"p99 {p99 * 1e3:.1f} ms"
+    assert_fast(probe_health(live.base_url, redis_client, tmp_path, cases, bodies, ROUNDS), "hostile requests")
 
 
 def test_health_stays_fast_while_the_heaviest_requests_of_the_new_surface_arrive(live, redis_client, tmp_path: Path):
@@ -110,5 +130,5 @@ def test_health_stays_fast_while_the_heaviest_requests_of_the_new_surface_arrive
     kept = [i for i, body in enumerate(bodies) if len(body) <= PARSE_FLOOR_BYTES]
     assert len(kept) >= 20
     cases, bodies = [cases[i] for i in kept], [bodies[i] for i in kept]
-    p99 = p99_of(probe_health(live.base_url, tmp_path, cases, bodies, HEAVY_ROUNDS), "the heaviest requests")
-    assert p99 < P99_LIMIT_S, f"p99 {p99 * 1e3:.1f} ms"
+    probed = probe_health(live.base_url, redis_client, tmp_path, cases, bodies, HEAVY_ROUNDS)
+    assert_fast(probed, "the heaviest requests")

@@ -346,7 +346,7 @@ class BatchPasses:
         self.rules.take_all([rows[i] for i in live], [tokens[i] for i in live])
 
     def _row_ids(self, index: int) -> torch.Tensor:
-        """Row `index`'s tokens so far `[1, n]`, for its logits processors."""
+        """Row `index`'s tokens so far `[1, n]` (its padding left out), for the sampler's penalties."""
         raise NotImplementedError
 
     def _choose(
