@@ -347,11 +347,10 @@ def _refuse(kind: str, client: redis.Redis, redis_dir) -> None:
     elif kind == "readonly":  # it became a replica (of a master that is not there)
         client.replicaof("127.0.0.1", free_port())
     else:  # MISCONF: the filesystem under its append-only file is full
-        with open(redis_dir / "filler", "wb") as handle:
+        with open(redis_dir / "filler", "wb", buffering=0) as handle:  # unbuffered: closing it writes nothing
             try:
                 while True:
                     handle.write(b"\0" * (64 << 10))
-                    handle.flush()
             except OSError:
                 pass
         try:  # a write that cannot reach the AOF; its own error comes at the next beforeSleep

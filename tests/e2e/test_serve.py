@@ -203,11 +203,10 @@ def test_a_full_disk_under_serves_redis_loses_no_accepted_job(tiny_dir, tmp_path
             assert "share one filesystem" in log.read_text()  # the store is under the data dir too
             accepted = [run_job(base)["id"]]
             filler = mount / "filler"
-            with open(filler, "wb") as handle:
+            with open(filler, "wb", buffering=0) as handle:  # unbuffered: closing it writes nothing
                 try:
                     while True:
                         handle.write(b"\0" * (1 << 20))
-                        handle.flush()
                 except OSError:
                     pass
             body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 4}
