@@ -1,7 +1,7 @@
 # Two commands do all the set-up on a fresh Linux machine with Python 3.11+:
 #   make run    the demo: embedded Redis, a worker with the built-in model, the API, one captured job
 #   make test   lint, the manual built strictly (make docs), then the whole test suite (what CI runs)
-# For development: make lint (ruff + mypy), make test-fast (about a minute on 2 quiet cores: no model, no worker or API process, nothing marked slow),
+# For development: make lint (ruff + mypy), make test-fast (under a minute on 2 cores: no model, no worker or API process, nothing marked slow),
 # make docs (the MkDocs site in docs/ built into site/, --strict: a broken link fails it).
 PYTHON ?= python3
 VENV   ?= .venv
