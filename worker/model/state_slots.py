@@ -70,11 +70,11 @@ def unsupported(config: object) -> str | None:
 
 class ModuleStates:
     """The state `model` keeps on its modules (`MODULE_STATES`): each (module, attribute) pair in
-    module order. Empty for a model that keeps all its state in its cache."""
+    module order. Empty for a model that keeps all its state in its cache (or no model)."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
         self.owners: list[tuple[Any, str]] = []
-        for module in model.modules():
+        for module in model.modules() if model is not None else []:
             for path in MODULE_STATES.get(type(module).__name__, ()):
                 *parents, name = path.split(".")
                 owner = module
@@ -232,7 +232,7 @@ class StateSlots:
                 self.layers.append(_AttentionSlots(layer, slots, tokens))
             else:
                 raise ValueError(f"state slots hold state-space and attention layers, not {type(layer).__name__}")
-        self.modules = modules if modules is not None else ModuleStates(torch.nn.Module())
+        self.modules = modules or ModuleStates()
         self.held = [t.new_zeros(slots, *t.shape[1:]) for t in snapshot or []]  # the modules' states by slot
         self.free: list[int] = list(range(slots))
 
