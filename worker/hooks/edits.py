@@ -7,6 +7,8 @@ once, every row's edits there in each row's request order: edits of one kind at 
 in their rows' lists form one group, applied as one tensor operation with a per-row parameter
 tensor (`[B, 1, W]`) and a per-position mask (`[B, S, 1]`), never a Python loop over rows. A row
 outside a group, or a position outside its selection, keeps its value exactly (`torch.where`).
+What each kind's op computes, and its parameters, is worker/hooks/edit_ops.py's (the step tables
+apply the same ops); a patch's values, the source job's rows by position, are this module's.
 
 Positions, as in capture: a pass feeds row b's positions [start, start + n), right-aligned in the
 pass's S columns (a left-padded prompt pass), and generated step k is position P - 1 + k. An
@@ -18,6 +20,7 @@ ends.
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -28,15 +31,12 @@ import torch
 
 from shared.errors import JobFailure
 from shared.interventions import EditReport, Intervention, intervals
+from worker.hooks import edit_ops
 from worker.hooks.module_rows import first_input
 from worker.hooks.paths import PassRows
 from worker.hooks.row_identity import remember_all, same_all
 
 Key = tuple[str, str]  # (module path, hook)
-# Kinds whose decoding step folds the mask into its parameters: exact for a row that takes no
-# edit whatever its value (x + 0, x * 1, no fill). Not project_out or a normalized add, whose
-# arithmetic on an inf would turn another row's value into NaN.
-FOLDED = frozenset({"add", "scale", "zero"})
 
 
 @dataclass(eq=False)
@@ -48,11 +48,12 @@ class RowEdit:
     hook: str
     op: str
     spans: list[tuple[int, int]]  # the token positions it applies to, sorted and disjoint
-    vector: torch.Tensor | None = None  # add: coeff * v (normalize: coeff * v / |v|); project_out: v / |v|
-    normalize: bool = False
-    factor: torch.Tensor | None = None  # scale: the factor on its features, 1 elsewhere
-    zeroed: torch.Tensor | None = None  # zero: True on its features
-    value: float = 0.0  # project_out: the component left along the direction
+    # the ops' parameters (worker/hooks/edit_ops.py `PARAMS`, made by its `make`)
+    vector: torch.Tensor | None = None
+    normalize: bool = False  # add: the vector was normalized (the `add_norm` op)
+    factor: torch.Tensor | None = None
+    zeroed: torch.Tensor | None = None
+    value: float = 0.0
     patch_first: int = 0  # patch: the token position of `patch_rows[0]`
     patch_rows: torch.Tensor | None = None
     gate: tuple[torch.Tensor, float, float, float] | None = None  # (probe, bias, threshold, +1 above / -1 below)
@@ -120,16 +121,12 @@ class JobEdits:
         return out
 
 
-def _unit(values: torch.Tensor, what: str) -> torch.Tensor:
-    """`values` over its norm. Values so small that their float32 squares underflow still have a
-    direction, taken in float64: the API refuses only all zeros (intervention_check.check_direction)."""
-    norm = torch.linalg.vector_norm(values)
-    if float(norm) != 0.0:
-        return values / norm
-    if not bool(values.any()):
-        raise JobFailure(f"{what} is all zeros: it has no direction")
-    wide = values.double()
-    return (wide / torch.linalg.vector_norm(wide)).to(values.dtype)
+def _vector(vectors: Callable[[int, str, int], torch.Tensor], index: int, width: int, name: str) -> torch.Tensor:
+    return vectors(index, name, width)
+
+
+def _param_of(param: edit_ops.Param, name: str, edit: RowEdit) -> torch.Tensor:
+    return param.of(edit, name)
 
 
 def build(
@@ -152,23 +149,7 @@ def build(
         except ValueError as exc:
             raise JobFailure(f"{where}: {exc} (the prompt is {prompt_tokens} tokens)") from None
         row = RowEdit(index=index, module=module, hook=hook, op=edit.op, spans=spans)
-        features = edit.feature_indices(width)
-        if edit.op == "add":
-            vector = vectors(index, "vector", width)
-            row.normalize = edit.normalize
-            row.vector = edit.coeff * (_unit(vector, f"{where}: the vector") if edit.normalize else vector)
-        elif edit.op == "project_out":
-            row.vector = _unit(vectors(index, "vector", width), f"{where}: the direction")
-            row.value = edit.value or 0.0
-        elif edit.op in ("scale", "zero"):
-            chosen = torch.zeros(width, dtype=torch.bool, device=device)
-            chosen[features if features is not None else slice(None)] = True
-            if edit.op == "scale":
-                assert edit.factor is not None
-                row.factor = torch.where(chosen, edit.factor, 1.0).to(torch.float32)
-            else:
-                row.zeroed = chosen
-        elif edit.op == "patch":
+        if edit.op == "patch":
             first, rows = patch(index, module, hook, width)
             last = first + int(rows.shape[0])
             outside = [(lo, hi) for lo, hi in spans if lo < first or hi > last]
@@ -178,6 +159,8 @@ def build(
                     f"job's rows cover positions {first} to {last - 1}: patch positions its capture kept"
                 )
             row.patch_first, row.patch_rows = first, rows
+        else:
+            edit_ops.make(row, edit, width, functools.partial(_vector, vectors, index, width), device, where)
         if edit.when is not None:
             gate = edit.when
             probe = vectors(index, "when.probe", width)
@@ -206,21 +189,23 @@ class _Group:
         dtype, device = like.dtype, like.device
         rows = torch.tensor([b for b, _ in self.members], device=device)
 
-        def stacked(get: Callable[[RowEdit], torch.Tensor], fill: float | bool, kind: torch.dtype) -> torch.Tensor:
-            full = torch.full((batch, 1, width), fill, dtype=kind, device=device)
+        def stacked(
+            get: Callable[[RowEdit], torch.Tensor], fill: float | bool, kind: torch.dtype, size: int = width
+        ) -> torch.Tensor:
+            full = torch.full((batch, 1, size), fill, dtype=kind, device=device)
             full[rows, 0] = torch.stack([get(e).to(device=device, dtype=kind) for _, e in self.members])
             return full
 
-        if self.kind in ("add", "add_norm", "project_out"):
-            self.params["vector"] = stacked(lambda e: e.vector, 0.0, dtype)  # type: ignore[arg-type,return-value]
-        if self.kind == "project_out":
-            values = torch.zeros((batch, 1, 1), dtype=dtype, device=device)
-            values[rows, 0, 0] = torch.tensor([e.value for _, e in self.members], dtype=dtype, device=device)
-            self.params["value"] = values
-        if self.kind == "scale":
-            self.params["factor"] = stacked(lambda e: e.factor, 1.0, dtype)  # type: ignore[arg-type,return-value]
-        if self.kind == "zero":
-            self.params["zeroed"] = stacked(lambda e: e.zeroed, False, torch.bool)  # type: ignore[arg-type,return-value]
+        op = edit_ops.OPS.get(self.kind)
+        for name in op.params if op is not None else ():  # a patch's values are not parameters
+            param = edit_ops.PARAMS[name]
+            size = width if param.features else 1
+            self.params[name] = stacked(
+                functools.partial(_param_of, param, name),
+                param.fill,
+                torch.bool if param.boolean else dtype,
+                size,
+            )
         if self.gated:
             # The sign (+1 above, -1 below) goes into the probe, the bias and the threshold: exact
             # (a negation), so `score > threshold` is one comparison either way, in float32.
@@ -408,27 +393,15 @@ class BatchEdits:
             group.build(len(self.rows), int(x.shape[2]), x)
         p = group.params
         where, full = self._positions(group, x)
-        if not full and not group.gated and self._pass.width == 1 and group.kind in FOLDED:
+        op = edit_ops.OPS.get(group.kind)
+        if not full and not group.gated and self._pass.width == 1 and op is not None and op.folds:
             return self._apply_folded(group, x, where)
         if group.gated:
             gate = p["gate"]
             score = (x.to(torch.float32) * p["probe"]).sum(-1, keepdim=True) + gate[..., 0:1]
             where = where & (score > gate[..., 1:2])
             fired = where  # counted when the job ends (`reports`), not in every step
-        kind = group.kind
-        if kind == "add":
-            edited = x + p["vector"]
-        elif kind == "add_norm":
-            edited = x + p["vector"] * torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        elif kind == "scale":
-            edited = x * p["factor"]
-        elif kind == "zero":
-            edited = x.masked_fill(p["zeroed"], 0)
-        elif kind == "project_out":
-            along = (x * p["vector"]).sum(-1, keepdim=True)
-            edited = x - (along - p["value"]) * p["vector"]
-        else:  # patch
-            edited = self._patch_values(group, x)
+        edited = op.apply(x, p) if op is not None else self._patch_values(group, x)
         if group.gated:  # an ungated edit's count per step follows from its selection (`reports`)
             pass_ = self._pass
             for b, edit in group.members:
@@ -440,24 +413,16 @@ class BatchEdits:
 
     @staticmethod
     def _apply_folded(group: _Group, x: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
-        """A decoding step of an ungated `add`, `scale` or `zero` that some rows do not take: the
-        mask folded into the parameters once while it stays the same (a row that takes no edit
-        gets + 0, x 1 or no fill: its value exactly), so each step is one operation, not two."""
+        """A decoding step of an ungated op that folds (edit_ops `Op.folds`) and that some rows do
+        not take: the mask folded into the parameters once while it stays the same (a row that
+        takes no edit holds each parameter's fill: its value exactly), so each step is one
+        operation, not two."""
+        op = edit_ops.OPS[group.kind]
         if group.folded is None or group.folded_for != group.mask_for:
-            p = group.params
-            if group.kind == "add":
-                group.folded = {"vector": p["vector"] * where}
-            elif group.kind == "scale":
-                group.folded = {"factor": torch.where(where, p["factor"], 1.0)}
-            else:
-                group.folded = {"zeroed": p["zeroed"] & where}
+            fills = {name: edit_ops.PARAMS[name].fill for name in op.params}
+            group.folded = {name: torch.where(where, group.params[name], fill) for name, fill in fills.items()}
             group.folded_for = group.mask_for
-        folded = group.folded
-        if group.kind == "add":
-            return x + folded["vector"]
-        if group.kind == "scale":
-            return x * folded["factor"]
-        return x.masked_fill(folded["zeroed"], 0)
+        return op.apply(x, group.folded)
 
     def _patch_values(self, group: _Group, x: torch.Tensor) -> torch.Tensor:
         """`[B, S, W]`: each member row's source rows at the positions this pass feeds (zeros

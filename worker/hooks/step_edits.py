@@ -3,12 +3,12 @@ edits is graph-safe and replays as a CUDA graph like one that does not.
 
 Each edited (module, hook) has, per depth (a row's first, second... edit there, applied in the
 request's order, as worker/hooks/edits.py does), tables indexed by slot: the op's kind (0: none, the
-row keeps its value exactly), its vector (`add`, normalized `add`, `project_out`'s unit
-direction), factor (`scale`), features (`zero`), `project_out`'s value, and up to SPANS
-intervals of token positions it applies to. The step's hook computes, for the whole batch, the
-rows an op of each kind present selects at the position each row feeds (read from the batch's
-state on the device) and applies it with `torch.where`: the arithmetic of worker/hooks/edits.py's
-groups, in the same order and dtype, so a row's values are what its eager step gives. A row that
+row keeps its value exactly), each parameter of the ops (worker/hooks/edit_ops.py `PARAMS`), and
+up to SPANS intervals of token positions it applies to. The step's hook computes, for the whole
+batch, the rows an op of each kind present selects at the position each row feeds (read from
+the batch's state on the device) and applies it with `torch.where`: the op of edit_ops.py that
+the hooks' groups apply too, in the same order and dtype, so a row's values are what its eager
+step gives. A row that
 joins writes its rows of the tables in place (`sync`); one that leaves sets its kind back to 0.
 Tables have a row per slot of the batch (its most slots) and are never rebuilt.
 
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from shared.errors import JobFailure
+from worker.hooks import edit_ops
 from worker.hooks.edits import JobEdits, RowEdit
 from worker.hooks.module_rows import first_input
 from worker.hooks.paths import PassRows
@@ -39,8 +40,10 @@ from worker.hooks.row_identity import remember, same
 
 Key = tuple[str, str]  # (module path, hook)
 SPANS = 4  # position intervals an edit in a table may have
-KINDS = {"add": 1, "add_norm": 2, "scale": 3, "zero": 4, "project_out": 5}
+KINDS = {kind: code for code, kind in enumerate(edit_ops.OPS, start=1)}  # an op's code in the tables (0: none)
+NAMES = {code: kind for kind, code in KINDS.items()}
 GATED = 8  # added to a gated edit's kind code
+assert len(KINDS) < GATED
 NEVER = (0, 0)  # an empty interval
 EditPlan = frozenset[tuple[Key, int, int]]  # (key, depth, kind code) of each op a step applies
 
@@ -68,11 +71,17 @@ class _Table:
         self.width = width
         self.kind = torch.zeros(slots, dtype=torch.int64, device=device)
         self.spans = torch.zeros((slots, SPANS, 2), dtype=torch.int64, device=device)
-        # float32, as the jobs' edits are: cast to the value's dtype where applied, as worker/hooks/edits.py does
-        self.vector = torch.zeros((slots, width), dtype=torch.float32, device=device)
-        self.factor = torch.ones((slots, width), dtype=torch.float32, device=device)
-        self.zeroed = torch.zeros((slots, width), dtype=torch.bool, device=device)
-        self.value = torch.zeros((slots, 1), dtype=torch.float32, device=device)
+        # each op's parameters (worker/hooks/edit_ops.py), float32 as the jobs' edits are: cast to
+        # the value's dtype where applied, as the hooks' groups are
+        self.params = {
+            name: torch.full(
+                (slots, width if param.features else 1),
+                param.fill,
+                dtype=torch.bool if param.boolean else torch.float32,
+                device=device,
+            )
+            for name, param in edit_ops.PARAMS.items()
+        }
         self.probe = torch.zeros((slots, width), dtype=torch.float32, device=device)  # gated: signed probe
         self.gate = torch.zeros((slots, 2), dtype=torch.float32, device=device)  # gated: signed bias, threshold
         self.fired = torch.zeros((slots, positions), dtype=torch.bool, device=device)  # gated: by fed position
@@ -82,17 +91,8 @@ class _Table:
         kind = edit.kind
         spans = (list(edit.spans) + [NEVER] * SPANS)[:SPANS]
         self.spans[slot].copy_(torch.tensor(spans, dtype=torch.int64))
-        if kind in ("add", "add_norm", "project_out"):
-            assert edit.vector is not None
-            self.vector[slot].copy_(edit.vector)
-        if kind == "project_out":
-            self.value[slot, 0] = edit.value
-        if kind == "scale":
-            assert edit.factor is not None
-            self.factor[slot].copy_(edit.factor)
-        if kind == "zero":
-            assert edit.zeroed is not None
-            self.zeroed[slot].copy_(edit.zeroed)
+        for name in edit_ops.OPS[kind].params:
+            self.params[name][slot].copy_(edit_ops.PARAMS[name].of(edit, name))
         if edit.gate is not None:
             probe, bias, threshold, sign = edit.gate
             self.probe[slot].copy_(probe * sign)
@@ -271,16 +271,11 @@ class StepEdits:
 
     @staticmethod
     def _edited(table: _Table, kind: int, x: torch.Tensor, part: slice) -> torch.Tensor:
-        """`x` under the op `kind` with every row's parameters (the rows that take it are chosen
-        by the caller): worker/hooks/edits.py's arithmetic."""
-        if kind == KINDS["zero"]:
-            return x.masked_fill(table.zeroed[part].unsqueeze(1), 0)
-        if kind == KINDS["scale"]:
-            return x * table.factor[part].unsqueeze(1).to(x.dtype)
-        vector = table.vector[part].unsqueeze(1).to(x.dtype)
-        if kind == KINDS["add"]:
-            return x + vector
-        if kind == KINDS["add_norm"]:
-            return x + vector * torch.linalg.vector_norm(x, dim=-1, keepdim=True)
-        along = (x * vector).sum(-1, keepdim=True)  # project_out
-        return x - (along - table.value[part].unsqueeze(1).to(x.dtype)) * vector
+        """`x` under the op `kind` (worker/hooks/edit_ops.py) with every row's parameters (the rows
+        that take it are chosen by the caller)."""
+        op = edit_ops.OPS[NAMES[kind]]
+        params = {}
+        for name in op.params:
+            values = table.params[name][part].unsqueeze(1)
+            params[name] = values if edit_ops.PARAMS[name].boolean else values.to(x.dtype)
+        return op.apply(x, params)
