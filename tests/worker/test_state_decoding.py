@@ -35,7 +35,7 @@ from tests.worker.test_solo import (
 pytestmark = pytest.mark.model  # builds and loads tiny models in this process
 
 MORE = ["Say something about the sea.", "Count to five, slowly, and explain each number you say."]
-LOGPROB_TOLERANCE = 1e-5
+LOGPROB_TOLERANCE = 1e-5  # of the largest |log-probability|
 
 
 @pytest.fixture(scope="module", params=STATE_SLOTS)
@@ -139,7 +139,11 @@ def test_a_batch_equals_forward_hooks_and_each_job_s_solo_run(state: Solo):
             with torch.inference_mode():
                 logits = served.hf(input_ids=gen.token_ids[None]).logits[0].float()
             values, _, _ = reference_logprobs(logits, gen.token_ids, gen.prompt_tokens)
-            assert max(abs(a - b) for a, b in zip(gen.scores.values, values.tolist(), strict=True)) < LOGPROB_TOLERANCE
+            # of the largest |log-probability|, as activations are held to their largest |value|: how
+            # rows share a pass changes with the scheduler's timing, and with it the float32 sums
+            # (Qwen3-Next's row differed by 1.4e-5 of log-probabilities near -11 in some runs)
+            bound = LOGPROB_TOLERANCE * max(1.0, float(values.abs().max()))
+            assert max(abs(a - b) for a, b in zip(gen.scores.values, values.tolist(), strict=True)) < bound
         else:
             ids, rows, prompt_tokens = reference(served, question, n, captured)
             assert torch.equal(gen.token_ids, ids), question
@@ -220,3 +224,84 @@ def test_a_trace_runs_beside_the_running_batch(state: Solo):
             ids, kept, prompt_tokens = reference(served, questions[i], NEW_TOKENS, [block])
             assert torch.equal(gen.token_ids, ids)
             assert_close(gen.captured[0].tensor, select(kept[block], "all", prompt_tokens, NEW_TOKENS), block)
+
+
+def test_edits_in_a_batch_equal_the_reference_and_each_job_alone(state: Solo, monkeypatch):
+    """Four edited jobs decode together, their edits in the step tables by slot (add, project_out,
+    a gated add whose flags the tables keep) while a fifth's, over more intervals than a table
+    holds, puts the steps it runs in on the hooks: every job's tokens and captured values equal
+    plain `generate` with the reference's editing hooks, and each job's per-step counts equal its
+    solo run's (one job at a time, the hooks alone)."""
+    from shared.capture_spec import resolve
+    from shared.intervention_check import resolve as resolve_edits
+    from tests.support import edit_reference as ref
+    from tests.worker.test_edits import selected, vector
+    from worker.hooks.step_capture import StepRings
+    from worker.hooks.step_edits import StepEdits
+
+    applied: list[str] = []  # which path edited and captured each decoding step's values
+    for cls, name in ((StepEdits, "_apply"), (StepRings, "_write")):
+        real = getattr(cls, name)
+
+        def spy(self, *args, real=real, name=name):
+            applied.append(name)
+            return real(self, *args)
+
+        monkeypatch.setattr(cls, name, spy)
+    served = state.served
+    block, last = state.arch.block(0), every_module(served)[-1]
+    width = served.info.hidden_size
+    capture = {"modules": [block, last], "positions": "all"}
+    v, probe = vector(width, 30, 0.5), vector(width, 31)
+    many = {"prompt": [0, 2, 4], "generated": [1, 3]}  # five intervals: more than a table holds
+    cases = [  # (question, edit fields, new tokens)
+        (QUESTIONS[0], {"op": "add", "vector": v, "coeff": 2.0}, NEW_TOKENS),
+        (QUESTIONS[1], {"op": "project_out", "vector": v, "value": 1.0, "positions": "generated"}, 5),
+        (QUESTIONS[2], {"op": "add", "vector": v, "coeff": 2.0, "when": {"probe": probe, "above": 0.0}}, 7),
+        (MORE[0], {"op": "add", "vector": v, "coeff": -1.0, "positions": many}, 5),
+        (MORE[1], {"op": "scale", "factor": 0.5, "positions": "generated"}, 8),
+    ]
+    reqs = [
+        JobRequest.model_validate(
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": question}],
+                "capture": capture,
+                "interventions": [{"module": block, **fields}],
+            }
+        )
+        for question, fields, _ in cases
+    ]
+    seqs = []
+    for req, (_, _, n) in zip(reqs, cases, strict=True):
+        points = resolve(req.capture, served.info)
+        edits = resolve_edits(req.interventions, served.info, req.trace, n)
+        seqs.append(served.prepare(req, points, n, None, edits))
+    outcomes, core = through_scheduler(served, seqs, max_batch=4)
+    assert core.stats.largest > 1
+    assert "_apply" in applied and "_write" in applied  # the tables edited and the rings captured
+    monkeypatch.undo()
+    for req, outcome, (question, fields, n) in zip(reqs, outcomes, cases, strict=True):
+        gen = served.finish(outcome, req)
+        chosen = selected(fields.get("positions", "all"), gen.prompt_tokens, n)
+        vec = torch.tensor(v)
+        if fields["op"] == "project_out":
+            edit = ref.project_out(vec, 1.0, chosen)
+        elif fields["op"] == "scale":
+            edit = ref.scale(0.5, None, chosen)
+        else:
+            edit = ref.add(vec, fields["coeff"], chosen)
+            if "when" in fields:
+                edit = ref.gated(edit, torch.tensor(probe), 0.0, 0.0, None)
+        messages = [{"role": "user", "content": question}]
+        ids, rows, _ = ref.edited_generate(
+            served.hf, served.tokenizer, messages, n, [(block, "output", edit)], [block, last]
+        )
+        assert gen.token_ids.tolist() == ids.tolist(), fields
+        for c in gen.captured:
+            assert_close(c.tensor, rows[c.point.module], f"{c.point.name} with {fields['op']}")
+        points = [c.point for c in gen.captured]
+        edits = resolve_edits(req.interventions, served.info, req.trace, n)
+        solo = served.run(req, points, n, edit_points=edits)
+        assert gen.interventions[0].applied == solo.interventions[0].applied, fields
+        assert gen.interventions[0].total > 0, fields

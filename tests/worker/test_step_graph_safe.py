@@ -398,3 +398,30 @@ def test_a_running_batch_that_captures_and_edits_reads_one_value_per_step(tiny_d
         finally:
             decoder.close()
     assert reads.count <= steps, reads.count / steps
+
+
+def test_a_leaving_row_s_gate_counts_stay_when_the_next_job_takes_its_slot() -> None:
+    """A row's gate flags are read into its report as it leaves (`collect`); the next gated job in
+    that slot clears the slot's flags (`sync`). The report must keep what it read: on the CPU,
+    `.cpu()` is the table itself, and a view of it read zeros once the slot was reused."""
+    from worker.hooks.edits import JobEdits, RowEdit
+    from worker.hooks.step_edits import StepEdits
+
+    model = torch.nn.Sequential(torch.nn.Identity())
+    fed = torch.zeros((2, 1), dtype=torch.long)
+    tables = StepEdits(model, fed, 0, 16)
+    ones = torch.ones(4)
+
+    def gated() -> JobEdits:
+        return JobEdits([RowEdit(0, "0", "output", "add", [(0, 1000)], vector=ones, gate=(ones, 0.0, 0.0, 1.0))], 3)
+
+    first = gated()
+    tables.sync([first, None])
+    for position in (3, 4, 5):  # decoding steps 1, 2, 3: the score 4 passes the gate at each
+        fed[0, 0] = position
+        with tables.recording(tables.plan(2), 0, 2):
+            model(torch.ones(2, 1, 4))
+    tables.collect(0, first, 3, 4)
+    assert first.reports(["add"], 4)[0].applied == [0, 1, 1, 1]
+    tables.sync([gated(), None])  # the next job in slot 0
+    assert first.reports(["add"], 4)[0].applied == [0, 1, 1, 1]

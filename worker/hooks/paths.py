@@ -6,39 +6,41 @@ A pass goes `begin` (the rows it runs and what each feeds: `PassRows`), `record`
 the model's forward pass: the values are captured and edited inside it), then `finish` once the
 pass succeeded (its captured rows count, its gates' positions are kept). `hand_over` gives the
 captured steps to their jobs (rows leave), `discard` forgets what a failed batch recorded, `close`
-takes every hook off the model. Every prefill, prompt chunk and trace pass and the compacting and
-recurrent-state batches' steps go through it (worker/batch/batch_passes.py, worker/batch/state_decoding.py).
-Still on the implementations' own names: the solo decoder's pass (`use`, `flush` of the hooks) and
-the slots' step (`keys`, `hand_over`, `recording`, `advance`, `stepped` of the rings; `sync`,
-`plan`, `recording` of the tables), whose graphs are recorded with the rings' and tables' own
-hooks; batch-level moves (`settle`, `drain`, `compact` of the staging rings) are no pass's.
+takes every hook off the model. Every prefill, prompt chunk and trace pass and the compacting
+batch's steps go through it (worker/batch/batch_passes.py). The decoding steps of the slots and of
+the recurrent-state slots (worker/batch/slot_decoding.py, worker/batch/state_decoding.py) call the
+table operations by their own names (`keys`, `hand_over`, `recording`, `advance`, `stepped` of the
+rings; `sync`, `plan`, `recording`, `collect` of the tables): a step run in halves after running
+out of memory records one ring row over its parts, and the slots' graphs are recorded with them.
 
-The path: table operations on the step. worker/hooks/step_capture.py (`StepRings`) writes every captured
-value of the slots' decoding step into a device ring with one `index_copy_` at a device cursor;
-worker/hooks/step_edits.py (`StepEdits`) applies each row's edits from per-slot tables with `torch.where`.
-Neither reads the host inside the pass, so the step replays as a CUDA graph whether it captures
-and edits or not.
+The path: table operations on the step. worker/hooks/step_capture.py (`StepRings`) writes every
+captured value of a decoding step into a device ring with one `index_copy_` at a device cursor,
+at each row's slot; worker/hooks/step_edits.py (`StepEdits`) applies each row's edits from
+per-slot tables with `torch.where`, the ops of worker/hooks/edit_ops.py. Neither reads the host
+inside the pass, so the slots' step replays as a CUDA graph whether it captures and edits or not.
+Both serve every model family's decoding steps: attention models in the KV slots, recurrent and
+hybrid models (Mamba, Mamba-2, Jamba, GraniteMoeHybrid, Qwen3-Next, LFM2, RecurrentGemma) in the
+state slots, whose rows keep their slots in another order (`recording(..., slots)`).
 
 The fallback: per-module hooks, worker/hooks/capture_hooks.py (`BatchHooks`) and worker/hooks/edits.py
-(`BatchEdits`), behind the same interface. These passes need it, and why:
+(`BatchEdits`), behind the same interface, applying the same ops. These passes need it, and why:
 - every prefill, prompt chunk and trace pass: its rows are not slot rows yet (a prefill runs with a
   cache of its own before its rows join the slots), feed many positions each (`[B, S, W]`,
-  left-padded), and the tables index rows by slot and read one position per row from the batch's
-  device state;
-- every pass of the compacting batch (worker/batch/decoding.py) and of the solo decoder (worker/batch/solo.py),
-  and of the recurrent-state decoder: their rows are not slots, so there is no table row to index;
-- a slot step whose rows carry an edit the tables cannot hold (`step_edits.fits`: a patch that
+  left-padded), and the tables index rows by slot and read one position per row;
+- every pass of the compacting batch (worker/batch/decoding.py: models whose cache cannot live in
+  slots) and of the one-job-at-a-time decoder (worker/batch/solo.py: a batch of one, or a cache
+  that cannot batch): their rows have no slot, so there is no table row to index;
+- a decoding step whose rows carry an edit the tables cannot hold (`step_edits.fits`: a patch that
   reaches a decoding position, an edit over more than `SPANS` position intervals): that step runs
-  eagerly with `BatchEdits`.
-What blocks the prefill and the compacted batch from the tables: the table operations take a
-row's table index from its slot and its position from the slots' state (`[slots, 1]`). Both
-would need, per pass, a device tensor of each row's table index and a `[B, S]` tensor of each
-column's position (padding masked), and the tables would need rows for jobs that are not in a
-slot (a compacted row, a prefill before its join) and flags from position 0 for gated edits at the
-prompt (their reports count step 0). The rings hold one position per slot and step (`[steps,
-slots, W]`): a prefill's S positions per row would need a ring row per position, and its rows
-handed over apart from the steps' windows. Until then the fallback serves them, exact against forward
-hooks like the path (tests/worker/test_hook_paths.py drives both through this interface).
+  eagerly with `BatchEdits` (its captures still go to the rings).
+What blocks the prefill from the tables: the table operations take a row's table index from its
+slot and its position from a `[slots, 1]` state. A prefill would need, per pass, a device tensor
+of each row's table index and a `[B, S]` tensor of each column's position (padding masked), table
+rows for jobs not yet in a slot, and flags from position 0 for gated edits at the prompt (their
+reports count step 0). The rings hold one position per slot and step (`[steps, slots, W]`): a
+prefill's S positions per row would need a ring row per position, handed over apart from the
+steps' windows. Until then the fallback serves them, exact against forward hooks like the path
+(tests/worker/test_hook_paths.py drives both through this interface).
 """
 
 from __future__ import annotations

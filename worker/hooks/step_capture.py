@@ -151,6 +151,7 @@ class StepRings:
         self._ahead: list[threading.Event] = []  # windows handed over, not yet kept
         self._stream: Any = None  # the side stream the copies run on (CUDA)
         self._live: tuple[int, int] | None = None  # (lo, rows) while a step records (`recording`)
+        self._rows_slots: list[int] | None = None  # and each row's slot, when not lo + its index
         self._at: dict[torch.device, torch.Tensor] = {}  # the recording step's ring rows, per device
         self._flat: dict[Key, torch.Tensor] = {}  # each ring as [steps * slots, W]
         self._arranged: tuple[tuple, dict[Key, tuple[int, int]]] | None = None  # `_layout`'s last
@@ -215,18 +216,22 @@ class StepRings:
         return self.count > 0 and (self.pos % half == 0 or self.pos >= self.depth)
 
     @contextmanager
-    def recording(self, keys: frozenset[Key], lo: int, rows: int):
+    def recording(self, keys: frozenset[Key], lo: int, rows: int, slots: list[int] | None = None):
         """The rings' hooks write slots [lo, lo + rows)' values of `keys` at the cursor during this
-        forward pass (at a graph's capture, the writes become part of the graph). The hooks stay
-        on their modules between steps, doing nothing outside this context: registering and
-        removing one per module at every step cost more than the writes (`close` removes them)."""
+        forward pass (at a graph's capture, the writes become part of the graph); with `slots`,
+        row b's value goes to slot `slots[b]` instead (a batch whose rows keep their slots in
+        another order: worker/batch/state_decoding.py). The hooks stay on their modules between
+        steps, doing nothing outside this context: registering and removing one per module at
+        every step cost more than the writes (`close` removes them)."""
         self._hook(keys)
         self._live = (lo, rows)
+        self._rows_slots = slots
         self._at = {}
         try:
             yield
         finally:
             self._live = None
+            self._rows_slots = None
 
     def _hook(self, keys: frozenset[Key]) -> None:
         if keys == self._hooked:
@@ -274,7 +279,11 @@ class StepRings:
         at = self._at.get(step.device)
         if at is None:  # this step's ring rows, computed once per device for every key
             cursor = self.cursor.to(step.device)
-            at = self._at[step.device] = cursor * self.slots + torch.arange(lo, lo + rows, device=step.device)
+            if self._rows_slots is None:
+                index = torch.arange(lo, lo + rows, device=step.device)
+            else:
+                index = torch.tensor(self._rows_slots, dtype=torch.int64, device=step.device)
+            at = self._at[step.device] = cursor * self.slots + index
         flat.index_copy_(0, at, step)
 
     def _ring(self, key: Key, step: torch.Tensor) -> torch.Tensor:

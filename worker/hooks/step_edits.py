@@ -108,6 +108,22 @@ class _Table:
             fired[:, : self.fired.shape[1]].copy_(self.fired)
             self.fired = fired
 
+    def more_slots(self, slots: int) -> None:
+        """Rows for `slots` slots (new tensors; the rows held kept, the new ones at no op)."""
+        grow = slots - self.kind.shape[0]
+        if grow <= 0:
+            return
+
+        def grown(t: torch.Tensor, fill: float | bool = 0) -> torch.Tensor:
+            return torch.cat([t, t.new_full((grow, *t.shape[1:]), fill)])
+
+        self.kind, self.spans, self.probe, self.gate = (
+            grown(t) for t in (self.kind, self.spans, self.probe, self.gate)
+        )
+        self.fired = grown(self.fired, False)
+        self.params = {name: grown(t, edit_ops.PARAMS[name].fill) for name, t in self.params.items()}
+        self.kinds += [0] * grow
+
     def clear_row(self, slot: int) -> None:
         if self.kinds[slot]:
             self.kind[slot] = 0
@@ -174,6 +190,17 @@ class StepEdits:
             for table in layers:
                 table.grown(self.positions)
 
+    def resized(self, state: torch.Tensor) -> None:
+        """More slots: `state` is the batch's new `[slots, k]` state (a batch whose slots grew)."""
+        self.state = state
+        grow = int(state.shape[0]) - self.slots
+        if grow > 0:
+            for layers in self.tables.values():
+                for table in layers:
+                    table.more_slots(int(state.shape[0]))
+            self._rows += [None] * grow
+            self.slots = int(state.shape[0])
+
     def collect(self, slot: int, edits: JobEdits, prompt_tokens: int, steps: int) -> None:
         """A leaving row's gated edits: where each fired at its decoding steps 1..steps-1 (step k
         fed position prompt_tokens - 1 + k), read once, into the edit's `fired` (its report)."""
@@ -181,7 +208,10 @@ class StepEdits:
             for depth, edit in enumerate(key_edits):
                 if edit.gate is None or steps < 2 or not decodes(edit, edits.prompt_tokens):
                     continue
-                flags = self.tables[key][depth].fired[slot, prompt_tokens : prompt_tokens + steps - 1].cpu()
+                # a copy: on the CPU `.cpu()` is the table itself, and the slot's next job clears it
+                flags = (
+                    self.tables[key][depth].fired[slot, prompt_tokens : prompt_tokens + steps - 1].to("cpu", copy=True)
+                )
                 edit.fired.extend((k, flags, k - 1) for k in range(1, steps))
 
     def plan(self, rows: int) -> EditPlan:
@@ -195,10 +225,14 @@ class StepEdits:
         )
 
     @contextmanager
-    def recording(self, plan: EditPlan, lo: int, rows: int):
+    def recording(self, plan: EditPlan, lo: int, rows: int, slots: list[int] | None = None):
         """Hooks (in front of any other on the module) that apply `plan` to slots [lo, lo + rows)
-        for one forward pass of a decoding step."""
+        for one forward pass of a decoding step; with `slots`, row b is slot `slots[b]`'s (a batch
+        whose rows keep their slots in another order: worker/batch/state_decoding.py)."""
         handles = []
+        part: slice | torch.Tensor = slice(lo, lo + rows)
+        if slots is not None:
+            part = torch.tensor(slots, dtype=torch.int64, device=self.state.device)
         by_key: dict[Key, list[tuple[int, int]]] = {}
         for key, depth, kind in sorted(plan):
             by_key.setdefault(key, []).append((depth, kind))
@@ -208,13 +242,13 @@ class StepEdits:
                 if key[1] == "output":
 
                     def on_output(_module, _args, output, key=key, ops=ops):
-                        return self._edit_output(key, ops, output, lo, rows)
+                        return self._edit_output(key, ops, output, part, rows)
 
                     handles.append(module.register_forward_hook(on_output, prepend=True))
                 else:
 
                     def on_input(_module, args, kwargs, key=key, ops=ops):
-                        return self._edit_input(key, ops, args, kwargs, lo, rows)
+                        return self._edit_input(key, ops, args, kwargs, part, rows)
 
                     handles.append(module.register_forward_pre_hook(on_input, prepend=True, with_kwargs=True))
             yield
@@ -222,30 +256,31 @@ class StepEdits:
             for handle in handles:
                 handle.remove()
 
-    def _edit_output(self, key: Key, ops, output: Any, lo: int, rows: int) -> Any:
+    def _edit_output(self, key: Key, ops, output: Any, part: slice | torch.Tensor, rows: int) -> Any:
         if isinstance(output, torch.Tensor):
-            return self._apply(key, ops, output, lo, rows)
+            return self._apply(key, ops, output, part, rows)
         if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
-            return type(output)([self._apply(key, ops, output[0], lo, rows), *output[1:]])
+            return type(output)([self._apply(key, ops, output[0], part, rows), *output[1:]])
         raise JobFailure(f"{key[0]}: its output is not a tensor this edit can change")
 
-    def _edit_input(self, key: Key, ops, args: tuple, kwargs: dict, lo: int, rows: int) -> tuple[tuple, dict]:
+    def _edit_input(
+        self, key: Key, ops, args: tuple, kwargs: dict, part: slice | torch.Tensor, rows: int
+    ) -> tuple[tuple, dict]:
         value = first_input(args, kwargs)
         if not isinstance(value, torch.Tensor):
             raise JobFailure(f"{key[0]}: its input is not a tensor this edit can change")
-        edited = self._apply(key, ops, value, lo, rows)
+        edited = self._apply(key, ops, value, part, rows)
         if args:
             return (edited, *args[1:]), kwargs
         name = next(iter(kwargs))
         return args, {**kwargs, name: edited}
 
-    def _apply(self, key: Key, ops, value: torch.Tensor, lo: int, rows: int) -> torch.Tensor:
+    def _apply(self, key: Key, ops, value: torch.Tensor, part: slice | torch.Tensor, rows: int) -> torch.Tensor:
         """`value` of a decoding step (`[B, 1, ...]` or `[B, W]`) with the ops applied, depth by
-        depth and kind by kind, each to the rows it selects."""
+        depth and kind by kind, each to the rows it selects; `part`: the slots of its rows."""
         if value.shape[0] != rows or (value.dim() > 2 and value.shape[1] != 1):
             raise JobFailure(f"{key[0]}: a decoding step's value of shape {list(value.shape)} for {rows} rows")
         x = value.reshape(rows, 1, -1)
-        part = slice(lo, lo + rows)
         position = self.state[part, self.column].reshape(rows, 1)
         by_depth: dict[int, list[int]] = {}
         for depth, kind in ops:
@@ -266,11 +301,14 @@ class StepEdits:
                     fired = where if fired is None else fired | where
                 x = torch.where(where, self._edited(table, kind & ~GATED, x, part), x)
             if fired is not None:  # each row's flag at the position it fed (a row's own op wrote it)
-                table.fired[part].scatter_(1, position, fired.reshape(rows, 1))
+                if isinstance(part, slice):
+                    table.fired[part].scatter_(1, position, fired.reshape(rows, 1))
+                else:
+                    table.fired.index_put_((part.unsqueeze(1), position), fired.reshape(rows, 1))
         return x.reshape(value.shape)
 
     @staticmethod
-    def _edited(table: _Table, kind: int, x: torch.Tensor, part: slice) -> torch.Tensor:
+    def _edited(table: _Table, kind: int, x: torch.Tensor, part: slice | torch.Tensor) -> torch.Tensor:
         """`x` under the op `kind` (worker/hooks/edit_ops.py) with every row's parameters (the rows
         that take it are chosen by the caller)."""
         op = edit_ops.OPS[NAMES[kind]]
