@@ -1,9 +1,11 @@
 """The architecture matrix through the whole stack: one representative of each decoding path served
-by a real worker of the session's stack (slots: GPT-2, also a base model; the compacting decoder:
-Mistral's sliding windows; state slots: Mamba, whose batch of one computes bit for bit what
-`generate` does; the one-job-at-a-time decoder and the other state-slot models, RecurrentGemma and
-the hybrids, whose attention over a gathered slot sums in another order, are checked in process
-within the tolerance: tests/worker/test_solo.py, test_state_decoding.py), every listed
+by a real worker of the session's stack (slots: GPT-2, also a base model; state slots: Mamba, whose
+batch of one computes bit for bit what `generate` does; the one-job-at-a-time decoder, the
+compacting decoder (a sliding-window model's batch of one, caches slots cannot hold) and the
+models whose attention in slots sums in another order than `generate`'s (sliding windows under a
+mask: Mistral, Gemma 2 and 3; RecurrentGemma and the hybrids over a gathered slot) are checked in
+process within the tolerance: tests/worker/test_solo.py, test_state_decoding.py, test_batching.py,
+test_slots.py, and at a batch of one exactly, test_architectures.py), every listed
 module captured through the API and compared with plain forward hooks on the same weights (tests/support/reference.py,
 cloning in the hook). Every architecture is checked in process the same way
 (tests/worker/test_architectures.py); these check the way through a worker, its file and the API.
@@ -32,7 +34,6 @@ from tests.worker.test_architectures import BASE_MODELS, MESSAGES, NEW_TOKENS, P
 # Each decoding path's representative, and what its worker says of how it decodes.
 REPRESENTATIVES = {
     "gpt2": "decodes in slots",
-    "mistral": "decodes in a compacted batch",
     "mamba": "decodes batched, each job's recurrent state in a slot",
 }
 

@@ -3,8 +3,10 @@
 every listed module captured and compared with plain forward hooks on the same weights
 (tests/support/reference.py, cloning in the hook). Float32 on the CPU: the values must be identical.
 
-Real workers serve one representative of each decoding path (slots, the compacting decoder, one
-job at a time) and a base model through the API: tests/e2e/test_architectures.py. Each
+Each job here runs alone (`ServedModel.run`, a batch of one: a sliding-window model's is the
+compacting decoder's, a recurrent model's the solo decoder's, each `generate` bit for bit). Real
+workers serve a representative of the slots and of the state slots, and a base model, through the
+API: tests/e2e/test_architectures.py. Each
 architecture's figures go into the JUnit XML (`--junitxml`) as properties: modules listed, max abs
 difference on outputs and inputs, raw prompt ok.
 """

@@ -36,7 +36,7 @@ from worker.model.kvcache import check_supported, new_cache
 from worker.model.loading import LoadedModel, installed_version
 from worker.model.presets import resolve_presets
 from worker.model.slot_sizing import CacheLimits
-from worker.model.slots import unsupported
+from worker.model.slots import slides, unsupported
 from worker.model.state_slots import unsupported as state_unsupported
 from worker.rules.constrained import Grammars
 from worker.rules.prompts import PromptEncoder
@@ -82,6 +82,9 @@ class ServedModel:
         # Why its cache cannot live in slots (None: batches decode in slots, worker/batch/slot_decoding.py;
         # else in one compacted timeline, worker/batch/decoding.py).
         self.slot_reason = self.solo_reason or unsupported(self.hf.config)
+        # A sliding-window layer in slots sums over every kept position under its mask: a batch of
+        # one takes the compacting decoder, bit for bit `generate` (worker/model/slots.py)
+        self.slides = self.slot_reason is None and slides(self.hf.config)
         # A recurrent or hybrid model (every cache layer a recurrent state or full attention) batches
         # all the same: each sequence's state in a slot (worker/batch/state_decoding.py).
         self.state_slots = self.solo_reason is not None and state_unsupported(self.hf.config) is None
@@ -220,8 +223,9 @@ class ServedModel:
     def decoder(self, slots: int = 16) -> RunningBatch:
         """The running batch of up to `slots` sequences (the scheduler's ACTQ_MAX_BATCH): in slots
         (worker/batch/slot_decoding.py); for a model whose cache cannot live in slots (`slot_reason`),
-        in one compacted timeline; for a recurrent or hybrid model (`state_slots`), each sequence's
-        state in a slot (worker/batch/state_decoding.py); for one whose cache cannot be batched at all
+        or a sliding-window model asked for one slot (`slides`: bit for bit `generate`), in one
+        compacted timeline; for a recurrent or hybrid model (`state_slots`), each sequence's state
+        in a slot (worker/batch/state_decoding.py); for one whose cache cannot be batched at all
         (`solo_reason`), or such a model asked for one slot, one job at a time with the model's own
         cache (bit for bit `generate`)."""
         pad = self._pad()["pad_token_id"]
@@ -229,7 +233,7 @@ class ServedModel:
             return StateDecoder(self.hf, self.tokenizer, pad, slots)
         if self.solo_reason is not None:
             return SoloDecoder(self.hf, self.tokenizer, pad)
-        if self.slot_reason is not None:
+        if self.slot_reason is not None or (slots == 1 and self.slides):  # a batch of one: `generate`'s sums
             return Decoder(self.hf, self.tokenizer, pad)
         return SlotDecoder(
             self.hf,

@@ -25,7 +25,7 @@ from worker.hooks.step_capture import Key, StepRings
 from worker.hooks.step_edits import EditPlan, StepEdits
 from worker.model.input_batch import LIVE, POSITION, PROMPT, TOKEN, InputBatch
 from worker.model.sampling import EVERYTHING, Features, sample, token_counts
-from worker.model.slots import SlotCache, causal_mask
+from worker.model.slots import SlotCache
 
 log = logging.getLogger(__name__)
 MIN_SPAN = 64  # the smallest positions bucket
@@ -95,7 +95,7 @@ class DecodeStep:
         out = self.model(
             input_ids=tokens.reshape(rows, 1),
             position_ids=positions.reshape(rows, 1),
-            attention_mask=None if full else causal_mask(positions, span, self.dtype),
+            attention_mask=self.cache.attention_mask(positions, span, self.dtype, full),
             past_key_values=self.cache,
             use_cache=True,
             return_dict=True,

@@ -14,11 +14,14 @@ that read the old ones are dropped (worker/model/runner.py `use_cache`).
 
 The model sees this object as its `past_key_values`: transformers' attention layers call
 `update(key, value, layer_idx)` and attend over what it returns, with the 4-D mask the model
-runner passes (a 4-D mask is used as given). Whether a model works this way is not read from
-its class but measured (`check`): a few decoding steps through the slots must give the logits of
-the same steps through transformers' own `DynamicCache`. Caches with sliding windows, state-space
-or linear-attention layers are refused by name first (`unsupported`): those models keep the
-compacting decoder (worker/batch/decoding.py) or the solo decoder.
+runner passes (a 4-D mask is used as given; tests/worker/test_slots.py decodes each architecture
+of the matrix this way against `generate`). A sliding-window layer (Mistral's, Gemma 2's and 3's
+local layers) keeps every position of its slot too: its window is in the step's mask
+(`attention_mask`: keys more than window - 1 behind the query hidden, as transformers' sliding
+mask hides them), and a prefill's sliding layer, which kept only its last window - 1 positions,
+writes those (`write`). Other cache kinds (state-space, linear attention, chunked attention) are
+refused by name (`unsupported`): those models take the state slots, the compacting decoder
+(worker/batch/decoding.py) or the solo decoder.
 """
 
 from __future__ import annotations
@@ -27,20 +30,37 @@ from typing import Any
 
 import torch
 from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from worker.model import kvcache
+
+LAYER_TYPES = {"full_attention", "sliding_attention"}  # the names of a mixed model's masks
+
+
+def slides(config: object) -> bool:
+    """Whether some attention layer of this model slides over a window (its slots' steps then sum
+    over every kept position under a mask: a batch of one is not `generate` bit for bit)."""
+    return any(type(layer) is DynamicSlidingWindowLayer for layer in kvcache.new_cache(config).layers)
 
 
 def unsupported(config: object) -> str | None:
     """Why this model's cache cannot live in slots, read from its cache's layer kinds (None: it
-    may; `check` then measures it)."""
+    may). Slots hold full-attention layers and sliding-window ones of one window (every position
+    kept, the window in the step's mask, `attention_mask`); a model with both names its layers'
+    kinds as transformers' mask mapping does (`layer_types`)."""
     cache = kvcache.new_cache(config)
     if type(cache) is not DynamicCache:
         return f"its cache is a {type(cache).__name__}"
-    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    held = (DynamicLayer, DynamicSlidingWindowLayer)
+    kinds = {type(layer).__name__ for layer in cache.layers if type(layer) not in held}
     if kinds:
-        return "its cache has " + ", ".join(sorted(kinds)) + " layers (slots hold full-attention layers only)"
+        return "its cache has " + ", ".join(sorted(kinds)) + " layers (slots hold full and sliding-window attention)"
+    windows = {layer.sliding_window for layer in cache.layers if type(layer) is DynamicSlidingWindowLayer}
+    if len(windows) > 1:
+        return f"its layers slide over {len(windows)} different windows"
+    mixed = windows and any(type(layer) is DynamicLayer for layer in cache.layers)
+    if mixed and not set(getattr(config, "layer_types", None) or ()) <= LAYER_TYPES:
+        return "its sliding and full attention layers are not named as transformers' mask mapping names them"
     return None
 
 
@@ -56,8 +76,11 @@ class SlotCache:
         slots: int,
         slot_tokens: int,
         dtype,
+        windows: list[int | None] | None = None,
     ) -> None:
         self.slots, self.slot_tokens = slots, slot_tokens
+        # per layer: its sliding window (None: full attention, or no cache); every position is kept
+        self.windows: list[int | None] = windows if windows is not None else [None] * len(shapes)
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
         for shape in shapes:
@@ -76,7 +99,8 @@ class SlotCache:
         """Slots shaped as the layers of a cache a forward pass filled (heads, head size, dtype,
         device: a model spread over devices keeps each layer's slots beside it)."""
         shapes, dtype = _layer_shapes(prefilled)
-        return cls(shapes, slots, slot_tokens, dtype)
+        windows = [getattr(layer, "sliding_window", None) for layer in prefilled.layers]
+        return cls(shapes, slots, slot_tokens, dtype, windows)
 
     def resized(self, slots: int, slot_tokens: int) -> SlotCache:
         """This cache with `slots` slots of `slot_tokens` positions, more or fewer of either: new
@@ -85,6 +109,7 @@ class SlotCache:
         row's positions inside it)."""
         out = SlotCache.__new__(SlotCache)
         out.slots, out.slot_tokens = slots, slot_tokens
+        out.windows = self.windows
         out.keys, out.values = [], []
         kept_slots, kept_tokens = min(slots, self.slots), min(slot_tokens, self.slot_tokens)
         for old_list, new_list in ((self.keys, out.keys), (self.values, out.values)):
@@ -137,6 +162,23 @@ class SlotCache:
         values[self.part].scatter_(2, at.expand(value.shape), value.to(values.dtype))
         return keys[self.part, :, : self.span], values[self.part, :, : self.span]
 
+    def attention_mask(
+        self, positions: torch.Tensor, span: int, dtype: torch.dtype, full: bool = False
+    ) -> torch.Tensor | dict[str, torch.Tensor] | None:
+        """The step's mask for rows at `positions` over [0, span): each row its own positions up to
+        its new one; a sliding layer's only the last `window` of them (a model whose layers all
+        slide takes that one mask; one with both, a mask per kind, as its `layer_types` names them).
+        None, with `full` (every row sees all `span` positions) and no sliding layer: the model's
+        own mask, the attention `generate` runs for an unpadded batch, bit for bit."""
+        windows = {window for window in self.windows if window is not None}
+        if not windows:
+            return None if full else causal_mask(positions, span, dtype)
+        local = causal_mask(positions, span, dtype, next(iter(windows)))
+        held = [window for window, keys in zip(self.windows, self.keys, strict=True) if keys is not None]
+        if all(window is not None for window in held):
+            return local
+        return {"full_attention": causal_mask(positions, span, dtype), "sliding_attention": local}
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.span - 1  # before this pass's position
 
@@ -160,8 +202,16 @@ class SlotCache:
             keys, values = self.keys[index], self.values[index]
             if keys is None or values is None or not getattr(layer, "is_initialized", False):
                 continue
-            keys[slot, :, :length].copy_(layer.keys[row, :, first : first + length])
-            values[slot, :, :length].copy_(layer.values[row, :, first : first + length])
+            if self.windows[index] is None:
+                keys[slot, :, :length].copy_(layer.keys[row, :, first : first + length])
+                values[slot, :, :length].copy_(layer.values[row, :, first : first + length])
+                continue
+            # a sliding layer kept the pass's last columns only (transformers keeps window - 1):
+            # the row's last positions, [lo, length); the step's mask never reaches before them
+            kept = int(layer.keys.shape[2])
+            lo = max(0, length - kept)
+            keys[slot, :, lo:length].copy_(layer.keys[row, :, kept - (length - lo) : kept])
+            values[slot, :, lo:length].copy_(layer.values[row, :, kept - (length - lo) : kept])
 
 
 def position_bytes(prefilled: DynamicCache) -> int:
