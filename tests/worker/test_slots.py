@@ -126,9 +126,15 @@ def test_architectures_in_slots_decode_as_generate(key, tmp_path, smol_dir) -> N
     assert unsupported(model.config) is None  # sliding windows too (Gemma 2 and 3, Mistral: 8 tokens, crossed)
     rows = rows_of(tokenizer, [8, 5, 11, 6, 7])
     with torch.inference_mode():
-        run_slots(model, rows, [0, 2, 2, 4, 6])
+        step = run_slots(model, rows, [0, 2, 2, 4, 6])
         for row in rows:
             assert row.tokens == reference(model, row), (key, PROMPTS[rows.index(row)])
+    cache = step.cache
+    for window, keys in zip(cache.windows, cache.keys, strict=True):  # a sliding layer holds its window
+        if keys is not None:
+            assert keys.shape[2] == (SLOT_TOKENS if window is None else min(window, SLOT_TOKENS)), key
+    if cache.window is not None:  # in a ring, which the longer rows wrap
+        assert cache.window < max(int(row.ids.shape[1]) + row.new for row in rows) <= SLOT_TOKENS, key
 
 
 def test_a_seeded_rows_draws_do_not_depend_on_its_slot_or_batch(tiny) -> None:

@@ -82,8 +82,8 @@ class ServedModel:
         # Why its cache cannot live in slots (None: batches decode in slots, worker/batch/slot_decoding.py;
         # else in one compacted timeline, worker/batch/decoding.py).
         self.slot_reason = self.solo_reason or unsupported(self.hf.config)
-        # A sliding-window layer in slots sums over every kept position under its mask: a batch of
-        # one takes the compacting decoder, bit for bit `generate` (worker/model/slots.py)
+        # A sliding-window layer in slots sums over a ring of its window, in another order than
+        # `generate`: a batch of one takes the compacting decoder, bit for bit (worker/model/slots.py)
         self.slides = self.slot_reason is None and slides(self.hf.config)
         # A recurrent or hybrid model (every cache layer a recurrent state or full attention) batches
         # all the same: each sequence's state in a slot (worker/batch/state_decoding.py).

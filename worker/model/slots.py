@@ -16,10 +16,11 @@ The model sees this object as its `past_key_values`: transformers' attention lay
 `update(key, value, layer_idx)` and attend over what it returns, with the 4-D mask the model
 runner passes (a 4-D mask is used as given; tests/worker/test_slots.py decodes each architecture
 of the matrix this way against `generate`). A sliding-window layer (Mistral's, Gemma 2's and 3's
-local layers) keeps every position of its slot too: its window is in the step's mask
-(`attention_mask`: keys more than window - 1 behind the query hidden, as transformers' sliding
-mask hides them), and a prefill's sliding layer, which kept only its last window - 1 positions,
-writes those (`write`). Other cache kinds (state-space, linear attention, chunked attention) are
+local layers) holds a ring of its window per slot, as transformers' sliding cache holds only the
+window: position p at entry p % window, so the step attends over the ring's entries, the last
+`window` positions once a row passed its window (`attention_mask` masks a ring's entries a row
+has not reached yet), and a prefill's sliding layer, which kept its last window - 1 positions,
+writes those into their entries (`write`). Other cache kinds (state-space, linear attention, chunked attention) are
 refused by name (`unsupported`): those models take the state slots, the compacting decoder
 (worker/batch/decoding.py) or the solo decoder.
 """
@@ -39,7 +40,7 @@ LAYER_TYPES = {"full_attention", "sliding_attention"}  # the names of a mixed mo
 
 def slides(config: object) -> bool:
     """Whether some attention layer of this model slides over a window (its slots' steps then sum
-    over every kept position under a mask: a batch of one is not `generate` bit for bit)."""
+    over a ring of the window, in another order than `generate`: not bit for bit)."""
     return any(type(layer) is DynamicSlidingWindowLayer for layer in kvcache.new_cache(config).layers)
 
 
@@ -79,20 +80,28 @@ class SlotCache:
         windows: list[int | None] | None = None,
     ) -> None:
         self.slots, self.slot_tokens = slots, slot_tokens
-        # per layer: its sliding window (None: full attention, or no cache); every position is kept
+        # per layer: its sliding window (None: full attention, or no cache), whose slots are rings
         self.windows: list[int | None] = windows if windows is not None else [None] * len(shapes)
+        self.window = next((window for window in self.windows if window is not None), None)  # one, or None
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
-        for shape in shapes:
+        for shape, window in zip(shapes, self.windows, strict=True):
             if shape is None:
                 self.keys.append(None)
                 self.values.append(None)
                 continue
             (key_heads, key_dim), (value_heads, value_dim), device = shape  # MLA: values narrower than keys
-            self.keys.append(torch.zeros(slots, key_heads, slot_tokens, key_dim, dtype=dtype, device=device))
-            self.values.append(torch.zeros(slots, value_heads, slot_tokens, value_dim, dtype=dtype, device=device))
+            room = self._room(window, slot_tokens)
+            self.keys.append(torch.zeros(slots, key_heads, room, key_dim, dtype=dtype, device=device))
+            self.values.append(torch.zeros(slots, value_heads, room, value_dim, dtype=dtype, device=device))
         self.part, self.span = slice(0, 0), 0
         self.positions: torch.Tensor | None = None
+        self.ring: torch.Tensor | None = None  # a sliding layer's entries the step writes: positions % window
+
+    @staticmethod
+    def _room(window: int | None, slot_tokens: int) -> int:
+        """Positions a layer's slot holds: every one, or a sliding layer's ring of its window."""
+        return slot_tokens if window is None else min(window, slot_tokens)
 
     @classmethod
     def like(cls, prefilled: DynamicCache, slots: int, slot_tokens: int) -> SlotCache:
@@ -109,18 +118,22 @@ class SlotCache:
         row's positions inside it)."""
         out = SlotCache.__new__(SlotCache)
         out.slots, out.slot_tokens = slots, slot_tokens
-        out.windows = self.windows
+        out.windows, out.window = self.windows, self.window
         out.keys, out.values = [], []
-        kept_slots, kept_tokens = min(slots, self.slots), min(slot_tokens, self.slot_tokens)
+        kept_slots = min(slots, self.slots)
         for old_list, new_list in ((self.keys, out.keys), (self.values, out.values)):
-            for old in old_list:
+            for old, window in zip(old_list, self.windows, strict=True):
                 if old is None:
                     new_list.append(None)
                     continue
-                new = old.new_zeros(slots, old.shape[1], slot_tokens, old.shape[3])
-                new[:kept_slots, :, :kept_tokens].copy_(old[:kept_slots, :, :kept_tokens])
+                # a ring's entry j holds position j while its slot is shorter than the window:
+                # the kept entries are the first ones either way
+                room = self._room(window, slot_tokens)
+                kept = min(room, int(old.shape[2]))
+                new = old.new_zeros(slots, old.shape[1], room, old.shape[3])
+                new[:kept_slots, :, :kept].copy_(old[:kept_slots, :, :kept])
                 new_list.append(new)
-        out.part, out.span, out.positions = slice(0, 0), 0, None
+        out.part, out.span, out.positions, out.ring = slice(0, 0), 0, None, None
         return out
 
     @property
@@ -149,6 +162,7 @@ class SlotCache:
             fits = f"{self.slots} slots of {self.slot_tokens}"
             raise ValueError(f"a pass of slots [{lo}, {hi}) over {span} positions does not fit {fits}")
         self.part, self.span, self.positions = part, span, positions
+        self.ring = None if self.window is None else positions % self.window
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *_: Any, **__: Any):
         """transformers' cache interface: store one new position per row, return what to attend."""
@@ -157,23 +171,27 @@ class SlotCache:
         rows, new = key.shape[0], key.shape[2]
         if new != 1 or rows != self.part.stop - self.part.start:
             raise ValueError(f"slots take one position per row of the prepared {self.part}, got {list(key.shape)}")
-        at = self.positions.reshape(rows, 1, 1, 1)
+        sliding = self.windows[layer_idx] is not None
+        at = (self.ring if sliding else self.positions).reshape(rows, 1, 1, 1)  # type: ignore[union-attr]
         keys[self.part].scatter_(2, at.expand(key.shape), key.to(keys.dtype))
         values[self.part].scatter_(2, at.expand(value.shape), value.to(values.dtype))
-        return keys[self.part, :, : self.span], values[self.part, :, : self.span]
+        span = min(self.span, int(keys.shape[2]))  # a ring: all of it once the slot passed its window
+        return keys[self.part, :, :span], values[self.part, :, :span]
 
     def attention_mask(
         self, positions: torch.Tensor, span: int, dtype: torch.dtype, full: bool = False
     ) -> torch.Tensor | dict[str, torch.Tensor] | None:
         """The step's mask for rows at `positions` over [0, span): each row its own positions up to
-        its new one; a sliding layer's only the last `window` of them (a model whose layers all
-        slide takes that one mask; one with both, a mask per kind, as its `layer_types` names them).
+        its new one. A sliding layer attends over its ring's first min(span, window) entries: entry
+        j holds the latest position p = j (mod window) at or before the row's own, so the last
+        `window` positions once the row reached its window, and before that only entries j <= its
+        position are its own (a ring's mask is a causal one over entries). A model whose layers all
+        slide takes that one mask; one with both, a mask per kind, as its `layer_types` names them.
         None, with `full` (every row sees all `span` positions) and no sliding layer: the model's
         own mask, the attention `generate` runs for an unpadded batch, bit for bit."""
-        windows = {window for window in self.windows if window is not None}
-        if not windows:
+        if self.window is None:
             return None if full else causal_mask(positions, span, dtype)
-        local = causal_mask(positions, span, dtype, next(iter(windows)))
+        local = causal_mask(positions, min(span, self.window, self.slot_tokens), dtype)
         held = [window for window, keys in zip(self.windows, self.keys, strict=True) if keys is not None]
         if all(window is not None for window in held):
             return local
@@ -206,12 +224,13 @@ class SlotCache:
                 keys[slot, :, :length].copy_(layer.keys[row, :, first : first + length])
                 values[slot, :, :length].copy_(layer.values[row, :, first : first + length])
                 continue
-            # a sliding layer kept the pass's last columns only (transformers keeps window - 1):
-            # the row's last positions, [lo, length); the step's mask never reaches before them
+            # a sliding layer kept the pass's last columns only (transformers keeps window - 1): the
+            # row's last positions, [lo, length), each into its ring entry (position % window)
             kept = int(layer.keys.shape[2])
             lo = max(0, length - kept)
-            keys[slot, :, lo:length].copy_(layer.keys[row, :, kept - (length - lo) : kept])
-            values[slot, :, lo:length].copy_(layer.values[row, :, kept - (length - lo) : kept])
+            entries = torch.arange(lo, length, device=keys.device) % int(self.windows[index])  # type: ignore[arg-type]
+            keys[slot].index_copy_(1, entries, layer.keys[row, :, kept - (length - lo) : kept])
+            values[slot].index_copy_(1, entries, layer.values[row, :, kept - (length - lo) : kept])
 
 
 def position_bytes(prefilled: DynamicCache) -> int:
