@@ -217,3 +217,27 @@ def test_grammar_jobs_replay_the_sampler_after_their_masks_and_give_the_eager_to
         elif index == 1:
             same = torch.equal(got.token_ids, want.token_ids)
             assert_close_to_solo(got, want, None if same else _logits(eager, jobs[index]), TOLERANCE[dtype], "free")
+
+
+@pytest.mark.parametrize("key", ["mistral", "gemma2"])
+def test_sliding_window_models_replay_their_rings_as_the_eager_step(key, tmp_path, smol_dir):
+    """Mistral's and Gemma 2's sliding layers in slots (rings of their 8-token window, the window in
+    the step's mask: worker/model/slots.py), replayed as CUDA graphs, give the eager step's tokens
+    (float32), jobs joining and leaving past their window; the batch of one stays the compacted
+    decoder's, `generate`'s arithmetic."""
+    from tests.support.architectures import BY_KEY, available, build
+    from worker.batch.served import ServedModel
+
+    arch = BY_KEY[key]
+    if reason := available(arch):
+        pytest.skip(reason)
+    graphs = load_engine(build(arch, tmp_path / key, smol_dir, chat_template=True), device=DEVICE, dtype="float32")
+    eager = ServedModel(graphs.loaded, cuda_graphs=False)
+    assert graphs.slides and "CUDA graphs" in graphs.describe_decoder()
+    jobs = requests(GREEDY[:4])
+    recorded: list[tuple] = []
+    replayed, largest = run_batched(graphs, jobs, join_at=[0, 0, 2, 5], wrap=graph_keys(recorded))
+    eagerly, _ = run_batched(eager, jobs, join_at=[0, 0, 2, 5])
+    assert largest >= 3 and recorded, recorded
+    for index, (got, want) in enumerate(zip(replayed, eagerly, strict=True)):
+        assert torch.equal(got.token_ids, want.token_ids), (key, index)
