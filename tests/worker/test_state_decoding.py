@@ -72,11 +72,13 @@ def test_the_model_says_it_decodes_batched_and_gets_the_state_slots_decoder(stat
 
 def test_a_row_that_leaves_frees_its_slot_and_no_other_slot_moves(state: Solo):
     """Two rows join, a third joins beside them, the shortest leaves, a fourth takes its slot: the
-    slots of the others never change, and every row's tokens equal its solo run."""
+    slots of the others never change, and every row's tokens equal its solo run; so do its
+    captures, recorded in the step's rings while the slots (and the rings with them) grow."""
     served = state.served
     lengths = [6, 3, 5, 4]
     questions = [QUESTIONS[0], QUESTIONS[2], QUESTIONS[1], MORE[0]]
-    seqs = [prepare(served, job(q), n) for q, n in zip(questions, lengths, strict=True)]
+    capture = {"modules": [state.arch.block(0)]}
+    seqs = [prepare(served, job(q, capture), n) for q, n in zip(questions, lengths, strict=True)]
     decoder = served.decoder(2)
     ended = []
     try:
@@ -97,8 +99,13 @@ def test_a_row_that_leaves_frees_its_slot_and_no_other_slot_moves(state: Solo):
         decoder.close()
     assert sorted(map(id, ended)) == sorted(map(id, seqs))
     for seq, question, n in zip(seqs, questions, lengths, strict=True):
-        solo = served.run(job(question), [], n)
+        req = job(question, capture)
+        gen = served.finish(seq, req)
+        assert gen.captured, question
+        solo = served.run(req, [c.point for c in gen.captured], n)
         assert seq.generated == solo.token_ids[solo.prompt_tokens :].tolist(), question
+        for got, alone in zip(gen.captured, solo.captured, strict=True):
+            assert_close(got.tensor, alone.tensor, f"{got.point.name} vs its solo run")
         ids, _, _ = reference(served, question, n, [])
         assert torch.equal(solo.token_ids, ids)
 
