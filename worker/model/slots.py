@@ -83,6 +83,10 @@ class SlotCache:
         # per layer: its sliding window (None: full attention, or no cache), whose slots are rings
         self.windows: list[int | None] = windows if windows is not None else [None] * len(shapes)
         self.window = next((window for window in self.windows if window is not None), None)  # one, or None
+        # whether full-attention layers sit beside the sliding ones (a mask per kind)
+        self.mixed = self.window is not None and any(
+            window is None for window, shape in zip(self.windows, shapes, strict=True) if shape is not None
+        )
         self.keys: list[torch.Tensor | None] = []
         self.values: list[torch.Tensor | None] = []
         for shape, window in zip(shapes, self.windows, strict=True):
@@ -118,7 +122,7 @@ class SlotCache:
         row's positions inside it)."""
         out = SlotCache.__new__(SlotCache)
         out.slots, out.slot_tokens = slots, slot_tokens
-        out.windows, out.window = self.windows, self.window
+        out.windows, out.window, out.mixed = self.windows, self.window, self.mixed
         out.keys, out.values = [], []
         kept_slots = min(slots, self.slots)
         for old_list, new_list in ((self.keys, out.keys), (self.values, out.values)):
@@ -192,8 +196,7 @@ class SlotCache:
         if self.window is None:
             return None if full else causal_mask(positions, span, dtype)
         local = causal_mask(positions, min(span, self.window, self.slot_tokens), dtype)
-        held = [window for window, keys in zip(self.windows, self.keys, strict=True) if keys is not None]
-        if all(window is not None for window in held):
+        if not self.mixed:
             return local
         return {"full_attention": causal_mask(positions, span, dtype), "sliding_attention": local}
 
