@@ -268,3 +268,48 @@ def test_each_turn_is_one_plan_a_unit_of_prefill_then_a_step_when_rows_decode() 
     assert scheduler.owed == 5.0
     scheduler.update_from_output(owed, StepOutcome())  # no row decoded: nothing is owed
     assert scheduler.owed == 0.0
+
+
+def test_a_burst_into_an_empty_batch_starts_together_and_a_later_job_joins_by_the_fair_share() -> None:
+    """Prompts of different lengths split into several passes (padding); into an empty batch they
+    all run before the first decoding step, so equal jobs start and end on the same steps. Once the
+    batch decodes, a job that arrives is planned by the fair share: its pass, then a step."""
+    from worker.engine.scheduler import Pass, Scheduler, StepOutcome
+
+    batch = FakeBatch()
+    scheduler = Scheduler(lambda seq, padded: padded, max_batch=8)
+    burst = [Entry(seq=FakeSeq(n, 5), done=lambda _: None) for n in (10, 10, 20, 20, 40, 40)]
+    for entry in burst:
+        scheduler.submit(entry)
+    scheduler.take_in(batch, wait=False)  # type: ignore[arg-type]
+    plans = []
+    while scheduler.waiting:
+        plan = scheduler.schedule(batch)  # type: ignore[arg-type]
+        assert isinstance(plan.prefill, Pass)
+        batch.rows.extend(entry.seq for entry in plan.prefill.entries)  # they join
+        plans.append(plan)
+        scheduler.update_from_output(plan, StepOutcome(prefill_s=1.0, decode_s=1.0 if plan.decode else None))
+    assert len(plans) == 3  # by length: padding splits them
+    assert [plan.decode for plan in plans] == [False, False, True]  # the first step decodes all six
+    assert scheduler.owed == 0.0  # nothing decoded during the burst: nothing owed for it
+
+    late = Entry(seq=FakeSeq(10, 5), done=lambda _: None)
+    scheduler.submit(late)
+    scheduler.take_in(batch, wait=False)  # type: ignore[arg-type]
+    joins = scheduler.schedule(batch)  # type: ignore[arg-type]
+    assert isinstance(joins.prefill, Pass) and joins.prefill.entries == [late] and joins.decode
+    scheduler.update_from_output(joins, StepOutcome(prefill_s=3.0, decode_s=1.0))
+    assert scheduler.owed == 2.0  # its pass is owed to the running rows again
+
+
+def test_equal_jobs_in_a_burst_decode_in_full_steps_through_the_engine_core() -> None:
+    """The engine core with the scheduler: 24 equal jobs of three prompt lengths (three passes) at
+    a batch of 8 run in three waves of full steps, no wave staggered by the passes it was split in."""
+    batch = FakeBatch()
+    jobs = [Job(FakeSeq(10 * (1 + i % 3), 6)) for i in range(24)]
+    core = EngineCore(FakeServed(batch), max_batch=8)  # type: ignore[arg-type]
+    for entry in entries(jobs):
+        core.submit(entry)
+    run(core, batch, jobs)
+    assert all(job.answers == [job.seq] for job in jobs)
+    assert batch.log.count("step") == 3 * 5  # each wave: its first token from its passes, then 5 full steps

@@ -27,7 +27,10 @@ takes in what arrived meanwhile before it is planned (worker/engine/core.py's `t
 Fair share: while jobs decode, prefill work gets at most about half of the engine's time: the time
 a prefill pass or chunk took is owed to the running batch, which decodes until it has had as much;
 so a long trace or a burst of prompts slows running jobs down about twofold at most, never freezes
-them.
+them. A batch that starts empty is not yet decoding: a burst's passes (split by length or memory)
+run one after another before its first step, so its rows start, and for equal lengths end,
+together; fed between decoding steps, the burst's rows would start a few steps apart and every
+later job would join alone, in a pass of its own, as each place frees.
 """
 
 from __future__ import annotations
@@ -132,6 +135,7 @@ class Scheduler:
         self.owed = 0.0  # seconds of decoding owed to the running batch for prefill work done
         self._fed: dict[int, int] = {}  # id(sequence) -> positions of its long text handed out so far
         self._oldest_turn = True  # the next unit of prefill: the oldest work's (else the shortest's)
+        self._filling = False  # an empty batch is filling: its joining passes run before its first step
 
     def submit(self, entry: Entry) -> None:
         self.inbox.put(entry)
@@ -221,10 +225,15 @@ class Scheduler:
     def schedule(self, batch: Batch) -> StepPlan:
         """This turn's plan: the next unit of prefill work, unless the running batch is owed time
         (`next_work`), then a decoding step when there are rows to decode: rows running now, or
-        a pass or a long text's last chunk that joins rows (a trace joins none)."""
+        a pass or a long text's last chunk that joins rows (a trace joins none). A batch that was
+        empty fills first: while more generations wait for their passes, a pass that joins rows
+        is not followed by a step, so a burst split into passes starts decoding together."""
+        self._filling = self._filling or not batch.rows
         work = self.next_work(batch)
         if isinstance(work, Pass):
             joins = not work.trace
+            if joins and self._filling and any(not entry.seq.trace for entry in self.waiting):
+                return StepPlan(prefill=work, decode=False)  # the burst's next pass first
         elif isinstance(work, Feed):
             joins = not work.entry.seq.trace and self._left(work.entry) <= 0  # its last chunk
         else:
@@ -238,6 +247,7 @@ class Scheduler:
         if outcome.decode_s is None:
             self.owed = 0.0
             return
+        self._filling = False  # the batch decodes: joining it is planned by the fair share again
         if plan.prefill is not None:
             self.owed += max(outcome.prefill_s, 1e-9)
         self.owed = max(0.0, self.owed - outcome.decode_s)
