@@ -237,6 +237,17 @@ class JobLifecycle(JobStoreCore):
             replies = pipe.execute()
         return {job_id for job_id, flag in zip(generated_tokens, replies[::2], strict=True) if flag}
 
+    def cancels_asked(self, job_ids: list[str]) -> set[str]:
+        """The ids among `job_ids` whose cancel was asked: one command while none was (every
+        round but the rare one), then one pipelined round trip to tell which."""
+        if not job_ids or not self.redis.exists(*(keys.cancel(job_id) for job_id in job_ids)):
+            return set()
+        with self.redis.pipeline(transaction=False) as pipe:
+            for job_id in job_ids:
+                pipe.exists(keys.cancel(job_id))
+            flags = pipe.execute()
+        return {job_id for job_id, flag in zip(job_ids, flags, strict=True) if flag}
+
     def delete(self, record: JobRecord) -> None:
         """Remove a finished job's record, flags, index entry and Idempotency-Key (a retry with the
         key then makes a new job at once instead of waiting for a record that is gone); its files

@@ -1,6 +1,7 @@
-"""worker/engine/progress.py on a real Redis: a round writes every running job's progress and reads its
-cancel flag; a streamed job's new text goes to its Redis Stream with its offset, and an `end` entry
-follows once the job has left; an unedited twin's count is not the job's."""
+"""worker/engine/progress.py on a real Redis: a round reads every running job's cancel flag (one
+command while none is set) and, every `write_every` seconds, writes their progress; a streamed
+job's new text goes to its Redis Stream with its offset, and an `end` entry follows once the job
+has left; an unedited twin's count is not the job's."""
 
 from __future__ import annotations
 
@@ -66,6 +67,34 @@ def test_a_cancel_flag_is_seen_and_a_twin_count_is_not_the_job_s(redis_client):
     watch.poll()
     assert redis_client.get(keys.progress("job")) == b"4"
     assert watch.update("job", None) is True and watch.update("job", 5) is True
+
+
+def test_rounds_between_progress_writes_read_every_cancel_flag_in_one_command(redis_client):
+    """Progress is written every `write_every` seconds, cancel flags are read every round: with no
+    flag set a round is one command, whatever the number of jobs; a flag set is seen for its job only."""
+    calls: list[str] = []
+
+    class Counted:  # the real client, each round trip it is asked for counted
+        def __getattr__(self, name: str):
+            calls.append(name)
+            return getattr(redis_client, name)
+
+    watch = ProgressWatch(JobStore(Counted(), 60), interval=1, write_every=3600)  # type: ignore[arg-type]
+    for n in range(32):
+        watch.add(f"job{n}")
+        watch.update(f"job{n}", 1)
+    watch.poll()  # the first round writes
+    assert redis_client.get(keys.progress("job7")) == b"1"
+    for n in range(32):
+        watch.update(f"job{n}", 2)
+    calls.clear()
+    watch.poll()
+    assert calls == ["exists"]  # one command for 32 jobs
+    assert redis_client.get(keys.progress("job7")) == b"1"  # not written in this round
+    redis_client.set(keys.cancel("job7"), 1)
+    watch.poll()
+    assert watch.update("job7", None) is True
+    assert not any(watch.update(f"job{n}", None) for n in range(32) if n != 7)
 
 
 def test_a_redis_outage_is_logged_once_not_every_round_and_its_end_once(own_redis, caplog):

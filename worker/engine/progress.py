@@ -3,9 +3,13 @@
 The engine thread asks after every decoding step whether a job should stop (`Watch`); answering
 from Redis there would put a network round trip (and, during an outage, seconds of retries) inside
 the decoding loop of every job in the batch. Instead one thread of its own, every `interval`
-seconds, writes the progress of every running job and reads all their cancel flags in one
-pipelined round trip (`JobStore.report_progress_many`), and the engine thread reads what it last
-saw: a dictionary lookup. A cancel is therefore seen within `interval` plus one step.
+seconds, reads all their cancel flags (`JobStore.cancels_asked`: one command while none is set),
+and every `write_every` seconds writes every running job's progress with them in one pipelined
+round trip (`JobStore.report_progress_many`); the engine thread reads what it last saw: a
+dictionary lookup. A cancel is therefore seen within `interval` plus one step; GET /jobs/{id}'s
+`generated_tokens` is at most `write_every` old. This thread shares the engine's process, and
+so its GIL: on a CPU every command it packs and parses is time the decoding loop waits, hence
+one command per round, not two per running job.
 
 A streamed job (`stream: true`) also has its text published here: the same thread decodes what
 its sequence generated since the last round (worker/engine/text_stream.py; the engine thread only
@@ -33,6 +37,7 @@ from worker.engine.text_stream import TextStream
 log = logging.getLogger(__name__)
 TEXT_MAXLEN = 4096  # entries a job's text stream keeps (about: trimmed as Redis finds convenient)
 TEXT_TTL_SECONDS = 3600  # a job's text stream expires this long after its last entry
+WRITE_EVERY_S = 0.5  # seconds between writes of the running jobs' progress (cancel flags: every round)
 
 
 @dataclass
@@ -45,9 +50,12 @@ class _Running:
 
 
 class ProgressWatch:
-    def __init__(self, jobs: JobStore, interval: float, gate: Gate | None = None) -> None:
+    def __init__(
+        self, jobs: JobStore, interval: float, gate: Gate | None = None, write_every: float = WRITE_EVERY_S
+    ) -> None:
         """`gate`: the served model's (worker/batch/gate.py); streamed text is decoded through it."""
-        self.jobs, self.interval = jobs, interval
+        self.jobs, self.interval, self.write_every = jobs, interval, write_every
+        self._written_at = float("-inf")  # when the progress was last written
         self.gate = gate or Gate()
         self._running: dict[str, _Running] = {}
         self._ended: list[str] = []  # streamed jobs that left the engine: their `end` entry is next
@@ -94,7 +102,12 @@ class ProgressWatch:
             ended, self._ended = self._ended, []
         try:
             if running:
-                cancelled = self.jobs.report_progress_many(running)
+                now = time.monotonic()
+                if now - self._written_at >= self.write_every:
+                    cancelled = self.jobs.report_progress_many(running)
+                    self._written_at = now
+                else:
+                    cancelled = self.jobs.cancels_asked(list(running))
                 with self._lock:
                     for job_id in cancelled:
                         if job_id in self._running:
