@@ -94,6 +94,8 @@ class SeaweedS3:
             "-ip.bind=127.0.0.1",
             "-admin.ui=false",
             "-webdav=false",
+            "-s3.port.iceberg=0",  # off: their fixed default ports (8181, 9101) let only one server start at a time
+            "-s3.port.lance=0",
             "-s3.autoCreateBucket=false",
             f"-s3.config={config}",
             f"-bucket={BUCKET}",
