@@ -9,6 +9,8 @@ model), `--max-tokens` greedy tokens each, side by side in one run:
                   `--batch`), the worker with its default torch threads (ACTQ_TORCH_THREADS unset)
   actq torch's    (with --torch-default) the same on a second worker given torch's own default, one
                   thread per core: what the worker ran with before its default fitted the machine
+  actq no ready   (with --no-ready) the same on a worker with ACTQ_READY_JOBS=0: it claims a job only
+                  when a place is free, as before the ready jobs
 
 Generated tokens/s per arm (median of `--runs`, the arms interleaved run by run) and each over
 `generate` (target: actq >= 0.9x), then bench_overhead's profile of the actq arms: where the wall time
@@ -17,6 +19,7 @@ process spent (API, Redis, the Celery worker, its engine process, this client). 
 printed beside the figures: the machine may be shared.
 
     .venv/bin/python bench/bench_bulk.py [--jobs 256] [--batch 32] [--max-tokens 64] [--runs 3] [--gsm8k FILE]
+                                         [--torch-default] [--no-ready]
 
 `--gsm8k` defaults to ../shared/data/gsm8k/test.jsonl beside the checkout, when it is there (never
 copied into the repo); without a file, one template with a number changed.
@@ -88,6 +91,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--gsm8k", type=Path, default=GSM8K if GSM8K.exists() else None, help="a GSM8K JSONL")
     parser.add_argument("--torch-default", action="store_true", help="also a worker with torch's default threads")
+    parser.add_argument("--no-ready", action="store_true", help="also a worker with ACTQ_READY_JOBS=0")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -100,6 +104,8 @@ def main() -> int:
     workers: dict[str, tuple[str, dict[str, str]]] = {"actq": ("tiny", {})}
     if args.torch_default:  # torch's default: one thread per core
         workers["actq torch's"] = ("tiny-torch", {"ACTQ_TORCH_THREADS": str(cores)})
+    if args.no_ready:  # a place taken only after the next job's delivery, claim and tokenization
+        workers["actq no ready"] = ("tiny-unready", {"ACTQ_READY_JOBS": "0"})
     rows: dict[str, list[tuple[float, int]]] = {}
     loads: list[float] = []
     with tiny_stack("actq-bench-bulk-") as (folder, served, redis, stack):

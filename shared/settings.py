@@ -324,6 +324,17 @@ class Settings(BaseSettings):
         le=256,
         description="Jobs a worker runs together in one batch (1: one at a time, bit-exact with a solo run).",
     )
+    ready_jobs: int | None = Field(
+        None,
+        ge=0,
+        le=256,
+        description=(
+            "Jobs a worker claims beyond ACTQ_MAX_BATCH, prepared and waiting in its engine, so that a place a job "
+            "leaves is taken at the next step rather than after the next job's delivery, claim and tokenization. "
+            "Default: a quarter of ACTQ_MAX_BATCH. A waiting job shows `running` without `generated_tokens`; its time "
+            "limit counts from when it joins the batch."
+        ),
+    )
     batch_wait_ms: float = Field(
         20.0, ge=0, description="How long an idle worker waits for more jobs to start a batch with the first."
     )

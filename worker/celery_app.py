@@ -1,12 +1,13 @@
 """The worker's Celery app: `celery -A worker.celery_app worker`.
 
-Shape: the Celery worker process runs a threads pool of ACTQ_MAX_BATCH task threads and starts
-one engine process (worker/engine/process.py) that loads the model once and runs every job in its
-scheduler's batches. A task hands its job id to the engine and waits for that job to end, so each
-message is acknowledged when its own job ends (late ack), and up to ACTQ_MAX_BATCH jobs are taken
-from the queue at once. The worker process itself never imports torch: its main thread stays free
-to answer control commands (`inspect ping`), send heartbeats and task events while the engine
-computes, and a kill -9 of the engine process loses no job (worker/engine_client.py).
+Shape: the Celery worker process runs a threads pool of ACTQ_MAX_BATCH + ACTQ_READY_JOBS task
+threads and starts one engine process (worker/engine/process.py) that loads the model once and
+runs every job in its scheduler's batches. A task hands its job id to the engine and waits for that
+job to end, so each message is acknowledged when its own job ends (late ack), and up to that many
+jobs are taken from the queue at once: a batch, and the jobs ready to take a place as it frees.
+The worker process itself never imports torch: its main thread stays free to answer control
+commands (`inspect ping`), send heartbeats and task events while the engine computes, and a kill
+-9 of the engine process loses no job (worker/engine_client.py).
 
 Its name. Each worker is a Celery node of its own: without `-n`, it is named
 `actq-<model>-<6 hex>@<host>` (`-gpu<N>` after the model when CUDA_VISIBLE_DEVICES names one
@@ -47,16 +48,24 @@ from shared.jobs import JobStore
 from shared.outages import ReconnectLines, quiet_retries
 from shared.registry import ModelRegistry
 from shared.schemas import JobStatus
-from shared.settings import get_settings
+from shared.settings import Settings, get_settings
 from worker.engine_client import EngineClient, EngineStartFailed
 from worker.lost_messages import LostMessageSweeper
+
+
+def task_threads(settings: Settings) -> int:
+    """The pool's task threads, each holding one job in the engine: a batch's worth and the jobs
+    ready to take a place as it frees (ACTQ_READY_JOBS, default a quarter of a batch)."""
+    ready = settings.max_batch // 4 if settings.ready_jobs is None else settings.ready_jobs
+    return settings.max_batch + ready
+
 
 settings = get_settings()
 check_timeouts(settings)
 app = make_celery(settings)
 app.conf.update(
     worker_pool="threads",
-    worker_concurrency=settings.max_batch,
+    worker_concurrency=task_threads(settings),
     broker_transport="worker.broker_transport:Transport",  # survives Redis restarts mid-fetch
     broker_transport_options={
         **app.conf.broker_transport_options,
