@@ -9,8 +9,8 @@ model), `--max-tokens` greedy tokens each, side by side in one run:
                   `--batch`), the worker with its default torch threads (ACTQ_TORCH_THREADS unset)
   actq torch's    (with --torch-default) the same on a second worker given torch's own default, one
                   thread per core: what the worker ran with before its default fitted the machine
-  actq no ready   (with --no-ready) the same on a worker with ACTQ_READY_JOBS=0: it claims a job only
-                  when a place is free, as before the ready jobs
+  actq ready      (with --ready N) the same on a worker with ACTQ_READY_JOBS=N: it claims and prepares N
+                  jobs beyond its batch, so a place that frees is taken at the next step
 
 Generated tokens/s per arm (median of `--runs`, the arms interleaved run by run) and each over
 `generate` (target: actq >= 0.9x), then bench_overhead's profile of the actq arms: where the wall time
@@ -19,7 +19,7 @@ process spent (API, Redis, the Celery worker, its engine process, this client). 
 printed beside the figures: the machine may be shared.
 
     .venv/bin/python bench/bench_bulk.py [--jobs 256] [--batch 32] [--max-tokens 64] [--runs 3] [--gsm8k FILE]
-                                         [--torch-default] [--no-ready]
+                                         [--torch-default] [--ready N]
 
 `--gsm8k` defaults to ../shared/data/gsm8k/test.jsonl beside the checkout, when it is there (never
 copied into the repo); without a file, one template with a number changed.
@@ -91,7 +91,7 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--gsm8k", type=Path, default=GSM8K if GSM8K.exists() else None, help="a GSM8K JSONL")
     parser.add_argument("--torch-default", action="store_true", help="also a worker with torch's default threads")
-    parser.add_argument("--no-ready", action="store_true", help="also a worker with ACTQ_READY_JOBS=0")
+    parser.add_argument("--ready", type=int, default=0, help="also a worker with ACTQ_READY_JOBS=N")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -104,8 +104,8 @@ def main() -> int:
     workers: dict[str, tuple[str, dict[str, str]]] = {"actq": ("tiny", {})}
     if args.torch_default:  # torch's default: one thread per core
         workers["actq torch's"] = ("tiny-torch", {"ACTQ_TORCH_THREADS": str(cores)})
-    if args.no_ready:  # a place taken only after the next job's delivery, claim and tokenization
-        workers["actq no ready"] = ("tiny-unready", {"ACTQ_READY_JOBS": "0"})
+    if args.ready:  # a place taken at the next step, not after the next job's delivery, claim and tokenization
+        workers["actq ready"] = ("tiny-ready", {"ACTQ_READY_JOBS": str(args.ready)})
     rows: dict[str, list[tuple[float, int]]] = {}
     loads: list[float] = []
     with tiny_stack("actq-bench-bulk-") as (folder, served, redis, stack):

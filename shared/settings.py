@@ -201,10 +201,8 @@ class Settings(BaseSettings):
     )
     chat_template: Path | None = Field(
         None,
-        description=(
-            "A Jinja chat template file for the worker's model, replacing the tokenizer's own (or giving a base "
-            "model one, so that it takes `messages`)."
-        ),
+        description="A Jinja chat template file for the worker's model, replacing the tokenizer's own (or giving a "
+        "base model one, so that it takes `messages`).",
     )
     trust_remote_code: bool = Field(
         False,
@@ -324,16 +322,12 @@ class Settings(BaseSettings):
         le=256,
         description="Jobs a worker runs together in one batch (1: one at a time, bit-exact with a solo run).",
     )
-    ready_jobs: int | None = Field(
-        None,
+    ready_jobs: int = Field(
+        0,
         ge=0,
-        le=256,
-        description=(
-            "Jobs a worker claims beyond ACTQ_MAX_BATCH, prepared and waiting in its engine, so that a place a job "
-            "leaves is taken at the next step rather than after the next job's delivery, claim and tokenization. "
-            "Default: a quarter of ACTQ_MAX_BATCH. A waiting job shows `running` without `generated_tokens`; its time "
-            "limit counts from when it joins the batch."
-        ),
+        description="Jobs a worker claims beyond ACTQ_MAX_BATCH and prepares, so that a place a job leaves is taken at "
+        "the next step (bulk runs; docs/operations.md#batching). They show `running` until they join; an engine "
+        "lost meanwhile costs them an attempt.",
     )
     batch_wait_ms: float = Field(
         20.0, ge=0, description="How long an idle worker waits for more jobs to start a batch with the first."
@@ -342,10 +336,8 @@ class Settings(BaseSettings):
         512,
         ge=16,
         le=1 << 20,
-        description=(
-            "The most prompt positions one forward pass feeds while other jobs decode: a longer prompt or trace runs "
-            "in chunks between decoding steps, so it never freezes the running batch."
-        ),
+        description="The most prompt positions one forward pass feeds while other jobs decode: a longer prompt or "
+        "trace runs in chunks between decoding steps, so it never freezes the running batch.",
     )
     batch_memory_budget_bytes: int = Field(
         4 << 30,

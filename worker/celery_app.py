@@ -4,7 +4,7 @@ Shape: the Celery worker process runs a threads pool of ACTQ_MAX_BATCH + ACTQ_RE
 threads and starts one engine process (worker/engine/process.py) that loads the model once and
 runs every job in its scheduler's batches. A task hands its job id to the engine and waits for that
 job to end, so each message is acknowledged when its own job ends (late ack), and up to that many
-jobs are taken from the queue at once: a batch, and the jobs ready to take a place as it frees.
+jobs are taken from the queue at once: a batch, and any jobs ready to take a place as it frees.
 The worker process itself never imports torch: its main thread stays free to answer control
 commands (`inspect ping`), send heartbeats and task events while the engine computes, and a kill
 -9 of the engine process loses no job (worker/engine_client.py).
@@ -55,9 +55,8 @@ from worker.lost_messages import LostMessageSweeper
 
 def task_threads(settings: Settings) -> int:
     """The pool's task threads, each holding one job in the engine: a batch's worth and the jobs
-    ready to take a place as it frees (ACTQ_READY_JOBS, default a quarter of a batch)."""
-    ready = settings.max_batch // 4 if settings.ready_jobs is None else settings.ready_jobs
-    return settings.max_batch + ready
+    ready to take a place as it frees (ACTQ_READY_JOBS)."""
+    return settings.max_batch + settings.ready_jobs
 
 
 settings = get_settings()

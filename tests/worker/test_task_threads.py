@@ -14,14 +14,12 @@ from shared.settings import Settings
 ROOT = Path(__file__).resolve().parent.parent.parent
 
 
-def test_a_worker_holds_a_batch_and_a_quarter_of_one_ready_unless_told():
+def test_a_worker_holds_a_batch_and_the_ready_jobs_it_is_told():
     from worker.celery_app import task_threads
 
-    assert task_threads(Settings(max_batch=32)) == 40
-    assert task_threads(Settings(max_batch=16)) == 20  # the default batch
-    assert task_threads(Settings(max_batch=2)) == 2  # a quarter of 2 is none
-    assert task_threads(Settings(max_batch=1)) == 1  # one at a time stays one job held
-    assert task_threads(Settings(max_batch=32, ready_jobs=0)) == 32
+    assert task_threads(Settings(max_batch=32)) == 32  # none ready by default
+    assert task_threads(Settings(max_batch=1)) == 1
+    assert task_threads(Settings(max_batch=32, ready_jobs=8)) == 40
     assert task_threads(Settings(max_batch=4, ready_jobs=12)) == 16
 
 
