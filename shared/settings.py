@@ -325,6 +325,7 @@ class Settings(BaseSettings):
     ready_jobs: int = Field(
         0,
         ge=0,
+        le=256,
         description="Jobs a worker claims beyond ACTQ_MAX_BATCH and prepares, so that a place a job leaves is taken at "
         "the next step (bulk runs; docs/operations.md#batching). They show `running` until they join; an engine "
         "lost meanwhile costs them an attempt.",
