@@ -10,6 +10,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -88,12 +89,22 @@ def probe_health(
     return latencies, pings
 
 
-def assert_fast(probed: tuple[list[float], list[float]], what: str) -> None:
-    """/health's p99 under `what` within P99_LIMIT_S of twice the canary's p99 (see P99_LIMIT_S)."""
-    latencies, pings = probed
-    p99 = p99_of(latencies, f"/health during {what}")
-    canary = p99_of(pings, f"Redis PING beside each /health probe during {what}")
-    assert p99 < P99_LIMIT_S + CANARY_WEIGHT * canary, f"p99 {p99 * 1e3:.1f} ms (the canary's {canary * 1e3:.1f} ms)"
+def assert_fast(probe: Callable[[], tuple[list[float], list[float]]], what: str) -> None:
+    """/health's p99 under `what` within P99_LIMIT_S of twice the canary's p99 (see P99_LIMIT_S),
+    in one of two measurements. A request that holds the event loop costs every measurement the
+    same; a machine's load comes and goes, and the canary does not see all of it (a CI run of
+    twice the usual length: /health p50 25.7 ms, p99 122.9 ms against a canary of 9.9 ms, the
+    process's check threads descheduled while holding the GIL). So one measurement over the bound
+    is measured again, and both must be over it to fail."""
+    misses = []
+    for _ in range(2):
+        latencies, pings = probe()
+        p99 = p99_of(latencies, f"/health during {what}")
+        canary = p99_of(pings, f"Redis PING beside each /health probe during {what}")
+        if p99 < P99_LIMIT_S + CANARY_WEIGHT * canary:
+            return
+        misses.append(f"p99 {p99 * 1e3:.1f} ms (the canary's {canary * 1e3:.1f} ms)")
+    raise AssertionError(f"/health during {what}, measured twice: {'; '.join(misses)}")
 
 
 def p99_of(latencies: list[float], what: str) -> float:
@@ -110,7 +121,7 @@ def test_health_stays_fast_while_hostile_requests_arrive(live, redis_client, tmp
     for case, payload, raw, statuses in HOSTILE:
         bodies.append(raw or json.dumps(payload).encode())
         cases.append((case, "/jobs/batch" if payload and "jobs" in payload else "/jobs", list(statuses), {}))
-    assert_fast(probe_health(live.base_url, redis_client, tmp_path, cases, bodies, ROUNDS), "hostile requests")
+    assert_fast(lambda: probe_health(live.base_url, redis_client, tmp_path, cases, bodies, ROUNDS), "hostile requests")
 
 
 def test_health_stays_fast_while_the_heaviest_requests_of_the_new_surface_arrive(live, redis_client, tmp_path: Path):
@@ -133,5 +144,7 @@ def test_health_stays_fast_while_the_heaviest_requests_of_the_new_surface_arrive
     kept = [i for i, body in enumerate(bodies) if len(body) <= PARSE_FLOOR_BYTES]
     assert len(kept) >= 20
     cases, bodies = [cases[i] for i in kept], [bodies[i] for i in kept]
-    probed = probe_health(live.base_url, redis_client, tmp_path, cases, bodies, HEAVY_ROUNDS)
-    assert_fast(probed, "the heaviest requests")
+    assert_fast(
+        lambda: probe_health(live.base_url, redis_client, tmp_path, cases, bodies, HEAVY_ROUNDS),
+        "the heaviest requests",
+    )
