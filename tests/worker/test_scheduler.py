@@ -12,6 +12,19 @@ from worker.engine.core import EngineCore
 from worker.engine.scheduler import Entry
 
 
+@pytest.fixture(autouse=True)
+def steady_clock(monkeypatch) -> None:
+    """The fair share times prefill work against decoding steps with the engine core's clock; on a
+    busy machine a fake chunk preempted for 100 ms was owed thousands of fake steps, and the plans
+    these tests check came out in another order. This clock ticks once per reading: every prefill
+    unit and every step takes one unit (a test that times its work otherwise sets its own)."""
+    import itertools
+
+    import worker.engine.core as engine_core
+
+    monkeypatch.setattr(engine_core, "clock", itertools.count().__next__)
+
+
 def test_over_the_memory_budget_a_job_waits_for_room_and_a_job_alone_always_runs() -> None:
     batch = FakeBatch()
     jobs = [Job(FakeSeq(3, 4)), Job(FakeSeq(3, 4)), Job(FakeSeq(3, 4))]
@@ -39,11 +52,7 @@ def test_a_job_the_batchs_kv_cache_cannot_hold_yet_waits_at_the_head_and_a_job_a
     core = EngineCore(FakeServed(batch), max_batch=8)  # type: ignore[arg-type]
     for entry in entries(jobs):
         core.submit(entry)
-    for _ in range(100):  # the fair share left out: owed time is measured, and a slow turn would hold a join back
-        if all(job.answers for job in jobs):
-            break
-        core.scheduler.owed = 0.0
-        core.tick(batch)  # type: ignore[arg-type]
+    run(core, batch, jobs)
     assert batch.largest == 2 and batch.prefills == [2, 1, 1], batch.prefills
     assert all(job.answers == [job.seq] for job in jobs)
     batch.cache_rows = 0  # not even one fits: alone, it runs all the same
