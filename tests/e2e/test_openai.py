@@ -388,9 +388,11 @@ def test_idempotency_key_gives_the_same_job_and_refuses_another_request(client):
     assert raised.value.status_code == 400 or raised.value.response.headers["x-should-retry"] == "false"
 
 
-async def _concurrent_chats(base_url: str, n: int) -> tuple[list, list[int]]:
-    """`n` concurrent `chat.completions.create` calls through the openai package with its default
-    retries; returns the outcomes and the status of every HTTP answer the client received."""
+async def _concurrent_chats(
+    base_url: str, n: int, max_retries: int = openai.DEFAULT_MAX_RETRIES
+) -> tuple[list, list[int]]:
+    """`n` concurrent `chat.completions.create` calls through the openai package (its default
+    retries unless told); returns the outcomes and the status of every HTTP answer the client received."""
     import asyncio
 
     import httpx
@@ -401,7 +403,9 @@ async def _concurrent_chats(base_url: str, n: int) -> tuple[list, list[int]]:
         statuses.append(response.status_code)
 
     http_client = httpx.AsyncClient(event_hooks={"response": [seen]}, timeout=120)
-    async with openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", http_client=http_client) as client:
+    async with openai.AsyncOpenAI(
+        base_url=base_url + "/v1", api_key="unused", http_client=http_client, max_retries=max_retries
+    ) as client:
         calls = [
             client.chat.completions.create(
                 model=TINY, messages=[{"role": "user", "content": f"Say {i}."}], max_tokens=2, temperature=0
@@ -424,6 +428,9 @@ def test_concurrent_sdk_calls_create_exactly_one_job_each(live, redis_client):
     assert sorted(set(statuses)) == [200]
     assert job_count(redis_client) == 200
     assert len({job_of(o) for o in outcomes}) == 200
+
+
+POLL_WAIT_S = 10
 
 
 def test_at_long_poll_capacity_calls_are_refused_before_queueing_and_their_retries_make_one_job_each(
@@ -454,13 +461,16 @@ def test_at_long_poll_capacity_calls_are_refused_before_queueing_and_their_retri
         async def scenario():
             limits = httpx.Limits(max_connections=200)  # every poll in flight at once (the default is 100)
             async with httpx.AsyncClient(base_url=stack.base_url, timeout=30, limits=limits) as poller:
-                # 3 s: past the chats' first retry (Retry-After 2 s), before their second (4 s)
-                polls = [asyncio.ensure_future(poller.get(f"/jobs/{i}", params={"wait": 3})) for i in ids]
+                # Each poll holds its place POLL_WAIT_S from when it reached the API; on a busy box the
+                # 150 reach it over seconds (a CI run: with 3 s, the first places were free again
+                # before the chats came). The chats retry every 2 s (Retry-After) past the polls' end.
+                polls = [asyncio.ensure_future(poller.get(f"/jobs/{i}", params={"wait": POLL_WAIT_S})) for i in ids]
                 for _ in range(300):  # the places are taken, however busy the machine
-                    if await held(poller) >= 150:
+                    if (places := await held(poller)) >= 150:
                         break
                     await asyncio.sleep(0.1)
-                chats = await _concurrent_chats(stack.base_url, 200)
+                assert places >= 150, f"the pollers held {places:g} of the 150 places after 30 s"
+                chats = await _concurrent_chats(stack.base_url, 200, max_retries=POLL_WAIT_S // 2 + 2)
                 return [p.status_code for p in await asyncio.gather(*polls)], chats
 
         poll_statuses, (outcomes, statuses) = asyncio.run(scenario())
