@@ -45,7 +45,7 @@ test: lint docs browser
 	$(PYTEST) -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile
 
 # The fault-injection sweep in full: every operation of the scenario fails in a run of its own
-# (make test fails each distinct operation and call site once).
+# (make test fails each distinct operation and call site once, out of memory or otherwise in turn).
 test-exhaustive: $(STAMP)
 	$(PYTEST) -ra --exhaustive -m exhaustive
 

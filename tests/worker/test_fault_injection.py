@@ -5,9 +5,11 @@ mode makes the k-th tensor operation of the scheduler's turn fail, for every k i
 memory and otherwise. The model's whole forward pass counts as one operation (it fails at its
 start); inside it, the capture hooks' own failures are the job's (tested in test_capture.py).
 
-By default each distinct (operation, call site in worker/) fails once, at its first run (188 of
-the 1,030 runs of the exhaustive sweep on the slot decoder), which fails every k and runs with
-`make test-exhaustive` (pytest --exhaustive -m exhaustive).
+By default each distinct (operation, call site in worker/) fails once, at its first run, out of
+memory or otherwise in turn (the distinct sites in the order they first run, alternately: 97 and
+96 of the 193 on the slot decoder; failing every one both ways took twice the time, 543 s of a CI
+run's 7,185 s of tests). The exhaustive sweep fails every k both ways (1,076 operations on the
+slot decoder) and runs with `make test-exhaustive` (pytest --exhaustive -m exhaustive).
 
 Whatever fails where: every job gets exactly one answer, its own result (equal to the same job run
 alone) or its own failure; no job that finished is lost; and the same scheduler then runs a new
@@ -217,14 +219,15 @@ def operations(served, requests) -> list[tuple[str, str]]:
     return mode.sites
 
 
-def failure_points(sites: list[tuple[str, str]], exhaustive: bool) -> list[int]:
-    """Which operations to fail (1-based): every one, or the first run of each distinct one."""
+def failure_points(sites: list[tuple[str, str]], exhaustive: bool, turn: int = 0) -> list[int]:
+    """Which operations to fail (1-based): every one, or the first run of each distinct one whose
+    place among the distinct ones (in the order they first run) is `turn` modulo 2."""
     if exhaustive:
         return list(range(1, len(sites) + 1))
     first: dict[tuple[str, str], int] = {}
     for at, site in enumerate(sites, start=1):
         first.setdefault(site, at)
-    return sorted(first.values())
+    return sorted(first.values())[turn::2]
 
 
 @pytest.mark.parametrize("error", [torch.OutOfMemoryError, RuntimeError], ids=["out-of-memory", "other"])
@@ -234,9 +237,12 @@ def test_any_operation_failing_once_leaves_every_job_one_answer_of_its_own(
     sites = operations(served, requests)
     total = len(sites)
     assert total > 50  # the scenario runs joins, steps, leaves and a trace pass
-    points = failure_points(sites, pytestconfig.getoption("exhaustive"))
+    exhaustive = pytestconfig.getoption("exhaustive")
+    points = failure_points(sites, exhaustive, turn=0 if error is torch.OutOfMemoryError else 1)
     assert "?" not in {site for _, site in sites}, "an operation outside worker/ code"
-    assert len(set(sites)) > 20 and len(points) == len(set(sites))  # the distinct ones, at least
+    assert len(set(sites)) > 20
+    distinct = {sites[at - 1] for at in points}  # one kind's half of the distinct ones, at least
+    assert len(distinct) == len(points) >= len(set(sites)) // 2 or exhaustive
     failed_jobs = 0
     for at in points:
         mode = FailAt(served.hf, at=at, error=error)
