@@ -11,7 +11,7 @@ TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.actq-installed
 
-.PHONY: install run test test-exhaustive test-fast lint docs format browser bench bench-storage bench-api bench-long-polls bench-gpu clean
+.PHONY: install run test test-durations test-exhaustive test-fast lint docs format browser bench bench-storage bench-api bench-long-polls bench-gpu clean
 
 install: $(STAMP)
 
@@ -38,11 +38,20 @@ run: $(STAMP)
 # module fixtures are made once; most of an end-to-end test is waiting on other processes. Three
 # on two cores: with two, a clean-clone run beside a busy process got 122% of the CPU (35 min);
 # three got 144% (29.4 min), four 150% and no sooner (29.5 min), with two timing checks failing.
+# Files go out longest first (tests/durations.json, tests/support/durations.py), not xdist's most
+# tests first: a file of a few long tests that started last ran alone at the end while the other
+# processes idled. make test writes its JUnit report to TEST_REPORT; make test-durations turns the
+# last one into tests/durations.json.
 TEST_WORKERS ?= 3
+TEST_REPORT ?= .test-report.xml
 PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
+XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: lint docs browser
-	$(PYTEST) -ra --durations=40 -n $(TEST_WORKERS) --dist loadfile
+	$(PYTEST) -ra --durations=40 $(XDIST) --junitxml=$(TEST_REPORT)
+
+test-durations: $(STAMP)
+	$(BIN)/python -m tests.support.durations $(TEST_REPORT) > tests/durations.json
 
 # The fault-injection sweep in full: every operation of the scenario fails in a run of its own
 # (make test fails each distinct operation and call site once, out of memory or otherwise in turn).
@@ -50,7 +59,7 @@ test-exhaustive: $(STAMP)
 	$(PYTEST) -ra --exhaustive -m exhaustive
 
 test-fast: $(STAMP)
-	$(PYTEST) -ra -n $(TEST_WORKERS) --dist loadfile -m "not e2e and not model and not slow" --ignore=tests/e2e --ignore=tests/gpu
+	$(PYTEST) -ra $(XDIST) -m "not e2e and not model and not slow" --ignore=tests/e2e --ignore=tests/gpu
 
 lint: $(STAMP)
 	$(BIN)/ruff check api worker shared tests bench docs/hooks
@@ -90,4 +99,4 @@ bench-api: $(STAMP)
 	$(BIN)/python bench/bench_api.py --rounds 3 --duration 10
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache site
+	rm -rf $(VENV) *.egg-info .pytest_cache site $(TEST_REPORT)

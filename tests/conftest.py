@@ -23,6 +23,7 @@ os.environ["HF_HUB_OFFLINE"] = "1"
 
 from shared.cli.redis_server import RedisServer  # noqa: E402
 from shared.settings import Settings  # noqa: E402
+from tests.support import durations  # noqa: E402
 from tests.support.stack import TINY  # noqa: E402
 
 E2E = Path(__file__).parent / "e2e"
@@ -75,6 +76,12 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.fspath)).is_relative_to(E2E):
             item.add_marker(pytest.mark.e2e)
+    # Longest files first (tests/support/durations.py): with --no-loadscope-reorder (make test),
+    # xdist hands them out in this order. Each file's tests keep theirs.
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    items[:] = [item for name in durations.longest_first(list(by_file), durations.load()) for item in by_file[name]]
 
 
 @pytest.fixture(scope="session")
