@@ -99,8 +99,9 @@ def counters(name: str) -> str:
 
 
 def histogram(name: str, which: str) -> str:
-    """Hash of one of a model's histograms (cumulative bucket counts, sum, count)."""
-    return f"{PREFIX}:stats:{name}:{which}"
+    """Hash of one of a model's histograms (each bucket's own count, sum, count: shared/stats.py).
+    Named apart from the cumulative hashes earlier versions wrote, which a reader would misread."""
+    return f"{PREFIX}:stats:{name}:{which}:by-bucket"
 
 
 def throughput(name: str) -> str:
