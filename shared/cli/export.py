@@ -37,6 +37,7 @@ the columns `created_at`, `user` and `metadata.<key>` added (export_jobs.py).
 Formats: `parquet`, one file (default RESULTS/export.parquet) written a row group per sample, so
 that only one sample's tensors are in memory at a time; `hf-dataset`, a `datasets` directory
 (default RESULTS/hf-dataset) for `datasets.load_from_disk`. Both read without actq installed.
+`saelens` packs every token's rows into windows SAELens reads as cached activations (export_saelens.py).
 Activations come from the downloaded files when present, else one tensor at a time through the API,
 each request retried through an outage for up to --retry-timeout seconds. When a fetch fails for
 good, what was exported so far is kept in a partial file and the same command resumes from it
@@ -69,13 +70,13 @@ except ImportError as exc:
 from shared.cli import export_partial
 from shared.cli.export_partial import FetchFailed, Kept
 from shared.cli.export_reader import TOKEN_IDS, Reader, next_sample
+from shared.cli.export_sources import prompt_of, sources
 from shared.cli.probes import point_layer
 
-FORMATS = ("parquet", "hf-dataset")
+FORMATS = ("parquet", "hf-dataset", "saelens")
 TURNS = ("all", "first", "last")
 TURN_COLUMNS = ("turn", "tool_calls")  # a tool run's, after the others
-DEFAULT_OUT = {"parquet": "export.parquet", "hf-dataset": "hf-dataset"}
-GENERATED = "generated"
+DEFAULT_OUT = {"parquet": "export.parquet", "hf-dataset": "hf-dataset", "saelens": "saelens"}
 NOT_CAPTURES = (TOKEN_IDS,)  # in the file, but not a capture point
 
 
@@ -129,76 +130,6 @@ def _sample_paths(results: Path) -> list[Path]:
     return paths
 
 
-def _sources(sample: dict, skipped: Counter, turns: str = "all") -> Iterator[tuple[str, dict]]:
-    """(source name, fields) for each source of a sample that has activations to export; counts
-    the others in `skipped` under "<source>: <reason>". A sample that never generated (a run of
-    traces only: no job_id) has no "generated" source at all; a tool run's has one per turn that
-    `turns` picks."""
-    correct = sample.get("correct")
-    text = sample.get("completion", sample.get("text"))  # gsm8k: completion; run-file: text
-    if sample.get("mode") == "trace":  # a prompt file's trace line generated nothing: what it scored
-        text = _traced_reply(sample)
-    generation = {
-        "job_id": sample.get("job_id"),
-        "status": sample.get("status"),
-        "text": text,
-        "correct": correct.get("flexible") if isinstance(correct, dict) else None,
-        "prompt_tokens": sample.get("prompt_tokens"),
-        "completion_span": sample.get("completion_span"),  # a run-file trace line's
-        "activations": sample.get("activations"),
-        "activations_file": sample.get("activations_file"),
-    }
-    candidates: list[tuple[str, dict]] = []
-    turn_jobs = sample.get("turn_jobs")
-    if turn_jobs:
-        picked = turn_jobs if turns == "all" else turn_jobs[:1] if turns == "first" else turn_jobs[-1:]
-        candidates += [(GENERATED, {**generation, **job}) for job in picked]
-    elif generation["job_id"] is not None or generation["activations"]:
-        candidates.append((GENERATED, generation))
-    for name, trace in (sample.get("traces") or {}).items():
-        if isinstance(trace, dict):
-            candidates.append((str(name), trace))
-    for name, fields in candidates:
-        if fields.get("status") != "succeeded":
-            skipped[f"{name}: {fields.get('status') or 'no status'}"] += 1
-        elif not (fields.get("activations") or {}).get("tensors"):
-            skipped[f"{name}: no activations"] += 1
-        else:
-            yield name, fields
-
-
-def _traced_reply(sample: dict) -> str | None:
-    messages = sample.get("messages")
-    if isinstance(messages, list) and messages and isinstance(messages[-1], dict):
-        if messages[-1].get("role") == "assistant":
-            return _content_text(messages[-1].get("content"))
-    return None
-
-
-def _content_text(content: Any) -> str | None:
-    """A message's text: its string, or the text parts of a list of parts."""
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        parts: list[str] = [p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str)]
-        return "".join(parts) if parts else None
-    return None
-
-
-def _prompt(sample: dict) -> tuple[str | None, str | None]:
-    """(prompt, messages as JSON) of a sample: a prompt line's prompt, a messages line's last user
-    message (and the whole conversation), a GSM8K problem's question."""
-    if isinstance(sample.get("prompt"), str):
-        return sample["prompt"], None
-    messages = sample.get("messages")
-    if isinstance(messages, list):
-        users = [m for m in messages if isinstance(m, dict) and m.get("role") == "user"]
-        prompt = _content_text(users[-1].get("content")) if users else None
-        return prompt, json.dumps(messages, ensure_ascii=False, allow_nan=False)
-    question = sample.get("question")
-    return (question if isinstance(question, str) else None), None
-
-
 def _row_positions(entry: dict, tensor: np.ndarray) -> list[int] | None:
     """The token index (into token_ids) of each row: start, start+1, ... (None when reduced, or
     when the manifest does not say)."""
@@ -229,7 +160,7 @@ def _sample_table(sample: dict, sources: list[tuple[str, dict]], reader: Reader,
         tensors = reader.read(sample, source, fields, [t["name"] for t in entries])
         token_ids = tensors.get(TOKEN_IDS)
         token_list = None if token_ids is None else [int(t) for t in token_ids.reshape(-1)]
-        prompt, messages = _prompt(sample)
+        prompt, messages = prompt_of(sample)
         for entry in entries:
             tensor = tensors[entry["name"]]
             module = entry.get("module") or entry["name"]
@@ -313,7 +244,7 @@ def _write_parquet(
     try:
         while (sample := next_sample(iterator, reader)) is not None:
             own: Counter = Counter()
-            table = _sample_table(sample, list(_sources(sample, skipped, turns)), reader, own, schema)
+            table = _sample_table(sample, list(sources(sample, skipped, turns)), reader, own, schema)
             if table is not None:
                 if writer is None:
                     writer = pq.ParquetWriter(str(target), schema if kept is None else kept.schema(schema))
@@ -372,6 +303,7 @@ def run(
     jobs: list[str] | None = None,
     turns: str = "all",
     retry_timeout: float | None = None,
+    saelens: dict[str, Any] | None = None,
 ) -> Path:
     """Export `results`, or the jobs the `jobs` filters pick (export_jobs.py), as `format` to `out`
     (default inside `results`, else in the working directory); returns the path written.
@@ -380,7 +312,7 @@ def run(
     When a fetch fails for good, the samples exported so far are kept in a partial file that the
     next run resumes from (export_partial.py); otherwise nothing is left on disk when it fails:
     folders made for `out` are removed again. `turns`: a tool run's turns to export (all, first
-    or last)."""
+    or last). `saelens`: --format saelens's options (export_saelens.py `write`)."""
     if turns not in TURNS:
         raise ToolError(f"--turns {turns!r}: one of {', '.join(TURNS)}")
     if format not in FORMATS:
@@ -394,7 +326,7 @@ def run(
     out = Path(out) if out is not None else (results or Path()) / DEFAULT_OUT[format]
     if format == "parquet" and out.is_dir():
         raise ToolError(f"{out} is a directory: give a file name for the parquet export")
-    if format == "hf-dataset" and out.exists() and not out.is_dir():
+    if format != "parquet" and out.exists() and not out.is_dir():
         raise ToolError(f"{out} exists and is not a directory: give another --out")
     export = export_partial.identity(results, jobs or [], turns)
     with _samples(results, jobs or [], api, api_key, out, export, retry_timeout) as source:  # refused first
@@ -402,6 +334,11 @@ def run(
         made += [out.parent.absolute()] if not out.parent.exists() else []
         out.parent.mkdir(parents=True, exist_ok=True)
         try:
+            if format == "saelens":
+                from shared.cli import export_saelens
+
+                export_saelens.report(*export_saelens.write(source.samples, source.reader, out, **(saelens or {})))
+                return out
             exported, counts, skipped = _export(source, format, out, turns)
         except BaseException:
             for folder in reversed(made):  # the folders made for `out`, deepest first, when still empty

@@ -19,8 +19,9 @@ TOKEN_IDS = "token_ids"
 
 
 class Reader:
-    """Tensors of one source as float32 numpy arrays: from its downloaded file, else through the
-    API (one client for the whole export, opened at the first tensor that needs it)."""
+    """Tensors of one source as numpy arrays, float32 (or, with `native`, float16 and float32 as
+    stored, bfloat16 widened exactly to float32): from its downloaded file, else through the API
+    (one client for the whole export, opened at the first tensor that needs it)."""
 
     def __init__(
         self,
@@ -43,13 +44,15 @@ class Reader:
             self._client.close()
             self._client = None
 
-    def read(self, sample: dict, source: str, fields: dict, names: list[str]) -> dict[str, np.ndarray]:
+    def read(
+        self, sample: dict, source: str, fields: dict, names: list[str], native: bool = False
+    ) -> dict[str, np.ndarray]:
         file = fields.get("activations_file")
         if file and self.results is not None and (self.results / file).is_file():
-            return self._read_file(self.results / file, names)
-        return self._fetch(sample, source, fields, names)
+            return self._read_file(self.results / file, names, native)
+        return self._fetch(sample, source, fields, names, native)
 
-    def _read_file(self, path: Path, names: list[str]) -> dict[str, np.ndarray]:
+    def _read_file(self, path: Path, names: list[str], native: bool = False) -> dict[str, np.ndarray]:
         from safetensors import safe_open
 
         out: dict[str, np.ndarray] = {}
@@ -64,14 +67,19 @@ class Reader:
                 if f.get_slice(name).get_dtype() == "BF16":
                     bf16.append(name)  # numpy has no bfloat16: read through torch below
                 else:
-                    out[name] = np.asarray(f.get_tensor(name), dtype=np.float32)
+                    tensor = np.asarray(f.get_tensor(name))
+                    out[name] = (
+                        tensor if native and tensor.dtype == np.float16 else tensor.astype(np.float32, copy=False)
+                    )
         if bf16:
             with safe_open(str(path), framework="pt") as f:
                 for name in bf16:
                     out[name] = f.get_tensor(name).float().numpy()
         return out
 
-    def _fetch(self, sample: dict, source: str, fields: dict, names: list[str]) -> dict[str, np.ndarray]:
+    def _fetch(
+        self, sample: dict, source: str, fields: dict, names: list[str], native: bool = False
+    ) -> dict[str, np.ndarray]:
         import httpx
 
         from shared.cli import remote
@@ -88,7 +96,7 @@ class Reader:
                 seconds = remote.DEFAULT_SECONDS if self.retry_seconds is None else self.retry_seconds
                 self._client = remote.client(self.url, key, retry_seconds=seconds)
             job = self._client.job(job_id)
-            tensors = {name: job.tensor(name).float().numpy() for name in names}
+            tensors = {name: _as_array(job.tensor(name), native) for name in names}
             try:
                 tensors[TOKEN_IDS] = job.tensor(TOKEN_IDS).numpy().astype(np.int64)
             except NotFound:  # a file written without them
@@ -103,6 +111,13 @@ class Reader:
                 f"{where}: its activations are not in {self.results} ({fix}), and fetching them failed: "
                 f"{remote.explain(exc, self.url)}"
             ) from None
+
+
+def _as_array(tensor: Any, native: bool) -> np.ndarray:
+    """A fetched torch tensor as numpy: float32, or float16 kept as it is when `native`."""
+    import torch
+
+    return tensor.numpy() if native and tensor.dtype == torch.float16 else tensor.float().numpy()
 
 
 def next_sample(samples: Iterator[dict], reader: Reader) -> dict | None:

@@ -89,9 +89,16 @@ def export_command(
         help="Instead of RESULTS, this API key's jobs of one run: those sent to /runs/LABEL/v1 (the same as "
         "--jobs metadata.run=LABEL; combines with --jobs).",
     ),
-    format: str = typer.Option("parquet", "--format", help="parquet (one file) or hf-dataset (datasets.save_to_disk)."),
+    format: str = typer.Option(
+        "parquet",
+        "--format",
+        help="parquet (one file), hf-dataset (datasets.save_to_disk) or saelens (windows of tokens that SAELens reads "
+        "as cached activations).",
+    ),
     out: Path | None = typer.Option(
-        None, help="Where to write (default: RESULTS/export.parquet or RESULTS/hf-dataset; with --jobs, here)."
+        None,
+        help="Where to write (default: RESULTS/export.parquet, RESULTS/hf-dataset or RESULTS/saelens; "
+        "with --jobs, here).",
     ),
     api: str | None = typer.Option(None, help="API base URL for activations not downloaded (default ACTQ_API_URL)."),
     api_key: str | None = API_KEY_OPTION,
@@ -99,12 +106,18 @@ def export_command(
         "all", help="A tool run's turns (columns turn, tool_calls): all (a row per turn's job), first or last."
     ),
     retry_timeout: float = RETRY_OPTION,
+    context_size: int = typer.Option(128, help="saelens: tokens per window (SAELens's context_size)."),
+    tokens: str = typer.Option("all", help="saelens: the rows to pack: all, prompt or generated tokens."),
+    module: list[str] | None = typer.Option(
+        None, "--module", help="saelens: a captured point to export (repeat; default every point captured per token)."
+    ),
 ) -> None:
     """A results directory of `actq run-file` (one row per prompt line) or `actq gsm8k` (one row per
     problem and capture source), or the jobs `--jobs` or `--label` picks (one row per job, with its created_at,
     user and metadata), a row per capture point: the tensor as an array, the prompt, token ids,
     positions and the sample's fields as columns; loadable with `datasets` or pandas, without actq
-    installed."""
+    installed. `--format saelens`: every token's captured rows packed into windows, a column per
+    point plus token_ids and each row's job and position (docs/your-own-data.md)."""
     from shared.cli import export
     from shared.listing import METADATA, RUN_KEY
 
@@ -119,6 +132,7 @@ def export_command(
         jobs=jobs,
         turns=turns,
         retry_timeout=retry_timeout,
+        saelens={"context": context_size, "tokens": tokens, "modules": module or None},
     )
     typer.echo(f"wrote {written}")
 
