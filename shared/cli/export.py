@@ -70,8 +70,8 @@ except ImportError as exc:
 from shared.cli import export_partial
 from shared.cli.export_partial import FetchFailed, Kept
 from shared.cli.export_reader import TOKEN_IDS, Reader, next_sample
-from shared.cli.export_sources import prompt_of, sources
 from shared.cli.probes import point_layer
+from shared.result_samples import prompt_of, sources
 
 FORMATS = ("parquet", "hf-dataset", "saelens")
 TURNS = ("all", "first", "last")

@@ -37,6 +37,7 @@ import numpy as np
 from shared.cli.export_partial import FetchFailed
 from shared.cli.export_reader import TOKEN_IDS, Reader, next_sample
 from shared.errors import ToolError
+from shared.result_samples import reply_start
 
 TOKENS = ("all", "prompt", "generated")
 PAD_TOKEN_ID = -1
@@ -169,10 +170,7 @@ def _source_rows(
             return f"{column.name} has shape {list(tensor.shape)}, not [rows, {column.width}]"
     start = max(int(entries[c.name]["start"]) for c in columns)
     stop = min(int(entries[c.name]["start"]) + tensors[c.name].shape[0] for c in columns)
-    span = fields.get("completion_span")
-    boundary = fields.get("prompt_tokens")
-    if boundary is None and isinstance(span, list) and span:
-        boundary = span[0]
+    boundary = reply_start(fields)
     if boundary is None:
         return "its prompt length is not recorded"
     positions = np.arange(start, max(start, stop), dtype=np.int64)
@@ -210,7 +208,7 @@ def write(
     """Export every sample's captured rows to the dataset directory `out` (replaced when it holds
     an earlier dataset); returns (what actq-export.json says, skipped sources by reason)."""
     from shared.cli.export import _replace
-    from shared.cli.export_sources import sources
+    from shared.result_samples import sources
 
     if tokens not in TOKENS:
         raise ToolError(f"--tokens {tokens!r}: one of {', '.join(TOKENS)}")

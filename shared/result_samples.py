@@ -1,6 +1,7 @@
-"""What a sample of a results directory (or a --jobs job) holds to export: its sources (its
-generation, a tool run's turns, its traces) that have activations, and its prompt's text
-(`actq export`: export.py, export_saelens.py)."""
+"""What a sample of a results directory (`actq gsm8k`, `actq run-file`; or a job `actq export
+--jobs` picks) holds: its sources (its generation, a tool run's turns, its traces) that have
+activations, and its prompt's text. Read by `actq export` (shared/cli/export*.py) and the
+activations reader (shared/activations.py)."""
 
 from __future__ import annotations
 
@@ -80,3 +81,13 @@ def prompt_of(sample: dict) -> tuple[str | None, str | None]:
         return prompt, json.dumps(messages, ensure_ascii=False, allow_nan=False)
     question = sample.get("question")
     return (question if isinstance(question, str) else None), None
+
+
+def reply_start(fields: dict) -> int | None:
+    """The position where a source's reply starts: a trace's traced reply (its completion span;
+    a trace's prompt_tokens count the whole text), else the generated tokens (after the prompt)."""
+    span = fields.get("completion_span")
+    if isinstance(span, list | tuple) and span:
+        return int(span[0])
+    prompt = fields.get("prompt_tokens")
+    return prompt if isinstance(prompt, int) else None
