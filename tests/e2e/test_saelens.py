@@ -117,3 +117,38 @@ def test_an_sae_trains_on_the_export_with_saelens(exported):
     trained = trainer.fit()
     assert trainer.n_training_steps == 150 and trained is sae
     assert error() < 0.5 * before, (before, error())
+
+
+def test_the_reader_streams_jobs_rows_through_the_api_from_s3(live_s3):
+    """shared/activations.py over jobs whose files are in S3: each chunk a row range through the
+    API, shuffled within a buffer smaller than the jobs' rows: every row once per epoch, equal to
+    the whole file downloaded and sha256-checked, with its job, position and token."""
+    from shared.activations import activations
+    from shared.client import Client
+
+    capture = {"modules": ["model.layers.1"], "positions": "all"}
+    with Client(live_s3.base_url, timeout=60) as client:
+        jobs = [
+            client.submit("tiny-s3", [{"role": "user", "content": f"Count to {n}."}], max_tokens=8, capture=capture)
+            for n in (3, 4, 5)
+        ]
+        whole = {}
+        for job in jobs:
+            assert job.wait(timeout=120).status == "succeeded", job.error
+            whole[job.id] = job.activations()
+        expected = {(j, p) for j, t in whole.items() for p in range(len(t["model.layers.1"]))}
+        reader = activations(
+            [job.id for job in jobs], "model.layers.1", client=client, batch_size=7, chunk=5, shuffle=12, labels=True
+        )
+        assert reader.rows == len(expected) > 12
+        for _ in range(2):
+            seen = []
+            for batch, labels in reader:
+                for i in range(len(batch)):
+                    job, position = reader.jobs[int(labels["job"][i])].job_id, int(labels["position"][i])
+                    assert torch.equal(batch[i], whole[job]["model.layers.1"][position].float()), (job, position)
+                    assert labels["token_id"][i] == whole[job]["token_ids"][position]
+                    seen.append((job, position))
+            assert len(seen) == len(set(seen)) and set(seen) == expected
+        generated = activations([job.id for job in jobs], "model.layers.1", client=client, tokens="generated")
+        assert generated.rows == sum(job.result.usage.completion_tokens - 1 for job in jobs)

@@ -192,3 +192,20 @@ def test_nothing_per_token_to_export(tmp_path):
         path.write_text(json.dumps(sample))
     with pytest.raises(ToolError, match="no captured row to export .skipped: generated: no per-token capture 3"):
         export.run(tmp_path / "r", format="saelens")
+
+
+def test_a_traces_reply_is_its_completion_span(tmp_path):
+    """A trace job generates nothing: its prompt_tokens count the whole text and its reply is its
+    completion span, which is what actq_generated marks (and --tokens generated keeps)."""
+    truth = make_results(tmp_path / "r", lengths=[(4, 5)])
+    path = tmp_path / "r" / "samples" / "0.json"
+    sample = json.loads(path.read_text())
+    trace = {k: sample.pop(k) for k in ("status", "job_id", "activations", "activations_file")}
+    sample |= {"job_id": None, "status": "succeeded", "activations": None}
+    sample["traces"] = {"gold": {**trace, "prompt_tokens": 9, "completion_span": [6, 9]}}
+    path.write_text(json.dumps(sample))
+    _, meta, rows = _read(export.run(tmp_path / "r", format="saelens", saelens={"context": 9}))
+    assert [(j["job_id"], j["source"]) for j in meta["jobs"]] == [("job-0", "gold")]
+    assert [int(r["actq_generated"]) for r in rows] == [0] * 6 + [1] * 3
+    _, meta, rows = _read(export.run(tmp_path / "r", format="saelens", saelens={"context": 3, "tokens": "generated"}))
+    assert [int(r["actq_position"]) for r in rows] == [6, 7, 8] and len(truth["job-0"][0]) == 9
