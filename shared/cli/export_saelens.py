@@ -279,10 +279,14 @@ def _save(arrow: Path, staged: Path) -> None:
     import datasets
 
     dataset = datasets.Dataset.from_file(str(arrow))
+    shown = datasets.is_progress_bar_enabled()
+    datasets.disable_progress_bars()  # the export reports itself in one line
     try:
         dataset.save_to_disk(str(staged), max_shard_size="1GB")
     finally:
         del dataset
+        if shown:
+            datasets.enable_progress_bars()
 
 
 def report(meta: dict, skipped: Counter) -> None:

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
 
+from shared.cli.cancel import run_label
 from tests.e2e.test_gsm8k import actq, run_env
 from tests.support.stack import TINY
 
@@ -29,9 +31,12 @@ def exported(live, tmp_path_factory):
     )  # fmt: skip
     done = subprocess.run(cmd, env=run_env(live), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    args = ["export", str(out), "--format", "saelens", "--context-size", str(CONTEXT)]
-    done = subprocess.run(actq(live, *args), env=run_env(live), capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
+    label = run_label("gsm8k", json.loads((out / "run.json").read_text())["run_id"])
+    through_api = ["--label", label, "--out", str(out.parent / "api")]  # the run's jobs read through the API
+    for source in ([str(out)], through_api):  # both now: each e2e test starts from an empty job space
+        args = ["export", *source, "--format", "saelens", "--context-size", str(CONTEXT)]
+        done = subprocess.run(actq(live, *args), env=run_env(live), capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
     return out, json.loads((out / "saelens" / "actq-export.json").read_text())
 
 
@@ -152,3 +157,18 @@ def test_the_reader_streams_jobs_rows_through_the_api_from_s3(live_s3):
             assert len(seen) == len(set(seen)) and set(seen) == expected
         generated = activations([job.id for job in jobs], "model.layers.1", client=client, tokens="generated")
         assert generated.rows == sum(job.result.usage.completion_tokens - 1 for job in jobs)
+
+
+def test_the_runs_jobs_picked_through_the_api_export_the_same_windows(exported):
+    """`actq export --label RUN --format saelens`: the run's jobs read through the API (no file of
+    the results directory) give the same windows, and the jobs table names the run."""
+    import datasets
+
+    out, meta = exported
+    label = run_label("gsm8k", json.loads((out / "run.json").read_text())["run_id"])
+    picked = json.loads((out.parent / "api" / "actq-export.json").read_text())
+    assert [j["job_id"] for j in picked["jobs"]] == [j["job_id"] for j in meta["jobs"]]
+    assert {j["run"] for j in picked["jobs"]} == {label} and picked["rows"] == meta["rows"]
+    ours, theirs = (datasets.load_from_disk(str(p)).with_format("numpy") for p in (out / "saelens", out.parent / "api"))
+    for column in ["token_ids", "actq_job", "actq_position", "actq_generated", "model.layers.0", "model.layers.3"]:
+        assert np.array_equal(np.asarray(ours[column]), np.asarray(theirs[column])), column
