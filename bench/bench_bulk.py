@@ -11,15 +11,19 @@ model), `--max-tokens` greedy tokens each, side by side in one run:
                   thread per core: what the worker ran with before its default fitted the machine
   actq ready      (with --ready N) the same on a worker with ACTQ_READY_JOBS=N: it claims and prepares N
                   jobs beyond its batch, so a place that frees is taken at the next step
+  actq capture    (with --capture) the default worker's jobs capturing every module at generated
+                  positions but the vocabulary-wide lm_head (55 modules; issue 49's figure: >= 0.85x
+                  of `actq`), each job's file written to the local store
 
 Generated tokens/s per arm (median of `--runs`, the arms interleaved run by run) and each over
-`generate` (target: actq >= 0.9x), then bench_overhead's profile of the actq arms: where the wall time
+`generate` (target: actq >= 0.9x; with --capture also each run's capture arm over the same run's
+`actq`), then bench_overhead's profile of the actq arms: where the wall time
 went (the POSTs, until the last job was claimed, ran, and was answered) and the CPU seconds each
 process spent (API, Redis, the Celery worker, its engine process, this client). The load average is
 printed beside the figures: the machine may be shared.
 
     .venv/bin/python bench/bench_bulk.py [--jobs 256] [--batch 32] [--max-tokens 64] [--runs 3] [--gsm8k FILE]
-                                         [--torch-default] [--ready N]
+                                         [--torch-default] [--ready N] [--capture]
 
 `--gsm8k` defaults to ../shared/data/gsm8k/test.jsonl beside the checkout, when it is there (never
 copied into the repo); without a file, one template with a number changed.
@@ -92,6 +96,7 @@ def main() -> int:
     parser.add_argument("--gsm8k", type=Path, default=GSM8K if GSM8K.exists() else None, help="a GSM8K JSONL")
     parser.add_argument("--torch-default", action="store_true", help="also a worker with torch's default threads")
     parser.add_argument("--ready", type=int, default=0, help="also a worker with ACTQ_READY_JOBS=N")
+    parser.add_argument("--capture", action="store_true", help="also the default worker capturing 55 modules")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -128,6 +133,16 @@ def main() -> int:
                 "client": psutil.Process().pid,
             }
             profiles[arm] = WorkerProfile(pids, redis.url, model=name)
+        arms: dict[str, tuple[str, dict | None]] = {arm: (name, None) for arm, (name, _) in workers.items()}
+        if args.capture:
+            from shared.client import Client
+
+            with Client(stack.base_url) as client:
+                info = next(m for m in client.models() if m["name"] == "tiny")
+            every = [p for p in info["modules"] if "output" in info["hooks"].get(p, {})]
+            modules = [p for p in every if p not in info["last_position_only"]]  # lm_head's rows are 196 KB
+            arms["actq capture"] = ("tiny", {"modules": modules, "positions": "generated"})
+            profiles["actq capture"] = WorkerProfile(dict(profiles["actq"].pids), redis.url, model="tiny")
         generate_batches(served, texts[: args.batch], args.batch, 4)  # warm
         for _ in range(args.runs):
             loads.append(os.getloadavg()[0])
@@ -137,8 +152,8 @@ def main() -> int:
             profiles["generate"].add("cpu client", sum(psutil.Process().cpu_times()[:2]) - cpu)
             profiles["generate"].add("steps", -(-args.jobs // args.batch) * args.max_tokens)
             profiles["generate"].add("rows/step", min(args.batch, args.jobs))
-            for arm, (name, _) in workers.items():
-                rows.setdefault(arm, []).append(stack_arm(stack, name, texts, args.max_tokens, None, profiles[arm]))
+            for arm, (name, capture) in arms.items():
+                rows.setdefault(arm, []).append(stack_arm(stack, name, texts, args.max_tokens, capture, profiles[arm]))
     rate = {name: statistics.median(tokens / seconds for seconds, tokens in runs) for name, runs in rows.items()}
     print(f"command: {' '.join([sys.executable, *sys.argv])}")
     print(
@@ -150,6 +165,13 @@ def main() -> int:
     for name, value in rate.items():
         each = ", ".join(f"{tokens / seconds:.0f}" for seconds, tokens in rows[name])
         print(f"{name:<14}{value:>10.0f}{value / rate['generate']:>12.2f}   {each}")
+    if args.capture:
+        ratios = [tokens_c / seconds_c / (tokens / seconds) for (seconds, tokens), (seconds_c, tokens_c)
+                  in zip(rows["actq"], rows["actq capture"], strict=True)]  # fmt: skip
+        print(
+            f"capture (55 modules at generated positions) x actq without it, run by run: "
+            f"{', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f} (target >= 0.85)"
+        )
     print_profile(profiles)
     print("\nCPU seconds per 1,000 generated tokens, every process of the arm together (medians; on a shared")
     print("machine what an arm spends says what it costs better than its wall time):")

@@ -81,16 +81,15 @@ def check_key(key: str) -> str:
 
 
 class ArtifactStore(ABC):
-    # Whether files written to scratch_dir() must be fsynced: yes when they become the stored
-    # object (local rename); no when they are only uploaded and deleted (S3 keeps them durable).
-    durable_scratch = True
     # Whether using the store is a network call (the API keeps those off its event loop).
     remote = False
 
     @abstractmethod
-    def put_file(self, key: str, src: Path) -> str:
+    def put_file(self, key: str, src: Path, *, sync_folder: bool = True) -> str:
         """Store a finished local file under `key` (consuming it); returns the object's URI.
-        The object appears whole or not at all."""
+        The object appears whole or not at all. `sync_folder=False`: its name is made durable by
+        the next put into the same folder (a local store's one fsync of the folder covers both);
+        an object store's object is durable at once either way."""
 
     @abstractmethod
     def put_bytes(self, key: str, data: bytes) -> str: ...

@@ -34,14 +34,15 @@ class LocalStore(ArtifactStore):
             raise StorageError(f"cannot create {scratch}: {exc.strerror}") from exc
         return scratch
 
-    def put_file(self, key: str, src: Path) -> str:
+    def put_file(self, key: str, src: Path, *, sync_folder: bool = True) -> str:
         dest = self._path(key)
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
             with open(src, "rb") as handle:
                 os.fsync(handle.fileno())
             os.replace(src, dest)
-            _fsync_dir(dest.parent)
+            if sync_folder:
+                _fsync_dir(dest.parent)
         except OSError as exc:
             raise StorageError(f"cannot store {key} in {self.root}: {exc.strerror or exc}") from exc
         return dest.as_uri()

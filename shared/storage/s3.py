@@ -31,7 +31,6 @@ _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenie
 
 
 class S3Store(ArtifactStore):
-    durable_scratch = False  # the scratch file is uploaded, then deleted
     remote = True
 
     def __init__(
@@ -109,7 +108,7 @@ class S3Store(ArtifactStore):
         outage(STORE).ok()  # an outage its retries went through (shared/outages.py) has ended
         return self.uri(key)
 
-    def put_file(self, key: str, src: Path) -> str:
+    def put_file(self, key: str, src: Path, *, sync_folder: bool = True) -> str:
         return self._upload(
             key, lambda: self.client.upload_file(str(src), self.bucket, self._key(key), Config=self.transfer)
         )

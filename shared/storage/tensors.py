@@ -1,7 +1,7 @@
 """The safetensors format, both ways, where the library has no API for what we need:
 
-- writing a file in one pass while hashing it (the worker knows the file's sha256 without reading
-  it back; the hash runs on another core while the bytes are written);
+- writing a file in one pass while hashing it (the worker knows the file's sha256 and each
+  tensor's without reading it back), a few writev calls per file;
 - reading one tensor (or some of its rows) out of a stored file without fetching the rest: the
   8-byte header length, the JSON header, then exactly the tensor's byte range.
 
@@ -17,6 +17,7 @@ import json
 import math
 import os
 import struct
+from collections.abc import Iterator
 
 from shared.dtypes import CODE_BYTES, SAFETENSORS_CODE
 from shared.errors import BadRequest, StorageError, TensorNotFound
@@ -57,18 +58,24 @@ def _header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, 
     return struct.pack("<Q", len(text)) + text
 
 
+GROUP_BYTES = 32 << 20  # tensors written (and hashed) together: at most this much copied at a time
+PIPELINED_BYTES = 64 << 20  # from this size, the hashing runs on a second thread beside the writes
+IOV_MAX = 512  # buffers per writev call (Linux takes 1,024)
+
+
 def write_file(
     path, tensors: dict, metadata: dict[str, str], fsync: bool = True, tensor_sha256: dict[str, str] | None = None
 ) -> tuple[int, str]:
     """Write torch tensors as a safetensors file (fsynced unless told otherwise) and return
-    (bytes, sha256), computing the hash on a second thread while the file is written. With
-    `tensor_sha256`, each tensor's own sha256 (of its bytes alone) is put there too, on the same
-    thread: what a download of one tensor is checked against without reading it back. A tensor
-    that is not contiguous (a column range of a job's capture arena) is made so just before its
-    bytes are written, one at a time: the write holds at most a few tensors' copies."""
-    import queue
-    import threading
+    (bytes, sha256). With `tensor_sha256`, each tensor's own sha256 (of its bytes alone) is put
+    there too: what a download of one tensor is checked against without reading it back.
 
+    The tensors go in groups of up to GROUP_BYTES: each made contiguous (a column range of a
+    job's capture arena is copied once, here), hashed, and the group written with one `writev`;
+    hashlib and writev release the GIL, and no Python runs per row. A small file (most jobs'
+    captures) is hashed in the calling thread: handing pieces to another thread costs more than
+    it saves when many jobs are written at once. From PIPELINED_BYTES the hashing runs on a
+    second thread, a group behind the writes, so a large file is written at the disk's speed."""
     import torch
 
     entries = [
@@ -81,37 +88,73 @@ def write_file(
         for name, tensor in tensors.items()
     ]
     header = _header(entries, metadata)
-    pieces: queue.Queue[tuple[str | None, memoryview] | None] = queue.Queue(maxsize=2)
     digest = hashlib.sha256(header)
+    total = len(header) + sum(entry[3] for entry in entries)
 
-    def sha256() -> None:
-        while (item := pieces.get()) is not None:
-            name, view = item
-            digest.update(view)  # releases the GIL
-            if tensor_sha256 is not None and name is not None:
+    def hash_group(group: list[tuple[str, memoryview]]) -> None:
+        for name, view in group:
+            digest.update(view)  # the file's, in file order
+            if tensor_sha256 is not None:
                 tensor_sha256[name] = hashlib.sha256(view).hexdigest()
 
-    # The hash runs on another core through the whole write *and* the fsync (each tensor's bytes
-    # are in memory and do not change), so it costs no wall time unless it is slower than the disk.
-    hashing = threading.Thread(target=sha256, name="actq-sha256", daemon=True)
-    hashing.start()
-    size = len(header)
+    pipelined = total >= PIPELINED_BYTES
+    pool = _hashing_thread() if pipelined else None
+    hashed = None
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        with open(path, "wb") as handle:
-            handle.write(header)
-            for name, tensor in tensors.items():
-                flat = tensor.detach().cpu().contiguous().reshape(-1)
-                view = memoryview(flat.view(torch.uint8).numpy())
-                handle.write(view)
-                pieces.put((name, view))
-                size += view.nbytes
-            handle.flush()
-            if fsync:
-                os.fsync(handle.fileno())
+        _write_all(fd, [memoryview(header)])
+        for group in _groups(tensors, torch):
+            if pool is not None:
+                if hashed is not None:
+                    hashed.result()  # a group behind: at most two groups' copies held
+                hashed = pool.submit(hash_group, group)
+            else:
+                hash_group(group)
+            _write_all(fd, [view for _, view in group])
+        if hashed is not None:
+            hashed.result()
+        if fsync:
+            os.fsync(fd)
     finally:
-        pieces.put(None)
-        hashing.join()
-    return size, digest.hexdigest()
+        os.close(fd)
+        if pool is not None:
+            pool.shutdown(wait=True)
+    return total, digest.hexdigest()
+
+
+def _hashing_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="actq-sha256")
+
+
+def _groups(tensors: dict, torch) -> Iterator[list[tuple[str, memoryview]]]:
+    """(name, bytes) of the tensors in order, a group of up to GROUP_BYTES at a time (a larger
+    tensor is a group alone); each tensor made contiguous just before its group is written."""
+    group: list[tuple[str, memoryview]] = []
+    size = 0
+    for name, tensor in tensors.items():
+        nbytes = tensor.numel() * tensor.element_size()
+        if group and size + nbytes > GROUP_BYTES:
+            yield group
+            group, size = [], 0
+        flat = tensor.detach().cpu().contiguous().reshape(-1)
+        group.append((name, memoryview(flat.view(torch.uint8).numpy())))
+        size += nbytes
+    if group:
+        yield group
+
+
+def _write_all(fd: int, views: list[memoryview]) -> None:
+    """Every byte of `views`, in order, with as few writev calls as the kernel allows."""
+    pending = [v.cast("B") for v in views if v.nbytes]
+    while pending:
+        written = os.writev(fd, pending[:IOV_MAX])
+        while pending and written >= pending[0].nbytes:
+            written -= pending[0].nbytes
+            pending.pop(0)
+        if written:
+            pending[0] = pending[0][written:]
 
 
 def encode(tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict[str, str]) -> bytes:

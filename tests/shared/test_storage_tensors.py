@@ -38,6 +38,42 @@ def test_written_file_is_what_the_library_reads_and_the_hash_is_of_its_bytes(tmp
         assert handle.metadata() == {"job_id": "j", "positions": "all"}
 
 
+@pytest.mark.parametrize("pipelined", [False, True])
+def test_groups_the_hashing_thread_and_short_writes_give_the_same_file(tmp_path, tensors, monkeypatch, pipelined):
+    """Tensors written in groups of a few bytes (column ranges of one arena, as a job's capture
+    is), hashed inline or on the second thread, through a writev that takes at most 5 bytes and
+    3 buffers a call: the same bytes, the file's sha256 and each tensor's."""
+    import os
+
+    from shared.storage import tensors as module
+
+    arena = torch.randn(7, 15, generator=torch.Generator().manual_seed(1))
+    given = {"a": arena[:, :5], "b": arena[:, 5:12], **tensors, "c": arena[:, 12:]}  # views, not contiguous
+    expected = tmp_path / "one-go.safetensors"
+    size, sha = write_file(expected, given, {"job_id": "j"})
+    real_writev = os.writev
+    calls = []
+
+    def short_writev(fd, buffers):
+        calls.append(len(buffers))
+        assert len(buffers) <= 3
+        return real_writev(fd, [bytes(buffers[0])[:5]])  # the kernel may write less than asked
+
+    monkeypatch.setattr(module, "GROUP_BYTES", 400)  # two or three tensors a group
+    monkeypatch.setattr(module, "PIPELINED_BYTES", 0 if pipelined else 1 << 40)
+    monkeypatch.setattr(module, "IOV_MAX", 3)
+    monkeypatch.setattr(module.os, "writev", short_writev)
+    sums: dict[str, str] = {}
+    path = tmp_path / "grouped.safetensors"
+    assert write_file(path, given, {"job_id": "j"}, tensor_sha256=sums) == (size, sha)
+    assert path.read_bytes() == expected.read_bytes() and sha == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert len(calls) >= size // 5 and max(calls) == 3  # every short write resumed where it stopped
+    for name, tensor in given.items():
+        assert torch.equal(load_file(path)[name], tensor)
+        raw = tensor.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+        assert sums[name] == hashlib.sha256(raw).hexdigest()
+
+
 def test_one_tensor_reads_header_and_exactly_its_bytes(tmp_path, tensors):
     store = LocalStore(tmp_path)
     (tmp_path / "jobs" / "j").mkdir(parents=True)

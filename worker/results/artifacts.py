@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -20,6 +21,12 @@ from worker.batch.sequence import TokenScores
 
 FORMAT = "actq/1"
 log = logging.getLogger(__name__)
+# Files encoded (copied, hashed, written) at once: the work is CPU (the kernel's copy included), so
+# more encoders than cores only contend with each other and with the engine's thread for the cores
+# and the GIL (32 concurrent writers of small captures took 4x the CPU per file of one on 2 cores).
+# The stores' waits (an upload, an outage) are outside it: a slow store still holds no encoder.
+ENCODERS = max(1, (os.cpu_count() or 2) // 2)
+_encoding = threading.BoundedSemaphore(ENCODERS)
 
 
 def score_tensors(scores: TokenScores) -> dict[str, torch.Tensor]:
@@ -90,11 +97,13 @@ def write_activations(
         raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
     try:
         try:
-            size, sha = write_file(tmp, tensors, metadata, fsync=store.durable_scratch, tensor_sha256=checksums)
+            with _encoding:
+                # no fsync here: put_file syncs a local store's file before its rename (S3 needs none)
+                size, sha = write_file(tmp, tensors, metadata, fsync=False, tensor_sha256=checksums)
         except OSError as exc:
             raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
         key = activations_key(prefix)
-        uri = store.put_file(key, tmp)
+        uri = store.put_file(key, tmp, sync_folder=False)  # the manifest's put, in this folder, syncs it
     finally:
         tmp.unlink(missing_ok=True)
     infos = [
