@@ -138,3 +138,23 @@ class ArtifactStore(ABC):
     def free_bytes(self) -> int | None:
         """Bytes left for new files, or None where the store does not say (S3)."""
         return None
+
+    def sweep_scratch(self, older_than: float) -> int:
+        """Remove the scratch files not modified for `older_than` seconds: what a writer killed
+        before its rename or upload left (never published: a file reaches a job's folder only
+        whole). Returns how many; a file that vanishes or cannot be removed is left to the next sweep."""
+        import time
+
+        removed, cutoff = 0, time.time() - older_than
+        try:
+            entries = list(self.scratch_dir().iterdir())
+        except (OSError, StorageError):
+            return 0
+        for path in entries:
+            try:
+                if path.is_file() and path.stat().st_mtime < cutoff:
+                    path.unlink()
+                    removed += 1
+            except OSError:
+                continue
+        return removed

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,10 @@ def test_a_process_killed_between_the_write_and_the_rename_publishes_nothing(tmp
     assert [p.stat().st_size for p in left] == [written]  # whole, and never under jobs/
     store = LocalStore(tmp_path)
     _second_attempt_is_whole(store, tmp_path, "j-kill")
+    # an engine's start sweeps scratch files older than the outage window and an hour
+    # (worker/engine/runtime.py): a write in flight, younger, is left alone
+    young = store.scratch_dir() / "in-flight.safetensors"
+    young.write_bytes(b"x")
+    assert store.sweep_scratch(3600) == 0 and left[0].exists()
+    os.utime(left[0], (time.time() - 7200, time.time() - 7200))
+    assert store.sweep_scratch(3600) == 1 and not left[0].exists() and young.exists()

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from worker.engine.core import EngineCore
 
 log = logging.getLogger(__name__)
+SCRATCH_GRACE = 3600.0  # seconds past the store outage window before a scratch file is called orphaned
 EX_REPLACED = 75  # the engine process ended itself to be replaced (EX_TEMPFAIL)
 WATCH_INTERVAL = 0.05  # seconds between rounds of progress writes and cancel-flag reads
 
@@ -105,10 +106,15 @@ def start(
         timer.daemon = True
         timer.start()
 
+    store = open_store(settings, wait_for_outages=True)
+    # a file still in scratch this long after its write ended is no write's: its writer was killed
+    swept = store.sweep_scratch(settings.storage_outage_seconds + SCRATCH_GRACE)
+    if swept:
+        log.info("removed %d scratch files that killed writers left (never published)", swept)
     _runtime = Runtime(
         settings=settings,
         served=served,
-        store=open_store(settings, wait_for_outages=True),
+        store=store,
         jobs=jobs,
         registry=registry,
         worker_id=worker_id,
