@@ -14,24 +14,9 @@ from typer.testing import CliRunner
 
 from shared.cli import export
 from shared.errors import ToolError
+from tests.shared.cli.test_export import _entry  # a manifest entry as the worker writes it
 
 W1, W2 = 6, 4
-
-
-def _entry(name, tensor, start, module=None, hook="output", positions="all", reduce=None):
-    entry = {
-        "name": name,
-        "module": module or name,
-        "hook": hook,
-        "shape": list(tensor.shape),
-        "dtype": str(tensor.dtype).removeprefix("torch."),
-        "positions": positions,
-        "start": start,
-        "stop": start + (tensor.shape[0] if reduce is None else 3),
-    }
-    if reduce is not None:
-        entry["reduce"] = reduce
-    return entry
 
 
 def make_results(root, lengths=((4, 5), (3, 7), (6, 2)), late_input=False):
@@ -55,9 +40,9 @@ def make_results(root, lengths=((4, 5), (3, 7), (6, 2)), late_input=False):
         save_file({"model.layers.1": one, "model.layers.2:input": two, "model.norm": mean, "token_ids": token_ids},
                   str(root / file))  # fmt: skip
         tensors = [
-            _entry("model.layers.1", one, 0),
-            _entry("model.layers.2:input", two, start2, module="model.layers.2", hook="input"),
-            _entry("model.norm", mean, 0, reduce="mean"),
+            _entry("model.layers.1", one),
+            _entry("model.layers.2:input", two, module="model.layers.2", hook="input", start=start2),
+            _entry("model.norm", mean, reduce="mean"),
             {"name": "token_ids", "shape": [total], "dtype": "int64"},
         ]
         job_id = f"job-{index}"
