@@ -168,6 +168,8 @@ def _source_rows(
             return f"{column.name} not captured per token"
         if tensor.ndim != 2 or tensor.shape[1] != column.width:
             return f"{column.name} has shape {list(tensor.shape)}, not [rows, {column.width}]"
+        if tensor.dtype != np.dtype(column.dtype):  # never narrowed: a column holds one dtype as captured
+            return f"{column.name} is {tensor.dtype} here, {column.dtype} in the export"
     start = max(int(entries[c.name]["start"]) for c in columns)
     stop = min(int(entries[c.name]["start"]) + tensors[c.name].shape[0] for c in columns)
     boundary = reply_start(fields)

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from shared.cli import export
@@ -194,3 +194,17 @@ def test_a_traces_reply_is_its_completion_span(tmp_path):
     assert [int(r["actq_generated"]) for r in rows] == [0] * 6 + [1] * 3
     _, meta, rows = _read(export.run(tmp_path / "r", format="saelens", saelens={"context": 3, "tokens": "generated"}))
     assert [int(r["actq_position"]) for r in rows] == [6, 7, 8] and len(truth["job-0"][0]) == 9
+
+
+def test_a_job_captured_in_another_dtype_is_skipped_not_narrowed(tmp_path, capsys):
+    truth = make_results(tmp_path / "r")
+    path = tmp_path / "r" / "activations" / "1.safetensors"
+    tensors = load_file(str(path))
+    tensors["model.layers.1"] = tensors["model.layers.1"].float()  # float32 where the others are float16
+    save_file(tensors, str(path))
+    _, meta, rows = _read(export.run(tmp_path / "r", format="saelens", saelens={"context": 4}))
+    assert [j["job_id"] for j in meta["jobs"]] == ["job-0", "job-2"]
+    assert meta["rows"] == len(truth["job-0"][0]) + len(truth["job-2"][0])
+    assert (
+        "skipped sources: generated: model.layers.1 is float32 here, float16 in the export 1" in capsys.readouterr().err
+    )
