@@ -237,7 +237,7 @@ def _from_jobs(given: Iterable[str | Job], point: str, tokens: str, client: Clie
         raise ValueError("jobs are read through the API: give client=Client(...)")
     jobs = []
     for item in given:
-        job = client.job(item) if isinstance(item, str) else item
+        job = client.job(item) if isinstance(item, str) else item if item.done else item.refresh()
         if job.status != "succeeded" or not job.manifest:
             raise ValueError(f"job {job.id} is {job.status} and has no activations to read")
         result = job.result

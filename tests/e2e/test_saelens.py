@@ -155,7 +155,7 @@ def test_the_reader_streams_jobs_rows_through_the_api_from_s3(live_s3):
                     assert labels["token_id"][i] == whole[job]["token_ids"][position]
                     seen.append((job, position))
             assert len(seen) == len(set(seen)) and set(seen) == expected
-        generated = activations([job.id for job in jobs], "model.layers.1", client=client, tokens="generated")
+        generated = activations(jobs, "model.layers.1", client=client, tokens="generated")  # Job objects too
         assert generated.rows == sum(job.result.usage.completion_tokens - 1 for job in jobs)
 
 
