@@ -20,7 +20,7 @@ import boto3
 import stamina
 from boto3.s3.transfer import TransferConfig
 from botocore.config import Config
-from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError
+from botocore.exceptions import BotoCoreError, ClientError, EndpointConnectionError, HTTPClientError
 from botocore.exceptions import ConnectionError as S3ConnectionError
 
 from shared.errors import StorageError
@@ -28,6 +28,9 @@ from shared.outages import STORE, outage
 from shared.storage.base import ArtifactStore, check_key
 
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken"}
+# The endpoint out of reach: refused or timed out at connect (ConnectionError), or the connection
+# lost mid-request, as when the server stops during an upload's part (HTTPClientError: closed, read timeout).
+UNREACHABLE = (S3ConnectionError, HTTPClientError)
 
 
 class S3Store(ArtifactStore):
@@ -90,13 +93,18 @@ class S3Store(ArtifactStore):
             return StorageError(f"cannot {action} {key} in {where}: {code or exc}")
         if isinstance(exc, EndpointConnectionError):
             return StorageError(f"cannot {action} {key}: S3 endpoint {self.endpoint_url or 'AWS'} is unreachable")
+        if isinstance(exc, UNREACHABLE):  # the connection lost mid-request (an upload's part, a read)
+            return StorageError(
+                f"cannot {action} {key}: S3 endpoint {self.endpoint_url or 'AWS'} is unreachable "
+                f"({type(exc).__name__}: the connection was lost mid-request)"
+            )
         return StorageError(f"cannot {action} {key} in {where}: {type(exc).__name__}: {exc}")
 
     def _upload(self, key: str, call: Callable[[], object]) -> str:
         """Run an upload; while the endpoint is unreachable, retry it for up to outage_seconds."""
 
         def unreachable(exc: Exception) -> bool:
-            return isinstance(_cause(exc), S3ConnectionError)
+            return isinstance(_cause(exc), UNREACHABLE)
 
         waiting = {"attempts": None, "timeout": self.outage_seconds} if self.outage_seconds else {"attempts": 1}
         try:

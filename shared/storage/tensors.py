@@ -58,7 +58,7 @@ def _header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, 
     return struct.pack("<Q", len(text)) + text
 
 
-GROUP_BYTES = 32 << 20  # tensors written (and hashed) together: at most this much copied at a time
+GROUP_BYTES = 1 << 20  # tensors written (and hashed) together: the copies a write holds (two groups at most)
 PIPELINED_BYTES = 64 << 20  # from this size, the hashing runs on a second thread beside the writes
 IOV_MAX = 512  # buffers per writev call (Linux takes 1,024)
 
