@@ -285,7 +285,7 @@ def _report(exported: int, counts: Counter, skipped: Counter, kept: Kept | None 
     print(line, file=sys.stderr)
 
 
-def _replace(staged: Path, out: Path) -> None:
+def replace_dataset(staged: Path, out: Path) -> None:
     """Move a finished export into place, replacing an earlier export there."""
     if out.is_dir():
         if any(out.iterdir()) and not (out / "state.json").is_file():
@@ -428,6 +428,6 @@ def _export(source: _Source, format: str, out: Path, turns: str = "all") -> tupl
             staged = Path(tmp) / "dataset"
             dataset.save_to_disk(str(staged))
             del dataset
-            _replace(staged, out)
+            replace_dataset(staged, out)
     kept.path.unlink(missing_ok=True)  # the export is whole: the partial file is in it
     return exported, counts, skipped

@@ -209,7 +209,7 @@ def write(
 ) -> tuple[dict, Counter]:
     """Export every sample's captured rows to the dataset directory `out` (replaced when it holds
     an earlier dataset); returns (what actq-export.json says, skipped sources by reason)."""
-    from shared.cli.export import _replace
+    from shared.cli.export import replace_dataset
     from shared.result_samples import sources
 
     if tokens not in TOKENS:
@@ -272,7 +272,7 @@ def write(
             "jobs": [asdict(j) for j in jobs],
         }
         (staged / META_FILE).write_text(json.dumps(meta, indent=1) + "\n")
-        _replace(staged, out)
+        replace_dataset(staged, out)
     return meta, skipped
 
 
