@@ -36,7 +36,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from shared.client_jobs import Job
 
 TOKENS = ("all", "prompt", "generated")
-LABELS = ("job", "position", "token_id", "generated")
 
 
 @dataclass(frozen=True)
@@ -138,16 +137,16 @@ class Activations:
         rows = _read_rows(job, self.point, self.client, a - job.first, b - job.first)
         if self.dtype is not None:
             rows = rows.to(self.dtype)
+        if not self.labels:  # nothing else to gather and shuffle beside the rows
+            return {"rows": rows}
         positions = torch.arange(a, b)
-        read: dict[str, Any] = {
+        return {
             "rows": rows,
             "job": torch.full((b - a,), j, dtype=torch.long),
             "position": positions,
+            "token_id": self._tokens(j)[a:b],
             "generated": positions >= job.prompt_tokens,
         }
-        if self.labels:
-            read["token_id"] = self._tokens(j)[a:b]
-        return read
 
     def _tokens(self, j: int) -> Any:
         """Job j's token ids (read once; the small tensor beside the captures)."""

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
+from shared.activations import TOKENS  # all, prompt, generated: the reader's choice too
 from shared.cli.export_partial import FetchFailed
 from shared.cli.export_reader import TOKEN_IDS, Reader, next_sample
 from shared.errors import ToolError
 from shared.result_samples import reply_start
 
-TOKENS = ("all", "prompt", "generated")
 PAD_TOKEN_ID = -1
 META_FILE = "actq-export.json"
 DEFAULT_CONTEXT = 128
