@@ -32,7 +32,7 @@ from shared.schemas import BaselineResult, JobRecord, JobRequest
 from worker.engine import runtime
 from worker.engine.scheduler import Entry
 from worker.engine.text_stream import TextStream
-from worker.model.memory import release_memory
+from worker.model.memory import release_memory_soon
 from worker.results import attempt_files
 from worker.results.job_result import job_result
 from worker.results.store_writes import StoreWrites
@@ -279,7 +279,7 @@ def _finish(rt: runtime.Runtime, job_id: str, holder: dict, outcome: Sequence | 
     except Exception:
         log.exception("job %s: recording its outcome failed", job_id)
     finally:
-        release_memory()
+        release_memory_soon()  # the heap given back now, or within 0.5 s when jobs end faster
         reply(job_id, answer)
 
 
