@@ -152,8 +152,8 @@ def start(
 
 def freeze_heap() -> None:
     """The objects alive once the model is served (its modules and parameters, the libraries': about
-    450,000 on the built-in model) out of the cyclic collector's reach (`gc.freeze`), as vLLM's
-    engine does after its start. A full collection walks every tracked object while holding the GIL,
+    450,000 with the benches' tiny model) out of the cyclic collector's reach (`gc.freeze`), as
+    vLLM's engine core does once started. A full collection walks every tracked object while holding the GIL,
     and every thread of this process waits: capture jobs (their points, buffers and manifests, about
     1,200 tracked objects each) brought one or two full collections per 256 jobs, 0.35-0.45 s each
     on 2 cores, during which the engine thread could not take a step. Frozen objects are never
