@@ -16,7 +16,7 @@ from shared.job_records import RESULT_INLINE_BYTES, ended, now, same_outcome, sp
 from shared.job_transactions import JobStoreCore, Unreadable
 from shared.listing import tag_indexes
 from shared.newer_records import RecordCore, ended_as_stored, newer_fields_message, stored_fields, unsupported
-from shared.schemas import ActivationsManifest, JobRecord, JobResult, JobStatus
+from shared.schemas import ActivationsManifest, JobRecord, JobStatus
 
 
 class JobLifecycle(JobStoreCore):
@@ -131,11 +131,12 @@ class JobLifecycle(JobStoreCore):
         StaleAttempt and nothing changed (`_end`). A cancel asked before this transaction (the API
         answered 202) wins: CancelAsked, nothing changed, and the caller ends the job cancelled."""
         shown, whole = split_result(result, inline_bytes)
-        # validated once, here: the record read in the transaction is valid already, and dumping
-        # and validating it whole (its request, its capture points) again cost more than the write
+        # validated once, here (the result by split_result): the record read in the transaction is
+        # valid already, and dumping and validating it whole (its request, its capture points)
+        # again cost more than the write
         outcome = {
             "status": JobStatus.succeeded,
-            "result": JobResult.model_validate(shown),
+            "result": shown,
             "activations": None if activations is None else ActivationsManifest.model_validate(activations),
         }
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from shared import keys, stats
 from shared.errors import JobCancelled, JobFailure
-from shared.schemas import RESULT_PREVIEW_CHARS, RESULT_TEXT_INLINE_CHARS, JobRecord, JobStatus, JobSummary
+from shared.schemas import RESULT_PREVIEW_CHARS, RESULT_TEXT_INLINE_CHARS, JobRecord, JobResult, JobStatus, JobSummary
 
 RESULT_INLINE_BYTES = 16 << 10  # a result's JSON above this is stored apart (ACTQ_RESULT_INLINE_BYTES)
 PREVIEW_CHARS = 200  # of a job's prompt, in GET /jobs
@@ -33,23 +33,22 @@ def record_stats(pipe: Any, record: JobRecord) -> None:
             stats.observe(pipe, record.model, "duration", (record.finished_at - record.started_at).total_seconds())
 
 
-def split_result(result: dict[str, Any], inline_bytes: int) -> tuple[dict[str, Any], bytes | None]:
-    """A result for the record, and the whole result's JSON when it is larger than `inline_bytes`
-    (None: it stays whole in the record). The record's copy of a larger one keeps the totals, the
-    text unless it is longer than RESULT_TEXT_INLINE_CHARS (then its first RESULT_PREVIEW_CHARS),
-    and says where the rest is (`stored`)."""
-    from shared.schemas import JobResult
-
-    whole = JobResult.model_validate(result).model_dump_json().encode()
+def split_result(result: dict[str, Any], inline_bytes: int) -> tuple[JobResult, bytes | None]:
+    """A result for the record (validated), and the whole result's JSON when it is larger than
+    `inline_bytes` (None: it stays whole in the record). The record's copy of a larger one keeps
+    the totals, the text unless it is longer than RESULT_TEXT_INLINE_CHARS (then its first
+    RESULT_PREVIEW_CHARS), and says where the rest is (`stored`)."""
+    validated = JobResult.model_validate(result)
+    whole = validated.model_dump_json().encode()
     if len(whole) <= inline_bytes:
-        return result, None
+        return validated, None
     text = result["text"]
     cut = len(text) > RESULT_TEXT_INLINE_CHARS
     summary = {**result, "text": text[:RESULT_PREVIEW_CHARS] if cut else text}
     if result.get("logprobs") is not None:
         summary["logprobs"] = {**result["logprobs"], "content": None}
     summary["stored"] = {"bytes": len(whole), "text_truncated": cut}
-    return summary, whole
+    return JobResult.model_validate(summary), whole
 
 
 def summarize(record: JobRecord) -> JobSummary:
@@ -90,7 +89,7 @@ def same_outcome(stored: JobRecord, wanted: JobRecord) -> bool:
     return stored.model_dump(exclude={"finished_at"}) == wanted.model_dump(exclude={"finished_at"})
 
 
-def ended(record: JobRecord, failure: JobFailure, result: dict[str, Any] | None) -> JobRecord:
+def ended(record: JobRecord, failure: JobFailure, result: JobResult | None) -> JobRecord:
     status = JobStatus.cancelled if isinstance(failure, JobCancelled) else JobStatus.failed
     data = record.model_dump()
     data.update(status=status, error=failure.as_error(), finished_at=now())
