@@ -65,6 +65,15 @@ def wait_running(http: httpx.Client, job_id: str, timeout: float = 60) -> None:
         time.sleep(0.005)
 
 
+def wait_started(http: httpx.Client, job_id: str, timeout: float = 60) -> None:
+    """Until the job has left the queue: it runs, or ran already (a short job may start and end
+    between two polls)."""
+    deadline = time.monotonic() + timeout
+    while http.get(f"/jobs/{job_id}").json()["status"] == "queued":
+        assert time.monotonic() < deadline, "still queued"
+        time.sleep(0.005)
+
+
 def assert_one_artifact_each(s, jobs: list[dict]) -> None:
     for job in jobs:
         assert_stored_once(s.storage_dir, job)
@@ -225,8 +234,9 @@ def test_s3_server_stopped_mid_run(live, tiny_dir, tmp_path, outage_seconds):
         env = {**s3.env("outage"), "ACTQ_STORAGE_OUTAGE_SECONDS": str(outage_seconds)}
         with own_stack(tmp_path / "stack", live.env, **env) as s, s.client() as http:
             s.start_worker("w", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-s3o"})
-            ids = submit_batch(http, tiny_body("tiny-s3o", max_tokens=8), 30)
-            wait_running(http, ids[3])
+            # long enough that the jobs are still generating when S3 stops
+            ids = submit_batch(http, tiny_body("tiny-s3o", max_tokens=48), 30)
+            wait_started(http, ids[3])
             s3.stop()
             time.sleep(3)
             s3.start()
