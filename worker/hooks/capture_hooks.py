@@ -20,6 +20,7 @@ from shared.errors import JobFailure
 from worker.hooks.capture import JobCapture
 from worker.hooks.device import home_device
 from worker.hooks.module_rows import first_input, first_tensor, split_rows, step_rows
+from worker.hooks.pass_block import PassBlock
 from worker.hooks.paths import PassRows
 from worker.hooks.row_identity import remember_all, same_all
 from worker.hooks.step_capture import ring_depth
@@ -56,6 +57,7 @@ class BatchHooks:
         self._in_flight: set[torch.device] = set()  # GPUs whose staged copies may not be complete
         self._wanted: set[tuple[str, str]] = set()  # what the batch of `_wanted_for` captures
         self._wanted_for: tuple[weakref.ref | None, ...] = ()
+        self._block: PassBlock | None = None  # a prompt pass's rows of every job, gathered per key
 
     def __enter__(self) -> BatchHooks:
         return self
@@ -64,16 +66,22 @@ class BatchHooks:
         self.release()
 
     def begin(self, rows: list[JobCapture | None], at: PassRows) -> None:
-        """`CapturePath.begin` (worker/hooks/paths.py): `use`, each row's own positions its last ones."""
+        """`CapturePath.begin` (worker/hooks/paths.py): `use`, each row's own positions its last ones;
+        a prompt pass of several jobs gathers their rows per key (worker/hooks/pass_block.py)."""
         self.use(rows, at.lengths, at.decoding)
+        self._block = PassBlock.plan(rows, at)
 
     def record(self, at: PassRows) -> AbstractContextManager[object]:
         """`CapturePath.record`: nothing to add, the hooks stay on their modules from `begin`."""
         return nullcontext()
 
     def finish(self) -> dict[int, JobFailure]:
-        """`CapturePath.finish`: `flush`; the rows whose capture failed."""
+        """`CapturePath.finish`: `flush`, a prompt pass's gathered rows to their jobs; the rows whose
+        capture failed."""
         self.flush()
+        block, self._block = self._block, None
+        if block is not None:
+            block.apply(self.failures)
         return dict(self.failures)
 
     def hand_over(self) -> None:
@@ -97,6 +105,7 @@ class BatchHooks:
         `lengths`: the pass is left-padded and row b's own positions are its last `lengths[b]`.
         `decoding`: every sequence feeds one position (batched gathers, see the class)."""
         self.settle(rows, decoding)
+        self._block = None  # `begin` plans one for its pass
         self.rows, self.lengths, self.decoding = rows, lengths, decoding
         # a job whose staged rows did not fit (in `settle`) has failed already: the pass says so too
         self.failures = {i: c.failure for i, c in enumerate(rows) if c is not None and c.failure is not None}
@@ -213,6 +222,8 @@ class BatchHooks:
                 self._rings[key].stage(rows)
                 self._written.append(key)
                 return
+        elif self._block is not None and self._block.take(key, value):
+            return
         for index, (capture, rows) in enumerate(zip(self.rows, split_rows(value, len(self.rows)), strict=True)):
             if capture is None or index in self.failures:
                 continue
