@@ -87,6 +87,17 @@ class Block:
         return self.rows[:, :, offset : offset + width]
 
 
+def copy_columns(source: torch.Tensor, target: torch.Tensor, columns: torch.Tensor | None) -> None:
+    """`source`'s columns `columns` (None: all, in order) into `target`, cast to its dtype: one
+    copy, or one gather straight into it when the dtypes agree."""
+    if columns is None:
+        target.copy_(source)
+    elif source.dtype == target.dtype:
+        torch.index_select(source, 1, columns, out=target)
+    else:
+        target.copy_(source.index_select(1, columns))
+
+
 class JobCapture:
     """One job's kept rows: a buffer per capture point, filled by `keep` with the rows of this job's
     sequence at each forward step (on the CPU, in the capture dtype; `copy_` casts and moves in one
@@ -240,12 +251,7 @@ class JobCapture:
         target = self.arena[at : at + stop - begin]
         if target.shape[0] != stop - begin:
             raise JobFailure(f"{first_buffer.point.name}: positions [{begin}, {stop}) past the rows it may keep")
-        if columns is None:
-            target.copy_(source)
-        elif source.dtype == target.dtype:
-            torch.index_select(source, 1, columns, out=target)
-        else:
-            target.copy_(source.index_select(1, columns))
+        copy_columns(source, target, columns)
 
     def _block_columns(self, block: Block) -> tuple[bool, torch.Tensor | None]:
         """The block's columns this job keeps, in its arena's order (None: the block's own, in

@@ -22,7 +22,7 @@ import math
 import torch
 
 from shared.errors import JobFailure
-from worker.hooks.capture import JobCapture
+from worker.hooks.capture import JobCapture, copy_columns
 from worker.hooks.paths import PassRows
 
 Key = tuple[str, str]  # (module path, "output" | "input")
@@ -135,14 +135,7 @@ class PassBlock:
         if not kept:
             return
         if len(taken) == len(capture.buffers):  # every point of the job: one copy into its arena
-            columns = self._columns(capture)
-            target = capture.arena[:kept]
-            if columns is None:
-                target.copy_(rows)
-            elif rows.dtype == target.dtype:
-                torch.index_select(rows, 1, columns, out=target)
-            else:
-                target.copy_(rows.index_select(1, columns))
+            copy_columns(rows, capture.arena[:kept], self._columns(capture))
             return
         for buffer in taken:  # some keys were kept one by one: these points' columns alone
             offset, width = self.columns[(buffer.point.module, buffer.point.hook)]
