@@ -11,6 +11,7 @@ import torch
 from shared.capture_spec import resolve
 from tests.worker.test_batching import QUESTIONS, RELATIVE_TOLERANCE, job, load_engine, prepare, run_batched
 from worker.batch.sequence import Sequence
+from worker.hooks import pass_block
 
 pytestmark = pytest.mark.model
 
@@ -40,13 +41,28 @@ def test_jobs_keeping_different_points_features_and_dtypes_side_by_side_equal_fo
     assert_equal_forward_hooks(served, jobs, batched)
 
 
-def test_jobs_prefilled_in_one_pass_keeping_different_points_features_and_dtypes_equal_forward_hooks(served):
+@pytest.mark.parametrize("block_bytes", [pass_block.BLOCK_BYTES, 1024], ids=["gathered", "over-the-cap"])
+def test_jobs_prefilled_in_one_pass_keeping_different_points_features_and_dtypes_equal_forward_hooks(
+    served, monkeypatch, block_bytes
+):
     """A prompt pass of several jobs gathers each module's kept rows of every job at once and hands
     each job its rows in one copy (worker/hooks/pass_block.py): jobs of different prompt lengths
     (left-padded) that keep the same modules in another order, a feature subset, another dtype,
     the prompt's positions or only the last one, a module computed at the last position alone
     (`lm_head`, kept job by job beside the gathered ones) and a job that captures nothing, each
-    against forward hooks on the plain model running `generate` alone."""
+    against forward hooks on the plain model running `generate` alone. A block that would hold
+    more than BLOCK_BYTES gathers nothing: every job keeps its rows one by one, the same."""
+    monkeypatch.setattr(pass_block, "BLOCK_BYTES", block_bytes)
+    taken: list[tuple[str, str]] = []
+    take = pass_block.PassBlock.take
+
+    def counting(self, key, value):
+        done = take(self, key, value)
+        if done:
+            taken.append(key)
+        return done
+
+    monkeypatch.setattr(pass_block.PassBlock, "take", counting)
     specs = [
         {"modules": ["model.layers.{0,2}", "model.layers.1.mlp"], "positions": "all"},
         {"modules": ["model.layers.1.mlp", "model.layers.0"], "positions": "generated", "features": [1, 5, 9]},
@@ -71,6 +87,9 @@ def test_jobs_prefilled_in_one_pass_keeping_different_points_features_and_dtypes
             decoder.close()
     batched = [served.finish(ended[i], req) for i, (req, _) in enumerate(jobs)]
     assert_equal_forward_hooks(served, jobs, batched)
+    # every module of the pass but lm_head (computed at the last position only) was gathered, or none
+    wanted = {(c.point.module, c.point.hook) for got in batched for c in got.captured} - {("lm_head", "output")}
+    assert set(taken) == (wanted if block_bytes > 1024 else set())
 
 
 def assert_equal_forward_hooks(served, jobs, batched) -> None:

@@ -26,6 +26,10 @@ from worker.hooks.capture import JobCapture, copy_columns
 from worker.hooks.paths import PassRows
 
 Key = tuple[str, str]  # (module path, "output" | "input")
+# The most a block holds: on a GPU it lives on the device until the pass returned. A pass keeping
+# more (every prompt position of long prompts at many modules) keeps its rows job by job, straight
+# to each job's arena on the host, as before there were blocks.
+BLOCK_BYTES = 32 << 20
 
 
 class PassBlock:
@@ -85,7 +89,8 @@ class PassBlock:
     def take(self, key: Key, value: torch.Tensor | None) -> bool:
         """Gather this key's kept rows of every job from the module's `value`; False (nothing
         taken) when the value is not `[batch, width, ...]` of the key's width, or of another
-        dtype than the block's: the jobs keep that key one by one."""
+        dtype than the block's, or the block would hold more than BLOCK_BYTES: the jobs keep that
+        key one by one."""
         found = self.columns.get(key)
         if found is None or value is None or value.dim() < 3:
             return False
@@ -93,6 +98,9 @@ class PassBlock:
         if value.shape[0] != self.batch or value.shape[1] != self.width or math.prod(value.shape[2:]) != width:
             return False
         if self.rows is None:
+            if len(self.index) * self.total * value.element_size() > BLOCK_BYTES:
+                self.columns = {}  # too large: every key is kept job by job
+                return False
             self.rows = torch.empty((len(self.index), self.total), dtype=value.dtype, device=value.device)
         if value.dtype != self.rows.dtype or value.device != self.rows.device:
             return False
