@@ -92,8 +92,8 @@ class PassBlock:
         dtype than the block's, or the block would hold more than BLOCK_BYTES: the jobs keep that
         key one by one."""
         found = self.columns.get(key)
-        if found is None or value is None or value.dim() < 3:
-            return False
+        if found is None or key in self.taken or value is None or value.dim() < 3:
+            return False  # (a module run twice in one pass: its jobs' buffers say so, one by one)
         offset, width = found
         if value.shape[0] != self.batch or value.shape[1] != self.width or math.prod(value.shape[2:]) != width:
             return False
