@@ -253,6 +253,61 @@ class JobCapture:
             raise JobFailure(f"{first_buffer.point.name}: positions [{begin}, {stop}) past the rows it may keep")
         copy_columns(source, target, columns)
 
+    def keep_pass(
+        self,
+        rows: torch.Tensor,
+        begin: int,
+        columns: dict[tuple[str, str], tuple[int, int]],
+        taken: set[tuple[str, str]],
+    ) -> None:
+        """This job's rows of a prompt pass gathered with other jobs' (worker/hooks/pass_block.py):
+        `rows[i]` holds position `begin + i` of every key of the pass side by side, key k's values
+        in `columns[k] = (offset, width)`; the keys in `taken` were gathered (the others this job
+        keeps one by one, `keep`). What `keep` does for each taken key at the prompt's step, in
+        one copy into the arena when every point's key was taken (one gather when its points are
+        not the block's columns in order)."""
+        kept_by_block = [buffer for key, buffers in self.wanted.items() if key in taken for buffer in buffers]
+        if not kept_by_block:
+            return
+        kept = int(rows.shape[0])
+        if kept > self.arena.shape[0]:
+            name = kept_by_block[0].point.name
+            raise JobFailure(f"{name}: positions [{begin}, {begin + kept}) past the rows it may keep")
+        self._changing()
+        for buffer in kept_by_block:
+            buffer.steps += 1
+            if kept:
+                buffer.first = begin
+        if not kept:
+            return
+        if len(kept_by_block) == len(self.buffers):  # every point: one copy into the arena
+            copy_columns(rows, self.arena[:kept], self._pass_columns(columns, int(rows.shape[1])))
+            return
+        for buffer in kept_by_block:  # some keys are kept one by one: these points' columns alone
+            offset, width = columns[(buffer.point.module, buffer.point.hook)]
+            part = rows[:, offset : offset + width]
+            if buffer.select is not None:
+                part = part.index_select(1, buffer.select)
+            buffer.rows[:kept].copy_(part)
+
+    def _pass_columns(self, columns: dict[tuple[str, str], tuple[int, int]], total: int) -> torch.Tensor | None:
+        """A pass block's columns in the arena's order (None: the block's own, in order: the jobs of
+        a pass that capture the same points)."""
+        at = 0
+        for buffer in self.buffers:
+            offset, width = columns[(buffer.point.module, buffer.point.hook)]
+            if buffer.select is not None or offset != at:
+                break
+            at += width
+        else:
+            if at == total:
+                return None
+        parts = []
+        for buffer in self.buffers:
+            offset, width = columns[(buffer.point.module, buffer.point.hook)]
+            parts.append(torch.arange(offset, offset + width) if buffer.select is None else buffer.select + offset)
+        return torch.cat(parts)
+
     def _block_columns(self, block: Block) -> tuple[bool, torch.Tensor | None]:
         """The block's columns this job keeps, in its arena's order (None: the block's own, in
         order); first False when a point's key is not in the block or has another width."""

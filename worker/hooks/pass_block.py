@@ -5,8 +5,8 @@ handed to each job in one copy: the prefill's counterpart of the decoding steps'
 Without it a prompt pass of B jobs capturing K modules cost K x B Python calls and copies (each job
 its own rows of each module, `JobCapture.keep`); with it, K gathers while the pass runs (each
 module's kept rows of every job, side by side in one block) and B copies after it, one per job
-into its arena (`apply`). The block holds only the rows the jobs keep: a `generated` capture keeps
-each prompt's last position, `all` or `prompt` every prompt position.
+into its arena (`apply`, `JobCapture.keep_pass`). The block holds only the rows the jobs keep: a
+`generated` capture keeps each prompt's last position, `all` or `prompt` every prompt position.
 
 It serves the first pass of jobs whose prompt the pass feeds whole (not a chunk of it) and whose
 rows are copied as they are (no reduction, not `last`); a module whose value is not one row per
@@ -22,7 +22,7 @@ import math
 import torch
 
 from shared.errors import JobFailure
-from worker.hooks.capture import JobCapture, copy_columns
+from worker.hooks.capture import JobCapture
 from worker.hooks.paths import PassRows
 
 Key = tuple[str, str]  # (module path, "output" | "input")
@@ -124,48 +124,6 @@ class PassBlock:
             if b in failures:
                 continue
             try:
-                self._keep(capture, rows[first : first + kept], begin)
+                capture.keep_pass(rows[first : first + kept], begin, self.columns, self.taken)
             except JobFailure as exc:
                 failures[b] = exc
-
-    def _keep(self, capture: JobCapture, rows: torch.Tensor, begin: int) -> None:
-        taken = [buffer for key, buffers in capture.wanted.items() if key in self.taken for buffer in buffers]
-        if not taken:
-            return
-        kept = int(rows.shape[0])
-        if kept > capture.arena.shape[0]:
-            raise JobFailure(f"{taken[0].point.name}: positions [{begin}, {begin + kept}) past the rows it may keep")
-        capture._changing()
-        for buffer in taken:
-            buffer.steps += 1
-            if kept:
-                buffer.first = begin
-        if not kept:
-            return
-        if len(taken) == len(capture.buffers):  # every point of the job: one copy into its arena
-            copy_columns(rows, capture.arena[:kept], self._columns(capture))
-            return
-        for buffer in taken:  # some keys were kept one by one: these points' columns alone
-            offset, width = self.columns[(buffer.point.module, buffer.point.hook)]
-            part = rows[:, offset : offset + width]
-            if buffer.select is not None:
-                part = part.index_select(1, buffer.select)
-            buffer.rows[:kept].copy_(part)
-
-    def _columns(self, capture: JobCapture) -> torch.Tensor | None:
-        """The block's columns in the order of the job's arena (None: the block's own, in order:
-        the jobs of a pass that capture the same points)."""
-        at = 0
-        for buffer in capture.buffers:
-            offset, width = self.columns[(buffer.point.module, buffer.point.hook)]
-            if buffer.select is not None or offset != at:
-                break
-            at += width
-        else:
-            if at == self.total:
-                return None
-        parts = []
-        for buffer in capture.buffers:
-            offset, width = self.columns[(buffer.point.module, buffer.point.hook)]
-            parts.append(torch.arange(offset, offset + width) if buffer.select is None else buffer.select + offset)
-        return torch.cat(parts)
