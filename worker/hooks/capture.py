@@ -281,7 +281,7 @@ class JobCapture:
         if not kept:
             return
         if len(kept_by_block) == len(self.buffers):  # every point: one copy into the arena
-            copy_columns(rows, self.arena[:kept], self._pass_columns(columns, int(rows.shape[1])))
+            copy_columns(rows, self.arena[:kept], self._arena_columns(columns, int(rows.shape[1]))[1])
             return
         for buffer in kept_by_block:  # some keys are kept one by one: these points' columns alone
             offset, width = columns[(buffer.point.module, buffer.point.hook)]
@@ -290,40 +290,35 @@ class JobCapture:
                 part = part.index_select(1, buffer.select)
             buffer.rows[:kept].copy_(part)
 
-    def _pass_columns(self, columns: dict[tuple[str, str], tuple[int, int]], total: int) -> torch.Tensor | None:
-        """A pass block's columns in the arena's order (None: the block's own, in order: the jobs of
-        a pass that capture the same points)."""
-        at = 0
-        for buffer in self.buffers:
-            offset, width = columns[(buffer.point.module, buffer.point.hook)]
-            if buffer.select is not None or offset != at:
-                break
-            at += width
-        else:
-            if at == total:
-                return None
-        parts = []
-        for buffer in self.buffers:
-            offset, width = columns[(buffer.point.module, buffer.point.hook)]
-            parts.append(torch.arange(offset, offset + width) if buffer.select is None else buffer.select + offset)
-        return torch.cat(parts)
-
     def _block_columns(self, block: Block) -> tuple[bool, torch.Tensor | None]:
-        """The block's columns this job keeps, in its arena's order (None: the block's own, in
-        order); first False when a point's key is not in the block or has another width."""
+        """`_arena_columns` of a decoding window's block, kept for as long as its layout lasts."""
         if self._columns is not None and self._columns[0] is block.layout:
             return True, self._columns[1]
-        parts = []
+        fits, index = self._arena_columns(block.columns, block.width)
+        if fits:
+            self._columns = (block.layout, index)
+        return fits, index
+
+    def _arena_columns(
+        self, columns: dict[tuple[str, str], tuple[int, int]], total: int
+    ) -> tuple[bool, torch.Tensor | None]:
+        """A block's columns (`columns[key] = (offset, width)`, `total` in all) in this job's arena's
+        order, None when they are the block's own in order (jobs keeping the same points); first
+        False when a point's key is not in the block or has another width."""
+        at, in_order = 0, True
         for buffer in self.buffers:
-            found = block.columns.get((buffer.point.module, buffer.point.hook))
+            found = columns.get((buffer.point.module, buffer.point.hook))
             if found is None or found[1] != buffer.width:
                 return False, None
-            offset, width = found
+            in_order = in_order and buffer.select is None and found[0] == at
+            at += found[1]
+        if in_order and at == total:
+            return True, None
+        parts = []
+        for buffer in self.buffers:
+            offset, width = columns[(buffer.point.module, buffer.point.hook)]
             parts.append(torch.arange(offset, offset + width) if buffer.select is None else buffer.select + offset)
-        index = torch.cat(parts)
-        whole = index.numel() == block.width and bool((index == torch.arange(block.width)).all())
-        self._columns = (block.layout, None if whole else index)
-        return True, self._columns[1]
+        return True, torch.cat(parts)
 
     def _keep_steps(self, buffer: _Buffer, rows: torch.Tensor) -> None:
         name, width = buffer.point.name, buffer.width
