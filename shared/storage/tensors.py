@@ -47,7 +47,7 @@ def read_header(store: ArtifactStore, key: str) -> tuple[int, dict]:
     return 8 + length, json.loads(store.read_range(key, 8, length))
 
 
-def _header(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> bytes:
+def header_bytes(entries: list[tuple[str, str, list[int], int]], metadata: dict[str, str]) -> bytes:
     header: dict = {"__metadata__": metadata}
     offset = 0
     for name, dtype, shape, size in entries:
@@ -87,7 +87,7 @@ def write_file(
         )
         for name, tensor in tensors.items()
     ]
-    header = _header(entries, metadata)
+    header = header_bytes(entries, metadata)
     digest = hashlib.sha256(header)
     total = len(header) + sum(entry[3] for entry in entries)
 
@@ -160,7 +160,7 @@ def _write_all(fd: int, views: list[memoryview]) -> None:
 def encode(tensors: dict[str, tuple[str, list[int], bytes]], metadata: dict[str, str]) -> bytes:
     """A safetensors file from (dtype, shape, raw bytes) per name."""
     entries = [(name, dtype, shape, len(data)) for name, (dtype, shape, data) in tensors.items()]
-    return _header(entries, metadata) + b"".join(data for _, _, data in tensors.values())
+    return header_bytes(entries, metadata) + b"".join(data for _, _, data in tensors.values())
 
 
 class TensorSlice:
@@ -199,7 +199,7 @@ def tensor_slice(store: ArtifactStore, key: str, name: str, rows: tuple[int | No
     metadata = {k: str(v) for k, v in header.get("__metadata__", {}).items()}
     if picked is not None:
         metadata["rows"] = f"{picked[0]}:{picked[1]}"
-    head = _header([(name, dtype, shape, end - begin)], metadata)
+    head = header_bytes([(name, dtype, shape, end - begin)], metadata)
     return TensorSlice(head, data_start + begin, end - begin, picked)
 
 

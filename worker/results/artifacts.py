@@ -3,21 +3,20 @@ folder of the attempt that ran it (shared/storage/base.py: `jobs/<id>/attempt-<n
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import tempfile
 import threading
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 
 from shared.errors import StorageError
-from shared.schemas import ActivationsManifest, CaptureSpec, TensorInfo
-from shared.storage import ArtifactStore, activations_key, manifest_key
+from shared.schemas import ActivationsManifest, CaptureSpec
+from shared.storage import ArtifactStore
 from shared.storage.tensors import write_file
 from worker.batch.generation import Generation
 from worker.batch.sequence import TokenScores
+from worker.results.publishing import publish, scratch_file
 
 FORMAT = "actq/1"
 log = logging.getLogger(__name__)
@@ -51,21 +50,24 @@ def score_tensors(scores: TokenScores) -> dict[str, torch.Tensor]:
 BASELINE = "baseline/"  # the prefix of the unedited run's tensors (`baseline: true`)
 
 
-def write_activations(
-    store: ArtifactStore,
-    job_id: str,
-    model: str,
-    capture: CaptureSpec | None,
-    generation: Generation,
-    baseline: Generation | None = None,
-    *,
-    prefix: str,
-) -> ActivationsManifest:
-    """Write the file, then the manifest, under `prefix` (the attempt's folder: attempt_prefix);
-    both are whole before this returns (the job is marked succeeded only afterwards). Another
-    attempt of the same job writes under another prefix, never over these keys. `baseline`: the
-    same job run without its interventions, whose tensors are named `baseline/<name>`."""
+@dataclass
+class CaptureFile:
+    """What a job's activations file holds, before it is written: its tensors in file order, the
+    file's metadata, and each captured tensor's manifest entry but its sha256 (known once written)."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    entries: list[dict]  # TensorInfo's fields, but sha256
+    extra: list[str]  # the other tensors' names: token ids, log-probabilities
+
+
+def capture_file(
+    job_id: str, model: str, capture: CaptureSpec | None, generation: Generation, baseline: Generation | None = None
+) -> CaptureFile:
+    """The file of `generation`'s activations (and `baseline`'s: the same job run without its
+    interventions, whose tensors are named `baseline/<name>`)."""
     positions = capture.positions if capture is not None else "all"
+    reduce = capture.reduce if capture is not None else "none"
     captured = [(c.point.name, c, False) for c in generation.captured]
     tensors = {c.point.name: c.tensor for c in generation.captured}
     tensors["token_ids"] = generation.token_ids.contiguous()
@@ -84,57 +86,54 @@ def write_activations(
         "prompt_tokens": str(generation.prompt_tokens),
         "completion_tokens": str(generation.completion_tokens),
         "positions": positions,
-        "reduce": capture.reduce if capture is not None else "none",
+        "reduce": reduce,
     }
     if generation.completion is not None:
         metadata["completion_span"] = f"{generation.completion[0]}:{generation.completion[1]}"
+    entries = [
+        {
+            "name": name,
+            "module": c.point.module,
+            "hook": c.point.hook,
+            "shape": list(c.tensor.shape),
+            "dtype": str(c.tensor.dtype).removeprefix("torch."),
+            "positions": positions,
+            "start": c.start,
+            "stop": c.stop,
+            "bytes": c.tensor.numel() * c.tensor.element_size(),
+            "reduce": reduce,
+            "features": c.features,
+            "baseline": unedited,
+        }
+        for name, c, unedited in captured
+    ]
+    return CaptureFile(tensors, metadata, entries, list(extra))
+
+
+def write_activations(
+    store: ArtifactStore,
+    job_id: str,
+    model: str,
+    capture: CaptureSpec | None,
+    generation: Generation,
+    baseline: Generation | None = None,
+    *,
+    prefix: str,
+) -> ActivationsManifest:
+    """Write the file, then the manifest, under `prefix` (the attempt's folder: attempt_prefix);
+    both are whole before this returns (the job is marked succeeded only afterwards). Another
+    attempt of the same job writes under another prefix, never over these keys. `baseline`: the
+    same job run without its interventions, whose tensors are named `baseline/<name>`."""
+    file = capture_file(job_id, model, capture, generation, baseline)
     checksums: dict[str, str] = {}  # each tensor's sha256, filled while the file is written
-    try:
-        fd, name = tempfile.mkstemp(dir=store.scratch_dir(), suffix=".safetensors")
-        os.close(fd)
-        tmp = Path(name)
-    except OSError as exc:
-        raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
+    tmp = scratch_file(store)
     try:
         try:
             with _encoding:
                 # no fsync here: put_file syncs a local store's file before its rename (S3 needs none)
-                size, sha = write_file(tmp, tensors, metadata, fsync=False, tensor_sha256=checksums)
+                size, sha = write_file(tmp, file.tensors, file.metadata, fsync=False, tensor_sha256=checksums)
         except OSError as exc:
             raise StorageError(f"cannot write activations: {exc.strerror or exc}") from exc
-        key = activations_key(prefix)
-        uri = store.put_file(key, tmp, sync_folder=False)  # the manifest's put, in this folder, syncs it
+        return publish(store, job_id, model, file.metadata, file.entries, file.extra, tmp, size, sha, checksums, prefix)
     finally:
         tmp.unlink(missing_ok=True)
-    infos = [
-        TensorInfo(
-            name=name,
-            module=c.point.module,
-            hook=c.point.hook,
-            shape=list(c.tensor.shape),
-            dtype=str(c.tensor.dtype).removeprefix("torch."),
-            positions=positions,
-            start=c.start,
-            stop=c.stop,
-            bytes=c.tensor.numel() * c.tensor.element_size(),
-            reduce=capture.reduce if capture is not None else "none",
-            features=c.features,
-            baseline=unedited,
-            sha256=checksums[name],
-        )
-        for name, c, unedited in captured
-    ]
-    others = {name: checksums[name] for name in ("token_ids", *extra)}
-    manifest = ActivationsManifest(
-        uri=uri, key=key, sha256=sha, bytes=size, tensors=infos, extra=list(extra), extra_sha256=others
-    )
-    document = {"job_id": job_id, "model": model, "metadata": metadata, **manifest.model_dump(exclude_none=True)}
-    try:
-        store.put_bytes(manifest_key(prefix), json.dumps(document).encode())  # indent would be the slow encoder
-    except StorageError:  # remove the file that has no manifest (the job fails with the first error)
-        try:
-            store.delete_prefix(prefix)  # this attempt's alone: never another attempt's files
-        except StorageError as exc:
-            log.warning("job %s: activations without a manifest left at %s: %s", job_id, uri, exc.message)
-        raise
-    return manifest
