@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass, field
 
 from worker.engine.process import NODE_ENV, REPLY_FD_ENV, ROLE_ENV
+from worker.rules.failures import exit_status
 
 EX_FAILURE = 1
 RESTARTS = 3  # tries to replace a dead engine before the worker gives up
@@ -62,18 +63,6 @@ class _Engine:
     replace: list[str] = field(default_factory=list)  # why it asked to be replaced, if it did
     dead: str | None = None  # why it ended, as it said before it did (its `dead` message), if it said
     culprit: str | None = None  # the job it was stopped for (hard time limit)
-
-
-def exit_status(code: int | None) -> str:
-    """A process's end in words: its exit status or the signal that ended it."""
-    if code is None:
-        return "still running"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit status {code}"
 
 
 class EngineClient:

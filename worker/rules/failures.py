@@ -10,6 +10,7 @@ recognised through the `torch` module already imported by whoever raised it.
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 
 from shared.errors import InternalError, JobFailure, OutOfMemory
@@ -49,3 +50,15 @@ def failure_of(exc: BaseException, what: str = "a job") -> JobFailure:
         return exc
     log.error("%s failed unexpectedly", what, exc_info=exc)
     return InternalError(f"{type(exc).__name__}: {str(exc)[:500]}")
+
+
+def exit_status(code: int | None) -> str:
+    """A process's end in words: its exit status or the signal that ended it."""
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit status {code}"
