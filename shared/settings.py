@@ -13,8 +13,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from shared.schemas import CaptureSpec
 
-DEFAULT_DATA_DIR = Path.home() / ".local" / "share" / "actq"
-DEFAULT_CACHE_DIR = Path.home() / ".cache" / "actq"
+DEFAULT_DATA_DIR, DEFAULT_CACHE_DIR = Path.home() / ".local" / "share" / "actq", Path.home() / ".cache" / "actq"
 
 
 class Settings(BaseSettings):
@@ -381,6 +380,7 @@ class Settings(BaseSettings):
         description="Jobs whose files a worker may have waiting to be stored (a slow or unreachable store); past "
         "it, its next capture jobs wait before joining a batch. Jobs that store nothing never wait for the store.",
     )
+    store_process: bool = Field(False, description="Capture jobs stored and recorded by a process of their own.")
     storage_min_free_bytes: int = Field(
         1 << 30,
         ge=0,

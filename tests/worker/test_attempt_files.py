@@ -11,6 +11,7 @@ import io
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -30,6 +31,7 @@ from tests.worker.test_batching import load_engine, prepare
 from worker.batch.sequence import Sequence
 from worker.engine import job_flow, runtime
 from worker.nnsight.jobs import Outcome
+from worker.results import store_client
 from worker.results.artifacts import write_activations
 
 pytestmark = pytest.mark.model
@@ -43,9 +45,12 @@ def served(tiny_dir):
     return load_engine(tiny_dir)
 
 
-@pytest.fixture
-def settings(redis_server, tmp_path) -> Settings:
-    return Settings(redis_url=redis_server.url, storage_url=(tmp_path / "data").as_uri())
+@pytest.fixture(params=[False, True], ids=["in-process", "store-process"])
+def settings(redis_server, tmp_path, request) -> Iterator[Settings]:
+    """Each test twice: the files stored and the outcome recorded by the engine's own threads, and
+    by the store process (ACTQ_STORE_PROCESS, worker/results/store_process.py)."""
+    yield Settings(redis_url=redis_server.url, storage_url=(tmp_path / "data").as_uri(), store_process=request.param)
+    store_client.close_all()
 
 
 @pytest.fixture

@@ -321,10 +321,24 @@ def _record(
                 raise holder["baseline"]
             baseline = rt.served.finish(holder["baseline"], holder["plain"])
         generated = time.perf_counter()
-        manifest = None
         inline = generation.scores is None or len(generation.scores.values) <= rt.settings.logprobs_inline_tokens
         if baseline is not None and baseline.scores is not None:
             inline = inline and len(baseline.scores.values) <= rt.settings.logprobs_inline_tokens
+        with rt.served.gate.reading():  # its tokens decoded: never while trusted code runs on this model
+            result = job_result(generation, tokenizer=rt.served.tokenizer, inline=inline)
+            unedited = job_result(baseline, tokenizer=rt.served.tokenizer, inline=inline) if baseline else None
+        if baseline is not None:
+            assert unedited is not None
+            result.baseline = BaselineResult(
+                text=unedited.text,
+                finish_reason=unedited.finish_reason,
+                usage=unedited.usage,
+                logprobs=unedited.logprobs,
+            )
+        if record.capture_points and rt.settings.store_process:
+            _store_elsewhere(rt, record, generation, baseline, result.model_dump(), (started, generated))
+            return
+        manifest = None
         if record.capture_points or not inline:
             from worker.results.artifacts import write_activations
 
@@ -336,17 +350,6 @@ def _record(
                 generation,
                 baseline,
                 prefix=attempt.prefix(record.id),
-            )
-        with rt.served.gate.reading():  # its tokens decoded: never while trusted code runs on this model
-            result = job_result(generation, tokenizer=rt.served.tokenizer, inline=inline)
-            unedited = job_result(baseline, tokenizer=rt.served.tokenizer, inline=inline) if baseline else None
-        if baseline is not None:
-            assert unedited is not None
-            result.baseline = BaselineResult(
-                text=unedited.text,
-                finish_reason=unedited.finish_reason,
-                usage=unedited.usage,
-                logprobs=unedited.logprobs,
             )
         rt.jobs.succeed(
             record.id,
@@ -375,6 +378,43 @@ def _record(
         raise
     except Exception as exc:  # noqa: BLE001 - any failure ends the job, never the worker
         _fail(rt, record, failure_of(exc))
+
+
+def _store_elsewhere(
+    rt: runtime.Runtime,
+    record: JobRecord,
+    generation: Generation,
+    baseline: Generation | None,
+    result: dict,
+    times: tuple[float, float],
+) -> None:
+    """A capture job's file stored and its success recorded by the store process (ACTQ_STORE_PROCESS,
+    worker/results/store_process.py); its failures raise here as `_record` maps them."""
+    from worker.results import store_client
+    from worker.results.artifacts import capture_file
+
+    attempt = Attempt.of(record)
+    file = capture_file(record.id, record.model, record.request.capture, generation, baseline)
+    meta = {
+        "model": record.model,
+        "attempt": [attempt.number, attempt.worker],
+        "metadata": file.metadata,
+        "entries": file.entries,
+        "extra": file.extra,
+        "result": result,
+    }
+    stored = store_client.process_for(rt.settings).store(record.id, meta, file)
+    if stored is None:  # the attempt had lost the job: the store process removed its files and logged it
+        return
+    log.info(
+        "job %s succeeded: %d prompt + %d new tokens, run %.1f ms, store %.1f ms, %d bytes stored",
+        record.id,
+        generation.prompt_tokens,
+        generation.completion_tokens,
+        (times[1] - times[0]) * 1e3,
+        (time.perf_counter() - times[1]) * 1e3,
+        stored,
+    )
 
 
 def _ms(since: float) -> float:

@@ -112,6 +112,10 @@ def start(
     swept = store.sweep_scratch(settings.storage_outage_seconds + SCRATCH_GRACE)
     if swept:
         log.info("removed %d scratch files that killed writers left (never published)", swept)
+    if capture and settings.store_process:
+        from worker.results import store_client
+
+        store_client.process_for(settings).start()
     _runtime = Runtime(
         settings=settings,
         served=served,

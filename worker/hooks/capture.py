@@ -27,6 +27,7 @@ import torch
 from shared.capture_spec import span
 from shared.errors import JobFailure
 from shared.schemas import CapturePoint
+from worker.hooks import shared_memory
 
 
 @dataclass
@@ -146,7 +147,8 @@ class JobCapture:
         kept = [features(width) for width in widths]
         kept_widths = [width if k is None else len(k) for width, k in zip(widths, kept, strict=True)]
         total = sum(kept_widths)
-        self.arena = torch.empty((rows, total), dtype=dtype, device="cpu")  # position-major: row i, every point
+        # position-major: row i, every point; shared with the store process when it runs
+        self.arena = shared_memory.empty(rows, total, dtype)
         self.nbytes = self.arena.numel() * self.arena.element_size() + (4 * total if reduce != "none" else 0)
         self.buffers: list[_Buffer] = []
         self.wanted: dict[tuple[str, str], list[_Buffer]] = {}  # (module, hook) -> its points' buffers
