@@ -14,6 +14,9 @@ model), `--max-tokens` greedy tokens each, side by side in one run:
   actq capture    (with --capture) the default worker's jobs capturing every module at generated
                   positions but the vocabulary-wide lm_head (55 modules; issue 49's figure: >= 0.85x
                   of `actq`), each job's file written to the local store
+  actq capture    (with --store-process) the same capture jobs on a second worker with
+    store process ACTQ_STORE_PROCESS=true: their files stored and successes recorded by a process beside
+                  its engine's (worker/results/store_process.py), not by threads sharing its GIL
 
 Generated tokens/s per arm (median of `--runs`, the arms interleaved run by run) and each over
 `generate` (target: actq >= 0.9x; with --capture also each run's capture arm over the same run's
@@ -23,7 +26,7 @@ process spent (API, Redis, the Celery worker, its engine process, this client). 
 printed beside the figures: the machine may be shared.
 
     .venv/bin/python bench/bench_bulk.py [--jobs 256] [--batch 32] [--max-tokens 64] [--runs 3] [--gsm8k FILE]
-                                         [--torch-default] [--ready N] [--capture]
+                                         [--torch-default] [--ready N] [--capture] [--store-process]
 
 `--gsm8k` defaults to ../shared/data/gsm8k/test.jsonl beside the checkout, when it is there (never
 copied into the repo); without a file, one template with a number changed.
@@ -97,6 +100,7 @@ def main() -> int:
     parser.add_argument("--torch-default", action="store_true", help="also a worker with torch's default threads")
     parser.add_argument("--ready", type=int, default=0, help="also a worker with ACTQ_READY_JOBS=N")
     parser.add_argument("--capture", action="store_true", help="also the default worker capturing 55 modules")
+    parser.add_argument("--store-process", action="store_true", help="also capture with ACTQ_STORE_PROCESS=true")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -111,6 +115,8 @@ def main() -> int:
         workers["actq torch's"] = ("tiny-torch", {"ACTQ_TORCH_THREADS": str(cores)})
     if args.ready:  # a place taken at the next step, not after the next job's delivery, claim and tokenization
         workers["actq ready"] = ("tiny-ready", {"ACTQ_READY_JOBS": str(args.ready)})
+    if args.store_process:  # its plain arm is not run: its capture arm is set beside the default worker's `actq`
+        workers["actq store-process"] = ("tiny-store", {"ACTQ_STORE_PROCESS": "true"})
     rows: dict[str, list[tuple[float, int]]] = {}
     loads: list[float] = []
     with tiny_stack("actq-bench-bulk-") as (folder, served, redis, stack):
@@ -133,8 +139,11 @@ def main() -> int:
                 "client": psutil.Process().pid,
             }
             profiles[arm] = WorkerProfile(pids, redis.url, model=name)
-        arms: dict[str, tuple[str, dict | None]] = {arm: (name, None) for arm, (name, _) in workers.items()}
-        if args.capture:
+        arms: dict[str, tuple[str, dict | None]] = {
+            arm: (name, None) for arm, (name, _) in workers.items() if arm != "actq store-process"
+        }
+        profiles.pop("actq store-process", None)
+        if args.capture or args.store_process:
             from shared.client import Client
 
             with Client(stack.base_url) as client:
@@ -143,6 +152,10 @@ def main() -> int:
             modules = [p for p in every if p not in info["last_position_only"]]  # lm_head's rows are 196 KB
             arms["actq capture"] = ("tiny", {"modules": modules, "positions": "generated"})
             profiles["actq capture"] = WorkerProfile(dict(profiles["actq"].pids), redis.url, model="tiny")
+        if args.store_process:
+            arms["capture store-process"] = ("tiny-store", arms["actq capture"][1])
+            pids = {**profiles["actq"].pids, "celery": stack.processes["worker-tiny-store"].pid}
+            profiles["capture store-process"] = WorkerProfile(pids, redis.url, model="tiny-store")
         generate_batches(served, texts[: args.batch], args.batch, 4)  # warm
         for _ in range(args.runs):
             loads.append(os.getloadavg()[0])
@@ -161,15 +174,17 @@ def main() -> int:
         f"torch threads here: {torch_threads_for(Settings(), cores)}; load average (1 min) at each run's start: "
         + ", ".join(f"{value:.2f}" for value in loads)
     )
-    print(f"{'arm':<14}{'tokens/s':>10}{'x generate':>12}   runs (tokens/s)")
+    print(f"{'arm':<22}{'tokens/s':>10}{'x generate':>12}   runs (tokens/s)")
     for name, value in rate.items():
         each = ", ".join(f"{tokens / seconds:.0f}" for seconds, tokens in rows[name])
-        print(f"{name:<14}{value:>10.0f}{value / rate['generate']:>12.2f}   {each}")
-    if args.capture:
+        print(f"{name:<22}{value:>10.0f}{value / rate['generate']:>12.2f}   {each}")
+    for arm in ("actq capture", "capture store-process"):
+        if arm not in rows:
+            continue
         ratios = [tokens_c / seconds_c / (tokens / seconds) for (seconds, tokens), (seconds_c, tokens_c)
-                  in zip(rows["actq"], rows["actq capture"], strict=True)]  # fmt: skip
+                  in zip(rows["actq"], rows[arm], strict=True)]  # fmt: skip
         print(
-            f"capture (55 modules at generated positions) x actq without it, run by run: "
+            f"{arm} (55 modules at generated positions) x actq without it, run by run: "
             f"{', '.join(f'{r:.2f}' for r in ratios)}; median {statistics.median(ratios):.2f} (target >= 0.85)"
         )
     print_profile(profiles)
@@ -178,7 +193,7 @@ def main() -> int:
     for arm, profile in profiles.items():
         spent = [sum(run) for run in zip(*(v for k, v in profile.runs.items() if k.startswith("cpu ")), strict=True)]
         per = statistics.median(cpu / tokens * 1000 for cpu, (_, tokens) in zip(spent, rows[arm], strict=True))
-        print(f"  {arm:<14}{per:>8.3f}")
+        print(f"  {arm:<22}{per:>8.3f}")
     if args.json:
         profiled = {arm: profile.runs for arm, profile in profiles.items()}
         args.json.write_text(json.dumps({"rates": rate, "runs": rows, "profile": profiled, "load": loads}, indent=2))
