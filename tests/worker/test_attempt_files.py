@@ -53,16 +53,6 @@ def settings(redis_server, tmp_path, request) -> Iterator[Settings]:
     store_client.close_all()
 
 
-@pytest.fixture
-def jobs(redis_client) -> JobStore:
-    return JobStore(redis_client, retention_seconds=600)
-
-
-@pytest.fixture
-def store(tmp_path) -> LocalStore:
-    return LocalStore(tmp_path / "data")  # the settings' storage_url: the API reads the same files
-
-
 def worker(served, store, jobs, settings, name: str) -> runtime.Runtime:
     """What `_record` uses of a worker's runtime: its model, stores and settings (no engine
     thread, heartbeat or progress: the job has already been decoded)."""

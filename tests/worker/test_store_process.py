@@ -20,7 +20,7 @@ from shared.capture_spec import resolve
 from shared.jobs import JobStore
 from shared.schemas import JobRequest, JobStatus
 from shared.settings import Settings
-from shared.storage import LocalStore, job_prefix
+from shared.storage import job_prefix
 from tests.worker.test_attempt_files import decoded, enqueued, worker
 from tests.worker.test_batching import load_engine
 from worker.engine import job_flow
@@ -49,16 +49,6 @@ def served(tiny_dir):
 def settings(redis_server, tmp_path) -> Iterator[Settings]:
     yield Settings(redis_url=redis_server.url, storage_url=(tmp_path / "data").as_uri(), store_process=True)
     store_client.close_all()
-
-
-@pytest.fixture
-def jobs(redis_client) -> JobStore:
-    return JobStore(redis_client, retention_seconds=600)
-
-
-@pytest.fixture
-def store(tmp_path) -> LocalStore:
-    return LocalStore(tmp_path / "data")
 
 
 def claimed(jobs: JobStore, settings: Settings, served, request: JobRequest):
