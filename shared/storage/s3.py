@@ -12,6 +12,7 @@ for `public_endpoint_url` when clients reach the server by another name than the
 
 from __future__ import annotations
 
+import re
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ from shared.errors import StorageError
 from shared.outages import STORE, outage
 from shared.storage.base import ArtifactStore, check_key
 
+_WORDED_CODE = re.compile(r"An error occurred \((\w+)\)")  # botocore's ClientError text: "An error occurred (Code) ..."
 _CREDENTIAL_CODES = {"InvalidAccessKeyId", "SignatureDoesNotMatch", "AccessDenied", "ExpiredToken", "InvalidToken"}
 # The endpoint out of reach: refused or timed out at connect (ConnectionError), or the connection
 # lost mid-request, as when the server stops during an upload's part (HTTPClientError: closed, read timeout).
@@ -82,8 +84,13 @@ class S3Store(ArtifactStore):
 
     def _error(self, action: str, key: str, exc: BaseException) -> StorageError:
         where = f"s3://{self.bucket}" + (f" at {self.endpoint_url}" if self.endpoint_url else "")
+        code: str | None = None
         if isinstance(exc, ClientError):
             code = exc.response.get("Error", {}).get("Code", "")
+        elif not isinstance(exc, BotoCoreError):  # boto3's wrapper, its chain lost: the code is in its text
+            worded = _WORDED_CODE.search(str(exc))
+            code = worded[1] if worded else None
+        if code is not None:
             if code == "NoSuchBucket":
                 return StorageError(f"cannot {action} {key}: bucket {self.bucket!r} does not exist ({where})")
             if code in _CREDENTIAL_CODES:
@@ -209,6 +216,15 @@ class S3Store(ArtifactStore):
 
 
 def _cause(exc: BaseException) -> BaseException:
-    """The botocore error under boto3's wrappers (S3UploadFailedError keeps it as the cause)."""
-    cause = exc.__cause__ or exc.__context__
-    return cause if isinstance(cause, (ClientError, BotoCoreError)) else exc
+    """The botocore error under boto3's wrappers: S3UploadFailedError keeps it as its context, or
+    deeper, under an exception raised while s3transfer handled it (a CI run met that)."""
+    chain, seen = [exc], set()
+    while chain:
+        found = chain.pop(0)
+        if id(found) in seen:
+            continue
+        seen.add(id(found))
+        if isinstance(found, (ClientError, BotoCoreError)):
+            return found
+        chain += [link for link in (found.__cause__, found.__context__) if link is not None]
+    return exc
