@@ -375,10 +375,16 @@ class Settings(BaseSettings):
         description="How long a worker retries an upload while the S3 endpoint is unreachable (0: not at all).",
     )
     storage_backlog_jobs: int = Field(
-        8,
+        64,
         ge=1,
         description="Jobs whose files a worker may have waiting to be stored (a slow or unreachable store); past "
         "it, its next capture jobs wait before joining a batch. Jobs that store nothing never wait for the store.",
+    )
+    storage_backlog_bytes: int = Field(
+        1 << 30,
+        ge=1,
+        description="Bytes of captured activations a worker may hold waiting to be stored; past it, its next "
+        "capture jobs wait before joining a batch (a job larger than this alone joins once nothing else waits).",
     )
     store_process: bool = Field(False, description="Capture jobs stored and recorded by a process of their own.")
     storage_min_free_bytes: int = Field(

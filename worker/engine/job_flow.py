@@ -35,7 +35,7 @@ from worker.engine.text_stream import TextStream
 from worker.model.memory import release_memory_soon
 from worker.results import attempt_files
 from worker.results.job_result import job_result
-from worker.results.store_writes import StoreWrites
+from worker.results.store_writes import Backlog, StoreWrites
 from worker.rules.failures import failure_of
 
 if TYPE_CHECKING:
@@ -152,7 +152,7 @@ def _prepare(
                 return
         rt.progress.remove(job_id)
         if _writes_files(rt, holder):
-            _store_pool(rt).submit(_finish, rt, job_id, holder, holder["outcome"], reply)
+            _store_pool(rt).submit(_captured_bytes(holder), _finish, rt, job_id, holder, holder["outcome"], reply)
         else:
             _finisher.submit(_finish, rt, job_id, holder, holder["outcome"], reply)
 
@@ -217,9 +217,21 @@ def _prepare(
         rt.core.submit(Entry(seq=seq, done=done, estimate=rt.served.estimate(seq), started=joined))
 
     if record.capture_points:  # its activations go to the store: it waits while too many jobs' files do
-        _store_pool(rt).admit(job_id, join)
+        _store_pool(rt).admit(job_id, join, _captured(seq) + _captured(twin))
     else:
         join()
+
+
+def _captured(run: Sequence | Exception | None) -> int:
+    """The host bytes a run's capture keeps (its buffers, allocated when it was prepared); 0 for
+    a run that failed before it had one."""
+    capture = getattr(run, "capture", None)
+    return capture.nbytes if capture is not None else 0
+
+
+def _captured_bytes(holder: dict[str, Any]) -> int:
+    """What a finished job's runs captured: what its store write holds in memory until it is stored."""
+    return _captured(holder["outcome"]) + _captured(holder.get("baseline"))
 
 
 def _store_pool(rt: runtime.Runtime) -> StoreWrites:
@@ -227,7 +239,8 @@ def _store_pool(rt: runtime.Runtime) -> StoreWrites:
     with _store_pool_lock:
         if not _store_pools:
             settings = rt.settings
-            _store_pools.append(StoreWrites(settings.storage_backlog_jobs, threads=max(settings.max_batch, 2)))
+            backlog = Backlog(settings.storage_backlog_jobs, settings.storage_backlog_bytes)
+            _store_pools.append(StoreWrites(backlog, threads=max(settings.max_batch, 2)))
         return _store_pools[0]
 
 
