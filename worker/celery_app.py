@@ -1,10 +1,12 @@
 """The worker's Celery app: `celery -A worker.celery_app worker`.
 
-Shape: the Celery worker process runs a threads pool of ACTQ_MAX_BATCH + ACTQ_READY_JOBS task
+Shape: the Celery worker process runs a threads pool of 2 x ACTQ_MAX_BATCH + ACTQ_READY_JOBS task
 threads and starts one engine process (worker/engine/process.py) that loads the model once and
 runs every job in its scheduler's batches. A task hands its job id to the engine and waits for that
-job to end, so each message is acknowledged when its own job ends (late ack), and up to that many
-jobs are taken from the queue at once: a batch, and any jobs ready to take a place as it frees.
+job to end, so each message is acknowledged when its own job ends (late ack). Up to ACTQ_MAX_BATCH
++ ACTQ_READY_JOBS jobs are taken from the queue at once (a batch, and any jobs ready to take a
+place as it frees), and one more for each job that has left its batch and is writing its files,
+up to a batch's worth (worker/storing_room.py).
 The worker process itself never imports torch: its main thread stays free to answer control
 commands (`inspect ping`), send heartbeats and task events while the engine computes, and a kill
 -9 of the engine process loses no job (worker/engine_client.py).
@@ -51,12 +53,19 @@ from shared.schemas import JobStatus
 from shared.settings import Settings, get_settings
 from worker.engine_client import EngineClient, EngineStartFailed
 from worker.lost_messages import LostMessageSweeper
+from worker.storing_room import StoringRoom, consumer_step
+
+
+def places(settings: Settings) -> int:
+    """The jobs a worker holds in its engine before they are decoded: a batch's worth and the jobs
+    ready to take a place as it frees (ACTQ_READY_JOBS). Its prefetch while nothing is storing."""
+    return settings.max_batch + settings.ready_jobs
 
 
 def task_threads(settings: Settings) -> int:
-    """The pool's task threads, each holding one job in the engine: a batch's worth and the jobs
-    ready to take a place as it frees (ACTQ_READY_JOBS)."""
-    return settings.max_batch + settings.ready_jobs
+    """The pool's task threads, each holding one job until it ends: the places, and room for a
+    batch's worth of jobs whose files are being written (worker/storing_room.py)."""
+    return places(settings) + settings.max_batch
 
 
 settings = get_settings()
@@ -71,7 +80,9 @@ app.conf.update(
         "ack_outage_seconds": settings.redis_outage_seconds,  # acks wait an outage out like records
     },
 )
-engine = EngineClient(start_timeout=settings.worker_start_timeout)
+storing_room = StoringRoom(room=settings.max_batch)
+app.steps["consumer"].add(consumer_step(storing_room))
+engine = EngineClient(start_timeout=settings.worker_start_timeout, on_storing=storing_room.changed)
 # Trusted nnsight code on a model copy of its own (ACTQ_NNSIGHT_ENGINE=own), started at its first job.
 nnsight_engine = EngineClient(
     start_timeout=settings.worker_start_timeout, role="nnsight", lazy=True, idle_seconds=settings.nnsight_idle_seconds

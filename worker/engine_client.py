@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from worker.engine.process import NODE_ENV, REPLY_FD_ENV, ROLE_ENV
@@ -51,6 +52,7 @@ class _Waiter:
     started: float | None = None
     limit: float | None = None  # the job's own hard limit, when shorter than the worker's
     alone: bool = False  # it runs with the model to itself (trusted code): its engine's death is its own
+    storing: bool = False  # it left its batch; its files and outcome are being written (counted in `on_storing`)
     attempt: tuple[int, str | None] | None = None  # the claim it runs as (number, worker: shared/attempts.py)
 
 
@@ -67,9 +69,18 @@ class _Engine:
 
 class EngineClient:
     def __init__(
-        self, start_timeout: float, role: str = "capture", lazy: bool = False, idle_seconds: float | None = None
+        self,
+        start_timeout: float,
+        role: str = "capture",
+        lazy: bool = False,
+        idle_seconds: float | None = None,
+        on_storing: Callable[[int], None] = lambda _: None,
     ) -> None:
+        """`on_storing(+1)` when a job the engine holds has left its batch and only writing its
+        files and outcome remain, `on_storing(-1)` when that job ends (however it ends): what
+        worker/storing_room.py counts."""
         self.start_timeout, self.role, self.lazy, self.idle_seconds = start_timeout, role, lazy, idle_seconds
+        self.on_storing = on_storing
         self.node: str | None = None  # the worker's Celery node name: the engine's name in Redis
         self.engine: _Engine | None = None
         self._lock = threading.Lock()  # guards engine, _waiting and writes to the engine's stdin
@@ -211,19 +222,25 @@ class EngineClient:
             except OSError:
                 self._waiting.pop(job_id, None)
                 return "lost"
-        while not waiter.event.wait(0.5):
-            limit = time_limit if waiter.limit is None else min(time_limit, waiter.limit)
-            if waiter.started is not None and time.monotonic() - waiter.started > limit:
-                with self._lock:
-                    self._waiting.pop(job_id, None)
-                    self.stopped_at[job_id] = (limit, waiter.attempt)
-                    engine.culprit = job_id
-                log.error("job %s did not end %gs after it started: stopping its engine", job_id, limit)
-                _kill(proc)
-                return "timeout"
-        with self._lock:
-            self._last_use = time.monotonic()
-        return waiter.outcome
+        try:
+            while not waiter.event.wait(0.5):
+                limit = time_limit if waiter.limit is None else min(time_limit, waiter.limit)
+                if waiter.started is not None and time.monotonic() - waiter.started > limit:
+                    with self._lock:
+                        self._waiting.pop(job_id, None)
+                        self.stopped_at[job_id] = (limit, waiter.attempt)
+                        engine.culprit = job_id
+                    log.error("job %s did not end %gs after it started: stopping its engine", job_id, limit)
+                    _kill(proc)
+                    return "timeout"
+            return waiter.outcome
+        finally:
+            with self._lock:
+                self._last_use = time.monotonic()
+                self._waiting.pop(job_id, None)  # a `storing` read from now on finds no waiter
+                if waiter.storing:
+                    waiter.storing = False
+                    self.on_storing(-1)
 
     def _read(self, engine: _Engine, replies, ready: threading.Event) -> None:
         for line in replies:
@@ -239,6 +256,12 @@ class EngineClient:
                     attempt = message.get("attempt")
                     waiter.attempt = (int(attempt[0]), attempt[1]) if attempt else None
                     waiter.started = time.monotonic()
+            elif "storing" in message:
+                with self._lock:
+                    waiter = self._waiting.get(message["storing"])
+                    if waiter is not None and not waiter.storing:
+                        waiter.storing = True
+                        self.on_storing(1)
             elif "done" in message:
                 with self._lock:
                     waiter = self._waiting.pop(message["done"], None)

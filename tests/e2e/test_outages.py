@@ -275,13 +275,26 @@ def _seconds(job: dict) -> float:
     return (datetime.fromisoformat(job["finished_at"]) - datetime.fromisoformat(job["created_at"])).total_seconds()
 
 
+def _prefetch(s, model: str) -> int:
+    """The prefetch of `model`'s worker, as Celery reports it (`inspect stats`: its consumer's QoS)."""
+    from shared.broker import make_celery
+    from shared.settings import Settings
+
+    replies = make_celery(Settings(redis_url=s.redis_url)).control.inspect(timeout=5.0).stats() or {}
+    (stats,) = [reply for node, reply in replies.items() if node.startswith(f"actq-{model}-")]
+    return int(stats["prefetch_count"])
+
+
 def test_an_s3_outage_holds_only_the_jobs_that_store(live, tiny_dir, tmp_path):
     """Issue 47: S3 stopped for 20 s while a worker runs a mix. Capture jobs wait the outage out
     (ACTQ_STORAGE_OUTAGE_SECONDS=60) and, past ACTQ_STORAGE_BACKLOG_JOBS jobs waiting to store,
     later capture jobs wait to join a batch, saying why; jobs that capture nothing finish in
     about their normal time, long before S3 is back (before, they queued behind the uploads on
-    the two finisher threads and took the whole outage). The API stays live and ready; /health
-    says the store cannot be used."""
+    the two finisher threads and took the whole outage). The worker's batch holds 4 jobs
+    (ACTQ_MAX_BATCH=4), as many as are uploading: the jobs storing leave their places to the next
+    ones (worker/storing_room.py; before, their task threads held the worker's every message and
+    the jobs that store nothing were not even fetched until S3 was back). The API stays live and
+    ready; /health says the store cannot be used."""
     from tests.support.s3_server import BUCKET, SeaweedS3
 
     outage = 20.0
@@ -289,12 +302,19 @@ def test_an_s3_outage_holds_only_the_jobs_that_store(live, tiny_dir, tmp_path):
     try:
         with own_stack(tmp_path / "stack", live.env, **s3.env("mixed")) as s, s.client() as http:
             s.start_worker(
-                "w", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-mix", "ACTQ_STORAGE_BACKLOG_JOBS": "2"}
+                "w",
+                {
+                    "ACTQ_MODEL": str(tiny_dir),
+                    "ACTQ_MODEL_NAME": "tiny-mix",
+                    "ACTQ_STORAGE_BACKLOG_JOBS": "2",
+                    "ACTQ_MAX_BATCH": "4",
+                },
             )
             plain = {**tiny_body("tiny-mix", max_tokens=16), "capture": None}
             capture = tiny_body("tiny-mix", max_tokens=4)
             wait_all(s, http, submit_batch(http, plain, 2), timeout=120)  # warm
             normal = max(_seconds(j) for j in wait_all(s, http, submit_batch(http, plain, 4), timeout=120))
+            assert _prefetch(s, "tiny-mix") == 4  # nothing storing: no more messages than the batch's places
             s3.stop()
             stopped = time.monotonic()
             uploading = submit_batch(http, capture, 4)  # decoded in a moment, then waiting for S3
@@ -312,6 +332,7 @@ def test_an_s3_outage_holds_only_the_jobs_that_store(live, tiny_dir, tmp_path):
             assert http.get("/readyz").json() == {"status": "ready", "redis": "ok"}
             health = http.get("/health")
             assert health.status_code == 503 and "is unreachable" in health.json()["storage"], health.text
+            assert _prefetch(s, "tiny-mix") == 8  # the 4 jobs storing: 4 more, the room's limit
             log = s.log_tail("worker-w", chars=100_000)
             for job_id in held:
                 assert f"job {job_id} waits to join a batch: the files of 4 jobs are waiting to be stored" in log

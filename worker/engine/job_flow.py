@@ -59,14 +59,21 @@ class NotRun(Exception):
 # What `submit`'s callback hears once the job is over: "done" (its outcome is recorded, or it was
 # not to run) or "redis" (Redis stayed away past ACTQ_REDIS_OUTAGE_SECONDS: nothing recorded).
 Reply = Callable[[str, str], None]
+Delivered = tuple[str, Reply, Callable[..., None], Callable[[str], None]]  # submit's arguments
 
 
-def submit(job_id: str, reply: Reply, started: Callable[..., None] = lambda *_: None) -> None:
+def submit(
+    job_id: str,
+    reply: Reply,
+    started: Callable[..., None] = lambda *_: None,
+    storing: Callable[[str], None] = lambda _: None,
+) -> None:
     """Queue `job_id` for the engine thread. `started(job_id, limit, attempt)` is called when it
     joins a batch (`limit`: seconds for a job with a hard limit of its own, an nnsight job, else
-    None; `attempt`: the claim it runs as) and `reply(job_id, outcome)` once it is over; neither
-    blocks."""
-    _preparer.put((job_id, reply, started))
+    None; `attempt`: the claim it runs as), `storing(job_id)` when it has left the batch and only
+    writing its files and outcome remain (jobs that write files only), and `reply(job_id, outcome)`
+    once it is over; none blocks."""
+    _preparer.put((job_id, reply, started, storing))
 
 
 class _Preparer:
@@ -75,11 +82,11 @@ class _Preparer:
     burst of deliveries joins the running batch together instead of one round trip apart."""
 
     def __init__(self) -> None:
-        self._waiting: queue.SimpleQueue[tuple[str, Reply, Callable[..., None]]] = queue.SimpleQueue()
+        self._waiting: queue.SimpleQueue[Delivered] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
-    def put(self, item: tuple[str, Reply, Callable[..., None]]) -> None:
+    def put(self, item: Delivered) -> None:
         self._waiting.put(item)
         with self._lock:
             if self._thread is None:
@@ -109,10 +116,10 @@ class _Preparer:
 _preparer = _Preparer()
 
 
-def _prepare_many(rt: runtime.Runtime, batch: list[tuple[str, Reply, Callable[..., None]]]) -> None:
+def _prepare_many(rt: runtime.Runtime, batch: list[Delivered]) -> None:
     """Claim the jobs of `batch` together, then prepare each in order. Should the claim fail for
     anything but Redis, each job is claimed alone: one job's trouble never holds back the others."""
-    ids = [job_id for job_id, _, _ in batch]
+    ids = [item[0] for item in batch]
     claims: dict[str, Any]
     try:
         claims = rt.jobs.claim_many(ids, rt.worker_id, rt.settings.max_attempts)
@@ -121,8 +128,8 @@ def _prepare_many(rt: runtime.Runtime, batch: list[tuple[str, Reply, Callable[..
     except Exception:
         log.exception("claiming %d jobs together failed; claiming each alone", len(ids))
         claims = {job_id: _claim_alone(rt, job_id) for job_id in ids}
-    for job_id, reply, started in batch:
-        _prepare(rt, job_id, reply, started, claims[job_id])
+    for job_id, reply, started, storing in batch:
+        _prepare(rt, job_id, reply, started, storing, claims[job_id])
 
 
 def _claim_alone(rt: runtime.Runtime, job_id: str) -> tuple[JobRecord | None, str] | Exception:
@@ -137,6 +144,7 @@ def _prepare(
     job_id: str,
     reply: Reply,
     started: Callable[..., None],
+    storing: Callable[[str], None],
     claim: tuple[JobRecord | None, str] | Exception,
 ) -> None:
     """Tokenize the claimed `job_id`, then hand it to the engine thread (or answer why not)."""
@@ -152,6 +160,7 @@ def _prepare(
                 return
         rt.progress.remove(job_id)
         if _writes_files(rt, holder):
+            storing(job_id)  # its place in the worker's batch is free while its files are written
             _store_pool(rt).submit(_captured_bytes(holder), _finish, rt, job_id, holder, holder["outcome"], reply)
         else:
             _finisher.submit(_finish, rt, job_id, holder, holder["outcome"], reply)

@@ -12,6 +12,8 @@ Protocol: one JSON object per line, nothing else is ever decoded:
                                                       the attempt its claim made (shared/attempts.py)
                                {"started": JOB_ID, "attempt": ..., "limit": S, "alone": true}  ... trusted
                                                       code, with the model to itself and a hard limit of its own
+                               {"storing": JOB_ID}    the job left its batch; only its files and
+                                                      outcome remain to be written (jobs that write files)
                                {"done": JOB_ID, "outcome": "done" | "redis"}
                                {"replace": [REASON, ...]}  trusted code left the process in a state it
                                                       cannot prove whole: it exits (EX_REPLACED) after this
@@ -87,6 +89,9 @@ def main() -> None:
             message["limit"], message["alone"] = limit, True
         send(message)
 
+    def storing(job: str) -> None:
+        send({"storing": job})
+
     def reply(job: str, outcome: str) -> None:
         send({"done": job, "outcome": outcome})
         reasons = to_replace.pop(job, None)
@@ -120,7 +125,7 @@ def main() -> None:
                 runtime.unpublish()
                 continue
             job_id = str(message["run"])
-            job_flow.submit(job_id, reply=reply, started=started)
+            job_flow.submit(job_id, reply=reply, started=started, storing=storing)
     except Exception as exc:  # a bug of this loop: say it, then end as the engine thread's death does
         dead(f"the engine process's job loop failed: {reason(exc)}")
         log.critical("the engine process's job loop failed; exiting", exc_info=True)
