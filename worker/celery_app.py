@@ -74,13 +74,16 @@ app = make_celery(settings)
 app.conf.update(
     worker_pool="threads",
     worker_concurrency=task_threads(settings),
+    # after a lost connection the storing room leaves room for the tasks still running, and gives
+    # it back as each ends; Celery's own reduction would give back the whole pool's threads
+    worker_enable_prefetch_count_reduction=False,
     broker_transport="worker.broker_transport:Transport",  # survives Redis restarts mid-fetch
     broker_transport_options={
         **app.conf.broker_transport_options,
         "ack_outage_seconds": settings.redis_outage_seconds,  # acks wait an outage out like records
     },
 )
-storing_room = StoringRoom(room=settings.max_batch)
+storing_room = StoringRoom(places=places(settings), room=settings.max_batch)
 app.steps["consumer"].add(consumer_step(storing_room))
 engine = EngineClient(start_timeout=settings.worker_start_timeout, on_storing=storing_room.changed)
 # Trusted nnsight code on a model copy of its own (ACTQ_NNSIGHT_ENGINE=own), started at its first job.
@@ -138,6 +141,7 @@ def run_job(task: Task, job_id: str) -> None:
         outcome = "redis" if runs_on is None else runs_on.run(job_id, time_limit=settings.job_time_limit)
     finally:
         _holding.discard(job_id)
+        storing_room.task_ended(task.request.id)
     if outcome == "lost":  # the engine died with the job: back to the queue (the next attempt counts)
         assert runs_on is not None
         how, attempt = runs_on.ended.pop(job_id, ("it ended", None))

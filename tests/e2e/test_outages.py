@@ -82,7 +82,8 @@ def assert_one_artifact_each(s, jobs: list[dict]) -> None:
 def test_redis_restart_with_200_jobs_queued(live, tiny_dir, tmp_path, own_redis):
     """Redis (append-only) stopped and started again on the same port under 200 queued jobs: the
     API answers 503 naming Redis while it is down, never 500, and recovers by itself; the worker
-    reconnects by itself; every job succeeds exactly once."""
+    reconnects by itself; every job succeeds exactly once; the worker's prefetch ends where it
+    began (worker/storing_room.py)."""
     with own_stack(tmp_path / "stack", live.env, ACTQ_REDIS_URL=own_redis.url) as s:
         s.start_worker("w", {"ACTQ_MODEL": str(tiny_dir), "ACTQ_MODEL_NAME": "tiny-rr"})
         with s.client() as http:
@@ -118,6 +119,8 @@ def test_redis_restart_with_200_jobs_queued(live, tiny_dir, tmp_path, own_redis)
             assert client.zcard(keys.queued("tiny-rr")) == 0
             assert len(set(client.scan_iter(match=keys.job("*"), count=1000))) == 200  # none lost, none made twice
             client.close()
+            # the reconnected consumer's prefetch is back to the batch's places (16), not the pool's 32 threads
+            assert _prefetch(s, "tiny-rr") == 16
 
 
 def test_jobs_whose_broker_message_was_lost_or_stranded_still_run(live, tiny_dir, tmp_path, own_redis):
