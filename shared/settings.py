@@ -29,25 +29,19 @@ class Settings(BaseSettings):
     )
     api_keys: str | None = Field(
         None,
-        description=(
-            "Comma-separated API keys; when set, every endpoint but /health, /livez and /readyz needs "
-            "`Authorization: Bearer <key>`."
-        ),
+        description="Comma-separated API keys; when set, every endpoint but /health, /livez and /readyz needs "
+        "`Authorization: Bearer <key>`.",
     )
     operator_keys: str | None = Field(
         None,
-        description=(
-            "Comma-separated operator keys: valid API keys that may also read /metrics and counts across keys "
-            "(queue positions, queued jobs per model in /health)."
-        ),
+        description="Comma-separated operator keys: valid API keys that may also read /metrics and counts across keys "
+        "(queue positions, queued jobs per model in /health).",
     )
     nnsight_keys: str | None = Field(
         None,
-        description=(
-            "Comma-separated API keys (each one of ACTQ_API_KEYS or ACTQ_OPERATOR_KEYS) that may send their own "
-            "nnsight code (`remote=True`, POST /request). Such code runs as the worker, with its rights: name only "
-            "keys whose holders you would also give a shell on the worker. Empty: nnsight jobs are refused."
-        ),
+        description="Comma-separated API keys (each one of ACTQ_API_KEYS or ACTQ_OPERATOR_KEYS) that may send their "
+        "own nnsight code (`remote=True`, POST /request). Such code runs as the worker, with its rights: name only "
+        "keys whose holders you would also give a shell on the worker. Empty: nnsight jobs are refused.",
     )
     nnsight_max_request_bytes: int = Field(
         64 << 20,

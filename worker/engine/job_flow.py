@@ -18,7 +18,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import redis
@@ -29,13 +28,12 @@ from shared.edit_refs import References
 from shared.errors import InternalError, JobCancelled, JobFailure, JobTimeout
 from shared.job_transactions import CancelAsked
 from shared.schemas import BaselineResult, JobRecord, JobRequest
-from worker.engine import runtime
+from worker.engine import finishing, runtime
 from worker.engine.scheduler import Entry
 from worker.engine.text_stream import TextStream
 from worker.model.memory import release_memory_soon
 from worker.results import attempt_files
 from worker.results.job_result import job_result
-from worker.results.store_writes import Backlog, StoreWrites
 from worker.rules.failures import failure_of
 
 if TYPE_CHECKING:
@@ -46,9 +44,6 @@ log = get_task_logger(__name__)
 # One INFO line per job even when the worker runs at Celery's default WARNING (`celery worker`
 # without --loglevel): a record at this logger's level reaches the task log's handler.
 log.setLevel(logging.INFO)
-_finisher = ThreadPoolExecutor(max_workers=2, thread_name_prefix="actq-finish")  # jobs that store nothing
-_store_pools: list[StoreWrites] = []  # the jobs that write files (built at first use, from the settings)
-_store_pool_lock = threading.Lock()
 CLAIM_BATCH = 64  # the most delivered jobs claimed in one Redis transaction
 
 
@@ -159,11 +154,12 @@ def _prepare(
             if waiting[0]:
                 return
         rt.progress.remove(job_id)
-        if _writes_files(rt, holder):
+        if finishing.writes_files(rt.settings, holder):
             storing(job_id)  # its place in the worker's batch is free while its files are written
-            _store_pool(rt).submit(_captured_bytes(holder), _finish, rt, job_id, holder, holder["outcome"], reply)
+            pool = finishing.store_pool(rt.settings)
+            pool.submit(finishing.captured_bytes(holder), _finish, rt, job_id, holder, holder["outcome"], reply)
         else:
-            _finisher.submit(_finish, rt, job_id, holder, holder["outcome"], reply)
+            finishing.finisher.submit(_finish, rt, job_id, holder, holder["outcome"], reply)
 
     def done(outcome: Sequence | Exception) -> None:
         finished("outcome", outcome)
@@ -226,50 +222,9 @@ def _prepare(
         rt.core.submit(Entry(seq=seq, done=done, estimate=rt.served.estimate(seq), started=joined))
 
     if record.capture_points:  # its activations go to the store: it waits while too many jobs' files do
-        _store_pool(rt).admit(job_id, join, _captured(seq) + _captured(twin))
+        finishing.store_pool(rt.settings).admit(job_id, join, finishing.captured(seq) + finishing.captured(twin))
     else:
         join()
-
-
-def _captured(run: Sequence | Exception | None) -> int:
-    """The host bytes a run's capture keeps (its buffers, allocated when it was prepared); 0 for
-    a run that failed before it had one."""
-    capture = getattr(run, "capture", None)
-    return capture.nbytes if capture is not None else 0
-
-
-def _captured_bytes(holder: dict[str, Any]) -> int:
-    """What a finished job's runs captured: what its store write holds in memory until it is stored."""
-    return _captured(holder["outcome"]) + _captured(holder.get("baseline"))
-
-
-def _store_pool(rt: runtime.Runtime) -> StoreWrites:
-    """The pool that finishes jobs whose outcome writes to the store (one per engine process)."""
-    with _store_pool_lock:
-        if not _store_pools:
-            settings = rt.settings
-            backlog = Backlog(settings.storage_backlog_jobs, settings.storage_backlog_bytes)
-            _store_pools.append(StoreWrites(backlog, threads=max(settings.max_batch, 2)))
-        return _store_pools[0]
-
-
-def _writes_files(rt: runtime.Runtime, holder: dict[str, Any]) -> bool:
-    """Whether finishing this job touches the artifact store: its activations or log-probabilities
-    past the inline limit, an nnsight job's saves, or earlier attempts' folders to remove."""
-    record: JobRecord | None = holder.get("record")
-    if record is None:  # never claimed: only Redis is told
-        return False
-    if record.request.nnsight is not None or Attempt.of(record).number > 1:
-        return True
-    runs = [holder["outcome"], holder.get("baseline")]
-    if any(isinstance(run, BaseException) or (run is not None and run.failure is not None) for run in runs):
-        return False  # a failed first attempt has written nothing
-    if holder["outcome"].stopped_by is not None:  # cancelled or out of time: its partial result only
-        return False
-    if record.capture_points:
-        return True
-    limit = rt.settings.logprobs_inline_tokens
-    return any(run is not None and run.scores is not None and len(run.scores.values) > limit for run in runs)
 
 
 def paired(request: JobRequest) -> tuple[JobRequest, JobRequest | None]:
