@@ -7,9 +7,9 @@ fetched until their files were stored, and the engine idled meanwhile (bench/ben
 "claimed" phase of the capture arm); with the store away (an S3 outage), jobs that capture
 nothing could not even be fetched.
 
-So the pool has `ROOM` (a batch's worth, ACTQ_MAX_BATCH) more threads than places, and the
+So the pool has a batch's worth (ACTQ_MAX_BATCH: the room) more threads than places, and the
 consumer's prefetch is kept at the places (ACTQ_MAX_BATCH + ACTQ_READY_JOBS) plus the jobs that
-are storing now, at most `ROOM`: one more message is fetched for each job that leaves its batch
+are storing now, at most the room: one more message is fetched for each job that leaves its batch
 to be stored (the engine says so: `{"storing": JOB_ID}`, worker/engine_client.py) and one fewer
 when it ends. A worker with nothing storing reserves no more messages than its places, so other
 workers still get the queue's jobs. Prefetch changes go through kombu's QoS, applied by the

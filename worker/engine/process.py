@@ -90,7 +90,9 @@ def main() -> None:
         send(message)
 
     def storing(job: str) -> None:
-        send({"storing": job})
+        """Only the worker's prefetch hears it: a worker gone (a closed pipe) loses nothing by it."""
+        with contextlib.suppress(OSError, ValueError):
+            send({"storing": job})
 
     def reply(job: str, outcome: str) -> None:
         send({"done": job, "outcome": outcome})
