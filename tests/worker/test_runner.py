@@ -62,7 +62,8 @@ def test_an_unreadable_record_delivered_with_good_jobs_ends_once_and_they_run(rt
             all_answered.set()
 
     with caplog.at_level(logging.INFO):
-        job_flow._prepare_many(rt, [(job.id, reply, lambda *_: None) for job in jobs])  # delivered together
+        # delivered together
+        job_flow._prepare_many(rt, [(job.id, reply, lambda *_: None, lambda _: None) for job in jobs])
         assert all_answered.wait(120), answers
     assert answers == {job.id: "done" for job in jobs}
     for job in jobs:
@@ -103,7 +104,7 @@ def test_a_claim_that_raises_names_its_cause_ends_that_job_once_and_the_others_r
             all_answered.set()
 
     with caplog.at_level(logging.INFO):
-        job_flow._prepare_many(rt, [(job.id, reply, lambda *_: None) for job in jobs])
+        job_flow._prepare_many(rt, [(job.id, reply, lambda *_: None, lambda _: None) for job in jobs])
         assert all_answered.wait(120), answers
     assert answers == {job.id: "done" for job in jobs}
     assert [rt.jobs.get(job.id).status for job in jobs] == [JobStatus.succeeded, JobStatus.failed, JobStatus.succeeded]
