@@ -135,15 +135,18 @@ def fold_seed(seed: int) -> int:
 def hash32(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """`[B, vocab]` int64 values in [0, 2**32), a function of (seed, step, token id) only: each
     row's `seeds[b]` (32-bit) and `steps[b]` (how many tokens it generated). Integer arithmetic
-    in int64 keeping the low 32 bits (products wrap; the low bits stay exact)."""
-    tokens = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    x = (seeds.view(-1, 1) * _SEED_MIX + steps.view(-1, 1) * _STEP_MIX) & MASK32
-    x = (x + tokens * _TOKEN_MIX) & MASK32
-    x = x ^ (x >> 16)
-    x = (x * _FMIX1) & MASK32
-    x = x ^ (x >> 13)
-    x = (x * _FMIX2) & MASK32
-    return x ^ (x >> 16)
+    in int64 keeping the low 32 bits (products wrap; the low bits stay exact). In place on one
+    `[B, vocab]` buffer and one scratch: a new tensor per operation cost a 32-row batch of
+    SmolLM2's vocabulary about three times as long on the CPU (memory, not arithmetic)."""
+    x = torch.arange(vocab, device=seeds.device, dtype=torch.int64).mul_(_TOKEN_MIX)
+    x = x + ((seeds.view(-1, 1) * _SEED_MIX + steps.view(-1, 1) * _STEP_MIX) & MASK32)
+    x.bitwise_and_(MASK32)
+    shifted = torch.empty_like(x)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted))
+    x.mul_(_FMIX1).bitwise_and_(MASK32)
+    x.bitwise_xor_(torch.bitwise_right_shift(x, 13, out=shifted))
+    x.mul_(_FMIX2).bitwise_and_(MASK32)
+    return x.bitwise_xor_(torch.bitwise_right_shift(x, 16, out=shifted))
 
 
 def uniform_bits(dtype: torch.dtype) -> int:
@@ -158,7 +161,7 @@ def open_unit(x: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tens
     `uniform_bits(dtype)` bits k give (k + 0.5) / 2**bits, computed exactly. Keeping 24 bits in
     float32 was wrong: (2**24 - 0.5) / 2**24 rounds to 1.0, whose Gumbel noise is +inf (issue 46)."""
     bits = uniform_bits(dtype)
-    return ((x >> (32 - bits)).to(dtype) + 0.5) * (1.0 / (1 << bits))
+    return (x >> (32 - bits)).to(dtype).add_(0.5).mul_(1.0 / (1 << bits))
 
 
 def uniform(seeds: torch.Tensor, steps: torch.Tensor, vocab: int, out_dtype=torch.float32) -> torch.Tensor:
@@ -325,7 +328,7 @@ def sample(
     scores = process(logits, table, generated, penalties, allowed, part, features)
     if features.sampled:
         u = uniform(table.seed[part], generated, vocab)
-        noisy = scores - torch.log(-torch.log(u))
+        noisy = scores - u.log_().neg_().log_()  # Gumbel noise, -log(-log(u)), in u's own buffer
         greedy = (table.temperature[part] <= 0).view(-1, 1)
         scores = torch.where(greedy, scores, noisy)
     if out is None:
