@@ -20,6 +20,11 @@ import redis
 for _name in [n for n in os.environ if n.startswith("ACTQ_")]:
     del os.environ[_name]
 os.environ["HF_HUB_OFFLINE"] = "1"
+# One OpenMP thread per test process and per process a test starts, unless the caller chose: with
+# torch's default (one per core) three xdist processes on two cores spent a quarter of their CPU
+# waiting on each other's threads (tests/worker's model tests: 133 -> 99 s of CPU). Engine processes
+# set their own threads either way (worker/engine/runtime.py, `torch_threads_for`), as in production.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 from shared.cli.redis_server import RedisServer  # noqa: E402
 from shared.settings import Settings  # noqa: E402
