@@ -1,7 +1,8 @@
 """The store process (ACTQ_STORE_PROCESS, worker/results/store_process.py) with the tiny model, a
 real Redis and a local store: the file it stores from a job's shared capture arena is the file the
-engine's own threads write, byte for byte; and a store process killed while it holds a job fails
-that job with what ended it, leaves nothing published, and the next job starts another.
+engine's own threads write, byte for byte; a store process killed while it holds a job fails
+that job with what ended it, leaves nothing published, and the next job starts another; one that
+answers nothing (stopped) is ended by the engine's watchdog, one paused for less is left alone.
 (tests/worker/test_attempt_files.py runs the fenced outcomes, stale attempts and cancels through both.)"""
 
 from __future__ import annotations
@@ -108,3 +109,68 @@ def test_a_killed_store_process_fails_the_job_it_held_and_the_next_starts_anothe
     assert done is not None and done.status is JobStatus.succeeded
     assert process._proc is not None and process._proc.pid != child.pid
     assert store.folders(job_prefix(second.id)) == [Attempt.of(second).prefix(second.id)]
+
+
+def test_a_store_process_that_answers_nothing_is_ended_and_fails_its_job_saying_so(
+    served, settings, jobs, store, monkeypatch
+):
+    """Stopped (SIGSTOP), not dead: the engine's watchdog pings it while it holds a job, ends it once
+    it answered nothing for SILENCE_SECONDS, and the job fails saying so instead of waiting for its
+    time limit; the next job starts another process."""
+    monkeypatch.setattr(store_client, "PING_SECONDS", 0.2)
+    monkeypatch.setattr(store_client, "SILENCE_SECONDS", 3.0)
+    process = store_client.process_for(settings)
+    process.start()
+    child = process._proc
+    assert child is not None
+    request = JobRequest.model_validate(REQUEST)
+    first, second = claimed(jobs, settings, served, request), claimed(jobs, settings, served, request)
+    rt = worker(served, store, jobs, settings, "host:A")
+    os.kill(child.pid, signal.SIGSTOP)
+    recording = threading.Thread(
+        target=job_flow._record, args=(rt, first, time.perf_counter(), decoded(served, request))
+    )
+    recording.start()
+    recording.join(90)
+    if child.poll() is None:  # the watchdog did not end it: never leave the test's teardown waiting on it
+        child.kill()
+        recording.join(60)
+        pytest.fail("the job still waited on a store process that answered nothing")
+    failed = jobs.get(first.id)
+    assert failed is not None and failed.status is JobStatus.failed and failed.error is not None
+    assert failed.error.type == "internal_error"
+    assert "answered nothing for 3 s and was ended (killed by SIGKILL)" in failed.error.message
+    assert store.folders(job_prefix(first.id)) == []
+    job_flow._record(rt, second, time.perf_counter(), decoded(served, request))
+    done = jobs.get(second.id)
+    assert done is not None and done.status is JobStatus.succeeded
+    assert process._proc is not None and process._proc.pid != child.pid
+
+
+def test_a_store_process_paused_for_less_than_the_silence_keeps_its_job(served, settings, jobs, store, monkeypatch):
+    """A pause shorter than SILENCE_SECONDS (then SIGCONT): it answers the pings again, is left
+    alone, and stores the job."""
+    monkeypatch.setattr(store_client, "PING_SECONDS", 0.2)
+    monkeypatch.setattr(store_client, "SILENCE_SECONDS", 8.0)
+    process = store_client.process_for(settings)
+    process.start()
+    child = process._proc
+    assert child is not None
+    request = JobRequest.model_validate(REQUEST)
+    record = claimed(jobs, settings, served, request)
+    rt = worker(served, store, jobs, settings, "host:A")
+    os.kill(child.pid, signal.SIGSTOP)
+    recording = threading.Thread(
+        target=job_flow._record, args=(rt, record, time.perf_counter(), decoded(served, request))
+    )
+    recording.start()
+    deadline = time.monotonic() + 60
+    while not process._waiting and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(1.0)  # silent past several pings, well short of the silence
+    os.kill(child.pid, signal.SIGCONT)  # (should it be gone already, the job's failure below says so)
+    recording.join(90)
+    assert not recording.is_alive()
+    done = jobs.get(record.id)
+    assert done is not None and done.status is JobStatus.succeeded, done and done.error
+    assert process._proc is child and child.poll() is None

@@ -1,10 +1,12 @@
 """The engine's side of the store process (worker/results/store_process.py, which says why and
 how): a capture job's file is packed once into shared memory here, and that process hashes and
 stores it, writes its manifest and records the job's success. The process is started at the first
-job and again after it ended; a job it held when it ended fails with what ended it."""
+job and again after it ended; a job it held when it ended fails with what ended it, and a process
+that stops answering while it holds jobs is ended (`PING_SECONDS`, `SILENCE_SECONDS`)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -15,6 +17,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 from typing import Any
 
 import redis
@@ -27,10 +30,15 @@ from shared.settings import Settings
 from shared.storage.tensors import header_bytes
 from worker.hooks import shared_memory
 from worker.results.artifacts import CaptureFile
-from worker.results.store_process import REPLY_BYTES, SOCKET_FD_ENV, file_start
+from worker.results.store_process import PING, REPLY_BYTES, SOCKET_FD_ENV, file_start
 from worker.rules.failures import exit_status
 
 log = logging.getLogger(__name__)
+# While the process holds jobs it is pinged every PING_SECONDS; one that answers nothing for
+# SILENCE_SECONDS (stopped, frozen: its main thread answers at once, whatever its jobs are doing)
+# is killed, and its jobs fail as when it dies, rather than waiting for their time limit.
+PING_SECONDS = 2.0
+SILENCE_SECONDS = 30.0
 
 
 def pack(meta: dict[str, Any], file: CaptureFile) -> list[int]:
@@ -122,6 +130,8 @@ class StoreProcess:
         self._proc: subprocess.Popen | None = None
         self._waiting: dict[int, tuple[subprocess.Popen, _Waiter]] = {}
         self._seq = itertools.count(1)
+        self._pongs: set[int] = set()  # processes (pids) that answered a ping since the watchdog last looked
+        self._silent: dict[int, float] = {}  # processes the watchdog killed: how long they said nothing
 
     def start(self) -> None:
         """Start the process now, if it is not running (else the first job starts it)."""
@@ -184,6 +194,7 @@ class StoreProcess:
             log.exception("the store process %d did not take its settings", proc.pid)
         self._sock, self._proc = ours, proc
         threading.Thread(target=self._read, args=(ours, proc), name="actq-store-replies", daemon=True).start()
+        threading.Thread(target=self._watch, args=(ours, proc), name="actq-store-watchdog", daemon=True).start()
         log.info("store process %d started", proc.pid)
         return ours
 
@@ -197,6 +208,10 @@ class StoreProcess:
             if not data:
                 break
             answer = json.loads(data)
+            if answer.get("pong"):
+                with self._lock:
+                    self._pongs.add(proc.pid)
+                continue
             with self._lock:
                 held = self._waiting.pop(int(answer["seq"]), None)
             if held is not None:
@@ -208,13 +223,44 @@ class StoreProcess:
             self._waiting = {seq: held for seq, held in self._waiting.items() if held[0] is not proc}
             if self._proc is proc:
                 self._proc, self._sock = None, None
+            silent = self._silent.pop(proc.pid, None)
+            self._pongs.discard(proc.pid)
         sock.close()
-        why = f"the process storing its activations ended ({exit_status(code)}) before it was stored"
+        ended = f"ended ({exit_status(code)})"
+        if silent is not None:
+            ended = f"answered nothing for {silent:g} s and was ended ({exit_status(code)})"
+        why = f"the process storing its activations {ended} before it was stored"
         if left:
             log.error("store process %d ended (%s) with %d jobs unanswered", proc.pid, exit_status(code), len(left))
         for waiter in left:
             waiter.answer = {"outcome": "failed", "error_type": InternalError.error_type, "message": why}
             waiter.done.set()
+
+    def _watch(self, sock: socket.socket, proc: subprocess.Popen) -> None:
+        """Ping the process while it holds jobs; kill it once it answered nothing for SILENCE_SECONDS
+        (its reader then fails the jobs it held, saying so)."""
+        asked: float | None = None  # when the oldest ping still unanswered was sent
+        while proc.poll() is None:
+            time.sleep(PING_SECONDS)
+            with self._lock:
+                holding = any(owner is proc for owner, _ in self._waiting.values())
+                answered = proc.pid in self._pongs
+                self._pongs.discard(proc.pid)
+            if answered or not holding:
+                asked = None
+            if not holding:
+                continue
+            if asked is None:
+                asked = time.monotonic()
+            elif time.monotonic() - asked >= SILENCE_SECONDS:
+                quiet = SILENCE_SECONDS
+                log.error("store process %d answered nothing for %g s while it held jobs: ending it", proc.pid, quiet)
+                with self._lock:
+                    self._silent[proc.pid] = quiet
+                proc.kill()
+                return
+            with contextlib.suppress(OSError):  # a full socket (a stopped process) or one just closed
+                sock.send(PING, socket.MSG_DONTWAIT)
 
     def close(self) -> None:
         """End the process (it answers the jobs it holds first); a later job starts another."""

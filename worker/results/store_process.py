@@ -17,9 +17,10 @@ to a multiple of 8, the file's safetensors header and the tensors packed there (
 then each shared capture arena the other tensors are column ranges of
 (worker/hooks/shared_memory.py), read here with one copy per tensor. This process answers one
 JSON datagram per job: `{"seq": S, "outcome": "succeeded" | "stale" | "cancel" | "failed" |
-"redis", ...}` ("failed" with `error_type` and `message`). Nothing but that JSON and the tensors'
-bytes is ever decoded. When the socket closes (the engine ended), this process ends once its jobs
-are answered."""
+"redis", ...}` ("failed" with `error_type` and `message`); a datagram `ping` without fds is
+answered `{"pong": true}` at once (the engine's watchdog, worker/results/store_client.py). Nothing
+but that JSON and the tensors' bytes is ever decoded. When the socket closes (the engine ended),
+this process ends once its jobs are answered."""
 
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ REPLY_BYTES = 8192  # the most an answer takes (an error's message is cut to fit
 MESSAGE_CHARS = 1500
 SETTINGS_BYTES = 1 << 20  # the first datagram: the engine's settings as JSON
 MAX_FDS = 8  # a job's request and its arenas (its own and its unedited twin's)
+PING, PONG = b"ping", b'{"pong": true}'  # the engine asks whether this process still answers (no fds)
 log = logging.getLogger("actq.store")
 
 
@@ -191,6 +193,10 @@ def main() -> None:
         message, fds, _, _ = socket.recv_fds(sock, 64, MAX_FDS)
         if not message:  # the engine closed its end: it ended
             break
+        if message == PING and not fds:  # answered here, never behind the jobs in the pool
+            with answering:
+                sock.send(PONG)
+            continue
         if not fds:
             log.error("a request came without its file; ignored")
             continue
