@@ -111,26 +111,33 @@ def test_a_killed_store_process_fails_the_job_it_held_and_the_next_starts_anothe
     assert store.folders(job_prefix(second.id)) == [Attempt.of(second).prefix(second.id)]
 
 
+def stopped_while_storing(monkeypatch, silence: float, served, settings, jobs, store, record):
+    """The store process started, the watchdog set to ping every 0.2 s and end it after `silence`
+    seconds, the process stopped (SIGSTOP), and `record`'s job being stored through it on a thread
+    of its own: (the process's handle, the process, the worker runtime, that thread)."""
+    monkeypatch.setattr(store_client, "PING_SECONDS", 0.2)
+    monkeypatch.setattr(store_client, "SILENCE_SECONDS", silence)
+    process = store_client.process_for(settings)
+    process.start()
+    child = process._proc
+    assert child is not None
+    rt = worker(served, store, jobs, settings, "host:A")
+    os.kill(child.pid, signal.SIGSTOP)
+    seq = decoded(served, JobRequest.model_validate(REQUEST))
+    recording = threading.Thread(target=job_flow._record, args=(rt, record, time.perf_counter(), seq))
+    recording.start()
+    return process, child, rt, recording
+
+
 def test_a_store_process_that_answers_nothing_is_ended_and_fails_its_job_saying_so(
     served, settings, jobs, store, monkeypatch
 ):
     """Stopped (SIGSTOP), not dead: the engine's watchdog pings it while it holds a job, ends it once
     it answered nothing for SILENCE_SECONDS, and the job fails saying so instead of waiting for its
     time limit; the next job starts another process."""
-    monkeypatch.setattr(store_client, "PING_SECONDS", 0.2)
-    monkeypatch.setattr(store_client, "SILENCE_SECONDS", 3.0)
-    process = store_client.process_for(settings)
-    process.start()
-    child = process._proc
-    assert child is not None
     request = JobRequest.model_validate(REQUEST)
     first, second = claimed(jobs, settings, served, request), claimed(jobs, settings, served, request)
-    rt = worker(served, store, jobs, settings, "host:A")
-    os.kill(child.pid, signal.SIGSTOP)
-    recording = threading.Thread(
-        target=job_flow._record, args=(rt, first, time.perf_counter(), decoded(served, request))
-    )
-    recording.start()
+    process, child, rt, recording = stopped_while_storing(monkeypatch, 3.0, served, settings, jobs, store, first)
     recording.join(90)
     if child.poll() is None:  # the watchdog did not end it: never leave the test's teardown waiting on it
         child.kill()
@@ -150,20 +157,8 @@ def test_a_store_process_that_answers_nothing_is_ended_and_fails_its_job_saying_
 def test_a_store_process_paused_for_less_than_the_silence_keeps_its_job(served, settings, jobs, store, monkeypatch):
     """A pause shorter than SILENCE_SECONDS (then SIGCONT): it answers the pings again, is left
     alone, and stores the job."""
-    monkeypatch.setattr(store_client, "PING_SECONDS", 0.2)
-    monkeypatch.setattr(store_client, "SILENCE_SECONDS", 8.0)
-    process = store_client.process_for(settings)
-    process.start()
-    child = process._proc
-    assert child is not None
-    request = JobRequest.model_validate(REQUEST)
-    record = claimed(jobs, settings, served, request)
-    rt = worker(served, store, jobs, settings, "host:A")
-    os.kill(child.pid, signal.SIGSTOP)
-    recording = threading.Thread(
-        target=job_flow._record, args=(rt, record, time.perf_counter(), decoded(served, request))
-    )
-    recording.start()
+    record = claimed(jobs, settings, served, JobRequest.model_validate(REQUEST))
+    process, child, _, recording = stopped_while_storing(monkeypatch, 8.0, served, settings, jobs, store, record)
     deadline = time.monotonic() + 60
     while not process._waiting and time.monotonic() < deadline:
         time.sleep(0.05)
